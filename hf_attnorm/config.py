@@ -1,0 +1,186 @@
+"""Settings: what a model's ``config.attnorm`` holds, validated.
+
+A setting ("option") is declared by the normalizer or scale file that uses it, with its type, default, help text
+and range check, so a new normalizer brings its own options without editing this file. ``AttnormSettings`` is the
+validated, immutable result: the implementation (preset) name, the normalizer, the scale, and the values of exactly
+the options those two use. It round-trips through ``to_dict``/``from_dict`` (config.json, safetensors metadata).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .registry import NORMALIZERS, PRESETS, SCALES, AttnormError, Registry
+
+#: keys of ``config.attnorm`` that are not options
+CORE_KEYS = ("implementation", "normalizer", "scale")
+#: informational keys written on save and ignored on load
+INFO_KEYS = ("hf_attnorm_version",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One setting: name, type, default and help text; ``check`` returns an error message or None."""
+
+    name: str
+    kind: type
+    default: Any
+    help: str
+    optional: bool = False  # None allowed (meaning documented in help)
+    choices: tuple[Any, ...] | None = None
+    check: Callable[[Any], str | None] | None = None
+
+    def coerce(self, value: Any, owner: str) -> Any:
+        where = f"attnorm option {self.name!r} (used by {owner})"
+        if value is None:
+            if self.optional:
+                return None
+            raise AttnormError(f"{where} must not be None; {self.help}")
+        if self.kind is bool:
+            if not isinstance(value, bool):
+                raise AttnormError(f"{where} must be true or false, got {value!r}")
+        elif self.kind is int:
+            if isinstance(value, bool) or not isinstance(value, int | float) or float(value) != int(value):
+                raise AttnormError(f"{where} must be an integer, got {value!r}")
+            value = int(value)
+        elif self.kind is float:
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise AttnormError(f"{where} must be a number, got {value!r}")
+            value = float(value)
+            if not math.isfinite(value):
+                raise AttnormError(f"{where} must be finite, got {value!r}")
+        elif self.kind is str:
+            if not isinstance(value, str):
+                raise AttnormError(f"{where} must be a string, got {value!r}")
+        if self.choices is not None and value not in self.choices:
+            raise AttnormError(f"{where} must be one of {list(self.choices)}, got {value!r}")
+        if self.check is not None:
+            problem = self.check(value)
+            if problem:
+                raise AttnormError(f"{where} {problem}, got {value!r}")
+        return value
+
+
+OPTIONS: Registry[Option] = Registry("option")
+
+
+def declare_option(
+    name: str,
+    kind: type,
+    default: Any,
+    help: str,
+    *,
+    optional: bool = False,
+    choices: tuple[Any, ...] | None = None,
+    check: Callable[[Any], str | None] | None = None,
+) -> str:
+    """Declare an option (once, in the file of the component that owns it) and return its name."""
+    OPTIONS.add(name, Option(name, kind, default, help, optional, choices, check))
+    return name
+
+
+def nonnegative(v: float) -> str | None:
+    return "must be >= 0" if v < 0 else None
+
+
+def positive(v: float) -> str | None:
+    return "must be > 0" if v <= 0 else None
+
+
+def open_unit(v: float) -> str | None:
+    return "must lie strictly between 0 and 1" if not 0.0 < v < 1.0 else None
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnormSettings:
+    """Validated settings of one model: the implementation name, its normalizer and scale, and their options.
+
+    Fields:
+        implementation: the registered attention-implementation (preset) name, e.g. ``"ssmax"``.
+        normalizer: normalizer name (see ``hf_attnorm.available("normalizers")``).
+        scale: length-aware scale name (see ``hf_attnorm.available("scales")``).
+        options: values of exactly the options the normalizer and scale use (defaults filled in).
+    """
+
+    implementation: str
+    normalizer: str
+    scale: str
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        # options read as attributes: settings.eta, settings.n_extra, ...
+        options = object.__getattribute__(self, "options")
+        if name in options:
+            return options[name]
+        raise AttributeError(
+            f"{name!r} is not an option of normalizer {self.normalizer!r} with scale {self.scale!r}"
+            f" (its options: {sorted(options)})"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"implementation": self.implementation, "normalizer": self.normalizer, "scale": self.scale,
+                **dict(sorted(self.options.items()))}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> AttnormSettings:
+        """Validate a full settings dict (as saved in config.json). ``implementation`` is required."""
+        if "implementation" not in data:
+            raise AttnormError(f"attnorm settings need an 'implementation' key; got keys {sorted(data)}")
+        data = dict(data)
+        return resolve_settings(data.pop("implementation"), data)
+
+    def replace(self, **changes: Any) -> AttnormSettings:
+        return resolve_settings(self.implementation, {**self.to_dict(), **changes})
+
+
+def option_names(normalizer: str, scale: str) -> tuple[str, ...]:
+    norm, sc = NORMALIZERS.get(normalizer), SCALES.get(scale)
+    names = tuple(dict.fromkeys((*norm.options, *sc.options)))
+    return names
+
+
+def resolve_settings(implementation: str, overrides: Mapping[str, Any] | None = None) -> AttnormSettings:
+    """Merge a preset with user overrides and validate every field.
+
+    ``overrides`` may change the normalizer and the scale too; every other key must be an option used by the
+    resulting normalizer or scale (anything else is an error: nothing is silently ignored).
+    """
+    preset = PRESETS.get(implementation)
+    overrides = dict(overrides or {})
+    if not isinstance(overrides, dict):
+        raise AttnormError(f"attnorm settings must be a dict, got {type(overrides).__name__}")
+    given_impl = overrides.pop("implementation", implementation)
+    if given_impl != implementation:
+        raise AttnormError(
+            f"attnorm settings name implementation {given_impl!r} but the model uses {implementation!r}"
+        )
+    for key in INFO_KEYS:
+        overrides.pop(key, None)
+    merged = {**preset.settings, **overrides}
+    normalizer = merged.pop("normalizer")
+    scale = merged.pop("scale")
+    NORMALIZERS.get(normalizer)  # raise UnknownNameError with the list
+    SCALES.get(scale)
+    allowed = option_names(normalizer, scale)
+    unknown = sorted(k for k in merged if k not in allowed)
+    if unknown:
+        known_anywhere = [k for k in unknown if k in OPTIONS]
+        hint = ""
+        if known_anywhere:
+            hint = f" ({', '.join(known_anywhere)} belong to other normalizers/scales)"
+        raise AttnormError(
+            f"attnorm option(s) {unknown} are not used by normalizer {normalizer!r} with scale {scale!r}{hint}; "
+            f"allowed: {list(CORE_KEYS) + list(allowed)}"
+        )
+    options: dict[str, Any] = {}
+    for name in allowed:
+        opt = OPTIONS.get(name)
+        owner = f"normalizer {normalizer!r}" if name in NORMALIZERS.get(normalizer).options else f"scale {scale!r}"
+        options[name] = opt.coerce(merged.get(name, opt.default), owner)
+    settings = AttnormSettings(implementation, normalizer, scale, options)
+    NORMALIZERS.get(normalizer).validate(settings)
+    SCALES.get(scale).validate(settings)
+    return settings

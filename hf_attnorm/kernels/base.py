@@ -1,0 +1,65 @@
+"""What every kernel receives: one attention call, fully resolved."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..config import AttnormSettings
+from ..masks import MaskInfo
+from ..normalizers.base import Ctx, Normalizer
+from ..registry import NORMALIZERS
+
+
+@dataclasses.dataclass
+class AttnCall:
+    """One attention call.
+
+    q: [B, H, Lq, D]; k, v: [B, Hkv, Lk, D] / [B, Hkv, Lk, Dv] with H a multiple of Hkv (GQA: kernels repeat or
+    index k/v themselves); mask: visibility and n; base: the model's scaling (1.0 for normalizers that opt out);
+    multiplier: float [B or 1, 1 or H, Lq] = scale(n) x per-head factors, or None for 1; heads: per-head values [H];
+    dropout: probability on the weights (training); need_weights: return the weights [B, H, Lq, Lk].
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: MaskInfo
+    settings: AttnormSettings
+    heads: dict[str, torch.Tensor]
+    base: float
+    multiplier: torch.Tensor | None
+    dropout: float = 0.0
+    need_weights: bool = False
+    module_info: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def normalizer(self) -> Normalizer:
+        return NORMALIZERS.get(self.settings.normalizer)
+
+    @property
+    def groups(self) -> int:
+        return self.q.shape[1] // self.k.shape[1]
+
+    def ctx(self) -> Ctx:
+        return Ctx(self.settings, self.heads, self.q.shape[-1], self.mask.n, self.module_info)
+
+    def q_factor(self, dtype: torch.dtype) -> torch.Tensor | float:
+        """What q is multiplied by before the feature map: base x multiplier, as [B|1, H|1, Lq, 1] or a float."""
+        if self.multiplier is None:
+            return self.base
+        return (self.multiplier.to(dtype) * self.base).unsqueeze(-1)
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, Hkv, L, D] -> [B, Hkv * groups, L, D] (head h uses kv head h // groups, as transformers)."""
+    if groups == 1:
+        return x
+    b, h, n, d = x.shape
+    return x[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp16/bf16 inputs are computed in fp32 inside (denominators such as sum s^2 overflow in half precision)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype

@@ -1,0 +1,38 @@
+"""The naive reference path: materialise scores [B, H, Lq, Lk], apply the normalizer's reference, multiply by v.
+
+Quadratic in memory; always correct; the only path that can return the weights (``output_attentions``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .base import AttnCall, compute_dtype, repeat_kv
+
+
+def reference_scores(call: AttnCall) -> torch.Tensor:
+    """Scaled scores [B, H, Lq, Lk] in the compute dtype."""
+    dt = compute_dtype(call.q.dtype)
+    norm, ctx = call.normalizer, call.ctx()
+    q, k = call.q.to(dt), repeat_kv(call.k, call.groups).to(dt)
+    q, k = norm.transform_qk(q, k, ctx)
+    q = q * call.q_factor(dt)
+    q, k = norm.feature_map(q, k, ctx)
+    return q @ k.transpose(-1, -2)
+
+
+def reference_weights(call: AttnCall) -> torch.Tensor:
+    """Attention weights [B, H, Lq, Lk] (compute dtype), before dropout."""
+    scores = reference_scores(call)
+    keep = call.mask.dense(scores.device)
+    return call.normalizer.reference(scores, keep, call.ctx())
+
+
+def reference_attention(call: AttnCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """out [B, H, Lq, Dv] (input dtype), weights [B, H, Lq, Lk] or None."""
+    w = reference_weights(call)
+    if call.dropout > 0:
+        w = F.dropout(w, p=call.dropout, training=True)
+    out = w @ repeat_kv(call.v, call.groups).to(w.dtype)
+    return out.to(call.q.dtype), (w.to(call.q.dtype) if call.need_weights else None)

@@ -1,0 +1,129 @@
+"""The Normalizer interface: what turns attention scores into weights.
+
+A normalizer file defines a subclass, decorates it with ``@register_normalizer`` and thereby becomes an attention
+implementation name, a CLI choice and a case in every generic test.
+
+Pipeline for one attention call (see ``hf_attnorm.attention``)::
+
+    q, k   = normalizer.transform_qk(q, k, ctx)           # e.g. cosine: l2-normalise
+    q      = q * base * multiplier[b, h, i]               # base = model scaling (1 if not uses_base_scaling);
+                                                          # multiplier = length-aware scale x per-head factors
+    q, k   = normalizer.feature_map(q, k, ctx)            # e.g. linear attention: elu + 1
+    s      = q @ k^T                                      # [B, H, Lq, Lk]
+    w      = normalizer.reference(s, keep, ctx)           # [B, H, Lq, Lk], exactly 0 where keep is False
+    out    = w @ v
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Literal
+
+import torch
+
+from ..config import AttnormSettings
+
+RowSum = Literal["one", "at_most_one", "free"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """A per-head value that may be learned: initialised from option ``init_option``; a trainable
+    ``nn.Parameter`` of shape [H] named ``name`` when option ``learnable_option`` is true, else a constant."""
+
+    name: str
+    init_option: str
+    learnable_option: str
+    help: str
+
+    def is_learnable(self, settings: AttnormSettings) -> bool:
+        return bool(settings.options[self.learnable_option])
+
+    def init_value(self, settings: AttnormSettings) -> float:
+        value = settings.options[self.init_option]
+        return 0.0 if value is None else float(value)  # None: the option's "derived" mode (e.g. sigmoid -ln n)
+
+
+@dataclasses.dataclass
+class Ctx:
+    """What a normalizer or scale may read during one attention call.
+
+    settings: the validated settings; heads: per-head values name -> tensor [H] (parameters or constants, fp32);
+    head_dim: D of q/k; n: visible keys per query, float [B, 1 or H, Lq] (>= 1); module_info: static facts about
+    the attention module (``train_length`` ...).
+    """
+
+    settings: AttnormSettings
+    heads: dict[str, torch.Tensor]
+    head_dim: int
+    n: torch.Tensor
+    module_info: dict
+
+    def head(self, name: str) -> torch.Tensor:
+        """Per-head value as [1, H, 1, 1] for broadcasting against [B, H, Lq, Lk]."""
+        return self.heads[name].view(1, -1, 1, 1)
+
+
+class Normalizer:
+    """Base class. Subclasses set the class attributes and implement ``reference``."""
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    #: "one": every row with a visible key sums to 1; "at_most_one": <= 1; "free": no constraint
+    row_sum: ClassVar[RowSum] = "one"
+    #: options this normalizer reads (declared with ``declare_option`` in its file)
+    options: ClassVar[tuple[str, ...]] = ()
+    #: per-head values that can be learned
+    params: ClassVar[tuple[ParamSpec, ...]] = ()
+    #: multiply scores by the model's own ``scaling`` (1/sqrt(d)); cosine and linear do not
+    uses_base_scaling: ClassVar[bool] = True
+    #: weights are exactly zero outside a data-dependent support (entmax family)
+    sparse: ClassVar[bool] = False
+    #: True when the normalizer has its own fast O(n) path that does not need scores (linear attention)
+    scoreless: ClassVar[bool] = False
+
+    def validate(self, settings: AttnormSettings) -> None:
+        """Cross-option checks (single options are range-checked where declared)."""
+
+    def transform_qk(self, q: torch.Tensor, k: torch.Tensor, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """Before scaling. q: [B, H, Lq, D], k: [B, H, Lk, D]."""
+        return q, k
+
+    def head_multiplier(self, ctx: Ctx) -> torch.Tensor | None:
+        """Per-head factor multiplied into q with the scale ([H]) or None."""
+        return None
+
+    def feature_map(self, q: torch.Tensor, k: torch.Tensor, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """After scaling, before q @ k^T."""
+        return q, k
+
+    def reference(self, scores: torch.Tensor, keep: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+        """Naive weights from materialised scores.
+
+        scores: [B, H, Lq, Lk] float (already scaled); keep: bool, broadcastable to scores, True = visible.
+        Returns weights [B, H, Lq, Lk] with exact zeros where keep is False and on fully masked rows.
+        """
+        raise NotImplementedError
+
+
+def masked_fill_zero(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """x where keep else 0 (no arithmetic with masks, so no inf*0)."""
+    return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def safe_divide(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """num / den with 0 where den == 0 (fully masked rows, all-zero rows), finite gradients."""
+    nonzero = den != 0
+    return torch.where(nonzero, num / torch.where(nonzero, den, torch.ones_like(den)), torch.zeros_like(num))
+
+
+def masked_max(scores: torch.Tensor, keep: torch.Tensor, floor: float | torch.Tensor | None = None) -> torch.Tensor:
+    """Row max over visible keys, [..., 1], detached (a stabiliser, not part of the math). Rows with no visible key
+    give 0 (or ``floor``)."""
+    s = scores.detach()
+    neg = torch.finfo(s.dtype).min
+    m = torch.where(keep, s, torch.full((), neg, dtype=s.dtype, device=s.device)).amax(dim=-1, keepdim=True)
+    m = torch.where(m == neg, torch.zeros_like(m), m)
+    if floor is not None:
+        m = torch.maximum(m, torch.as_tensor(floor, dtype=m.dtype, device=m.device).detach())
+    return m

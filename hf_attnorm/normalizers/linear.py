@@ -1,0 +1,98 @@
+"""linear: linear attention (Katharopoulos et al. 2020), phi(q_i).phi(k_j) / sum_j phi(q_i).phi(k_j) with the
+feature map phi = elu + 1.
+
+The length-aware scale multiplies q before the feature map (the model's 1/sqrt(d) is not applied: the linear
+transformer has none). Besides the materialised reference, ``linear_attention`` computes the same output in O(n)
+time and memory: chunks of ``chunk`` queries attend to their own chunk quadratically and to everything before it
+through a running state sum_j phi(k_j) v_j^T, so no n x n tensor exists.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..registry import register_normalizer
+from .base import Ctx, Normalizer, masked_fill_zero, safe_divide
+
+
+def elu_feature(x: torch.Tensor) -> torch.Tensor:
+    return F.elu(x) + 1
+
+
+@register_normalizer
+class Linear(Normalizer):
+    name = "linear"
+    description = "linear attention, phi = elu+1, causal via running sums (O(n))"
+    row_sum = "one"
+    uses_base_scaling = False
+    scoreless = True
+
+    def feature_map(self, q: torch.Tensor, k: torch.Tensor, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        return elu_feature(q), elu_feature(k)
+
+    def reference(self, scores: torch.Tensor, keep: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+        a = masked_fill_zero(scores, keep)  # phi > 0, so scores > 0 on visible keys
+        return safe_divide(a, a.sum(dim=-1, keepdim=True))
+
+
+def linear_attention(
+    fq: torch.Tensor,
+    fk: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    offset: int = 0,
+    key_valid: torch.Tensor | None = None,
+    query_valid: torch.Tensor | None = None,
+    chunk: int = 128,
+) -> torch.Tensor:
+    """O(n) linear attention on feature-mapped inputs.
+
+    fq: [B, H, Lq, D], fk: [B, H, Lk, D] (already phi-mapped, positive), v: [B, H, Lk, Dv].
+    causal: query i sees keys j <= i + offset (offset = Lk - Lq for a cache, 0 for SDPA's top-left alignment);
+    otherwise every key. key_valid: bool [B, Lk] (padding), query_valid: bool [B, Lq] (rows to zero).
+    Returns [B, H, Lq, Dv]; rows that see no valid key are 0.
+    """
+    B, H, Lq, D = fq.shape
+    Lk = fk.shape[2]
+    if key_valid is not None:
+        kv = key_valid[:, None, :, None].to(fk.dtype)
+        fk, v = fk * kv, v * kv
+    if not causal:
+        state = torch.einsum("bhkd,bhke->bhde", fk, v)
+        z = fk.sum(dim=2)  # [B, H, D]
+        num = torch.einsum("bhqd,bhde->bhqe", fq, state)
+        den = torch.einsum("bhqd,bhd->bhq", fq, z).unsqueeze(-1)
+        out = safe_divide(num, den)
+    else:
+        outs = []
+        # keys visible to every query: j < offset + 1 of the first query's window start
+        state = fq.new_zeros(B, H, D, v.shape[-1])
+        z = fq.new_zeros(B, H, D)
+        consumed = 0  # keys folded into the running state
+        for start in range(0, Lq, chunk):
+            stop = min(start + chunk, Lq)
+            first_key = max(0, min(start + offset, Lk))  # keys [0, first_key) are visible to the whole chunk
+            if first_key > consumed:
+                ks, vs = fk[:, :, consumed:first_key], v[:, :, consumed:first_key]
+                state = state + torch.einsum("bhkd,bhke->bhde", ks, vs)
+                z = z + ks.sum(dim=2)
+                consumed = first_key
+            last_key = max(0, min(stop - 1 + offset + 1, Lk))  # exclusive bound for the chunk's last query
+            qc = fq[:, :, start:stop]
+            num = torch.einsum("bhqd,bhde->bhqe", qc, state)
+            den = torch.einsum("bhqd,bhd->bhq", qc, z)
+            if last_key > consumed:
+                kc, vc = fk[:, :, consumed:last_key], v[:, :, consumed:last_key]
+                s = torch.einsum("bhqd,bhkd->bhqk", qc, kc)
+                qi = torch.arange(start, stop, device=fq.device)[:, None] + offset
+                kj = torch.arange(consumed, last_key, device=fq.device)[None, :]
+                s = masked_fill_zero(s, kj <= qi)
+                num = num + torch.einsum("bhqk,bhke->bhqe", s, vc)
+                den = den + s.sum(dim=-1)
+            outs.append(safe_divide(num, den.unsqueeze(-1)))
+        out = torch.cat(outs, dim=2)
+    if query_valid is not None:
+        out = masked_fill_zero(out, query_valid[:, None, :, None])
+    return out

@@ -1,0 +1,19 @@
+"""relu_len ("ReLU/L"): relu(s_i) / n with n the number of visible keys (Wortsman et al. 2023, "Replacing softmax
+with ReLU in vision transformers"). Not normalised."""
+
+from __future__ import annotations
+
+import torch
+
+from ..registry import register_normalizer
+from .base import Ctx, Normalizer, masked_fill_zero
+
+
+@register_normalizer
+class ReluLen(Normalizer):
+    name = "relu_len"
+    description = "relu(s_i)/n, n = visible keys (not normalised)"
+    row_sum = "free"
+
+    def reference(self, scores: torch.Tensor, keep: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+        return masked_fill_zero(torch.relu(scores) / ctx.n.to(scores.dtype).unsqueeze(-1), keep)

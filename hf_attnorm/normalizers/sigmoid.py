@@ -1,0 +1,36 @@
+"""sigmoid: sigmoid(s_i + b), not normalised (Ramapuram et al. 2024, "Theory, analysis and best practices for
+sigmoid self-attention"). Default b = -ln n (n = keys the query sees); a constant b and a learned per-head offset
+are options."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import declare_option
+from ..registry import register_normalizer
+from .base import Ctx, Normalizer, ParamSpec, masked_fill_zero
+
+SIGMOID_BIAS = declare_option(
+    "sigmoid_bias", float, None,
+    "sigmoid: constant bias b; null (default) means b = -ln n per query", optional=True,
+)
+SIGMOID_BIAS_LEARNABLE = declare_option(
+    "sigmoid_bias_learnable", bool, False,
+    "sigmoid: learn a per-head offset added to b (initialised at sigmoid_bias, or 0 with -ln n)",
+)
+# the learned/constant per-head offset is initialised from this derived option (0 when sigmoid_bias is null)
+
+
+@register_normalizer
+class Sigmoid(Normalizer):
+    name = "sigmoid"
+    description = "sigmoid(s_i + b), b = -ln n by default (not normalised)"
+    row_sum = "free"
+    options = (SIGMOID_BIAS, SIGMOID_BIAS_LEARNABLE)
+    params = (ParamSpec("sigmoid_bias", SIGMOID_BIAS, SIGMOID_BIAS_LEARNABLE, "per-head bias offset"),)
+
+    def reference(self, scores: torch.Tensor, keep: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+        bias = ctx.head("sigmoid_bias").to(scores.dtype)
+        if ctx.settings.sigmoid_bias is None:
+            bias = bias - torch.log(ctx.n.to(scores.dtype)).unsqueeze(-1)
+        return masked_fill_zero(torch.sigmoid(scores + bias), keep)

@@ -1,0 +1,19 @@
+"""squared: s_i^2 / sum_j s_j^2. A row whose visible scores are all 0 (0/0) gives weights 0 by convention."""
+
+from __future__ import annotations
+
+import torch
+
+from ..registry import register_normalizer
+from .base import Ctx, Normalizer, masked_fill_zero, safe_divide
+
+
+@register_normalizer
+class Squared(Normalizer):
+    name = "squared"
+    description = "s_i^2/sum s_j^2 (rows of zeros give 0)"
+    row_sum = "at_most_one"  # 1 except on all-zero rows, where it is 0 by convention
+
+    def reference(self, scores: torch.Tensor, keep: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+        a = masked_fill_zero(scores * scores, keep)
+        return safe_divide(a, a.sum(dim=-1, keepdim=True))

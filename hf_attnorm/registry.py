@@ -1,0 +1,113 @@
+"""Name registries for normalizers, scales and presets (attention implementation names).
+
+Every normalizer and scale registers itself where it is defined (one file each), so adding one is one new file:
+the CLI listings, the generic tests and the transformers registration all read these registries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class AttnormError(ValueError):
+    """Base error for bad settings, unknown names and inconsistent checkpoints."""
+
+
+class UnknownNameError(AttnormError, KeyError):
+    """An unknown normalizer, scale or preset name; the message lists the registered ones."""
+
+    def __str__(self) -> str:  # KeyError would otherwise repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class Registry(Generic[T]):
+    """An ordered name -> object mapping with helpful errors."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._items: dict[str, T] = {}
+
+    def add(self, name: str, obj: T) -> T:
+        if not name or not name.replace("_", "").isalnum() or name != name.lower():
+            raise AttnormError(f"{self.kind} name {name!r} must be lowercase letters, digits and underscores")
+        if name in self._items:
+            raise AttnormError(f"{self.kind} {name!r} is registered twice")
+        self._items[name] = obj
+        return obj
+
+    def get(self, name: str) -> T:
+        try:
+            return self._items[name]
+        except (KeyError, TypeError):
+            raise UnknownNameError(
+                f"unknown {self.kind} {name!r}; registered {self.kind}s: {', '.join(self._items)}"
+            ) from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._items
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def items(self):
+        return self._items.items()
+
+    def names(self) -> list[str]:
+        return list(self._items)
+
+
+NORMALIZERS: Registry[Any] = Registry("normalizer")
+SCALES: Registry[Any] = Registry("scale")
+#: attention-implementation name -> Preset (normalizer + scale + fixed settings)
+PRESETS: Registry[Any] = Registry("attention implementation")
+
+
+def register_normalizer(cls: type[T]) -> type[T]:
+    """Class decorator: instantiate and register a Normalizer subclass under ``cls.name``.
+
+    Each normalizer name is also an attention implementation (a preset with the ``standard`` scale, unless the class
+    sets ``default_scale``); extra presets (e.g. ``softmax1``) are declared in ``cls.presets``.
+    """
+    from .presets import Preset
+
+    obj = cls()
+    NORMALIZERS.add(cls.name, obj)
+    PRESETS.add(
+        cls.name,
+        Preset(cls.name, cls.description, {"normalizer": cls.name, "scale": getattr(cls, "default_scale", "standard"),
+                                            **getattr(cls, "default_settings", {})}),
+    )
+    for pname, (desc, settings) in getattr(cls, "presets", {}).items():
+        PRESETS.add(pname, Preset(pname, desc, {"normalizer": cls.name, "scale": "standard", **settings}))
+    return cls
+
+
+def register_scale(cls: type[T]) -> type[T]:
+    """Class decorator: instantiate and register a Scale subclass under ``cls.name``.
+
+    Every scale except ``standard`` is also an attention implementation: softmax with that scale.
+    """
+    from .presets import Preset
+
+    obj = cls()
+    SCALES.add(cls.name, obj)
+    if cls.name != "standard":
+        PRESETS.add(
+            cls.name,
+            Preset(cls.name, f"softmax with the {cls.name} scale: {cls.description}",
+                   {"normalizer": "softmax", "scale": cls.name, **getattr(cls, "preset_settings", {})}),
+        )
+    return cls
+
+
+def first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else ""
+
+
+Factory = Callable[..., T]

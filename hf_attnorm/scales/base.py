@@ -1,0 +1,31 @@
+"""The Scale interface: a per-query multiplier on the scores as a function of n, the number of visible keys.
+
+scores = (q . k) * base * multiplier(n) * head_factor, with base the model's own ``scaling`` (1/sqrt(d), or what
+GPT-2 folds into it) unless the normalizer opts out (cosine, linear). A scale file defines a subclass, decorates it
+with ``@register_scale`` and becomes a ``scale`` choice and an attention implementation (softmax + that scale).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from ..config import AttnormSettings
+from ..normalizers.base import Ctx, ParamSpec
+
+
+class Scale:
+    name: ClassVar[str]
+    description: ClassVar[str]
+    options: ClassVar[tuple[str, ...]] = ()
+    params: ClassVar[tuple[ParamSpec, ...]] = ()
+    #: option values of the preset named after this scale
+    preset_settings: ClassVar[dict] = {}
+
+    def validate(self, settings: AttnormSettings) -> None:
+        """Cross-option checks."""
+
+    def multiplier(self, n: torch.Tensor, ctx: Ctx) -> torch.Tensor | None:
+        """n: float [B, 1 or H, Lq] (>= 1). Returns a multiplier broadcastable to [B, H, Lq], or None for 1."""
+        raise NotImplementedError

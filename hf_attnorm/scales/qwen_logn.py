@@ -1,0 +1,38 @@
+"""qwen_logn: max(1, log_{L_train} n) — Qwen's log-n attention scaling, neutral inside the training length."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..config import declare_option
+from ..normalizers.base import Ctx
+from ..registry import register_scale
+from .base import Scale
+
+TRAIN_LENGTH = declare_option(
+    "train_length", int, None,
+    "qwen_logn: training context length L_train (>= 2); null = the model's max_position_embeddings",
+    optional=True, check=lambda v: "must be >= 2" if v < 2 else None,
+)
+
+
+def qwen_logn_scale(n: torch.Tensor, train_length: int) -> torch.Tensor:
+    """max(1, ln n / ln L_train)."""
+    return torch.clamp(torch.log(n) / math.log(train_length), min=1.0)
+
+
+@register_scale
+class QwenLogN(Scale):
+    name = "qwen_logn"
+    description = "scaling * max(1, log_{L_train} n)"
+    options = (TRAIN_LENGTH,)
+
+    def multiplier(self, n: torch.Tensor, ctx: Ctx) -> torch.Tensor | None:
+        length = ctx.settings.train_length or ctx.module_info.get("max_positions")
+        if not length or length < 2:
+            raise ValueError(
+                "qwen_logn needs attnorm option train_length (>= 2): the model config has no max_position_embeddings"
+            )
+        return qwen_logn_scale(n, int(length))

@@ -1,0 +1,40 @@
+"""Shared fixtures: tiny random models of each family, and helpers."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import hf_attnorm  # noqa: E402,F401  (registers everything)
+from hf_attnorm.model_zoo import build_model  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+#: (family, task) of every tiny model the generic tests run on
+MODEL_KINDS = [("gpt2", "causal_lm"), ("bert", "encoder"), ("bert", "masked_lm"), ("llama", "causal_lm")]
+MODEL_IDS = [f"{f}-{t}" for f, t in MODEL_KINDS]
+
+
+def model_output(out) -> torch.Tensor:
+    """logits, or last_hidden_state for encoders."""
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def tiny(family: str, task: str, implementation: str = "softmax", **kw) -> torch.nn.Module:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build_model(family, "micro", task=task, vocab_size=97, max_positions=64,
+                            attn_implementation=implementation, **kw)
+    return model.eval()
+
+
+@pytest.fixture(params=MODEL_KINDS, ids=MODEL_IDS)
+def model_kind(request):
+    return request.param
