@@ -9,13 +9,14 @@ Override: ``path=`` on ``attention()``/``attend()``, or the environment variable
 
 from __future__ import annotations
 
+import importlib
 import os
+import pkgutil
 from collections.abc import Callable
 
 import torch
 
 from .base import AttnCall
-from .linear_chunked import linear_chunked_attention
 from .reference import reference_attention
 
 Kernel = Callable[[AttnCall], "tuple[torch.Tensor, torch.Tensor | None] | None"]
@@ -23,8 +24,7 @@ Kernel = Callable[[AttnCall], "tuple[torch.Tensor, torch.Tensor | None] | None"]
 #: name -> kernel; a kernel returns None when it cannot take the call (unsupported mask, dtype, ...)
 PATHS: dict[str, Kernel] = {"reference": reference_attention}
 #: normalizer name -> fast path names to try in order (all normalizers: "*")
-RULES: dict[str, list[str]] = {"linear": ["linear_chunked"]}
-PATHS["linear_chunked"] = linear_chunked_attention
+RULES: dict[str, list[str]] = {}
 
 ENV_VAR = "HF_ATTNORM_PATH"
 
@@ -68,3 +68,9 @@ def attend(call: AttnCall, path: str | None = None) -> tuple[torch.Tensor, torch
             return res[0], res[1], name
     out, w = reference_attention(call)
     return out, w, "reference"
+
+
+# every other module of this package registers its path(s) with register_path when imported
+for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+    if _info.name not in ("base", "reference"):
+        importlib.import_module(f"{__name__}.{_info.name}")

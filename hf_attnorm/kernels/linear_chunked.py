@@ -53,3 +53,8 @@ def linear_chunked_attention(call: AttnCall) -> tuple[torch.Tensor, None] | None
     out = linear_attention(fq, fk, repeat_kv(call.v, call.groups).to(dt), causal=causal, offset=offset,
                            key_valid=key_valid, query_valid=query_valid)
     return out.to(call.q.dtype), None
+
+
+from . import register_path  # noqa: E402  (registration at import, like normalizers)
+
+register_path("linear_chunked", linear_chunked_attention, ["linear"])
