@@ -9,7 +9,9 @@ the options those two use. It round-trips through ``to_dict``/``from_dict`` (con
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import reprlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -55,12 +57,24 @@ class Option:
         elif self.kind is str:
             if not isinstance(value, str):
                 raise AttnormError(f"{where} must be a string, got {value!r}")
+        elif self.kind in (dict, list):
+            # structured options (e.g. a fitted table) must survive config.json: plain JSON data, copied so the
+            # frozen settings do not alias the caller's object
+            if not isinstance(value, self.kind):
+                kind = "a JSON object (dict)" if self.kind is dict else "a JSON array (list)"
+                raise AttnormError(f"{where} must be {kind}, got {type(value).__name__}")
+            try:
+                value = json.loads(json.dumps(value, allow_nan=False))
+            except (TypeError, ValueError) as e:
+                raise AttnormError(f"{where} must hold only finite JSON data (numbers, strings, lists, dicts): "
+                                   f"{e}") from None
         if self.choices is not None and value not in self.choices:
             raise AttnormError(f"{where} must be one of {list(self.choices)}, got {value!r}")
         if self.check is not None:
             problem = self.check(value)
             if problem:
-                raise AttnormError(f"{where} {problem}, got {value!r}")
+                shown = reprlib.repr(value) if isinstance(value, dict | list) else repr(value)
+                raise AttnormError(f"{where} {problem}, got {shown}")
         return value
 
 

@@ -88,7 +88,8 @@ def num_heads_of(module: nn.Module) -> int:
 def module_info(module: nn.Module) -> dict[str, Any]:
     cfg = module.config
     max_pos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
-    return {"max_positions": max_pos, "family": type(module).__name__}
+    return {"max_positions": max_pos, "family": type(module).__name__,
+            "layer_idx": getattr(module, "layer_idx", None), "num_heads": num_heads_of(module)}
 
 
 def settings_for(config: Any, implementation: str) -> AttnormSettings:
@@ -143,8 +144,11 @@ def uninstall(module: nn.Module) -> None:
         del module._modules["attnorm"]
 
 
-def sync_model(model: nn.Module) -> None:
-    """Make the attention modules of ``model`` match ``model.config``'s implementation and settings."""
+def sync_model(model: nn.Module, explicit: bool = False) -> None:
+    """Make the attention modules of ``model`` match ``model.config``'s implementation and settings.
+
+    ``explicit``: the user switched implementations with ``set_attn_implementation``; leaving hf_attnorm then warns
+    only when learned parameters are dropped (a checkpoint loaded with another implementation always warns)."""
     config = getattr(model, "config", None)
     if config is None:
         return
@@ -155,7 +159,8 @@ def sync_model(model: nn.Module) -> None:
             if mod.config is config or canonical(mod.config._attn_implementation) == impl:
                 install(mod, settings)
         return
-    if getattr(config, "attnorm", None) is not None:
+    learned = [n for n, p in model.named_parameters() if ".attnorm." in n]
+    if getattr(config, "attnorm", None) is not None and (learned or not explicit):
         raw = config.attnorm
         name = raw.get("implementation") if isinstance(raw, Mapping) else raw
         warnings.warn(
@@ -164,6 +169,7 @@ def sync_model(model: nn.Module) -> None:
             "learned normalizer parameters are dropped.",
             stacklevel=3,
         )
+    if getattr(config, "attnorm", None) is not None:
         del config.attnorm
     for _, mod in attention_modules(model):
         uninstall(mod)
@@ -199,7 +205,7 @@ def apply(model: nn.Module, implementation: str, **options: Any) -> nn.Module:
     resolve_settings(implementation, options)  # validate before touching the model
     model.config.attnorm = {"implementation": implementation, **options}
     model.set_attn_implementation(implementation)
-    sync_model(model)
+    sync_model(model, explicit=True)
     return model
 
 
@@ -257,7 +263,7 @@ def register() -> None:
         if isinstance(attn_implementation, str):
             attn_implementation = canonical(attn_implementation)
         orig_set(self, attn_implementation, *args, **kwargs)
-        sync_model(self)
+        sync_model(self, explicit=True)
 
     PreTrainedModel.set_attn_implementation = set_attn_implementation
 
@@ -280,6 +286,10 @@ def register() -> None:
     def from_pretrained(cls, *args, attnorm: Mapping[str, Any] | None = None, **kwargs):
         if attnorm is not None and not isinstance(attnorm, Mapping):
             raise AttnormError(f"attnorm= must be a dict of settings, got {type(attnorm).__name__}")
+        from .persistence import verify_before_load, verify_loaded
+
+        path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        verify_before_load(path, kwargs)
         token = _PENDING.set(dict(attnorm) if attnorm is not None else None)
         try:
             model = orig_from_pretrained(cls, *args, **kwargs)
@@ -291,9 +301,7 @@ def register() -> None:
                 f"attnorm settings were given but the attention implementation is "
                 f"{model_.config._attn_implementation!r}; pass attn_implementation= one of {', '.join(PRESETS)}"
             )
-        from .persistence import verify_loaded
-
-        verify_loaded(model_, args[0] if args else kwargs.get("pretrained_model_name_or_path"), kwargs)
+        verify_loaded(model_, path, kwargs)
         return model
 
     PreTrainedModel.from_pretrained = classmethod(from_pretrained)

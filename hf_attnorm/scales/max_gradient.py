@@ -143,12 +143,13 @@ def _solve(n: np.ndarray, dist: str, head_dim: int | None) -> np.ndarray:
     return out
 
 
-def max_gradient_alpha(n, dist: str = "normal", head_dim: int | None = None):
+def max_gradient_alpha(n, dist: str = "normal", head_dim: int | None = None, *, cache: bool = True):
     """alpha*(n): the scale maximising alpha (1 - sum p^2) under the score model ``dist``.
 
     n: number of keys (>= 1; scalar, sequence, numpy array or tensor). dist: ``"normal"`` or ``"cosine"``
     (then ``head_dim`` is the dimension d). Returns a float for scalar n, else a float64 numpy array.
-    Integer n are cached per (dist, d).
+    Integer n are cached per (dist, d) (a table of every integer up to the next power of two above max n);
+    ``cache=False`` solves exactly the given n instead (cheaper for a few large n, e.g. in an analysis).
 
     >>> round(max_gradient_alpha(1000), 2)
     2.14
@@ -161,7 +162,7 @@ def max_gradient_alpha(n, dist: str = "normal", head_dim: int | None = None):
     arr = np.asarray(n, dtype=np.float64)
     if np.any(~np.isfinite(arr)) or np.any(arr < 1):
         raise ValueError(f"max_gradient_alpha: n must be >= 1 (number of keys), got {n!r}")
-    integer = np.all(arr == np.round(arr)) and arr.size > 0 and arr.max() <= 1 << 22
+    integer = cache and np.all(arr == np.round(arr)) and arr.size > 0 and arr.max() <= 1 << 22
     if integer:
         table = _table(dist, d, int(arr.max()))
         res = table[arr.astype(np.int64)]

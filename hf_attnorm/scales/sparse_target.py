@@ -16,7 +16,7 @@ import torch
 
 from ..config import AttnormSettings, declare_option, nonnegative, open_unit, positive
 from ..normalizers.base import Ctx
-from ..registry import register_scale
+from ..registry import AttnormError, register_scale
 from .base import Scale
 
 EPS = declare_option("sparse_eps", float, 0.1, "sparse_target: target mass eps on irrelevant keys, in (0, 1)",
@@ -70,7 +70,7 @@ class SparseTarget(Scale):
 
     def validate(self, settings: AttnormSettings) -> None:
         if settings.sparse_m_rule == "fraction" and not settings.sparse_m < 1.0:
-            raise ValueError(f"attnorm option 'sparse_m' must be < 1 with sparse_m_rule='fraction' (m = c*n must "
+            raise AttnormError(f"attnorm option 'sparse_m' must be < 1 with sparse_m_rule='fraction' (m = c*n must "
                              f"leave irrelevant keys), got {settings.sparse_m!r}")
 
     def multiplier(self, n: torch.Tensor, ctx: Ctx) -> torch.Tensor | None:

@@ -1,0 +1,140 @@
+"""Settings validation, registry listings and bad input: every error names what was wrong and what is allowed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny
+
+import hf_attnorm
+from hf_attnorm.attention import attention
+from hf_attnorm.config import OPTIONS, AttnormSettings, resolve_settings
+from hf_attnorm.masks import MaskError
+from hf_attnorm.registry import NORMALIZERS, PRESETS, SCALES, AttnormError, UnknownNameError
+
+
+def test_available_lists_every_name_with_a_description():
+    impls = hf_attnorm.available()
+    assert set(impls) == set(PRESETS)
+    assert set(NORMALIZERS) <= set(impls)  # every normalizer is an attn_implementation
+    assert {"softmax1", "ssmax", "sparse_target", "max_gradient"} <= set(impls)
+    assert all(isinstance(d, str) and d for d in impls.values())
+    assert set(hf_attnorm.available("normalizers")) == set(NORMALIZERS)
+    assert set(hf_attnorm.available("scales")) == set(SCALES)
+    assert all(o.help for o in OPTIONS._items.values())  # help text on every option
+    with pytest.raises(ValueError, match="implementations, normalizers, scales or options"):
+        hf_attnorm.available("colours")
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_round_trips_through_a_dict(name):
+    s = resolve_settings(name)
+    assert AttnormSettings.from_dict(s.to_dict()) == s
+    assert s.normalizer in NORMALIZERS and s.scale in SCALES
+
+
+def test_unknown_names_list_the_registered_ones():
+    with pytest.raises(UnknownNameError, match="unknown attention implementation 'softermax'.*symax"):
+        resolve_settings("softermax")
+    with pytest.raises(UnknownNameError, match="unknown normalizer 'nope'.*stablemax"):
+        resolve_settings("softmax", {"normalizer": "nope"})
+    with pytest.raises(UnknownNameError, match="unknown scale 'huge'.*ssmax"):
+        resolve_settings("softmax", {"scale": "huge"})
+    model = tiny("llama", "causal_lm", implementation="sdpa")
+    with pytest.raises(ValueError, match="softermax"):
+        model.set_attn_implementation("softermax")
+
+
+@pytest.mark.parametrize(
+    "impl,opts,pattern",
+    [
+        ("symax", {"eta": -0.1}, "'eta'.*>= 0"),
+        ("symax", {"eta": "big"}, "'eta'.*must be a number"),
+        ("symax", {"eta_learnable": "yes"}, "'eta_learnable'.*true or false"),
+        ("softmax_n", {"n_extra": -1}, "'n_extra'.*>= 0"),
+        ("sparse_target", {"sparse_eps": 1.0}, "'sparse_eps'.*strictly between 0 and 1"),
+        ("sparse_target", {"sparse_eps": 0.0}, "'sparse_eps'.*strictly between 0 and 1"),
+        ("sparse_target", {"sparse_m_rule": "cube"}, "'sparse_m_rule'.*one of"),
+        ("sparse_target", {"sparse_m_rule": "fraction", "sparse_m": 1.5}, "'sparse_m'.*< 1"),
+        ("max_gradient", {"max_gradient_dist": "cauchy"}, "'max_gradient_dist'.*one of"),
+        ("max_gradient", {"head_dim": 64}, "'head_dim' is only used with max_gradient_dist='cosine'"),
+        ("qwen_logn", {"train_length": 1}, "'train_length'.*>= 2"),
+        ("cosine", {"cosine_temperature": 0}, "'cosine_temperature'.*> 0"),
+        ("softmax", {"eta": 1.0}, r"\['eta'\] are not used by normalizer 'softmax'.*belong to other"),
+        ("softmax", {"colour": 1}, r"\['colour'\] are not used"),
+    ],
+)
+def test_out_of_range_options_name_the_field(impl, opts, pattern):
+    with pytest.raises(AttnormError, match=pattern):
+        resolve_settings(impl, opts)
+
+
+def test_sparse_target_k_needs_m_below_n():
+    from hf_attnorm.scales import sparse_target_k
+
+    with pytest.raises(ValueError, match="m must be < n"):
+        sparse_target_k(10, 10, 0.1)
+    with pytest.raises(ValueError, match="eps must lie strictly between 0 and 1"):
+        sparse_target_k(10, 2, 1.5)
+
+
+def test_bad_masks_are_type_errors():
+    q = torch.randn(2, 2, 5, 4)
+    k = torch.randn(2, 2, 7, 4)
+    with pytest.raises(MaskError, match="does not fit"):
+        attention(q, k, k, "symax", attention_mask=torch.ones(2, 1, 5, 6, dtype=torch.bool))
+    with pytest.raises(MaskError, match="type list"):
+        attention(q, k, k, "symax", attention_mask=[[1, 0]])
+    with pytest.raises(MaskError, match="position bias"):
+        attention(q, k, k, "symax", attention_mask=torch.randn(2, 1, 5, 7))
+    with pytest.raises(MaskError, match="only 0"):
+        attention(q, k, k, "symax", attention_mask=torch.full((2, 7), 3))
+    with pytest.raises(MaskError, match="2-D padding mask"):
+        attention(q, k, k, "symax", attention_mask=torch.ones(2, 5, dtype=torch.bool))
+    assert issubclass(MaskError, TypeError)
+
+
+def test_equivalent_mask_formats_agree():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 5, 4, generator=g) for _ in range(3))
+    keep = torch.rand(2, 1, 5, 5, generator=g) > 0.4
+    additive = torch.where(keep, 0.0, torch.finfo(torch.float32).min)
+    a, _ = attention(q, k, v, "symax", attention_mask=keep)
+    b, _ = attention(q, k, v, "symax", attention_mask=additive)
+    c, _ = attention(q, k, v, "symax", attention_mask=keep.long())
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(a, c)
+    pad = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    d, _ = attention(q, k, v, "squared", attention_mask=pad, causal=True)
+    full = pad[:, None, None, :] & torch.ones(5, 5, dtype=torch.bool).tril()
+    e, _ = attention(q, k, v, "squared", attention_mask=full)
+    torch.testing.assert_close(d, e)
+
+
+def test_unknown_path_and_forced_path_errors(monkeypatch):
+    q = torch.randn(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="unknown attention path 'warp'"):
+        attention(q, q, q, "softmax", path="warp")
+    monkeypatch.setenv("HF_ATTNORM_PATH", "warp")
+    with pytest.raises(ValueError, match="HF_ATTNORM_PATH"):
+        attention(q, q, q, "softmax")
+    monkeypatch.setenv("HF_ATTNORM_PATH", "reference")
+    out, w = attention(q, q, q, "softmax", need_weights=True)
+    assert w.shape == (1, 2, 3, 3)
+
+
+def test_from_pretrained_attnorm_overrides_and_config_built_models(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    from hf_attnorm.model_zoo import make_config
+
+    config = make_config("llama", "micro")
+    config._attn_implementation = "softmax"
+    config.attnorm = {"scale": "ssmax", "ssmax_s": 0.5}
+    model = LlamaForCausalLM(config)
+    assert model.config.attnorm["scale"] == "ssmax" and model.config.attnorm["implementation"] == "softmax"
+    assert any(n.endswith("attnorm.ssmax_s") for n, _ in model.named_parameters())
+    config2 = make_config("llama", "micro")
+    config2._attn_implementation = "symax"
+    m2 = LlamaForCausalLM(config2)
+    assert m2.model.layers[0].self_attn.attnorm.settings.normalizer == "symax"
