@@ -103,6 +103,13 @@ def make_call(
         raise ValueError(f"incompatible shapes q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
     norm, sc = NORMALIZERS.get(settings.normalizer), SCALES.get(settings.scale)
     mask = build_mask_info(attention_mask, B, H, Lq, Lk, causal, q.device)
+    if mask.keep is not None:
+        # keys no query can see (padding) are zeroed, so garbage there (1e10, NaN) cannot leak through 0 * x
+        dead = ~mask.keep.any(dim=2).any(dim=1)  # [B or 1, Lk]
+        if bool(dead.any()):
+            dead = dead.view(dead.shape[0], 1, Lk, 1)
+            k = torch.where(dead, torch.zeros((), dtype=k.dtype, device=k.device), k)
+            v = torch.where(dead, torch.zeros((), dtype=v.dtype, device=v.device), v)
     heads = dict(heads)
     info = dict(module_info or {})
     from .normalizers.base import Ctx

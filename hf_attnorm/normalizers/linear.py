@@ -10,14 +10,15 @@ through a running state sum_j phi(k_j) v_j^T, so no n x n tensor exists.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..registry import register_normalizer
 from .base import Ctx, Normalizer, masked_fill_zero, safe_divide
 
 
 def elu_feature(x: torch.Tensor) -> torch.Tensor:
-    return F.elu(x) + 1
+    """elu(x) + 1, computed as x + 1 (x > 0) or e^x (x <= 0): F.elu(x) + 1 = (e^x - 1) + 1 rounds to 0 below x ~ -37
+    in fp64 (-17 in fp32), which would turn rows into 0/0."""
+    return torch.where(x > 0, x + 1, torch.exp(x.clamp_max(0)))
 
 
 @register_normalizer
@@ -29,7 +30,15 @@ class Linear(Normalizer):
     scoreless = True
 
     def feature_map(self, q: torch.Tensor, k: torch.Tensor, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
-        return elu_feature(q), elu_feature(k)
+        # The weights phi(q_i).phi(k_j) / sum_j phi(q_i).phi(k_j) do not change when phi(q_i) is divided by any
+        # per-query constant or phi(k) by a per-head constant: dividing by the (detached) maxima keeps every
+        # product away from underflow (elu + 1 = e^x for x < 0), so large negative scores still give rows that
+        # sum to 1 instead of 0/0.
+        fq, fk = elu_feature(q), elu_feature(k)
+        tiny = torch.finfo(fq.dtype).tiny
+        fq = fq / fq.detach().amax(dim=-1, keepdim=True).clamp_min(tiny)
+        fk = fk / fk.detach().amax(dim=(-2, -1), keepdim=True).clamp_min(tiny)
+        return fq, fk
 
     def reference(self, scores: torch.Tensor, keep: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         a = masked_fill_zero(scores, keep)  # phi > 0, so scores > 0 on visible keys
