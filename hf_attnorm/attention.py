@@ -50,6 +50,7 @@ class AttnormState(nn.Module):
         self.settings = settings
         self.num_heads = num_heads
         self.module_info = dict(module_info)
+        SCALES.get(settings.scale).prepare(settings, self.module_info)
         for spec in param_specs(settings):
             if spec.is_learnable(settings):
                 self.register_parameter(spec.name, nn.Parameter(torch.full((num_heads,), spec.init_value(settings))))
@@ -114,7 +115,7 @@ def make_call(
     info = dict(module_info or {})
     from .normalizers.base import Ctx
 
-    ctx = Ctx(settings, heads, D, mask.n, info)
+    ctx = Ctx(settings, heads, D, mask.n, info, Lk)
     mult = sc.multiplier(mask.n, ctx)
     head_factor = norm.head_multiplier(ctx)
     if head_factor is not None:
@@ -168,6 +169,8 @@ def attention(
 def _weights_requested(kwargs: Mapping[str, Any]) -> bool:
     if kwargs.get("output_attentions"):
         return True
+    if torch.compiler.is_compiling():
+        return False  # transformers' output collector is a ContextVar, which dynamo cannot trace
     try:
         from transformers.utils.output_capturing import _active_collector
 

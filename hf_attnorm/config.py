@@ -124,11 +124,19 @@ class AttnormSettings:
     scale: str
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # options read as plain attributes (settings.eta, settings.n_extra): ordinary instance attributes, so
+        # torch.compile traces them without a graph break
+        for name, value in self.options.items():
+            if name in self.__dataclass_fields__ or hasattr(type(self), name):
+                raise AttnormError(f"option name {name!r} collides with an AttnormSettings attribute")
+            object.__setattr__(self, name, value)
+
     def __getattr__(self, name: str) -> Any:
-        # options read as attributes: settings.eta, settings.n_extra, ...
-        options = object.__getattribute__(self, "options")
-        if name in options:
-            return options[name]
+        # only reached for names that are not options
+        if name.startswith("__"):
+            raise AttributeError(name)
+        options = self.__dict__.get("options", {})
         raise AttributeError(
             f"{name!r} is not an option of normalizer {self.normalizer!r} with scale {self.scale!r}"
             f" (its options: {sorted(options)})"

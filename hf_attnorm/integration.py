@@ -89,7 +89,8 @@ def module_info(module: nn.Module) -> dict[str, Any]:
     cfg = module.config
     max_pos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
     return {"max_positions": max_pos, "family": type(module).__name__,
-            "layer_idx": getattr(module, "layer_idx", None), "num_heads": num_heads_of(module)}
+            "layer_idx": getattr(module, "layer_idx", None), "num_heads": num_heads_of(module),
+            "head_dim": getattr(module, "head_dim", None) or getattr(module, "attention_head_size", None)}
 
 
 def settings_for(config: Any, implementation: str) -> AttnormSettings:

@@ -43,7 +43,7 @@ class AttnCall:
         return self.q.shape[1] // self.k.shape[1]
 
     def ctx(self) -> Ctx:
-        return Ctx(self.settings, self.heads, self.q.shape[-1], self.mask.n, self.module_info)
+        return Ctx(self.settings, self.heads, self.q.shape[-1], self.mask.n, self.module_info, self.k.shape[2])
 
     def q_factor(self, dtype: torch.dtype) -> torch.Tensor | float:
         """What q is multiplied by before the feature map: base x multiplier, as [B|1, H|1, Lq, 1] or a float."""

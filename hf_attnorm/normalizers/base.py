@@ -58,6 +58,8 @@ class Ctx:
     head_dim: int
     n: torch.Tensor
     module_info: dict
+    #: number of keys Lk of the call (an upper bound of n known from shapes alone, so no data-dependent sync)
+    lk: int = 0
 
     def head(self, name: str) -> torch.Tensor:
         """Per-head value as [1, H, 1, 1] for broadcasting against [B, H, Lq, Lk]."""

@@ -26,6 +26,10 @@ class Scale:
     def validate(self, settings: AttnormSettings) -> None:
         """Cross-option checks."""
 
+    def prepare(self, settings: AttnormSettings, module_info: dict) -> None:
+        """Called once when a model's attention module gets this scale (e.g. to precompute tables for the
+        model's context length, so forward passes need no host-side work)."""
+
     def multiplier(self, n: torch.Tensor, ctx: Ctx) -> torch.Tensor | None:
         """n: float [B, 1 or H, Lq] (>= 1). Returns a multiplier broadcastable to [B, H, Lq], or None for 1."""
         raise NotImplementedError

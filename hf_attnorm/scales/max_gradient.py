@@ -189,17 +189,26 @@ def _table(dist: str, d: int, n_max: int) -> np.ndarray:
         return table
 
 
-def max_gradient_alpha_torch(n: torch.Tensor, dist: str, head_dim: int | None) -> torch.Tensor:
-    """alpha*(n) for an integer-valued float tensor n, looked up in the cached table on n's device."""
+def max_gradient_alpha_torch(n: torch.Tensor, dist: str, head_dim: int | None, n_max: int = 0) -> torch.Tensor:
+    """alpha*(n) for an integer-valued float tensor n, looked up in the cached table on n's device.
+
+    n_max: an upper bound of n known without reading n (the call's key count); 0 = read it from n. With the bound
+    and a table that already covers it, the lookup is pure tensor indexing (no host sync, compile-friendly)."""
     d = _check_dim(head_dim) if dist == "cosine" else 0
-    n_max = int(n.max().item()) if n.numel() else 1
-    table = _table(dist, d, n_max)
+    if n_max <= 0:
+        n_max = int(n.max().item()) if n.numel() else 1
     key = (dist, d, str(n.device))
     t = _TORCH_TABLES.get(key)
-    if t is None or t.shape[0] != table.shape[0]:
+    if t is None or t.shape[0] <= n_max:
+        table = _table(dist, d, n_max)
         t = torch.from_numpy(table).to(device=n.device, dtype=torch.float32)
         _TORCH_TABLES[key] = t
     return t[n.long().clamp_min(0)].to(n.dtype)
+
+
+def warm_table(dist: str, head_dim: int | None, n_max: int, device: torch.device | str = "cpu") -> None:
+    """Solve and cache alpha*(n) for n <= n_max ahead of time (models do this for their context length)."""
+    max_gradient_alpha_torch(torch.ones(1, device=device), dist, head_dim, n_max)
 
 
 @register_scale
@@ -213,7 +222,15 @@ class MaxGradient(Scale):
             raise AttnormError("attnorm option 'head_dim' is only used with max_gradient_dist='cosine'; "
                                f"got head_dim={settings.head_dim} with the normal score model")
 
+    def prepare(self, settings: AttnormSettings, module_info: dict) -> None:
+        dist = settings.max_gradient_dist
+        d = settings.head_dim or module_info.get("head_dim")
+        length = module_info.get("max_positions")
+        if length and (dist == "normal" or d):
+            warm_table(dist, d if dist == "cosine" else None, min(int(length), 16384))
+
     def multiplier(self, n: torch.Tensor, ctx: Ctx) -> torch.Tensor | None:
         s = ctx.settings
         d = s.head_dim or ctx.head_dim
-        return max_gradient_alpha_torch(n, s.max_gradient_dist, d if s.max_gradient_dist == "cosine" else None)
+        return max_gradient_alpha_torch(n, s.max_gradient_dist, d if s.max_gradient_dist == "cosine" else None,
+                                        n_max=ctx.lk)
