@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import reprlib
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -78,7 +79,7 @@ class AttnormState(nn.Module):
 
     def extra_repr(self) -> str:
         s = self.settings
-        opts = "".join(f", {k}={v}" for k, v in s.options.items())
+        opts = "".join(f", {k}={reprlib.repr(v)}" for k, v in s.options.items())  # tables stay short
         return f"{s.implementation}: normalizer={s.normalizer}, scale={s.scale}{opts}"
 
 

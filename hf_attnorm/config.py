@@ -59,9 +59,15 @@ class Option:
                 raise AttnormError(f"{where} must be a string, got {value!r}")
         elif self.kind in (dict, list):
             # structured options (e.g. a fitted table) must survive config.json: plain JSON data, copied so the
-            # frozen settings do not alias the caller's object
+            # frozen settings do not alias the caller's object; JSON text is accepted too (command lines)
+            kind = "a JSON object (dict)" if self.kind is dict else "a JSON array (list)"
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as e:
+                    raise AttnormError(f"{where} must be {kind} or its JSON text; the text does not parse: {e}") \
+                        from None
             if not isinstance(value, self.kind):
-                kind = "a JSON object (dict)" if self.kind is dict else "a JSON array (list)"
                 raise AttnormError(f"{where} must be {kind}, got {type(value).__name__}")
             try:
                 value = json.loads(json.dumps(value, allow_nan=False))

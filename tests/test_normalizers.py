@@ -118,7 +118,7 @@ def test_softmax_worked_numbers():
         w = norm.reference(scale * s, keep, ctx)[0, 0, 0]
         exact = 190 * math.exp(-scale) / (190 * math.exp(-scale) + 10 * math.exp(scale))
         assert abs(w[10:].sum().item() - exact) < 1e-6
-        assert abs(exact - quoted) < 0.01  # the quoted 72% / 25% are rounded (exact: 0.7202 / 0.2582)
+        assert abs(exact - quoted) < 0.01  # the quoted 72% / 25% are rounded (exact: 0.7200 / 0.2582)
 
 
 def test_sparse_normalizers_have_exact_zeros():
