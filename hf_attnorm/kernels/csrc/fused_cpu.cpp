@@ -1,0 +1,887 @@
+// Fused blocked CPU attention for the non-exponential normalizers of hf_attnorm (see ../fused_cpu.py).
+//
+// No [Lq, Lk] tensor is ever formed: a block of queries meets a block of keys, scores S = Q K^T go through the
+// normalizer's map and are accumulated into the output O += A V and the row denominator D += sum A, all in a few
+// cache-resident buffers. Sum-normalised and non-normalised maps need no running max (softpick keeps one, like
+// flash softmax). The backward pass recomputes the blocks: with P = A / D and delta_i = dO_i . out_i,
+//   dA_ij = (dO_i . v_j - delta_i) / D_i,  dS = dA * f'(S),  dV += P^T dO,  dK += dS^T Q,  dQ += dS K.
+// The threshold maps (sparsemax, entmax-1.5) use two passes per query block in the forward: the scores of the block
+// against every visible key (a [block, Lk] row buffer, O(n) memory), the exact threshold tau per row (on the keys
+// within 1 of the row max, compacted: Newton from below, then the closed form on the settled support), then P V.
+// Their Jacobian needs only dO_i . sum_j h(p_ij) v_j, which the forward computes as a second output U
+// (h = sqrt p for entmax-1.5, [p > 0] for sparsemax), so the backward is the same single blocked pass as the
+// others. Their supports are usually tiny: sparse blocks are accumulated entry by entry (forward and backward).
+//
+// Shapes: q [B, H, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv] (last dim contiguous, any other strides; head h
+// uses kv head h / (H / Hkv)); keep: optional bool mask broadcast to [B, H, Lq, Lk] (strides may be 0); causal:
+// query i sees keys j <= i (upper-left, as SDPA's is_causal); c [B, H, Lq]: per-row constant of the map
+// (symax: eta, sigmoid: bias, relu_len: 1/n, the others: n). q is already multiplied by every scale factor.
+// Matmuls go to the BLAS inside libtorch_cpu (MKL sgemm_ in the x86 wheels), as SDPA's CPU flash kernel does.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <vector>
+
+namespace {
+
+enum Kind : int64_t {
+  SYMAX = 0,
+  SQUARED = 1,
+  STABLEMAX = 2,
+  SOFTPICK = 3,
+  SIGMOID = 4,
+  RELU_LEN = 5,
+  ENTMAX15 = 6,
+  SPARSEMAX = 7,
+};
+constexpr int64_t NUM_KINDS = 8;
+
+inline bool is_normalised(int64_t kind) { return kind <= SOFTPICK; }
+inline bool is_threshold(int64_t kind) { return kind == ENTMAX15 || kind == SPARSEMAX; }
+
+// ------------------------------------------------------------------------------------------------ elementwise math
+
+// exp that GCC vectorises (Cephes expf: range reduction by ln 2, degree-6 polynomial, ~1 ulp); clamped so that very
+// negative arguments give 0 and large ones stay finite.
+inline float vexp(float x) {
+  x = std::min(std::max(x, -88.0f), 88.0f);
+  float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float r2 = r * r;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r2 + r + 1.0f;
+  // 2^n from the exponent bits (a bit cast, not memcpy, so that loops calling vexp vectorise)
+  const float scale = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+  return x <= -88.0f ? 0.0f : p * scale;
+}
+inline double vexp(double x) { return std::exp(x); }
+
+template <typename T>
+inline T sgn(T x) {
+  return T(x > T(0)) - T(x < T(0));
+}
+
+// ------------------------------------------------------------------------------------------------ row-major gemm
+
+// The Fortran BLAS that libtorch_cpu links (MKL in the x86 wheels) exports sgemm_/dgemm_; ATen's own
+// cpublas::gemm overloads are not exported to extensions. Weak references: a torch build without them makes
+// blas_available() false and the Python side falls back to the pure-PyTorch path.
+extern "C" {
+__attribute__((weak)) void sgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k,
+                                  const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                                  const float* beta, float* c, const int* ldc);
+__attribute__((weak)) void dgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k,
+                                  const double* alpha, const double* a, const int* lda, const double* b,
+                                  const int* ldb, const double* beta, double* c, const int* ldc);
+}
+
+bool blas_available() { return sgemm_ != nullptr && dgemm_ != nullptr; }
+
+// column-major C = op(A) op(B) + beta C, as BLAS
+inline void blas_gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+                      int64_t ldb, float beta, float* c, int64_t ldc) {
+  const int im = m, in = n, ik = k, ila = lda, ilb = ldb, ilc = ldc;
+  const float one = 1.0f;
+  sgemm_(&ta, &tb, &im, &in, &ik, &one, a, &ila, b, &ilb, &beta, c, &ilc);
+}
+inline void blas_gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, const double* a, int64_t lda,
+                      const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
+  const int im = m, in = n, ik = k, ila = lda, ilb = ldb, ilc = ldc;
+  const double one = 1.0;
+  dgemm_(&ta, &tb, &im, &in, &ik, &one, a, &ila, b, &ilb, &beta, c, &ilc);
+}
+
+// row-major wrappers. C[m][n] = A[m][k] B[n][k]^T + beta C
+template <typename T>
+inline void mm_abt(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb, T beta, T* c,
+                   int64_t ldc) {
+  blas_gemm('T', 'N', n, m, k, b, ldb, a, lda, beta, c, ldc);
+}
+// C[m][n] = A[m][k] B[k][n] + beta C
+template <typename T>
+inline void mm_ab(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb, T beta, T* c,
+                  int64_t ldc) {
+  blas_gemm('N', 'N', n, m, k, b, ldb, a, lda, beta, c, ldc);
+}
+// C[m][n] = A[k][m]^T B[k][n] + beta C
+template <typename T>
+inline void mm_atb(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb, T beta, T* c,
+                   int64_t ldc) {
+  blas_gemm('N', 'T', n, m, k, b, ldb, a, lda, beta, c, ldc);
+}
+
+// ------------------------------------------------------------------------------------------------ problem
+
+template <typename T>
+struct Problem {
+  int64_t kind, B, H, Hkv, G, Lq, Lk, D, Dv, BQ, BK;
+  const T *q, *k, *v, *c;
+  int64_t qsb, qsh, qsl, ksb, ksh, ksl, vsb, vsh, vsl;
+  const bool* keep;  // nullptr: no mask
+  int64_t msb, msh, msl;
+  bool causal;
+
+  const T* qrow(int64_t b, int64_t h, int64_t i) const { return q + b * qsb + h * qsh + i * qsl; }
+  const T* krow(int64_t b, int64_t g, int64_t j) const { return k + b * ksb + g * ksh + j * ksl; }
+  const T* vrow(int64_t b, int64_t g, int64_t j) const { return v + b * vsb + g * vsh + j * vsl; }
+  const bool* mrow(int64_t b, int64_t h, int64_t i) const { return keep + b * msb + h * msh + i * msl; }
+  // keys [0, key_end(i)) are causally visible to query i
+  int64_t key_end(int64_t i) const { return causal ? std::min(Lk, i + 1) : Lk; }
+
+  // Visibility of the tile queries [i0, i0+m) x keys [j0, j0+nb): 0 none, 1 all, 2 mixed.
+  int tile(int64_t b, int64_t h, int64_t i0, int64_t m, int64_t j0, int64_t nb) const {
+    if (causal && j0 >= i0 + m) return 0;
+    bool all = !causal || j0 + nb <= i0 + 1;
+    if (keep == nullptr) return all ? 1 : 2;
+    bool any = false;
+    for (int64_t r = 0; r < m; ++r) {
+      const bool* row = mrow(b, h, i0 + r) + j0;
+      int64_t len = std::min(nb, key_end(i0 + r) - j0);
+      if (len <= 0) continue;
+      if (!any && std::memchr(row, 1, len) != nullptr) any = true;
+      if (all && std::memchr(row, 0, nb) != nullptr) all = false;
+      if (any && !all) return 2;
+    }
+    return any ? (all ? 1 : 2) : 0;
+  }
+};
+
+template <typename T>
+Problem<T> make_problem(int64_t kind, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const std::optional<at::Tensor>& keep, bool causal, const at::Tensor& c, int64_t block_q,
+                        int64_t block_k) {
+  Problem<T> p;
+  p.kind = kind;
+  p.B = q.size(0);
+  p.H = q.size(1);
+  p.Lq = q.size(2);
+  p.D = q.size(3);
+  p.Hkv = k.size(1);
+  p.Lk = k.size(2);
+  p.Dv = v.size(3);
+  p.G = p.H / p.Hkv;
+  p.BQ = block_q;
+  p.BK = block_k;
+  p.q = q.data_ptr<T>();
+  p.k = k.data_ptr<T>();
+  p.v = v.data_ptr<T>();
+  p.c = c.data_ptr<T>();
+  p.qsb = q.stride(0), p.qsh = q.stride(1), p.qsl = q.stride(2);
+  p.ksb = k.stride(0), p.ksh = k.stride(1), p.ksl = k.stride(2);
+  p.vsb = v.stride(0), p.vsh = v.stride(1), p.vsl = v.stride(2);
+  p.causal = causal;
+  if (keep.has_value()) {
+    const at::Tensor& m = *keep;
+    p.keep = m.data_ptr<bool>();
+    p.msb = m.stride(0), p.msh = m.stride(1), p.msl = m.stride(2);
+  } else {
+    p.keep = nullptr;
+    p.msb = p.msh = p.msl = 0;
+  }
+  return p;
+}
+
+void check_inputs(int64_t kind, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const std::optional<at::Tensor>& keep, const at::Tensor& c, int64_t block_q, int64_t block_k) {
+  TORCH_CHECK(kind >= 0 && kind < NUM_KINDS, "hf_attnorm fused_cpu: unknown kind ", kind);
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "fused_cpu: q, k, v must be 4-D");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "fused_cpu: CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
+                  q.scalar_type() == c.scalar_type(),
+              "fused_cpu: q, k, v, c must share a dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble, "fused_cpu: float32/float64 only");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "fused_cpu: last dim must be contiguous");
+  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && k.size(3) == q.size(3) &&
+                  v.size(1) == k.size(1) && v.size(2) == k.size(2) && q.size(1) % k.size(1) == 0,
+              "fused_cpu: incompatible q, k, v shapes");
+  TORCH_CHECK(c.is_contiguous() && c.dim() == 3 && c.size(0) == q.size(0) && c.size(1) == q.size(1) &&
+                  c.size(2) == q.size(2),
+              "fused_cpu: c must be contiguous [B, H, Lq]");
+  TORCH_CHECK(block_q > 0 && block_k > 0, "fused_cpu: block sizes must be positive");
+  TORCH_CHECK(blas_available(), "fused_cpu: this torch build exports no sgemm_/dgemm_");
+  if (keep.has_value()) {
+    const at::Tensor& m = *keep;
+    TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 4 && m.size(0) == q.size(0) && m.size(1) == q.size(1) &&
+                    m.size(2) == q.size(2) && m.size(3) == k.size(2) && m.stride(3) == 1,
+                "fused_cpu: keep must be bool, expanded to [B, H, Lq, Lk] with a contiguous last dim");
+  }
+}
+
+// Runs fn(item, thread) for item in [0, n) on all intra-op threads, handing items out dynamically (causal query
+// blocks differ in cost, so a static split would leave threads idle).
+template <typename F>
+void dynamic_for(int64_t n, int64_t nthreads, const F& fn) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, nthreads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t item = next.fetch_add(1); item < n; item = next.fetch_add(1)) fn(item, t);
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------------------------ forward: tiles
+
+// The loops below are written branch-free (selects, no short-circuit conditions) so that GCC vectorises every
+// instantiation; MASKED rows read keep[j] over keys the caller already limited to the causal range.
+
+template <typename T, int64_t KIND>
+inline T fmap(T x, T ci) {
+  if constexpr (KIND == SYMAX) return std::abs(x);
+  if constexpr (KIND == SQUARED) return x * x;
+  if constexpr (KIND == STABLEMAX) return x >= T(0) ? x + T(1) : T(1) / (T(1) - std::min(x, T(0)));
+  if constexpr (KIND == SIGMOID) return T(1) / (T(1) + vexp(-(x + ci)));
+  if constexpr (KIND == RELU_LEN) return std::max(x, T(0));
+  return T(0);
+}
+
+// s[j] <- A_j = f(s_j) (0 where invisible); returns sum_j A_j
+template <typename T, int64_t KIND, bool MASKED>
+T map_row(T* __restrict s, int64_t nb, const bool* __restrict keep, T ci) {
+  T acc = 0;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t j = 0; j < nb; ++j) {
+    T a = fmap<T, KIND>(s[j], ci);
+    if constexpr (MASKED) a = keep[j] ? a : T(0);
+    s[j] = a;
+    acc += a;
+  }
+  return acc;
+}
+
+template <typename T, bool MASKED>
+T row_max(const T* __restrict s, int64_t nb, const bool* __restrict keep, T mx) {
+#pragma omp simd reduction(max : mx)
+  for (int64_t j = 0; j < nb; ++j) {
+    T x = s[j];
+    if constexpr (MASKED) x = keep[j] ? x : mx;
+    mx = std::max(mx, x);
+  }
+  return mx;
+}
+
+// softpick: s[j] <- relu(e^{s_j - m} - e^{-m}); returns sum_j |e^{s_j - m} - e^{-m}|
+template <typename T, bool MASKED>
+T softpick_row(T* __restrict s, int64_t nb, const bool* __restrict keep, T m, T em) {
+  T acc = 0;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t j = 0; j < nb; ++j) {
+    T u = vexp(s[j] - m) - em;
+    if constexpr (MASKED) u = keep[j] ? u : T(0);
+    acc += std::abs(u);
+    s[j] = std::max(u, T(0));
+  }
+  return acc;
+}
+
+// One row of keys [0, nb) of a tile: visible are keys < lim (causality) that keep allows (keep nullptr: all).
+// Maps the scores in place to the numerator and adds to the row's denominator (softpick: with its running max).
+template <typename T, int64_t KIND>
+inline void fwd_tile_row(const bool* kr, int64_t lim, T* s, int64_t nb, T ci, T& den, T& mrow, T* orow, int64_t Dv) {
+  lim = std::max<int64_t>(0, std::min(lim, nb));
+  if constexpr (KIND == SOFTPICK) {
+    T mx = kr ? row_max<T, true>(s, lim, kr, mrow) : row_max<T, false>(s, lim, nullptr, mrow);
+    if (mx > mrow) {  // rescale what was accumulated under the old shift (flash-softmax style)
+      const T sc = vexp(mrow - mx);
+      for (int64_t d = 0; d < Dv; ++d) orow[d] *= sc;
+      den *= sc;
+      mrow = mx;
+    }
+    const T em = vexp(-mrow);
+    den += kr ? softpick_row<T, true>(s, lim, kr, mrow, em) : softpick_row<T, false>(s, lim, nullptr, mrow, em);
+  } else {
+    den += kr ? map_row<T, KIND, true>(s, lim, kr, ci) : map_row<T, KIND, false>(s, lim, nullptr, ci);
+  }
+  for (int64_t j = lim; j < nb; ++j) s[j] = T(0);
+}
+
+constexpr int64_t MAX_BQ = 512;
+// threshold maps: a block whose support covers at most 1/SPARSE_RATIO of its scores is accumulated entry by entry
+// instead of with dense matmuls (entmax/sparsemax rows typically keep a few dozen keys out of thousands)
+constexpr int64_t SPARSE_RATIO = 16;
+
+template <typename T, int64_t KIND>
+void forward_tiles(const Problem<T>& p, T* out, T* r1, T* r2) {
+  const int64_t nqb = (p.Lq + p.BQ - 1) / p.BQ;
+  const int64_t nthreads = at::get_num_threads();
+  const int64_t BH = p.B * p.H;
+  std::vector<std::vector<T>> sbuf(nthreads), obuf(nthreads);
+  dynamic_for(BH * nqb, nthreads, [&](int64_t item, int64_t t) {
+    const int64_t qb = nqb - 1 - item / BH, bh = item % BH, b = bh / p.H, h = bh % p.H, g = h / p.G;
+    const int64_t i0 = qb * p.BQ, m = std::min(p.BQ, p.Lq - i0);
+    auto& S = sbuf[t];
+    auto& O = obuf[t];
+    if (S.empty()) {
+      S.resize(p.BQ * p.BK);
+      O.resize(p.BQ * p.Dv);
+    }
+    T den[MAX_BQ], mrow[MAX_BQ];
+    const T* crow = p.c + bh * p.Lq + i0;
+    for (int64_t r = 0; r < m; ++r) {
+      den[r] = KIND == SYMAX ? crow[r] : T(0);
+      mrow[r] = T(0);
+    }
+    std::fill(O.begin(), O.begin() + m * p.Dv, T(0));
+    const int64_t jend = p.causal ? std::min(p.Lk, i0 + m) : p.Lk;
+    const T* qi = p.qrow(b, h, i0);
+    for (int64_t j0 = 0; j0 < jend; j0 += p.BK) {
+      const int64_t nb = std::min(p.BK, jend - j0);
+      const int st = p.tile(b, h, i0, m, j0, nb);
+      if (st == 0) continue;
+      mm_abt<T>(m, nb, p.D, qi, p.qsl, p.krow(b, g, j0), p.ksl, T(0), S.data(), nb);
+      for (int64_t r = 0; r < m; ++r) {
+        const bool* kr = st == 2 && p.keep ? p.mrow(b, h, i0 + r) + j0 : nullptr;
+        fwd_tile_row<T, KIND>(kr, st == 1 ? nb : p.key_end(i0 + r) - j0, S.data() + r * nb, nb, crow[r], den[r],
+                              mrow[r], O.data() + r * p.Dv, p.Dv);
+      }
+      mm_ab<T>(m, p.Dv, nb, S.data(), nb, p.vrow(b, g, j0), p.vsl, T(1), O.data(), p.Dv);
+    }
+    T* orow = out + (bh * p.Lq + i0) * p.Dv;
+    for (int64_t r = 0; r < m; ++r) {
+      T scale = T(1);
+      if (is_normalised(KIND)) scale = den[r] != T(0) ? T(1) / den[r] : T(0);
+      if (KIND == RELU_LEN) scale = crow[r];
+      for (int64_t d = 0; d < p.Dv; ++d) orow[r * p.Dv + d] = O[r * p.Dv + d] * scale;
+      r1[bh * p.Lq + i0 + r] = den[r];
+      r2[bh * p.Lq + i0 + r] = mrow[r];
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------------------------ forward: thresholds
+
+// tau with sum_j [y_j - tau]_+^POW = 1 (POW 2: entmax-1.5, 1: sparsemax); y has max 0, invisible keys -inf.
+// Newton from tau = -1 approaches tau* from below (the map is convex and decreasing) and never overshoots; each
+// step also tries the closed form on the current support {y > t}, which is exact once that support is the true one
+// (checked: every support element must stay >= the candidate tau).
+template <typename T, bool ENTMAX>
+T find_threshold(const T* y, int64_t L) {
+  // sums in double: the closed form subtracts nearly equal quantities (s1^2 vs cnt (s2 - 1)) on long dense rows
+  double t = -1.0;
+  for (int it = 0; it < 200; ++it) {
+    double cnt = 0, s1 = 0, s2 = 0;
+    T ymin = std::numeric_limits<T>::infinity();
+    const T tt = static_cast<T>(t);
+#pragma omp simd reduction(+ : cnt, s1, s2) reduction(min : ymin)
+    for (int64_t j = 0; j < L; ++j) {
+      const T d = y[j] - tt;
+      const bool in = d > T(0);
+      const double dd = in ? static_cast<double>(d) : 0.0;
+      cnt += in ? 1.0 : 0.0;
+      s1 += dd;
+      s2 += dd * dd;
+      ymin = std::min(ymin, in ? d : std::numeric_limits<T>::infinity());
+    }
+    if (cnt == 0.0) return tt;  // unreachable for t < 0 = max y; kept for safety
+    double u, step;
+    if constexpr (ENTMAX) {
+      // smaller root of cnt u^2 - 2 s1 u + s2 - 1 = 0, in the form without cancellation
+      const double disc = s1 * s1 - cnt * (s2 - 1.0);
+      u = disc >= 0.0 ? (s2 - 1.0) / (s1 + std::sqrt(disc)) : std::numeric_limits<double>::infinity();
+      step = (s2 - 1.0) / (2.0 * s1);
+    } else {
+      u = (s1 - 1.0) / cnt;
+      step = u;
+    }
+    if (u <= static_cast<double>(ymin)) return static_cast<T>(t + u);
+    if (!(t + step > t)) return tt;  // no progress left at this precision
+    t += step;
+  }
+  return static_cast<T>(t);
+}
+
+template <typename T, int64_t KIND>
+void forward_threshold(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
+  constexpr bool ENTMAX = KIND == ENTMAX15;
+  const T half = ENTMAX ? T(0.5) : T(1);
+  const T ninf = -std::numeric_limits<T>::infinity();
+  const int64_t nqb = (p.Lq + p.BQ - 1) / p.BQ;
+  const int64_t nthreads = at::get_num_threads();
+  const int64_t BH = p.B * p.H;
+  struct Buffers {
+    std::vector<T> S, Hb, cand, pv, hv;
+    std::vector<int32_t> cidx, ix;
+  };
+  std::vector<Buffers> bufs(nthreads);
+  dynamic_for(BH * nqb, nthreads, [&](int64_t item, int64_t t) {
+    const int64_t qb = nqb - 1 - item / BH, bh = item % BH, b = bh / p.H, h = bh % p.H, g = h / p.G;
+    const int64_t i0 = qb * p.BQ, m = std::min(p.BQ, p.Lq - i0);
+    const int64_t L = p.causal ? std::min(p.Lk, i0 + m) : p.Lk;
+    T* orow = out + (bh * p.Lq + i0) * p.Dv;
+    T* urow = uout + (bh * p.Lq + i0) * p.Dv;
+    if (L == 0) {
+      std::fill(orow, orow + m * p.Dv, T(0));
+      std::fill(urow, urow + m * p.Dv, T(0));
+      for (int64_t r = 0; r < m; ++r) r1[bh * p.Lq + i0 + r] = r2[bh * p.Lq + i0 + r] = T(0);
+      return;
+    }
+    Buffers& buf = bufs[t];
+    if (buf.S.empty()) {
+      buf.S.resize(p.BQ * p.Lk);
+      buf.Hb.resize(p.BQ * p.Lk);
+      buf.cand.resize(p.Lk);
+      buf.cidx.resize(p.Lk);
+      const size_t cap = p.BQ * p.Lk / SPARSE_RATIO + 1;
+      buf.pv.resize(cap);
+      buf.hv.resize(cap);
+      buf.ix.resize(cap);
+    }
+    const int64_t cap = m * L / SPARSE_RATIO;  // support entries the sparse accumulation takes
+    int64_t support[MAX_BQ + 1];
+    support[0] = 0;
+    bool sparse = true;
+    T* S = buf.S.data();
+    T* Hb = buf.Hb.data();
+    mm_abt<T>(m, L, p.D, p.qrow(b, h, i0), p.qsl, p.krow(b, g, 0), p.ksl, T(0), S, L);
+    for (int64_t r = 0; r < m; ++r) {
+      const int64_t i = i0 + r, lim = std::min(L, p.key_end(i));
+      const bool* kr = p.keep ? p.mrow(b, h, i) : nullptr;
+      T* srow = S + r * L;
+      T* hrow = Hb + r * L;
+      T zmax = ninf;
+      if (kr != nullptr) {
+#pragma omp simd reduction(max : zmax)
+        for (int64_t j = 0; j < lim; ++j) zmax = std::max(zmax, kr[j] ? srow[j] * half : ninf);
+      } else {
+#pragma omp simd reduction(max : zmax)
+        for (int64_t j = 0; j < lim; ++j) zmax = std::max(zmax, srow[j] * half);
+      }
+      T tau = T(0), hs = T(0);
+      int64_t cnt = support[r];
+      if (zmax != ninf) {
+        // tau >= zmax - 1 (the top key alone reaches 1), so only keys above it can be in the support: compact
+        // them once (usually a small fraction) and solve on those
+        const T thr = zmax - T(1);
+        int64_t nc = 0;
+        T* cv = buf.cand.data();
+        int32_t* ci = buf.cidx.data();
+        for (int64_t j = 0; j < lim; ++j) {
+          const T y = srow[j] * half;
+          if (y > thr && (kr == nullptr || kr[j])) {
+            cv[nc] = y - zmax;
+            ci[nc++] = static_cast<int32_t>(j);
+          }
+        }
+        tau = find_threshold<T, ENTMAX>(cv, nc);
+        if (!sparse) {
+          std::fill(srow, srow + L, T(0));
+          std::fill(hrow, hrow + L, T(0));
+        }
+        for (int64_t e = 0; e < nc; ++e) {
+          const T d = cv[e] - tau;
+          if (d > T(0)) {
+            const T pj = ENTMAX ? d * d : d, hj = ENTMAX ? d : T(1);
+            hs += hj;
+            if (sparse && cnt == cap) {  // too many for entry-by-entry: densify the rows done so far
+              sparse = false;
+              for (int64_t rr = 0; rr <= r; ++rr) {
+                std::fill(S + rr * L, S + (rr + 1) * L, T(0));
+                std::fill(Hb + rr * L, Hb + (rr + 1) * L, T(0));
+                const int64_t end = rr < r ? support[rr + 1] : cnt;
+                for (int64_t x = support[rr]; x < end; ++x) {
+                  S[rr * L + buf.ix[x]] = buf.pv[x];
+                  Hb[rr * L + buf.ix[x]] = buf.hv[x];
+                }
+              }
+            }
+            if (sparse) {
+              buf.pv[cnt] = pj;
+              buf.hv[cnt] = hj;
+              buf.ix[cnt++] = ci[e];
+            } else {
+              srow[ci[e]] = pj;
+              hrow[ci[e]] = hj;
+            }
+          }
+        }
+        tau += zmax;  // stored unshifted: p = [half * s - tau]_+^POW
+      } else if (!sparse) {
+        std::fill(srow, srow + L, T(0));
+        std::fill(hrow, hrow + L, T(0));
+      }
+      support[r + 1] = cnt;
+      r1[bh * p.Lq + i] = tau;
+      r2[bh * p.Lq + i] = hs;
+    }
+    if (sparse) {  // out_i = sum_supp p_ij v_j, U_i = sum_supp h_ij v_j, entry by entry
+      std::fill(orow, orow + m * p.Dv, T(0));
+      std::fill(urow, urow + m * p.Dv, T(0));
+      for (int64_t r = 0; r < m; ++r) {
+        T* o = orow + r * p.Dv;
+        T* u = urow + r * p.Dv;
+        for (int64_t e = support[r]; e < support[r + 1]; ++e) {
+          const T pj = buf.pv[e], hj = buf.hv[e];
+          const T* vj = p.vrow(b, g, buf.ix[e]);
+#pragma omp simd
+          for (int64_t d = 0; d < p.Dv; ++d) {
+            o[d] += pj * vj[d];
+            u[d] += hj * vj[d];
+          }
+        }
+      }
+    } else {
+      mm_ab<T>(m, p.Dv, L, S, L, p.vrow(b, g, 0), p.vsl, T(0), orow, p.Dv);
+      mm_ab<T>(m, p.Dv, L, Hb, L, p.vrow(b, g, 0), p.vsl, T(0), urow, p.Dv);
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------------------------ backward
+
+template <typename T>
+struct RowC {
+  T invd, delta, c, m, em, tau, live;
+};
+
+// Maps whose weights are constant on a row with a single visible key (sum-normalised without an extra constant:
+// P = 1, or softpick's 0/1). Their gradient there is exactly 0, but dS = f'(s) (dP - delta) / D would be rounding
+// noise amplified by f'/D (2/s for squared): the row's c holds n, and such rows get dS = 0.
+inline bool constant_on_single_key(int64_t kind) {
+  return kind == SQUARED || kind == STABLEMAX || kind == SOFTPICK || kind == ENTMAX15 || kind == SPARSEMAX;
+}
+
+// d/ds of one entry: P and dS from the score x and g = dO_i . v_j (branch-free, see the forward)
+template <typename T, int64_t KIND>
+inline void dmap(T x, T g, const RowC<T>& rc, T& pp, T& ds) {
+  const T invd = rc.invd, delta = rc.delta;
+  if constexpr (KIND == SYMAX) {
+    pp = std::abs(x) * invd;
+    ds = (g - delta) * invd * sgn(x);
+  }
+  if constexpr (KIND == SQUARED) {
+    pp = x * x * invd;
+    ds = (g - delta) * invd * T(2) * x;
+  }
+  if constexpr (KIND == STABLEMAX) {
+    const T w = T(1) / (T(1) - std::min(x, T(0)));
+    const bool neg = x < T(0);
+    pp = (neg ? w : x + T(1)) * invd;
+    ds = (g - delta) * invd * (neg ? w * w : T(1));
+  }
+  if constexpr (KIND == SOFTPICK) {  // u = e^{s-M} - e^{-M}: P = relu(u)/D, d|u| = sign(u) e^{s-M}
+    const T e = vexp(x - rc.m), u = e - rc.em;
+    const T pos = u > T(0) ? T(1) : T(0), neg = u < T(0) ? T(1) : T(0);
+    pp = u * pos * invd;
+    ds = (g * pos - delta * (pos - neg)) * e * invd;
+  }
+  if constexpr (KIND == SIGMOID) {
+    const T a = T(1) / (T(1) + vexp(-(x + rc.c)));
+    pp = a;
+    ds = g * a * (T(1) - a);
+  }
+  if constexpr (KIND == RELU_LEN) {
+    const T pos = x > T(0) ? rc.c : T(0);
+    pp = x * pos;
+    ds = g * pos;
+  }
+  if constexpr (KIND == ENTMAX15) {  // p = r^2 with r = [s/2 - tau]_+: dS = r (g - delta)
+    const T r = std::max(x * T(0.5) - rc.tau, T(0));
+    pp = r * r;
+    ds = r * (g - delta);
+  }
+  if constexpr (KIND == SPARSEMAX) {
+    const T r = x - rc.tau;
+    const T pos = r > T(0) ? T(1) : T(0);
+    pp = r * pos;
+    ds = (g - delta) * pos;
+  }
+}
+
+// One row of a tile: s (scores) becomes P, dp (dO . v_j) becomes dS; returns sum_j dS (sigmoid's bias gradient).
+template <typename T, int64_t KIND, bool MASKED>
+T bwd_row(T* __restrict s, T* __restrict dp, int64_t nb, const bool* __restrict keep, const RowC<T>& rcr) {
+  const RowC<T> rc = rcr;
+  const T live = rc.live;
+  T dcacc = 0;
+#pragma omp simd reduction(+ : dcacc)
+  for (int64_t j = 0; j < nb; ++j) {
+    T pp, ds;
+    dmap<T, KIND>(s[j], dp[j], rc, pp, ds);
+    ds *= live;
+    if constexpr (MASKED) {
+      pp = keep[j] ? pp : T(0);
+      ds = keep[j] ? ds : T(0);
+    }
+    dcacc += ds;
+    s[j] = pp;
+    dp[j] = ds;
+  }
+  return dcacc;
+}
+
+template <typename T, int64_t KIND>
+inline T bwd_tile_row(const bool* kr, int64_t lim, T* s, T* dp, int64_t nb, const RowC<T>& rc) {
+  lim = std::max<int64_t>(0, std::min(lim, nb));
+  T acc = kr ? bwd_row<T, KIND, true>(s, dp, lim, kr, rc) : bwd_row<T, KIND, false>(s, dp, lim, nullptr, rc);
+  for (int64_t j = lim; j < nb; ++j) s[j] = dp[j] = T(0);
+  return acc;
+}
+
+// Threshold maps in the backward pass: the tile's support entries (visible, [half s - tau]_+ > 0) are usually a
+// small fraction, and only they carry gradient. If so, update dV, dK (tile-local) and dQ entry by entry and return
+// true; otherwise return false and the caller runs the dense tile.
+template <typename T, int64_t KIND>
+bool sparse_tile(const Problem<T>& p, int st, int64_t b, int64_t h, int64_t g, int64_t i0, int64_t m, int64_t j0,
+                 int64_t nb, const T* S, int32_t* E, T* dQb, T* dK, T* dV, const T* dout, const T* r1,
+                 const T* delta, T* dq, std::mutex* lock) {
+  constexpr bool ENTMAX = KIND == ENTMAX15;
+  const T half = ENTMAX ? T(0.5) : T(1);
+  const int64_t bh = b * p.H + h;
+  int64_t ns = 0;
+  for (int64_t r = 0; r < m; ++r) {
+    const T tau = r1[bh * p.Lq + i0 + r];
+    const int64_t lim = st == 1 ? nb : std::max<int64_t>(0, std::min(nb, p.key_end(i0 + r) - j0));
+    const bool* kr = st == 2 && p.keep ? p.mrow(b, h, i0 + r) + j0 : nullptr;
+    const T* srow = S + r * nb;
+    for (int64_t j = 0; j < lim; ++j) {
+      if (half * srow[j] - tau > T(0) && (kr == nullptr || kr[j])) {
+        if ((ns + 1) * SPARSE_RATIO > m * nb) return false;
+        E[ns++] = static_cast<int32_t>(r * nb + j);
+      }
+    }
+  }
+  if (ns == 0) return true;
+  std::fill(dQb, dQb + m * p.D, T(0));
+  for (int64_t e = 0; e < ns; ++e) {
+    const int64_t r = E[e] / nb, j = E[e] % nb, row = bh * p.Lq + i0 + r;
+    const T rr = half * S[E[e]] - r1[row];
+    const T pp = ENTMAX ? rr * rr : rr, hh = ENTMAX ? rr : T(1);
+    const T live = p.c[row] == T(1) ? T(0) : T(1);  // single visible key: constant weights (see RowC)
+    const T* go = dout + row * p.Dv;
+    const T* vj = p.vrow(b, g, j0 + j);
+    T dpv = 0;
+#pragma omp simd reduction(+ : dpv)
+    for (int64_t d = 0; d < p.Dv; ++d) dpv += go[d] * vj[d];
+    const T ds = live * hh * (dpv - delta[row]);
+    T* dvj = dV + j * p.Dv;
+#pragma omp simd
+    for (int64_t d = 0; d < p.Dv; ++d) dvj[d] += pp * go[d];
+    const T* qr = p.qrow(b, h, i0 + r);
+    const T* kjr = p.krow(b, g, j0 + j);
+    T* dkj = dK + j * p.D;
+    T* dqr = dQb + r * p.D;
+#pragma omp simd
+    for (int64_t d = 0; d < p.D; ++d) {
+      dkj[d] += ds * qr[d];
+      dqr[d] += ds * kjr[d];
+    }
+  }
+  auto add = [&]() {
+    T* dst = dq + (bh * p.Lq + i0) * p.D;
+#pragma omp simd
+    for (int64_t x = 0; x < m * p.D; ++x) dst[x] += dQb[x];
+  };
+  if (lock == nullptr) {
+    add();
+  } else {
+    std::lock_guard<std::mutex> guard(*lock);
+    add();
+  }
+  return true;
+}
+
+template <typename T, int64_t KIND>
+void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, const T* r2, const T* uout, T* dq,
+              T* dk, T* dv, T* dc) {
+  const int64_t BH = p.B * p.H, rows = BH * p.Lq;
+  // per-row constants: delta_i = dO_i . out_i (or dO_i . U_i / Hs_i), 1 / D_i
+  std::vector<T> delta(rows), invd(rows);
+  at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* go = dout + i * p.Dv;
+      const T* x = is_threshold(KIND) ? uout + i * p.Dv : out + i * p.Dv;
+      T dot = 0;
+      for (int64_t d = 0; d < p.Dv; ++d) dot += go[d] * x[d];
+      if (is_normalised(KIND)) {
+        invd[i] = r1[i] != T(0) ? T(1) / r1[i] : T(0);
+        delta[i] = dot;
+        dc[i] = KIND == SYMAX ? -dot * invd[i] : T(0);  // d out_i / d eta = -out_i / D_i
+      } else if (is_threshold(KIND)) {
+        invd[i] = T(1);
+        delta[i] = r2[i] != T(0) ? dot / r2[i] : T(0);
+        dc[i] = T(0);
+      } else {
+        invd[i] = T(1);
+        delta[i] = T(0);
+        dc[i] = (KIND == RELU_LEN && p.c[i] != T(0)) ? dot / p.c[i] : T(0);  // out_i = c_i O_i
+      }
+    }
+  });
+  std::fill(dq, dq + rows * p.D, T(0));
+  const int64_t nqb = (p.Lq + p.BQ - 1) / p.BQ, nkb = (p.Lk + p.BK - 1) / p.BK;
+  const int64_t nthreads = at::get_num_threads();
+  const int64_t BG = p.B * p.Hkv;
+  // Whole (batch, kv head) items write dq without sharing (deterministic) when they balance the threads;
+  // otherwise items are single key blocks and dq / dc updates of a query block take that block's lock.
+  const bool per_head = nthreads == 1 || BG % nthreads == 0 || BG >= 4 * nthreads;
+  const int64_t nitems = per_head ? BG : BG * nkb;
+  std::vector<std::mutex> locks(per_head ? 0 : BH * nqb);
+  struct Buffers {
+    std::vector<T> S, dP, dK, dV, dQ;
+    std::vector<int32_t> E;
+  };
+  std::vector<Buffers> bufs(nthreads);
+  dynamic_for(nitems, nthreads, [&](int64_t item, int64_t t) {
+    Buffers& buf = bufs[t];
+    if (buf.S.empty()) {
+      buf.S.resize(p.BQ * p.BK);
+      buf.dP.resize(p.BQ * p.BK);
+      buf.dK.resize(p.BK * p.D);
+      buf.dV.resize(p.BK * p.Dv);
+      buf.dQ.resize(p.BQ * p.D);
+      buf.E.resize(p.BQ * p.BK);
+    }
+    const int64_t bg = per_head ? item : item % BG, b = bg / p.Hkv, g = bg % p.Hkv;
+    const int64_t kb_begin = per_head ? 0 : item / BG, kb_end = per_head ? nkb : kb_begin + 1;
+    for (int64_t kb = kb_begin; kb < kb_end; ++kb) {
+      const int64_t j0 = kb * p.BK, nb = std::min(p.BK, p.Lk - j0);
+      std::fill(buf.dK.begin(), buf.dK.begin() + nb * p.D, T(0));
+      std::fill(buf.dV.begin(), buf.dV.begin() + nb * p.Dv, T(0));
+      const T* kj = p.krow(b, g, j0);
+      const T* vj = p.vrow(b, g, j0);
+      for (int64_t h = g * p.G; h < (g + 1) * p.G; ++h) {
+        const int64_t bh = b * p.H + h;
+        for (int64_t qb = p.causal ? j0 / p.BQ : 0; qb < nqb; ++qb) {
+          const int64_t i0 = qb * p.BQ, m = std::min(p.BQ, p.Lq - i0);
+          const int st = p.tile(b, h, i0, m, j0, nb);
+          if (st == 0) continue;
+          const T* qi = p.qrow(b, h, i0);
+          const T* doi = dout + (bh * p.Lq + i0) * p.Dv;
+          mm_abt<T>(m, nb, p.D, qi, p.qsl, kj, p.ksl, T(0), buf.S.data(), nb);
+          if constexpr (KIND == ENTMAX15 || KIND == SPARSEMAX) {
+            if (sparse_tile<T, KIND>(p, st, b, h, g, i0, m, j0, nb, buf.S.data(), buf.E.data(), buf.dQ.data(),
+                                     buf.dK.data(), buf.dV.data(), dout, r1, delta.data(), dq,
+                                     per_head ? nullptr : &locks[bh * nqb + qb])) {
+              continue;
+            }
+          }
+          mm_abt<T>(m, nb, p.Dv, doi, p.Dv, vj, p.vsl, T(0), buf.dP.data(), nb);
+          T dcrow[MAX_BQ];
+          for (int64_t r = 0; r < m; ++r) {
+            const int64_t row = bh * p.Lq + i0 + r;
+            const T live = constant_on_single_key(KIND) && p.c[row] == T(1) ? T(0) : T(1);
+            RowC<T> rc{invd[row], delta[row], p.c[row], r2[row], vexp(-r2[row]), r1[row], live};
+            const bool* kr = st == 2 && p.keep ? p.mrow(b, h, i0 + r) + j0 : nullptr;
+            dcrow[r] = bwd_tile_row<T, KIND>(kr, st == 1 ? nb : p.key_end(i0 + r) - j0, buf.S.data() + r * nb,
+                                             buf.dP.data() + r * nb, nb, rc);
+          }
+          mm_atb<T>(nb, p.Dv, m, buf.S.data(), nb, doi, p.Dv, T(1), buf.dV.data(), p.Dv);
+          mm_atb<T>(nb, p.D, m, buf.dP.data(), nb, qi, p.qsl, T(1), buf.dK.data(), p.D);
+          auto update = [&]() {
+            mm_ab<T>(m, p.D, nb, buf.dP.data(), nb, kj, p.ksl, T(1), dq + (bh * p.Lq + i0) * p.D, p.D);
+            if (KIND == SIGMOID)
+              for (int64_t r = 0; r < m; ++r) dc[bh * p.Lq + i0 + r] += dcrow[r];
+          };
+          if (per_head) {
+            update();
+          } else {
+            std::lock_guard<std::mutex> guard(locks[bh * nqb + qb]);
+            update();
+          }
+        }
+      }
+      std::memcpy(dk + ((b * p.Hkv + g) * p.Lk + j0) * p.D, buf.dK.data(), sizeof(T) * nb * p.D);
+      std::memcpy(dv + ((b * p.Hkv + g) * p.Lk + j0) * p.Dv, buf.dV.data(), sizeof(T) * nb * p.Dv);
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------------------------ dispatch
+
+template <typename F>
+void dispatch_kind(int64_t kind, const F& f) {
+  switch (kind) {
+    case SYMAX: f(std::integral_constant<int64_t, SYMAX>{}); break;
+    case SQUARED: f(std::integral_constant<int64_t, SQUARED>{}); break;
+    case STABLEMAX: f(std::integral_constant<int64_t, STABLEMAX>{}); break;
+    case SOFTPICK: f(std::integral_constant<int64_t, SOFTPICK>{}); break;
+    case SIGMOID: f(std::integral_constant<int64_t, SIGMOID>{}); break;
+    case RELU_LEN: f(std::integral_constant<int64_t, RELU_LEN>{}); break;
+    case ENTMAX15: f(std::integral_constant<int64_t, ENTMAX15>{}); break;
+    case SPARSEMAX: f(std::integral_constant<int64_t, SPARSEMAX>{}); break;
+    default: TORCH_CHECK(false, "fused_cpu: unknown kind ", kind);
+  }
+}
+
+std::vector<at::Tensor> fused_forward(int64_t kind, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const std::optional<at::Tensor>& keep, bool causal, const at::Tensor& c,
+                                      int64_t block_q, int64_t block_k) {
+  check_inputs(kind, q, k, v, keep, c, block_q, block_k);
+  TORCH_CHECK(block_q <= MAX_BQ, "fused_cpu: block_q must be <= ", MAX_BQ);
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Dv = v.size(3);
+  auto out = at::empty({B, H, Lq, Dv}, q.options());
+  auto r1 = at::empty({B, H, Lq}, q.options());
+  auto r2 = at::empty({B, H, Lq}, q.options());
+  auto u = is_threshold(kind) ? at::empty({B, H, Lq, Dv}, q.options()) : at::empty({0}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "hf_attnorm_fused_forward", [&] {
+    auto p = make_problem<scalar_t>(kind, q, k, v, keep, causal, c, block_q, block_k);
+    dispatch_kind(kind, [&](auto kc) {
+      constexpr int64_t K = decltype(kc)::value;
+      if constexpr (K == ENTMAX15 || K == SPARSEMAX) {
+        forward_threshold<scalar_t, K>(p, out.data_ptr<scalar_t>(), r1.data_ptr<scalar_t>(),
+                                       r2.data_ptr<scalar_t>(), u.data_ptr<scalar_t>());
+      } else {
+        forward_tiles<scalar_t, K>(p, out.data_ptr<scalar_t>(), r1.data_ptr<scalar_t>(), r2.data_ptr<scalar_t>());
+      }
+    });
+  });
+  return {out, r1, r2, u};
+}
+
+std::vector<at::Tensor> fused_backward(int64_t kind, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       const std::optional<at::Tensor>& keep, bool causal, const at::Tensor& c,
+                                       const at::Tensor& out, const at::Tensor& r1, const at::Tensor& r2,
+                                       const at::Tensor& u, const at::Tensor& dout, int64_t block_q,
+                                       int64_t block_k) {
+  check_inputs(kind, q, k, v, keep, c, block_q, block_k);
+  TORCH_CHECK(block_q <= MAX_BQ, "fused_cpu: block_q must be <= ", MAX_BQ);
+  TORCH_CHECK(out.is_contiguous() && dout.is_contiguous() && r1.is_contiguous() && r2.is_contiguous(),
+              "fused_cpu: out, dout, r1, r2 must be contiguous");
+  TORCH_CHECK(dout.sizes() == out.sizes() && dout.scalar_type() == q.scalar_type(), "fused_cpu: bad dout");
+  TORCH_CHECK(!is_threshold(kind) || (u.is_contiguous() && u.sizes() == out.sizes()), "fused_cpu: bad u");
+  auto dq = at::empty(q.sizes(), q.options());
+  auto dk = at::empty(k.sizes(), k.options());
+  auto dv = at::empty(v.sizes(), v.options());
+  auto dc = at::empty(c.sizes(), c.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "hf_attnorm_fused_backward", [&] {
+    auto p = make_problem<scalar_t>(kind, q, k, v, keep, causal, c, block_q, block_k);
+    dispatch_kind(kind, [&](auto kc) {
+      constexpr int64_t K = decltype(kc)::value;
+      backward<scalar_t, K>(p, dout.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), r1.data_ptr<scalar_t>(),
+                            r2.data_ptr<scalar_t>(), is_threshold(kind) ? u.data_ptr<scalar_t>() : nullptr,
+                            dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
+                            dc.data_ptr<scalar_t>());
+    });
+  });
+  return {dq, dk, dv, dc};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(hf_attnorm_fused, m) {
+  m.def("blas_available() -> bool", &blas_available);
+  m.def(
+      "forward(int kind, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor c, int block_q, "
+      "int block_k) -> Tensor[]");
+  m.def(
+      "backward(int kind, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor c, Tensor out, "
+      "Tensor r1, Tensor r2, Tensor u, Tensor dout, int block_q, int block_k) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(hf_attnorm_fused, CPU, m) {
+  m.impl("forward", &fused_forward);
+  m.impl("backward", &fused_backward);
+}

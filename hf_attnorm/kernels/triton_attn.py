@@ -1,0 +1,808 @@
+"""GPU fast path: flash-style Triton kernels (forward and backward) for the non-softmax normalizers.
+
+One forward kernel (plus a threshold kernel for the sparse maps) and two backward kernels serve every normalizer
+below; the normalizer is a compile-time ``KIND``. No n x n tensor is ever formed: per query block the kernel walks
+the key blocks, recomputes the scores s = c_i (q_i . k_j) and accumulates
+
+* sum-normalised maps (symax, squared, stablemax, softpick): numerator O_i = sum_j a(s_ij) v_j and denominator
+  D_i = r_i + sum_j b(s_ij) (r_i = |eta| for symax, else 0); out = O / D, 0 where D = 0. Without exponentials
+  no running max is needed; softpick keeps one (its exp) and rescales O and D as flash attention does.
+* non-normalised maps (sigmoid, relu_len): out_i = sum_j a(s_ij) v_j.
+* sparse maps (sparsemax, entmax15): a first kernel finds the per-row threshold tau with safeguarded Newton steps,
+  one pass over the key blocks each (O(n d) memory); the forward kernel then accumulates
+  p = [z - tau]_+^(1/(alpha-1)) (z = s or s/2) like a non-normalised map.
+
+Per row i: c_i = base x multiplier (the per-query scale, with gradient), r_i = the normalizer's row value
+(symax |eta_h|, sigmoid b_h - ln n_i or b_h, relu_len 1/n_i) with gradient. The forward pass saves D and the
+softpick shift / sparse threshold per row (fp32); the backward pass recomputes score blocks. With
+dp_ij = do_i . v_j: normalised ds_ij = (a'(s_ij) dp_ij - b'(s_ij) delta_i) / D_i, delta_i = sum_j w_ij dp_ij;
+sparse ds_ij = g_ij (dp_ij - delta_i), g = p^(2 - alpha), delta_i = sum_j g_ij dp_ij / sum_j g_ij; non-normalised
+ds_ij = a'(s_ij) dp_ij. Then dq_i = c_i sum_j ds_ij k_j, dc_i = q_i . sum_j ds_ij k_j, dk_j = sum_i c_i ds_ij q_i,
+dv_j = sum_i w_ij do_i. delta comes from a first pass of the dq kernel rather than flash attention's do . out:
+see ``_bwd_dq_kernel``.
+One program per (key block, batch, kv head) loops over the heads of its GQA group, so dk/dv need no atomics.
+
+Masks: none; causal (upper-left, key j visible to query i iff j <= i: MaskInfo's meaning of ``keep is None``);
+or the boolean keep-mask (any pattern: padding, fully masked rows, cache offsets, per head) read blockwise, with a
+block table (one byte per [query block, key block]) so blocks without a visible key are skipped.
+
+Dispatch: automatic on CUDA tensors. Forced (``path="triton"``), CPU tensors run too while Triton's interpreter is on
+(``TRITON_INTERPRET=1``): that is how the tests run these kernels without a GPU. Triton is imported and the kernels
+are jitted on first use (per interpreter mode), so importing this module needs no triton.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import inspect
+import math
+import os
+import types
+import warnings
+from typing import Any
+
+import torch
+
+from ..normalizers.base import Normalizer
+from .base import AttnCall
+
+# imported on first use (``_load_triton``): the plain package needs no triton, and triton fixes compiled vs
+# interpreted mode for its own library functions when it is imported
+triton: Any = None
+tl: Any = None
+
+#: normalizer name -> compile-time KIND of the kernels
+KINDS: dict[str, int] = {
+    "symax": 0, "squared": 1, "stablemax": 2, "softpick": 3, "sigmoid": 4, "relu_len": 5,
+    "sparsemax": 6, "entmax15": 7,
+}
+NORMALISED = frozenset({"symax", "squared", "stablemax", "softpick"})
+SPARSE = frozenset({"sparsemax", "entmax15"})
+#: at most this many Newton passes for the sparse threshold (measured: sparsemax 3-5, entmax15 6-8, plus one max pass)
+THRESHOLD_STEPS = 30
+
+#: (BLOCK_M, BLOCK_N) override for every call (tests use small blocks so odd lengths cross block edges)
+BLOCK_OVERRIDE: tuple[int, int] | None = None
+
+
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreter_requested() -> bool:
+    """True when ``TRITON_INTERPRET`` asks for Triton's interpreter (kernels then run on the CPU)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
+
+
+def _load_triton() -> None:
+    global triton, tl
+    if triton is None:
+        import triton as _triton
+        import triton.language as _tl
+
+        triton, tl = _triton, _tl
+
+
+def interpreter_consistent() -> bool:
+    """Triton's library functions (tl.sum ...) were jitted in the mode now requested. False when
+    ``TRITON_INTERPRET=1`` was set after triton had been imported (or unset after): interpreted kernels calling
+    compiled library functions cannot run."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.sum, InterpretedFunction) == bool(triton.knobs.runtime.interpret)
+
+
+# ---------------------------------------------------------------------------------------------------- device code
+# Plain functions here; ``_compiled()`` wraps them with triton.jit on first use. Every name a kernel calls must be
+# listed in _JIT_FUNCTIONS (dependency order).
+
+
+def _entry(s, r, keep, shift, KIND: tl.constexpr):
+    """Forward map of one score block: (a, b) with a the numerator weight and b the denominator term.
+
+    s: [BM, BN] fp32 scores; r: [BM] row values; keep: [BM, BN] bool; shift: [BM] (softpick running max,
+    sparse: threshold tau). Masked entries give exactly 0.
+    """
+    zero = 0.0  # (scalars, not tl.zeros_like: library calls are slow in the interpreter)
+    if KIND == 0:  # symax |s|
+        a = tl.where(keep, tl.abs(s), zero)
+        b = a
+    elif KIND == 1:  # squared
+        a = tl.where(keep, s * s, zero)
+        b = a
+    elif KIND == 2:  # stablemax g(s); each branch only sees its own half-line (no inf in the unused one)
+        g = tl.where(s >= 0, tl.maximum(s, 0.0) + 1.0, 1.0 / (1.0 - tl.minimum(s, 0.0)))
+        a = tl.where(keep, g, zero)
+        b = a
+    elif KIND == 3:  # softpick in units of e^-M: e^(s-M) - e^-M
+        e = tl.exp(tl.where(keep, s - shift[:, None], -float("inf")))
+        p = e - tl.exp(-shift)[:, None]
+        a = tl.where(keep & (p > 0), p, zero)
+        b = tl.where(keep, tl.abs(p), zero)
+    elif KIND == 4:  # sigmoid(s + r)
+        a = tl.where(keep, 1.0 / (1.0 + tl.exp(-(s + r[:, None]))), zero)
+        b = a
+    elif KIND == 5:  # relu(s) / n, r = 1/n
+        a = tl.where(keep, tl.maximum(s, 0.0) * r[:, None], zero)
+        b = a
+    elif KIND == 6:  # sparsemax [s - tau]_+
+        a = tl.where(keep, tl.maximum(s - shift[:, None], 0.0), zero)
+        b = a
+    else:  # entmax-1.5 [s/2 - tau]_+^2
+        t = tl.where(keep, tl.maximum(s * 0.5 - shift[:, None], 0.0), zero)
+        a = t * t
+        b = a
+    return a, b
+
+
+def _slopes(s, r, keep, shift, KIND: tl.constexpr):
+    """Backward map of one score block: (a, da, db) with da = a'(s), db = b'(s) (0 on masked entries).
+
+    For the sparse kinds da is the Jacobian weight g = p^(2 - alpha) (1 on sparsemax's support, sqrt(p) for
+    entmax-1.5) and db is unused.
+    """
+    zero = 0.0
+    if KIND == 0:
+        a = tl.where(keep, tl.abs(s), zero)
+        da = tl.where(keep, tl.where(s > 0, 1.0, tl.where(s < 0, -1.0, 0.0)), zero)
+        db = da
+    elif KIND == 1:
+        a = tl.where(keep, s * s, zero)
+        da = tl.where(keep, 2.0 * s, zero)
+        db = da
+    elif KIND == 2:
+        neg = 1.0 / (1.0 - tl.minimum(s, 0.0))
+        a = tl.where(keep, tl.where(s >= 0, tl.maximum(s, 0.0) + 1.0, neg), zero)
+        da = tl.where(keep, tl.where(s >= 0, 1.0, neg * neg), zero)
+        db = da
+    elif KIND == 3:
+        e = tl.exp(tl.where(keep, s - shift[:, None], -float("inf")))
+        p = e - tl.exp(-shift)[:, None]
+        a = tl.where(keep & (p > 0), p, zero)
+        da = tl.where(keep & (p > 0), e, zero)
+        db = tl.where(keep, tl.where(p > 0, e, tl.where(p < 0, -e, 0.0)), zero)
+    elif KIND == 4:
+        a = tl.where(keep, 1.0 / (1.0 + tl.exp(-(s + r[:, None]))), zero)
+        da = a * (1.0 - a)
+        db = da
+    elif KIND == 5:
+        a = tl.where(keep, tl.maximum(s, 0.0) * r[:, None], zero)
+        da = tl.where(keep & (s > 0), r[:, None] + 0.0 * s, zero)
+        db = da
+    elif KIND == 6:
+        a = tl.where(keep, tl.maximum(s - shift[:, None], 0.0), zero)
+        da = tl.where(a > 0, 1.0, 0.0)
+        db = da
+    else:
+        t = tl.where(keep, tl.maximum(s * 0.5 - shift[:, None], 0.0), zero)
+        a = t * t
+        da = t
+        db = da
+    return a, da, db
+
+
+def _score_block(q, kt_ptrs, keep_ptrs, offs_m, offs_n, m_valid, d_valid, c, LK,
+                 CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Scores s [BM, BN] = c_i (q_i . k_j) in fp32, the keep block, and k^T [BD, BN] (input dtype).
+
+    q: [BM, BD] in the input dtype (fp16/bf16 products are exact in the fp32 accumulator, so the score dot runs on
+    the inputs as they are; UPCAST: both in fp32 instead, for bf16 under the interpreter, whose bf16 dot is wrong
+    in triton 3.9); kt_ptrs: [BD, BN] pointers to k^T of this key block; keep_ptrs: [BM, BN] (HAS_MASK)."""
+    n_valid = offs_n < LK
+    kt = tl.load(kt_ptrs, mask=d_valid[:, None] & n_valid[None, :], other=0.0)
+    if UPCAST:
+        kt = kt.to(tl.float32)
+    s = tl.dot(q, kt, input_precision=PREC) * c[:, None]
+    keep = m_valid[:, None] & n_valid[None, :]
+    if CAUSAL:
+        keep = keep & (offs_n[None, :] <= offs_m[:, None])
+    if HAS_MASK:
+        keep = keep & (tl.load(keep_ptrs, mask=keep, other=0) != 0)
+    return s, keep, kt
+
+
+def _threshold_kernel(
+    Q, K, C, KEEP, TABLE, TAU,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, scb, sch, scm,
+    smb, smh, smm, smn, stb, sth, stm, stn,
+    H, GROUPS, LQ, LK, DH,
+    KIND: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Sparse maps: per-row threshold TAU [B, H, Lq] with sum_j [z_j - tau]_+^(1/(alpha-1)) = 1 (z = s or s/2).
+
+    Pass 1 finds the row max m of z; tau lies in [m - 1, m] (the max alone has mass >= 1 at m - 1). Then Newton
+    steps on f(tau) = mass(tau) - 1 from the left end (f is convex and decreasing, so they approach the root from
+    below without overshooting; sparsemax's f is piecewise linear and Newton lands exactly once the support is
+    found), safeguarded by the bracket (bisection if a step leaves it). Each step is one pass over the key blocks;
+    a block stops when all its rows converged (|f| <= 1e-7 or a relative step below 2e-8), at most STEPS passes.
+    Fully masked rows get tau = 0 (their p is 0 anyway).
+    """
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    hk = h // GROUPS
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_valid = offs_m < LQ
+    d_valid = offs_d < DH
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
+                mask=m_valid[:, None] & d_valid[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    c = tl.load(C + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
+    kt_ptrs = K + b * skb + hk * skh + offs_n0[None, :] * skn + offs_d[:, None] * skd
+    keep_ptrs = KEEP + b * smb + h * smh + offs_m[:, None] * smm + offs_n0[None, :] * smn
+    t_ptr = TABLE + b * stb + h * sth + pid_m * stm
+    hi = LK
+    if CAUSAL:
+        hi = tl.minimum(LK, (pid_m + 1) * BLOCK_M)
+    zmax = tl.full([BLOCK_M], -float("inf"), tl.float32)
+    for start_n in range(0, hi, BLOCK_N):
+        live = 1
+        if HAS_MASK:
+            live = tl.load(t_ptr + (start_n // BLOCK_N) * stn)
+        if live != 0:
+            s, keep, kt = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m,
+                                       start_n + offs_n0, m_valid, d_valid, c, LK, CAUSAL, HAS_MASK, PREC, UPCAST)
+            if KIND == 7:
+                s = s * 0.5
+            zmax = tl.maximum(zmax, tl.max(tl.where(keep, s, -float("inf")), 1))
+    has_keys = zmax > -float("inf")
+    hi_t = tl.where(has_keys, zmax, 0.0)
+    lo_t = hi_t - 1.0
+    tau = lo_t
+    done = ~has_keys  # fully masked rows: p = 0 whatever tau is
+    for _ in range(STEPS):
+        if tl.max(tl.where(done, 0, 1)) != 0:
+            mass = tl.zeros([BLOCK_M], tl.float32)
+            slope = tl.zeros([BLOCK_M], tl.float32)
+            for start_n in range(0, hi, BLOCK_N):
+                live = 1
+                if HAS_MASK:
+                    live = tl.load(t_ptr + (start_n // BLOCK_N) * stn)
+                if live != 0:
+                    s, keep, kt = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m,
+                                               start_n + offs_n0, m_valid, d_valid, c, LK, CAUSAL, HAS_MASK, PREC,
+                                               UPCAST)
+                    if KIND == 7:
+                        s = s * 0.5
+                    t = tl.where(keep, tl.maximum(s - tau[:, None], 0.0), 0.0)
+                    if KIND == 7:
+                        mass += tl.sum(t * t, 1)
+                        slope += 2.0 * tl.sum(t, 1)
+                    else:
+                        mass += tl.sum(t, 1)
+                        slope += tl.sum(tl.where(t > 0, 1.0, 0.0), 1)
+            f = mass - 1.0  # decreasing and convex in tau
+            lo_t = tl.where(f >= 0, tau, lo_t)
+            hi_t = tl.where(f >= 0, hi_t, tau)
+            newton = tau + f / tl.where(slope > 0, slope, 1.0)
+            ok = (slope > 0) & (newton >= lo_t) & (newton <= hi_t)
+            nxt = tl.where(ok, newton, 0.5 * (lo_t + hi_t))
+            conv = (tl.abs(f) <= 1e-7) | (tl.abs(nxt - tau) <= 2e-8 * tl.maximum(tl.abs(tau), 1.0))
+            tau = tl.where(done, tau, nxt)
+            done = done | conv
+    tau = tl.where(has_keys, tau, 0.0)
+    tl.store(TAU + pid_bh * LQ + offs_m, tau, mask=m_valid)
+
+
+def _fwd_kernel(
+    Q, K, V, C, R, KEEP, TABLE, SHIFT_IN, OUT, DEN, SHIFT,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, scb, sch, scm,
+    smb, smh, smm, smn, stb, sth, stm, stn,
+    H, GROUPS, LQ, LK, DH, DV,
+    KIND: tl.constexpr, NORMALISED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """One program per (query block, batch x head): OUT [B, H, Lq, Dv], DEN and SHIFT [B, H, Lq] (fp32)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    hk = h // GROUPS
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    m_valid = offs_m < LQ
+    d_valid = offs_d < DH
+    dv_valid = offs_dv < DV
+    row = pid_bh.to(tl.int64) * LQ + offs_m
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
+                mask=m_valid[:, None] & d_valid[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    c = tl.load(C + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
+    r = tl.load(R + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
+    kt_ptrs = K + b * skb + hk * skh + offs_n0[None, :] * skn + offs_d[:, None] * skd
+    v_ptrs = V + b * svb + hk * svh + offs_n0[:, None] * svn + offs_dv[None, :] * svd
+    keep_ptrs = KEEP + b * smb + h * smh + offs_m[:, None] * smm + offs_n0[None, :] * smn
+    t_ptr = TABLE + b * stb + h * sth + pid_m * stm
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    den = tl.zeros([BLOCK_M], tl.float32)
+    if KIND >= 6:
+        shift = tl.load(SHIFT_IN + row, mask=m_valid, other=0.0)  # the sparse threshold tau
+    else:
+        shift = tl.zeros([BLOCK_M], tl.float32)  # softpick: running max of (0, visible scores)
+    hi = LK
+    if CAUSAL:
+        hi = tl.minimum(LK, (pid_m + 1) * BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        live = 1
+        if HAS_MASK:
+            live = tl.load(t_ptr + (start_n // BLOCK_N) * stn)
+        if live != 0:
+            offs_n = start_n + offs_n0
+            s, keep, kt = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m, offs_n,
+                                       m_valid, d_valid, c, LK, CAUSAL, HAS_MASK, PREC, UPCAST)
+            if KIND == 3:
+                new = tl.maximum(shift, tl.max(tl.where(keep, s, 0.0), 1))
+                alpha = tl.exp(shift - new)
+                acc = acc * alpha[:, None]
+                den = den * alpha
+                shift = new
+            a, bden = _entry(s, r, keep, shift, KIND)
+            v = tl.load(v_ptrs + start_n * svn, mask=(offs_n[:, None] < LK) & dv_valid[None, :],
+                        other=0.0).to(tl.float32)
+            acc += tl.dot(a, v, input_precision=PREC)
+            den += tl.sum(bden, 1)
+    if NORMALISED:
+        if KIND == 0:
+            den = den + r
+        inv = tl.where(den != 0, 1.0 / tl.where(den != 0, den, 1.0), 0.0)
+        acc = acc * inv[:, None]
+    tl.store(OUT + row[:, None] * DV + offs_dv[None, :], acc, mask=m_valid[:, None] & dv_valid[None, :])
+    tl.store(DEN + row, den, mask=m_valid)
+    if KIND == 3:
+        tl.store(SHIFT + row, shift, mask=m_valid)
+
+
+def _bwd_dq_kernel(
+    Q, K, V, C, R, KEEP, TABLE, SHIFT, DEN, DELTA, DO, DQ, DC, DR,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, scb, sch, scm,
+    smb, smh, smm, smn, stb, sth, stm, stn,
+    H, GROUPS, LQ, LK, DH, DV,
+    KIND: tl.constexpr, NORMALISED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """One program per (query block, batch x head): DQ [B, H, Lq, D], DC and DR [B, H, Lq] (fp32).
+
+    DELTA [B, H, Lq]: written here for the dk/dv kernel (normalised and sparse kinds). DO: fp32 contiguous.
+    """
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    hk = h // GROUPS
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    m_valid = offs_m < LQ
+    d_valid = offs_d < DH
+    dv_valid = offs_dv < DV
+    row = pid_bh.to(tl.int64) * LQ + offs_m
+    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
+                mask=m_valid[:, None] & d_valid[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    c = tl.load(C + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
+    r = tl.load(R + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
+    shift = tl.load(SHIFT + row, mask=m_valid, other=0.0)
+    den = tl.load(DEN + row, mask=m_valid, other=0.0)
+    inv = tl.where(den != 0, 1.0 / tl.where(den != 0, den, 1.0), 0.0)
+    delta = tl.zeros([BLOCK_M], tl.float32)
+    do = tl.load(DO + row[:, None] * DV + offs_dv[None, :], mask=m_valid[:, None] & dv_valid[None, :], other=0.0)
+    kt_ptrs = K + b * skb + hk * skh + offs_n0[None, :] * skn + offs_d[:, None] * skd
+    vt_ptrs = V + b * svb + hk * svh + offs_n0[None, :] * svn + offs_dv[:, None] * svd
+    keep_ptrs = KEEP + b * smb + h * smh + offs_m[:, None] * smm + offs_n0[None, :] * smn
+    t_ptr = TABLE + b * stb + h * sth + pid_m * stm
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    dr = tl.zeros([BLOCK_M], tl.float32)
+    hi = LK
+    if CAUSAL:
+        hi = tl.minimum(LK, (pid_m + 1) * BLOCK_M)
+    if NORMALISED or KIND >= 6:
+        # First pass: delta_i, stored for the dk/dv kernel. Normalised kinds: sum_j w_ij dp_ij with w = a / D by
+        # true division; sparse kinds: the Jacobian's mean term sum_j g_ij dp_ij / sum_j g_ij. Computed from the
+        # same dp as the second pass, a row with one visible key (or a one-key support) gets ds = 0 exactly.
+        # Flash attention's shortcut do . out rounds out first, and squared, symax and softpick amplify that
+        # rounding by up to 1/|s| when the scores are near 0.
+        den1 = tl.where(den != 0, den, 1.0)
+        delta = tl.zeros([BLOCK_M], tl.float32)
+        gsum = tl.zeros([BLOCK_M], tl.float32)
+        for start_n in range(0, hi, BLOCK_N):
+            live = 1
+            if HAS_MASK:
+                live = tl.load(t_ptr + (start_n // BLOCK_N) * stn)
+            if live != 0:
+                offs_n = start_n + offs_n0
+                s, keep, kt = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m, offs_n,
+                                           m_valid, d_valid, c, LK, CAUSAL, HAS_MASK, PREC, UPCAST)
+                vt = tl.load(vt_ptrs + start_n * svn, mask=dv_valid[:, None] & (offs_n[None, :] < LK),
+                             other=0.0).to(tl.float32)
+                dp = tl.dot(do, vt, input_precision=PREC)
+                if NORMALISED:
+                    a, _b = _entry(s, r, keep, shift, KIND)
+                    delta += tl.sum(a / den1[:, None] * dp, 1)
+                else:
+                    a, g, _db = _slopes(s, r, keep, shift, KIND)
+                    delta += tl.sum(g * dp, 1)
+                    gsum += tl.sum(g, 1)
+        if KIND >= 6:
+            delta = tl.where(gsum > 0, delta / tl.where(gsum > 0, gsum, 1.0), 0.0)
+        tl.store(DELTA + row, delta, mask=m_valid)
+    for start_n in range(0, hi, BLOCK_N):
+        live = 1
+        if HAS_MASK:
+            live = tl.load(t_ptr + (start_n // BLOCK_N) * stn)
+        if live != 0:
+            offs_n = start_n + offs_n0
+            s, keep, kt = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m, offs_n,
+                                       m_valid, d_valid, c, LK, CAUSAL, HAS_MASK, PREC, UPCAST)
+            vt = tl.load(vt_ptrs + start_n * svn, mask=dv_valid[:, None] & (offs_n[None, :] < LK),
+                         other=0.0).to(tl.float32)
+            dp = tl.dot(do, vt, input_precision=PREC)
+            a, da, db = _slopes(s, r, keep, shift, KIND)
+            if NORMALISED:
+                ds = (da * dp - db * delta[:, None]) * inv[:, None]
+            elif KIND >= 6:
+                ds = da * (dp - delta[:, None])
+            else:
+                ds = da * dp
+            if KIND == 4:  # sigmoid: r is added to s
+                dr += tl.sum(ds, 1)
+            if KIND == 5:  # relu_len: r multiplies relu(s)
+                dr += tl.sum(tl.where(keep, tl.maximum(s, 0.0), 0.0) * dp, 1)
+            acc += tl.dot(ds, tl.trans(kt).to(tl.float32), input_precision=PREC)
+    if KIND == 0:  # symax: r is added to the denominator
+        dr = -delta * inv
+    tl.store(DQ + row[:, None] * DH + offs_d[None, :], acc * c[:, None], mask=m_valid[:, None] & d_valid[None, :])
+    tl.store(DC + row, tl.sum(q.to(tl.float32) * acc, 1), mask=m_valid)
+    tl.store(DR + row, dr, mask=m_valid)
+
+
+def _bwd_dkdv_kernel(
+    Q, K, V, C, R, KEEP, TABLE, SHIFT, DEN, DELTA, DO, DK, DV_OUT,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, scb, sch, scm,
+    smb, smh, smm, smn, stb, sth, stm, stn,
+    H, HKV, GROUPS, LQ, LK, DH, DV,
+    KIND: tl.constexpr, NORMALISED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """One program per (key block, batch x kv head), looping over the GROUPS query heads that share the kv head:
+    DK [B, Hkv, Lk, D] and DV_OUT [B, Hkv, Lk, Dv] (fp32)."""
+    pid_n = tl.program_id(0)
+    pid_bk = tl.program_id(1)
+    b = (pid_bk // HKV).to(tl.int64)
+    hk = pid_bk % HKV
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    n_valid = offs_n < LK
+    d_valid = offs_d < DH
+    dv_valid = offs_dv < DV
+    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd,
+                mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_dv[None, :] * svd,
+                mask=n_valid[:, None] & dv_valid[None, :], other=0.0).to(tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    lo = 0
+    if CAUSAL:
+        lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M  # first query block holding a query i >= this block's keys
+    for g in range(GROUPS):
+        h = hk * GROUPS + g
+        row0 = (b * H + h) * LQ
+        q_ptrs = Q + b * sqb + h * sqh + offs_m0[:, None] * sqm + offs_d[None, :] * sqd
+        keep_ptrs = KEEP + b * smb + h * smh + offs_m0[:, None] * smm + offs_n[None, :] * smn
+        t_ptr = TABLE + b * stb + h * sth + pid_n * stn
+        for start_m in range(lo, LQ, BLOCK_M):
+            live = 1
+            if HAS_MASK:
+                live = tl.load(t_ptr + (start_m // BLOCK_M) * stm)
+            if live != 0:
+                offs_m = start_m + offs_m0
+                m_valid = offs_m < LQ
+                row = row0 + offs_m
+                q = tl.load(q_ptrs + start_m * sqm, mask=m_valid[:, None] & d_valid[None, :],
+                            other=0.0)
+                if UPCAST:
+                    q = q.to(tl.float32)
+                c = tl.load(C + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
+                r = tl.load(R + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
+                shift = tl.load(SHIFT + row, mask=m_valid, other=0.0)
+                den = tl.load(DEN + row, mask=m_valid, other=0.0)
+                inv = tl.where(den != 0, 1.0 / tl.where(den != 0, den, 1.0), 0.0)
+                delta = tl.load(DELTA + row, mask=m_valid, other=0.0)
+                do = tl.load(DO + row[:, None] * DV + offs_dv[None, :], mask=m_valid[:, None] & dv_valid[None, :],
+                             other=0.0)
+                s = tl.dot(q, tl.trans(k), input_precision=PREC) * c[:, None]
+                keep = m_valid[:, None] & n_valid[None, :]
+                if CAUSAL:
+                    keep = keep & (offs_n[None, :] <= offs_m[:, None])
+                if HAS_MASK:
+                    keep = keep & (tl.load(keep_ptrs + start_m * smm, mask=keep, other=0) != 0)
+                a, da, db = _slopes(s, r, keep, shift, KIND)
+                dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+                if NORMALISED:
+                    w = a * inv[:, None]
+                    ds = (da * dp - db * delta[:, None]) * inv[:, None]
+                elif KIND >= 6:
+                    w = a
+                    ds = da * (dp - delta[:, None])
+                else:
+                    w = a
+                    ds = da * dp
+                dv += tl.dot(tl.trans(w), do, input_precision=PREC)
+                dk += tl.dot(tl.trans(ds * c[:, None]), q.to(tl.float32), input_precision=PREC)
+    out_row = pid_bk.to(tl.int64) * LK + offs_n
+    tl.store(DK + out_row[:, None] * DH + offs_d[None, :], dk, mask=n_valid[:, None] & d_valid[None, :])
+    tl.store(DV_OUT + out_row[:, None] * DV + offs_dv[None, :], dv, mask=n_valid[:, None] & dv_valid[None, :])
+
+
+_JIT_FUNCTIONS = ("_entry", "_slopes", "_score_block", "_threshold_kernel", "_fwd_kernel", "_bwd_dq_kernel",
+                  "_bwd_dkdv_kernel")
+_HELPERS = ("_entry", "_slopes", "_score_block")
+_COMPILED: dict[bool, types.SimpleNamespace] = {}
+
+
+def _compiled() -> types.SimpleNamespace:
+    """The jitted kernels for the current mode (compiled or interpreted), built once per mode.
+
+    triton decides compiled vs interpreted when ``triton.jit`` runs, and the interpreter writes its helpers into the
+    function's globals; so each mode gets its own namespace holding its own jitted copies, which resolve each
+    other by name.
+    """
+    _load_triton()
+    mode = bool(triton.knobs.runtime.interpret)
+    if mode not in _COMPILED:
+        ns: dict[str, Any] = dict(globals())
+        for name in _JIT_FUNCTIONS:
+            raw = globals()[name]
+            fn = types.FunctionType(raw.__code__, ns, name, raw.__defaults__)
+            fn.__module__, fn.__qualname__, fn.__doc__ = raw.__module__, raw.__qualname__, raw.__doc__
+            ns[name] = triton.jit(fn)
+            if mode and name in _HELPERS:
+                # interpreted: call device helpers as their rewritten Python functions; going through
+                # InterpretedFunction.__call__ re-patches triton.language on every call (~2 ms each)
+                ns[name] = ns[name].rewrite()
+        _COMPILED[mode] = types.SimpleNamespace(**{name: ns[name] for name in _JIT_FUNCTIONS})
+    return _COMPILED[mode]
+
+
+# ------------------------------------------------------------------------------------------------------ host code
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(x: int) -> int:
+    return max(16, 1 << max(0, math.ceil(math.log2(max(x, 1)))))
+
+
+def block_sizes(device: torch.device, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N): 64 x 64 on GPUs (32 keys for head_dim > 64, to bound registers), 32 x 32 interpreted."""
+    if BLOCK_OVERRIDE is not None:
+        return BLOCK_OVERRIDE
+    if device.type != "cuda":
+        return 32, 32
+    return 64, (32 if head_dim > 64 else 64)
+
+
+def block_table(keep: torch.Tensor, lq: int, lk: int, bm: int, bn: int) -> torch.Tensor:
+    """uint8 [Bm, Hm, ceil(Lq/bm), ceil(Lk/bn)]: 1 where a [query block, key block] has a visible key.
+
+    keep: bool [Bm, Hm, Lq or 1, Lk]."""
+    bsz, hsz = keep.shape[:2]
+    full = keep.expand(bsz, hsz, lq, lk)
+    nq, nk = _cdiv(lq, bm), _cdiv(lk, bn)
+    padded = torch.nn.functional.pad(full, (0, nk * bn - lk, 0, nq * bm - lq))
+    return padded.view(bsz, hsz, nq, bm, nk, bn).any(dim=5).any(dim=3).to(torch.uint8).contiguous()
+
+
+def _strides4(t: torch.Tensor) -> list[int]:
+    return [0 if t.shape[i] == 1 else t.stride(i) for i in range(4)]
+
+
+class _Plan:
+    """Everything about one call that is not a differentiable tensor: mask, sizes, launch constants."""
+
+    def __init__(self, call: AttnCall) -> None:
+        q, k, v = call.q, call.k, call.v
+        self.B, self.H, self.LQ, self.DH = q.shape
+        self.HKV, self.LK, self.DV = k.shape[1], k.shape[2], v.shape[-1]
+        self.groups = self.H // self.HKV
+        self.name = call.settings.normalizer
+        self.kind = KINDS[self.name]
+        self.normalised = self.name in NORMALISED
+        self.bm, self.bn = block_sizes(q.device, self.DH)
+        self.bd, self.bdv = _pow2(self.DH), _pow2(self.DV)
+        keep = call.mask.keep
+        self.causal = keep is None and call.mask.causal and self.LQ > 1
+        if keep is None:
+            self.keep = torch.zeros(1, dtype=torch.uint8, device=q.device)
+            self.table = self.keep
+            self.mask_strides = [0, 0, 0, 0]
+            self.table_strides = [0, 0, 0, 0]
+        else:
+            k8 = keep.to(q.device).view(torch.uint8) if keep.dtype == torch.bool else keep.to(torch.uint8)
+            self.keep = k8
+            self.mask_strides = _strides4(k8)
+            self.table = block_table(keep.to(q.device), self.LQ, self.LK, self.bm, self.bn)
+            self.table_strides = _strides4(self.table)
+        # fp32 inputs: exact fp32 products unless the user allowed TF32 for matmuls, as torch does
+        self.prec = "tf32" if (q.is_cuda and torch.backends.cuda.matmul.allow_tf32) else "ieee"
+        # triton 3.9's interpreter computes tl.dot on bf16 operands wrongly: upcast there (GPUs use bf16 as is)
+        self.upcast = q.dtype == torch.bfloat16 and bool(triton.knobs.runtime.interpret)
+
+    def common(self, q, k, v, c) -> list:
+        return [*_strides4(q), *_strides4(k), *_strides4(v), c.stride(0), c.stride(1), c.stride(2),
+                *self.mask_strides, *self.table_strides]
+
+    def consts(self) -> dict[str, Any]:
+        return dict(KIND=self.kind, NORMALISED=self.normalised, CAUSAL=self.causal, HAS_MASK=self.table.dim() == 4,
+                    PREC=self.prec, UPCAST=self.upcast, BLOCK_M=self.bm, BLOCK_N=self.bn, BLOCK_D=self.bd,
+                    BLOCK_DV=self.bdv)
+
+
+def _only(consts: dict[str, Any], kernel: Any) -> dict[str, Any]:
+    """The compile-time constants ``kernel`` takes."""
+    return {k: v for k, v in consts.items() if k in kernel.arg_names}
+
+
+def _grid_q(p: _Plan) -> tuple[int, int]:
+    return (_cdiv(p.LQ, p.bm), p.B * p.H)
+
+
+class _TritonAttention(torch.autograd.Function):
+    """(q, k, v, c, r) -> out [B, H, Lq, Dv] fp32; c, r: fp32 [B, H, Lq] (score scale, normalizer row value)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, c, r, plan: _Plan):
+        kern = _compiled()
+        dev = q.device
+        rows = (plan.B, plan.H, plan.LQ)
+        out = torch.empty(*rows, plan.DV, dtype=torch.float32, device=dev)
+        den = torch.empty(rows, dtype=torch.float32, device=dev)
+        shift = torch.zeros(rows, dtype=torch.float32, device=dev)
+        common = plan.common(q, k, v, c)
+        cst = plan.consts()
+        grid = _grid_q(plan)
+        if plan.name in SPARSE:
+            # threshold kernel takes no V strides
+            kern._threshold_kernel[grid](
+                q, k, c, plan.keep, plan.table, shift, *common[:8], *common[12:], plan.H, plan.groups, plan.LQ,
+                plan.LK, plan.DH, STEPS=THRESHOLD_STEPS, **_only(cst, kern._threshold_kernel))
+        kern._fwd_kernel[grid](q, k, v, c, r, plan.keep, plan.table, shift, out, den, shift, *common,
+                               plan.H, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, **cst)
+        ctx.save_for_backward(q, k, v, c, r, den, shift)
+        ctx.plan = plan
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, c, r, den, shift = ctx.saved_tensors
+        plan: _Plan = ctx.plan
+        kern = _compiled()
+        dev = q.device
+        do = dout.to(torch.float32).contiguous()
+        common = plan.common(q, k, v, c)
+        cst = plan.consts()
+        grid = _grid_q(plan)
+        delta = torch.zeros_like(den)  # written by the dq kernel (normalised and sparse kinds)
+        dq = torch.empty(plan.B, plan.H, plan.LQ, plan.DH, dtype=torch.float32, device=dev)
+        dc = torch.empty_like(den)
+        dr = torch.empty_like(den)
+        kern._bwd_dq_kernel[grid](q, k, v, c, r, plan.keep, plan.table, shift, den, delta, do, dq, dc, dr, *common,
+                                  plan.H, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, **cst)
+        dk = torch.empty(plan.B, plan.HKV, plan.LK, plan.DH, dtype=torch.float32, device=dev)
+        dv = torch.empty(plan.B, plan.HKV, plan.LK, plan.DV, dtype=torch.float32, device=dev)
+        kern._bwd_dkdv_kernel[(_cdiv(plan.LK, plan.bn), plan.B * plan.HKV)](
+            q, k, v, c, r, plan.keep, plan.table, shift, den, delta, do, dk, dv, *common,
+            plan.H, plan.HKV, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, **cst)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dc if ctx.needs_input_grad[3] else None,
+                dr if ctx.needs_input_grad[4] else None, None)
+
+
+def _row_values(call: AttnCall, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """c = base x multiplier and r = the normalizer's row value, both [B, H, Lq] fp32 (autograd-connected to the
+    per-head parameters and scale factors they come from)."""
+    B, H, LQ = call.q.shape[:3]
+    dev = call.q.device
+    if call.multiplier is None:
+        c = torch.full((B, H, LQ), float(call.base), dtype=dtype, device=dev)
+    else:
+        c = (call.multiplier.to(dtype) * call.base).expand(B, H, LQ).contiguous()
+    name = call.settings.normalizer
+    n = call.mask.n.to(device=dev, dtype=dtype)
+    if name == "symax":
+        r = call.heads["symax_eta"].to(device=dev, dtype=dtype).abs().view(1, H, 1)
+    elif name == "sigmoid":
+        r = call.heads["sigmoid_bias"].to(device=dev, dtype=dtype).view(1, H, 1)
+        if call.settings.sigmoid_bias is None:
+            r = r - torch.log(n)
+    elif name == "relu_len":
+        r = 1.0 / n
+    else:
+        r = torch.zeros((), dtype=dtype, device=dev)
+    return c, r.expand(B, H, LQ).contiguous()
+
+
+_WARNED: set[str] = set()
+
+
+def _decline(reason: str) -> None:
+    """Decline a call: raise the kernels package's PathDeclined with the reason where it exists, else None."""
+    declined = getattr(_kernels_pkg, "PathDeclined", None)
+    if declined is not None:
+        raise declined(reason)
+    return None
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+def triton_attention(call: AttnCall) -> tuple[torch.Tensor, None] | None:
+    """out [B, H, Lq, Dv] (input dtype), or declined (PathDeclined with the reason, or None with an older kernels
+    package): other normalizers, weights requested, dropout > 0 (the weights are never formed), fp64, empty
+    inputs, CPU tensors without Triton's interpreter, triton missing (one-time warning on CUDA) or imported before
+    ``TRITON_INTERPRET`` changed (one-time warning)."""
+    name = call.settings.normalizer
+    q, k, v = call.q, call.k, call.v
+    if name not in KINDS:
+        return _decline(f"no Triton kernel for normalizer {name!r} (kernels: {', '.join(KINDS)})")
+    if call.need_weights or call.dropout > 0:
+        return _decline("the Triton kernels never form the weights (no output_attentions, no dropout on weights)")
+    norm = type(call.normalizer)
+    # these kernels compute s = c (q . k) directly: normalizers with their own q/k transforms are not theirs
+    if norm.transform_qk is not Normalizer.transform_qk or norm.feature_map is not Normalizer.feature_map:
+        return _decline(f"normalizer {name!r} transforms q/k, which the Triton kernels do not")
+    if not (q.is_cuda or (q.device.type == "cpu" and interpreter_requested())):
+        return _decline(f"Triton kernels run on CUDA tensors, or on CPU tensors under Triton's interpreter "
+                        f"(TRITON_INTERPRET=1, set before triton is imported); got device {q.device}")
+    if not triton_installed():
+        _warn_once("no-triton", "hf_attnorm: triton is not installed, so the Triton fast path is unavailable "
+                                "(pip install triton); another path is used")
+        return _decline("triton is not installed (pip install triton)")
+    _load_triton()
+    if not interpreter_consistent():
+        msg = ("TRITON_INTERPRET changed after triton was imported (triton fixes interpreted vs compiled mode at "
+               "import); set TRITON_INTERPRET=1 in the environment before anything imports triton")
+        _warn_once("interp", f"hf_attnorm: {msg}; the Triton path is skipped")
+        return _decline(msg)
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return _decline(f"dtype {q.dtype}: the Triton kernels take float32, float16 and bfloat16")
+    if not (k.device == v.device == q.device) or q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
+        return _decline("q, k, v on different devices, or empty")
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():  # launch on q's GPU
+        plan = _Plan(call)
+        c, r = _row_values(call)
+        out = _TritonAttention.apply(q, k, v, c, r, plan)
+    return out.to(q.dtype), None
+
+
+from . import register_path  # noqa: E402  (registration at import, like the normalizers)
+
+_kernels_pkg = importlib.import_module(__package__)
+# auto mode never tries this path on CPU tensors (the CPU paths own them); forced, it runs there under the
+# interpreter. (An older register_path without exclude_devices: CPU calls are declined unless interpreted.)
+if "exclude_devices" in inspect.signature(register_path).parameters:
+    register_path("triton", triton_attention, list(KINDS), exclude_devices=("cpu",))
+else:  # pragma: no cover
+    register_path("triton", triton_attention, list(KINDS))

@@ -1,0 +1,492 @@
+"""Every fast path against the reference path: forward and every gradient (q, k, v, per-head parameters).
+
+Generic over the registries: the (path, normalizer) pairs come from the paths' own declarations
+(``hf_attnorm.kernels.declared_normalizers``; ``"*"`` paths take every normalizer), scales from ``SCALES``.
+
+Error criterion (issue 3): with e(x) = max |x - x64| against a float64 reference computed from the same inputs,
+e(fast fp32) <= 5 e(reference fp32) + 1e-5, and in fp16/bf16 e(fast) <= 2 e(reference in that dtype) (+1e-6).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from hf_attnorm.attention import LAST_CALL, attention, constant_heads, make_call
+from hf_attnorm.config import OPTIONS, AttnormSettings, resolve_settings
+from hf_attnorm.kernels import (
+    ENV_VAR,
+    PATHS,
+    PathDeclined,
+    attend,
+    candidate_paths,
+    declared_normalizers,
+    explain,
+    fused_cpu,
+)
+from hf_attnorm.kernels import chunked as chunked_mod
+from hf_attnorm.registry import NORMALIZERS, SCALES, AttnormError
+
+FAST_PATHS = [p for p in PATHS if p != "reference"]
+MODULE_INFO = {"max_positions": 16}  # qwen_logn's L_train: small, so the scale is active at test lengths
+
+
+def _normalizers(path: str) -> list[str]:
+    declared = declared_normalizers(path)
+    return list(NORMALIZERS) if declared is None else [n for n in declared if n in NORMALIZERS]
+
+
+PAIRS = [(p, n) for p in FAST_PATHS for n in _normalizers(p)]
+PAIR_IDS = [f"{p}-{n}" for p, n in PAIRS]
+
+
+def _probe_reason(path: str, name: str) -> str | None:
+    """Why ``path`` declines a plain small fp32 CPU call of ``name`` (None when it runs it)."""
+    q = torch.randn(1, 2, 3, 4)
+    settings = resolve_settings(name)
+    call = make_call(q, q, q, settings, constant_heads(settings, 2), None, True, None, module_info=MODULE_INFO)
+    try:
+        res = PATHS[path](call)
+    except PathDeclined as exc:
+        return str(exc)
+    return None if res is not None else "declined"
+
+
+_PROBES: dict[tuple[str, str], str | None] = {}
+
+
+def _skip_unless_runs(path: str, name: str) -> None:
+    key = (path, name)
+    if key not in _PROBES:
+        _PROBES[key] = _probe_reason(path, name)
+    if _PROBES[key] is not None:
+        pytest.skip(f"path {path} does not run on this machine/device: {_PROBES[key]}")
+
+
+# ---------------------------------------------------------------------------------------------------- cases
+
+
+class Case:
+    """One attention problem: shapes, mask, causality; ``layout`` "hf" gives q/k/v as transposed views."""
+
+    def __init__(self, cid, B, H, Hkv, Lq, Lk, D=16, causal=True, mask=None, layout="bhld", scale=1.0):
+        self.id, self.B, self.H, self.Hkv, self.Lq, self.Lk, self.D = cid, B, H, Hkv, Lq, Lk, D
+        self.causal, self.mask_kind, self.layout, self.scale = causal, mask, layout, scale
+
+    def __repr__(self) -> str:
+        return self.id
+
+    def tensors(self, seed: int):
+        g = torch.Generator().manual_seed(seed)
+
+        def make(b, h, n):
+            if self.layout == "hf":  # what transformers passes: [B, L, H, D] viewed as [B, H, L, D]
+                return torch.randn(b, n, h, self.D, generator=g, dtype=torch.float64).transpose(1, 2)
+            return torch.randn(b, h, n, self.D, generator=g, dtype=torch.float64)
+
+        q = make(self.B, self.H, self.Lq) * self.scale
+        k, v = make(self.B, self.Hkv, self.Lk), make(self.B, self.Hkv, self.Lk)
+        return q, k, v, self.build_mask(g)
+
+    def build_mask(self, g) -> torch.Tensor | None:
+        B, Lq, Lk = self.B, self.Lq, self.Lk
+        if self.mask_kind is None:
+            return None
+        if self.mask_kind == "padding":  # key padding (left in row 0, right in row 1), + causal, + dead rows
+            keep = torch.ones(B, 1, Lq, Lk, dtype=torch.bool)
+            keep[0, :, :, : Lk // 4] = False
+            if B > 1:
+                keep[1, :, :, Lk - Lk // 5:] = False
+            if self.causal:
+                keep &= torch.ones(Lq, Lk, dtype=torch.bool).tril(Lk - Lq)
+            keep[0, :, : min(3, Lq)] = False  # fully masked query rows (left padding)
+            return keep
+        if self.mask_kind == "random_heads":  # a different random mask per head
+            keep = torch.rand(B, self.H, Lq, Lk, generator=g) > 0.4
+            keep[:, 0, 0] = False
+            return keep
+        raise ValueError(self.mask_kind)
+
+
+CASES = [
+    Case("L1-causal", 2, 4, 2, 1, 1),
+    Case("L17-causal-gqa", 2, 4, 2, 17, 17),
+    Case("L113-bidir", 1, 2, 2, 113, 113, causal=False),
+    Case("L127-causal-hf-layout", 1, 4, 1, 127, 127, layout="hf"),
+    Case("L127-padding-causal", 2, 2, 1, 127, 127, mask="padding"),
+    Case("L113-padding-bidir", 2, 2, 2, 113, 113, causal=False, mask="padding"),
+    Case("decode-Lq1-Lk113", 2, 4, 2, 1, 113),
+    Case("cache-Lq17-Lk130-padding", 2, 2, 1, 17, 130, mask="padding"),
+    Case("cross-Lq17-Lk113", 2, 2, 2, 17, 113, causal=False),
+    Case("L37-random-head-masks", 2, 3, 3, 37, 37, causal=False, mask="random_heads"),
+    Case("L64-large-scores", 1, 2, 1, 64, 64, scale=6.0),  # sparse supports (entmax/sparsemax sparse tiles)
+    Case("L300-small-scores", 1, 2, 1, 300, 300, scale=0.02),  # dense supports, squared near 0/0
+]
+BIG_CASES = [
+    Case("L513-causal-gqa", 1, 4, 2, 513, 513),
+    Case("L1023-causal", 1, 2, 1, 1023, 1023, D=32),
+]
+
+
+def _heads(settings, H: int, seed: int) -> dict[str, torch.Tensor]:
+    """Per-head values perturbed away from their (often equal) initial values, so head indexing is tested."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    heads = constant_heads(settings, H)
+    return {n: (t + 0.3 * torch.randn(H, generator=g)).abs() if n in ("cosine_temperature", "ssmax_s")
+            else t + 0.3 * torch.randn(H, generator=g) for n, t in heads.items()}
+
+
+def _settings(name: str, scale: str | None):
+    """The normalizer's preset, with ``scale`` instead of its default scale if given."""
+    if scale is None:
+        return resolve_settings(name)
+    try:
+        return resolve_settings(name, {"scale": scale})
+    except AttnormError:  # the preset carries options of its default scale (cosine: max_gradient_dist)
+        return resolve_settings("softmax", {"normalizer": name, "scale": scale})
+
+
+def _run(path, settings, case, q, k, v, mask, heads, dtype, gout):
+    """(out, dq, dk, dv, d heads...) as float64, computed in ``dtype`` by ``path``."""
+    leaves = [t.to(dtype).detach().requires_grad_(True) for t in (q, k, v)]
+    hl = {n: t.to(torch.float64 if dtype == torch.float64 else torch.float32).detach().requires_grad_(True)
+          for n, t in heads.items()}
+    out, _ = attention(*leaves, settings, attention_mask=mask, causal=case.causal, heads=hl, path=path,
+                       module_info=MODULE_INFO)
+    assert out.dtype == dtype and out.shape == (case.B, case.H, case.Lq, case.D)
+    out.backward(gout.to(dtype))
+    grads = [t.grad for t in leaves] + [t.grad if t.grad is not None else torch.zeros_like(t) for t in hl.values()]
+    return [out.detach().double()] + [g.double() for g in grads]
+
+
+def _compare(path, name, case, dtype=torch.float32, scale=None, seed=0, perturb=True):
+    """name: a normalizer (its preset, with ``scale`` if given) or resolved settings."""
+    settings = name if isinstance(name, AttnormSettings) else _settings(name, scale)
+    name = settings.normalizer
+    q, k, v, mask = case.tensors(seed)
+    heads = _heads(settings, case.H, seed) if perturb else constant_heads(settings, case.H)
+    gout = torch.randn(case.B, case.H, case.Lq, case.D, generator=torch.Generator().manual_seed(seed + 7),
+                       dtype=torch.float64)
+    # every run sees the same (rounded) inputs
+    q, k, v = (t.to(dtype).double() for t in (q, k, v))
+    gout = gout.to(dtype).double()
+    exact = _run("reference", settings, case, q, k, v, mask, heads, torch.float64, gout)
+    ref = _run("reference", settings, case, q, k, v, mask, heads, dtype, gout)
+    try:
+        fast = _run(path, settings, case, q, k, v, mask, heads, dtype, gout)
+    except ValueError as exc:
+        # O(n) paths (linear_chunked) may decline arbitrary per-head masks, which have no O(n) form
+        if case.mask_kind == "random_heads" and "cannot run this call" in str(exc):
+            pytest.skip(str(exc))
+        raise
+    labels = ["out", "dq", "dk", "dv", *[f"d{n}" for n in heads]]
+    factor, absolute = (5.0, 1e-5) if dtype == torch.float32 else (2.0, 1e-6)
+    for label, e, r, f in zip(labels, exact, ref, fast):
+        assert torch.isfinite(f).all(), f"{label}: non-finite values"
+        err_ref = (r - e).abs().max().item() if e.numel() else 0.0
+        err_fast = (f - e).abs().max().item() if e.numel() else 0.0
+        assert err_fast <= factor * err_ref + absolute, (
+            f"{path}/{name}/{case}/{dtype} {label}: fast error {err_fast:.3g} > {factor} x reference error "
+            f"{err_ref:.3g} + {absolute}")
+    if mask is not None and mask.shape[1] == 1:  # fully masked rows give exactly 0
+        dead = ~mask.any(-1)  # [B, 1, Lq]
+        if dead.any():
+            assert (fast[0][dead.expand(case.B, case.H, case.Lq)] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("case", CASES, ids=repr)
+@pytest.mark.parametrize("path,name", PAIRS, ids=PAIR_IDS)
+def test_fast_path_matches_reference(path, name, case):
+    _skip_unless_runs(path, name)
+    _compare(path, name, case)
+
+
+@pytest.mark.parametrize("case", BIG_CASES, ids=repr)
+@pytest.mark.parametrize("path,name", PAIRS, ids=PAIR_IDS)
+def test_fast_path_matches_reference_long(path, name, case):
+    _skip_unless_runs(path, name)
+    _compare(path, name, case)
+
+
+SCALE_CASE = Case("L37-causal-gqa", 2, 4, 2, 37, 37)
+
+
+@pytest.mark.parametrize("scale", list(SCALES))
+@pytest.mark.parametrize("path,name", PAIRS, ids=PAIR_IDS)
+def test_every_scale(path, name, scale):
+    _skip_unless_runs(path, name)
+    _compare(path, name, SCALE_CASE, scale=scale)
+
+
+def _option_variants() -> list[tuple[str, str, float]]:
+    """(normalizer, option, value): every float option a normalizer declares, at 0 and at another valid value."""
+    out = []
+    for name in NORMALIZERS:
+        for opt_name in NORMALIZERS.get(name).options:
+            opt = OPTIONS.get(opt_name)
+            if opt.kind is not float:
+                continue
+            for value in (0.0, (opt.default or 0.0) * 0.5 + 0.3):
+                try:
+                    resolve_settings(name, {opt_name: value})
+                except AttnormError:
+                    continue  # not a valid value for this option (e.g. a temperature of 0)
+                out.append((name, opt_name, value))
+    return out
+
+
+OPTION_CASE = Case("L45-padding-causal", 2, 2, 1, 45, 45, mask="padding")
+
+
+@pytest.mark.parametrize("name,option,value", _option_variants(),
+                         ids=[f"{n}-{o}={v}" for n, o, v in _option_variants()])
+def test_option_values(name, option, value):
+    """Non-default option values (n_extra = 0 or 0.8, eta = 0, a constant sigmoid bias...) on every path of the
+    normalizer."""
+    settings = resolve_settings(name, {option: value})
+    for path in FAST_PATHS:
+        declared = declared_normalizers(path)
+        if declared is not None and name not in declared:
+            continue
+        _skip_unless_runs(path, name)
+        _compare(path, settings, OPTION_CASE, perturb=False)  # per-head values exactly as the options say
+
+
+HALF_CASE = Case("L65-padding-causal", 2, 2, 1, 65, 65, mask="padding")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("path,name", PAIRS, ids=PAIR_IDS)
+def test_half_precision(path, name, dtype):
+    _skip_unless_runs(path, name)
+    _compare(path, name, HALF_CASE, dtype=dtype)
+
+
+def test_fused_blocks_cross_edges():
+    """Tiny blocks: every tile state (empty, full, mixed by causality, mixed by the mask) and many key blocks."""
+    if fused_cpu.unavailable_reason():
+        pytest.skip(fused_cpu.unavailable_reason())
+    old = fused_cpu.BLOCK_OVERRIDE
+    fused_cpu.BLOCK_OVERRIDE = (8, 16)
+    try:
+        for name in fused_cpu.KINDS:
+            for case in (CASES[4], CASES[7], CASES[3]):
+                _compare("fused_cpu", name, case)
+    finally:
+        fused_cpu.BLOCK_OVERRIDE = old
+
+
+def test_chunked_spans_several_chunks():
+    old = chunked_mod.CHUNK_OVERRIDE
+    chunked_mod.CHUNK_OVERRIDE = 16
+    try:
+        for name in NORMALIZERS:
+            _compare("chunked", name, CASES[4])
+            _compare("chunked", name, CASES[7])
+    finally:
+        chunked_mod.CHUNK_OVERRIDE = old
+
+
+# ---------------------------------------------------------------------------------------------------- dispatch
+
+
+def _call(name, need_weights=False, dropout=0.0, dtype=torch.float32, mask=None, **opts):
+    q = torch.randn(1, 2, 9, 8, dtype=dtype)
+    settings = resolve_settings(name, opts)
+    return make_call(q, q, q, settings, constant_heads(settings, 2), mask, True, None, dropout, need_weights,
+                     MODULE_INFO)
+
+
+@pytest.mark.parametrize("name", list(NORMALIZERS))
+def test_auto_rule_uses_a_fast_path(name):
+    call = _call(name)
+    _, _, path = attend(call)
+    assert path == candidate_paths(call)[0] or explain(call)[-1] == (path, "runs")
+    assert path != "reference", f"{name}: auto dispatch fell back to the reference: {explain(call)}"
+    # output_attentions: the reference, explicitly, with the weights
+    _, w, path = attend(_call(name, need_weights=True))
+    assert path == "reference" and w is not None and w.shape == (1, 2, 9, 9)
+
+
+@pytest.mark.parametrize("name", list(NORMALIZERS))
+def test_forced_paths_raise_when_they_cannot_run(name):
+    for path in FAST_PATHS:
+        declared = declared_normalizers(path)
+        if declared is not None and name not in declared:
+            with pytest.raises(ValueError, match=f"path {path!r} cannot run"):
+                attend(_call(name), path=path)
+        with pytest.raises(ValueError, match="cannot return attention weights"):
+            attend(_call(name, need_weights=True), path=path)
+    with pytest.raises(ValueError, match="unknown attention path"):
+        attend(_call(name), path="no_such_path")
+
+
+def test_environment_override(monkeypatch):
+    fused = declared_normalizers("fused_cpu")
+    inside = fused[0]
+    outside = next(n for n in NORMALIZERS if n not in fused)
+    monkeypatch.setenv(ENV_VAR, "reference")
+    assert attend(_call(inside))[2] == "reference"
+    monkeypatch.setenv(ENV_VAR, "chunked")
+    assert attend(_call(inside))[2] == "chunked"
+    monkeypatch.setenv(ENV_VAR, "fused_cpu")
+    with pytest.raises(ValueError, match="cannot run this call.*no fused CPU kernel"):
+        attend(_call(outside))
+    monkeypatch.setenv(ENV_VAR, "bogus")
+    with pytest.raises(ValueError, match=f"from {ENV_VAR}"):
+        attend(_call(outside))
+
+
+@pytest.mark.parametrize("name", list(NORMALIZERS))
+def test_dropout_rule(name):
+    """With dropout the rule skips the paths that cannot drop weights (each says so) and runs one that can."""
+    torch.manual_seed(0)
+    call = _call(name, dropout=0.5)
+    out, _, path = attend(call)
+    assert torch.isfinite(out).all()
+    report = explain(call)
+    assert report[-1] == (path, "runs") or path == "reference"
+    for declined, why in report[:-1]:
+        assert "dropout" in why, (declined, why)
+    out0, _, _ = attend(_call(name))
+    torch.manual_seed(0)
+    assert not torch.equal(attend(_call(name, dropout=0.5))[0], out0), "dropout must change the output"
+
+
+@pytest.mark.parametrize("name", list(NORMALIZERS))
+def test_chunked_dropout_replays_the_same_mask(name):
+    """One chunk draws the same dropout mask as the reference (same shape, same RNG state): forward and gradients
+    then agree exactly, which shows the backward pass replays the forward pass's mask."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 20, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    res = []
+    for path in ("reference", "chunked"):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        torch.manual_seed(11)
+        out, _ = attention(*leaves, name, causal=True, dropout=0.3, path=path, module_info=MODULE_INFO)
+        out.pow(2).sum().backward()
+        res.append([out.detach(), *[t.grad for t in leaves]])
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b)
+
+
+# ---------------------------------------------------------------------------------------------------- native build
+
+
+def test_native_kernels_build_when_a_compiler_exists():
+    """CI has a compiler: the fused kernels must build there (a silent fallback would hide a broken build)."""
+    if fused_cpu._compiler() is None or os.environ.get(fused_cpu.NO_NATIVE_ENV, "0") not in ("", "0"):
+        pytest.skip("no C++ compiler, or the native build is disabled")
+    assert fused_cpu.unavailable_reason() is None
+    assert fused_cpu.native_ops() is not None
+
+
+def test_fallback_without_native_kernels_warns_once():
+    code = (
+        "import warnings, torch\n"
+        "warnings.simplefilter('always')\n"
+        "from hf_attnorm.attention import attention\n"
+        "from hf_attnorm.kernels import attend\n"
+        "q = torch.randn(1, 2, 5, 4)\n"
+        "with warnings.catch_warnings(record=True) as rec:\n"
+        "    warnings.simplefilter('always')\n"
+        "    a, _ = attention(q, q, q, 'symax', causal=True)\n"
+        "    b, _ = attention(q, q, q, 'symax', causal=True)\n"
+        "    r, _ = attention(q, q, q, 'symax', causal=True, path='reference')\n"
+        "msgs = [str(w.message) for w in rec if 'fused CPU kernels unavailable' in str(w.message)]\n"
+        "assert len(msgs) == 1, msgs\n"
+        "assert torch.allclose(a, r, atol=1e-6)\n"
+        "from hf_attnorm.attention import make_call, constant_heads\n"
+        "from hf_attnorm.config import OPTIONS, AttnormSettings, resolve_settings\n"
+        "s = resolve_settings('symax')\n"
+        "print(attend(make_call(q, q, q, s, constant_heads(s, 2), None, True, None))[2])\n"
+    )
+    env = {**os.environ, fused_cpu.NO_NATIVE_ENV: "1", "PYTHONPATH": os.getcwd()}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == "chunked"
+
+
+# ---------------------------------------------------------------------------------------------------- models
+
+
+def test_models_take_the_fast_paths():
+    """A tiny Llama (GQA) runs its attention through the auto-selected fast path; output_attentions -> reference."""
+    from conftest import tiny
+
+    x = torch.randint(1, 97, (2, 11), generator=torch.Generator().manual_seed(0))
+    for name in NORMALIZERS:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = tiny("llama", "causal_lm", implementation=name)
+        expected = candidate_paths(_call(name))
+        with torch.no_grad():
+            fast = model(x).logits
+            assert LAST_CALL.path in expected, (name, LAST_CALL.path, expected)
+            slow = model(x, output_attentions=True).logits
+            assert LAST_CALL.path == "reference"
+        torch.testing.assert_close(fast, slow, atol=2e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------- memory
+
+_MEMORY_CHILD = """
+import json, sys, torch
+from pathlib import Path
+from hf_attnorm.attention import constant_heads, make_call
+from hf_attnorm.config import OPTIONS, AttnormSettings, resolve_settings
+from hf_attnorm.kernels import attend
+name, path, n, heads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+settings = resolve_settings(name)
+def run(n):
+    q, k, v = (torch.randn(1, heads, n, 64, requires_grad=True) for _ in range(3))
+    hv = {key: t.requires_grad_(True) for key, t in constant_heads(settings, heads).items()}
+    out, _, ran = attend(make_call(q, k, v, settings, hv, None, True, None), path)
+    out.pow(2).mean().backward()
+    return ran
+run(16)  # imports, native build, allocator warm-up
+def rss(field):
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+base = rss("VmRSS:")
+Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
+ran = run(n)
+print(json.dumps({"extra": rss("VmHWM:") - base, "path": ran}))
+"""
+
+
+def _peak_extra_rss(name: str, path: str, n: int, heads: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    res = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, name, path, str(n), str(heads)], capture_output=True,
+                         text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    import json
+
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc/self/clear_refs")
+def test_fast_paths_use_a_fraction_of_the_materialised_memory():
+    """Peak extra RSS of forward + backward in a fresh process (n = 4096, H = 2, d = 64): every fast path the rule
+    picks, and the pure-PyTorch fallback, stays under 25% of the materialised path's for the same normalizer."""
+    n, heads = 4096, 2
+    first_use: dict[str, str] = {}
+    for name in NORMALIZERS:
+        first_use.setdefault(candidate_paths(_call(name))[0], name)
+    first_use.setdefault("chunked", next(iter(NORMALIZERS)))
+    for path, name in first_use.items():
+        reference = _peak_extra_rss(name, "reference", n, heads)["extra"]
+        assert reference > 4 * 2 * heads * n * n  # at least a few [H, n, n] fp32 tensors
+        fast = _peak_extra_rss(name, path, n, heads)
+        assert fast["path"] == path
+        assert fast["extra"] < 0.25 * reference, (name, path, fast["extra"] / 2**20, reference / 2**20)

@@ -1,0 +1,344 @@
+"""The Triton kernels (hf_attnorm/kernels/triton_attn.py) against the reference path, run on the CPU by Triton's
+interpreter: forward and the gradients of q, k, v and every learnable per-head value, generic over the normalizers
+the kernels declare (``KINDS``).
+
+Triton fixes interpreted vs compiled mode for its own library when it is imported, so ``TRITON_INTERPRET=1`` must be
+set before anything imports triton. The kernel tests therefore run in a child pytest process started with it set
+(``test_kernels_interpreted``, and its ``slow`` twin for the slow cases); run them directly with
+``TRITON_INTERPRET=1 python -m pytest tests/test_triton.py``. Skipped only when triton is not installed.
+
+Criterion (fp32): |triton - float64 reference| <= 5 x |fp32 reference - float64 reference| + 1e-5, per tensor
+(max abs over all entries). fp16/bf16: <= 2 x the reference's error in that dtype (+ 1e-6).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from hf_attnorm.attention import attention, constant_heads, make_call, param_specs  # noqa: E402
+from hf_attnorm.config import resolve_settings  # noqa: E402
+from hf_attnorm.kernels import attend, candidate_paths, paths_for  # noqa: E402
+from hf_attnorm.kernels import triton_attn as ta  # noqa: E402
+from hf_attnorm.registry import NORMALIZERS  # noqa: E402
+
+NAMES = [n for n in ta.KINDS if n in NORMALIZERS]
+INTERPRETED = ta.interpreter_requested()
+HERE = os.path.abspath(__file__)
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def _child(marker: str) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", HERE, "-q", "-m", marker, "-p", "no:cacheprovider"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500, cwd=ROOT)
+    assert res.returncode == 0, f"interpreted Triton tests failed ({' '.join(cmd)}):\n{res.stdout[-8000:]}\n" \
+                                f"{res.stderr[-3000:]}"
+
+
+# ------------------------------------------------------------------------------ tests in the normal pytest process
+
+if not INTERPRETED:
+
+    def test_kernels_interpreted():
+        """Every non-slow test below, in a child process with TRITON_INTERPRET=1."""
+        _child("not slow")
+
+    @pytest.mark.slow
+    def test_kernels_interpreted_slow():
+        _child("slow")
+
+    def _call(name: str, device: str = "cpu", **kw):
+        q = torch.randn(1, 2, 5, 16, device=device)
+        settings = resolve_settings(name)
+        return make_call(q, q, q, settings, constant_heads(settings, 2, q.device), None, True, None, **kw)
+
+    @pytest.mark.parametrize("name", NAMES)
+    def test_cpu_calls_are_declined_without_the_interpreter(name, monkeypatch):
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        assert "triton" not in candidate_paths(_call(name))
+        with pytest.raises(ValueError, match="cannot run this call.*TRITON_INTERPRET=1"):
+            attend(_call(name), path="triton")
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("kind_name, dtype, masked", [
+        ("symax", "*fp16", True), ("softpick", "*bf16", False), ("entmax15", "*fp32", False)])
+    def test_kernels_compile_for_a_gpu_target(kind_name, dtype, masked):
+        """The interpreter does not check what the compiler does (types across branches, dot shapes): compile the
+        kernels to PTX for sm_80 (Triton's bundled ptxas; no GPU or driver needed). A subset (every kernel of
+        every kind compiled once by hand: docs/triton.md); ~15 s per kernel."""
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource, compile
+
+        kern = ta._compiled()
+        kind = ta.KINDS[kind_name]
+        consts = dict(KIND=kind, NORMALISED=kind_name in ta.NORMALISED, CAUSAL=not masked, HAS_MASK=masked,
+                      PREC="ieee" if masked else "tf32", UPCAST=False, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64,
+                      BLOCK_DV=64, STEPS=ta.THRESHOLD_STEPS)
+        fns = [kern._fwd_kernel, kern._bwd_dq_kernel, kern._bwd_dkdv_kernel]
+        fns += [kern._threshold_kernel] if kind_name in ta.SPARSE else []
+        for fn in fns:
+            cs = {a: b for a, b in consts.items() if a in fn.arg_names}
+            sig = {}
+            for arg in fn.arg_names:
+                if arg in cs:
+                    sig[arg] = "constexpr"
+                elif arg in ("Q", "K", "V"):
+                    sig[arg] = dtype
+                elif arg in ("KEEP", "TABLE"):
+                    sig[arg] = "*u8"
+                elif arg.isupper() and arg not in ("H", "HKV", "GROUPS", "LQ", "LK", "DH", "DV"):
+                    sig[arg] = "*fp32"
+                else:
+                    sig[arg] = "i32"
+            src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(a),): v for a, v in cs.items()})
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # triton 3.9's TRITON_DEFAULT_FP_FUSION notice
+                compiled = compile(src, target=GPUTarget("cuda", 80, 32))
+            assert ".entry" in compiled.asm["ptx"], fn.__name__
+
+    def test_interpreter_switched_on_after_import_is_refused_with_a_warning(monkeypatch):
+        ta._load_triton()  # triton imported in compiled mode in this process
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setattr(ta, "_WARNED", set())
+        with pytest.warns(UserWarning, match="TRITON_INTERPRET changed after triton was imported"):
+            with pytest.raises(ValueError, match="TRITON_INTERPRET changed after triton was imported"):
+                attend(_call("symax"), path="triton")
+
+
+def test_calls_the_kernels_cannot_take_are_declined_with_the_reason():
+    q = torch.randn(1, 2, 5, 16)
+    cases = [("softmax", {}, "no Triton kernel for normalizer 'softmax'"), ("symax", {"dropout": 0.1}, "dropout")]
+    for name, kw, why in cases:
+        settings = resolve_settings(name)
+        call = make_call(q, q, q, settings, constant_heads(settings, 2), None, True, None, **kw)
+        with pytest.raises(ValueError, match=f"cannot run this call.*{why}"):
+            attend(call, path="triton")
+    if INTERPRETED:  # only the interpreter gets as far as the dtype on a CPU
+        settings = resolve_settings("symax")
+        call = make_call(q.double(), q.double(), q.double(), settings, constant_heads(settings, 2), None, True,
+                         None)
+        with pytest.raises(ValueError, match="dtype torch.float64: the Triton kernels take"):
+            attend(call, path="triton")
+
+
+def test_block_table_marks_exactly_the_blocks_with_a_visible_key():
+    torch.manual_seed(0)
+    keep = torch.rand(2, 3, 37, 50) > 0.97
+    keep[1, 2] = False
+    table = ta.block_table(keep, 37, 50, 16, 8)
+    assert table.shape == (2, 3, 3, 7)
+    for i in range(3):
+        for j in range(7):
+            want = keep[:, :, i * 16:(i + 1) * 16, j * 8:(j + 1) * 8].flatten(2).any(-1)
+            assert torch.equal(table[:, :, i, j].bool(), want)
+    row = torch.zeros(1, 1, 1, 50, dtype=torch.bool)
+    row[..., 49] = True  # one query row broadcast over all queries
+    assert ta.block_table(row, 37, 50, 16, 8)[0, 0, :, 6].all()
+
+
+# --------------------------------------------------------------------- kernel tests (TRITON_INTERPRET=1 processes)
+
+@pytest.fixture(autouse=True)
+def _small_blocks(monkeypatch):
+    # 16 x 16 blocks: the odd lengths below cross block edges, and the interpreter is fast enough
+    monkeypatch.setattr(ta, "BLOCK_OVERRIDE", (16, 16))
+
+
+def _keep(B, Lq, Lk, seed, heads=1, density=0.7):
+    """A random keep-mask [B, heads, Lq, Lk] with fully masked rows, a whole masked query block (batch 1,
+    queries 0-15: its blocks are skipped) and a row with a single visible key."""
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.rand(B, heads, Lq, Lk, generator=g) < density
+    keep[0, :, min(3, Lq - 1)] = False
+    if B > 1:
+        keep[1, :, : min(16, Lq)] = False
+        if Lq > 16:
+            keep[1, :, 16] = False
+            keep[1, :, 16, Lk // 2] = True
+    return keep
+
+
+def _cache_mask(B, Lq, Lk, pad):
+    """What transformers passes with a cache: lower-right causal (query i sees keys <= i + Lk - Lq) and left
+    padding of ``pad[b]`` keys; padded query rows are fully masked."""
+    i = torch.arange(Lq)[:, None]
+    j = torch.arange(Lk)[None, :]
+    causal = j <= i + (Lk - Lq)
+    keep = causal[None].repeat(B, 1, 1)
+    for b, p in enumerate(pad):
+        keep[b, :, :p] = False
+        keep[b, : max(0, p - (Lk - Lq)), :] = False
+    return keep[:, None]
+
+
+#: id -> (B, H, Hkv, Lq, Lk, D, Dv, attention kwargs factory, normalizer/scale options)
+SCENARIOS = {
+    "mask-gqa": (2, 4, 2, 17, 33, 16, 16, lambda: {"attention_mask": _keep(2, 17, 33, 1)}, {}),
+    "causal-upper-left-Lq<Lk": (2, 2, 2, 17, 40, 16, 16, lambda: {"causal": True}, {}),
+    "cache-decode-1": (2, 2, 1, 1, 33, 16, 16, lambda: {"attention_mask": _cache_mask(2, 1, 33, [0, 5])}, {}),
+    "log_n-cache-prefill": (2, 2, 1, 17, 40, 16, 16, lambda: {"attention_mask": _cache_mask(2, 17, 40, [0, 26])},
+                            {"scale": "log_n"}),
+    "ssmax-causal": (1, 3, 3, 17, 17, 16, 16, lambda: {"causal": True}, {"scale": "ssmax"}),
+}
+SLOW_SCENARIOS = {
+    "causal-LqLk": (1, 2, 1, 33, 33, 16, 16, lambda: {"causal": True}, {}),
+    "per-head-mask-odd-dims": (2, 4, 4, 33, 17, 12, 20, lambda: {"attention_mask": _keep(2, 33, 17, 2, heads=4)},
+                               {}),
+    "causal-64-multiblock-gqa4": (1, 4, 1, 64, 64, 16, 16, lambda: {"causal": True}, {}),
+    "bidirectional-nomask": (2, 2, 1, 17, 64, 16, 16, lambda: {}, {}),
+}
+#: extra option settings per normalizer (constant eta = 0: a zero denominator on fully masked rows; constant bias)
+OPTION_CASES = {"symax": {"eta": 0.0, "eta_learnable": False}, "sigmoid": {"sigmoid_bias": -2.0}}
+
+
+def _inputs(B, H, Hkv, Lq, Lk, D, Dv, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Lq, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, Hkv, Lk, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, Hkv, Lk, Dv, generator=g, dtype=torch.float64)
+    up = torch.randn(B, H, Lq, Dv, generator=g, dtype=torch.float64)
+    return q * 1.5, k, v, up  # x1.5: scores with some spread (sparse maps get several supports)
+
+
+def _heads(name: str, H: int, opts: dict) -> dict[str, torch.Tensor]:
+    """The learnable per-head values of the normalizer and the scale, at their initial value plus offsets that
+    differ per head (symax eta crosses 0, so |eta| and its gradient sign are exercised)."""
+    settings = resolve_settings(name, opts)
+    return {spec.name: torch.full((H,), spec.init_value(settings), dtype=torch.float64)
+            + torch.linspace(-1.7, 0.5, H, dtype=torch.float64)
+            for spec in param_specs(settings) if spec.is_learnable(settings)}
+
+
+def _run(name, q, k, v, up, heads, path, dtype, kwargs, opts):
+    leaves = {"q": q, "k": k, "v": v}
+    leaves = {n: t.to(dtype).requires_grad_(True) for n, t in leaves.items()}
+    hl = {n: t.to(torch.float64 if dtype == torch.float64 else torch.float32).requires_grad_(True)
+          for n, t in heads.items()}
+    out, _ = attention(leaves["q"], leaves["k"], leaves["v"], name, heads=hl, path=path, **kwargs, **opts)
+    assert out.dtype == dtype
+    tensors = [*leaves.values(), *hl.values()]
+    grads = torch.autograd.grad((out * up.to(dtype)).sum(), tensors, allow_unused=True)
+    res = {"out": out.detach()}
+    for n, g in zip([*leaves, *hl], grads):
+        res[f"d{n}"] = g
+    return res
+
+
+def _compare(name, scenario, got, ref, ref64, factor, atol_abs=1e-5):
+    assert got.keys() == ref64.keys()
+    for key, want in ref64.items():
+        a, b = got[key], ref[key]
+        if want is None:
+            assert a is None and b is None, f"{name}/{scenario}: {key} has a gradient on one path only"
+            continue
+        assert a is not None, f"{name}/{scenario}: triton gave no gradient for {key}"
+        assert torch.isfinite(a).all(), f"{name}/{scenario}: non-finite {key}"
+        err = (a.double() - want).abs().max().item()
+        base = (b.double() - want).abs().max().item()
+        bound = factor * base + atol_abs
+        assert err <= bound, (f"{name}/{scenario}: {key} error {err:.3e} > {factor} x reference error {base:.3e} "
+                              f"+ tolerance = {bound:.3e}")
+
+
+def _check_scenario(name, scen, sid, extra_opts=None, dtype=torch.float32):
+    B, H, Hkv, Lq, Lk, D, Dv, make_kwargs, opts = scen
+    learn = {spec.learnable_option: True for spec in NORMALIZERS.get(name).params}  # gradients of eta, bias...
+    opts = {**learn, **opts, **(extra_opts or {})}
+    q, k, v, up = _inputs(B, H, Hkv, Lq, Lk, D, Dv)
+    kwargs = make_kwargs()
+    heads = _heads(name, H, opts)
+    ref64 = _run(name, q, k, v, up, heads, "reference", torch.float64, kwargs, opts)
+    ref = _run(name, q, k, v, up, heads, "reference", dtype, kwargs, opts)
+    got = _run(name, q, k, v, up, heads, "triton", dtype, kwargs, opts)
+    if dtype == torch.float32:
+        _compare(name, sid, got, ref, ref64, 5.0)
+    else:
+        _compare(name, sid, got, ref, ref64, 2.0, atol_abs=1e-6)
+    if "attention_mask" in kwargs:  # fully masked query rows give exactly 0
+        keep = kwargs["attention_mask"]
+        dead = ~keep.any(-1).expand(B, H, Lq)
+        assert (got["out"][dead] == 0).all()
+
+
+if INTERPRETED:  # the kernel tests proper: only where the interpreter was on before triton was imported
+
+    @pytest.mark.parametrize("sid", list(SCENARIOS))
+    @pytest.mark.parametrize("name", NAMES)
+    def test_matches_reference_fp32(name, sid):
+        _check_scenario(name, SCENARIOS[sid], sid)
+
+    @pytest.mark.parametrize("name", list(OPTION_CASES))
+    def test_matches_reference_with_options(name):
+        if name not in NAMES:
+            pytest.skip(f"{name} is not a Triton kernel normalizer")
+        _check_scenario(name, SCENARIOS["mask-gqa"], "mask-gqa+options", OPTION_CASES[name])
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("sid", list(SLOW_SCENARIOS))
+    @pytest.mark.parametrize("name", NAMES)
+    def test_matches_reference_fp32_more_shapes(name, sid):
+        _check_scenario(name, SLOW_SCENARIOS[sid], sid)
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+    @pytest.mark.parametrize("name", NAMES)
+    def test_matches_reference_half(name, dtype):
+        _check_scenario(name, SCENARIOS["mask-gqa"], "mask-gqa", dtype=dtype)
+
+    def test_forced_call_runs_on_cpu_but_auto_mode_leaves_cpu_to_the_cpu_paths():
+        q = torch.randn(1, 2, 17, 16)
+        settings = resolve_settings("squared")
+        call = make_call(q, q, q, settings, constant_heads(settings, 2), None, True, None)
+        out, w, path = attend(call, path="triton")
+        assert path == "triton" and w is None and out.shape == (1, 2, 17, 16)
+        ref, _, _ = attend(call, path="reference")
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        assert "triton" in paths_for("squared") and "triton" not in candidate_paths(call)
+        assert attend(call)[2] != "triton"
+
+    def test_all_rows_masked_gives_zeros_and_zero_gradients():
+        for name in NAMES:
+            q = torch.randn(2, 2, 17, 16, requires_grad=True)
+            kv = torch.randn(2, 1, 20, 16, requires_grad=True)
+            keep = torch.zeros(2, 1, 17, 20, dtype=torch.bool)
+            out, _ = attention(q, kv, kv, name, attention_mask=keep, path="triton")
+            assert (out == 0).all(), name
+            gq, gkv = torch.autograd.grad(out.sum(), (q, kv))
+            assert (gq == 0).all() and (gkv == 0).all(), name
+
+    @pytest.mark.parametrize("family", ["llama", "gpt2"])
+    def test_model_with_padding_matches_reference(family, monkeypatch):
+        """A whole tiny model (llama: GQA; both causal, left padding through transformers' mask function), forward
+        and the gradients of every parameter, with every attention call forced onto the Triton path."""
+        from conftest import model_output, tiny
+
+        name = "symax"
+        model = tiny(family, "causal_lm", name, attnorm={"eta_learnable": True})
+        ids = torch.randint(0, 97, (2, 19), generator=torch.Generator().manual_seed(0))
+        mask = torch.ones(2, 19, dtype=torch.long)
+        mask[1, :6] = 0
+        grads = {}
+        for path in ("reference", "triton"):
+            monkeypatch.setenv("HF_ATTNORM_PATH", path)
+            model.zero_grad()
+            out = model_output(model(input_ids=ids, attention_mask=mask))
+            (out[mask.bool()] ** 2).mean().backward()
+            grads[path] = (out.detach(),
+                           {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        from hf_attnorm.attention import LAST_CALL
+
+        assert LAST_CALL.path == "triton"
+        (o_ref, g_ref), (o_tri, g_tri) = grads["reference"], grads["triton"]
+        live = mask.bool()
+        torch.testing.assert_close(o_tri[live], o_ref[live], atol=2e-5, rtol=1e-4)
+        assert g_ref.keys() == g_tri.keys() and any("attnorm.symax_eta" in n for n in g_ref)
+        for n in g_ref:
+            torch.testing.assert_close(g_tri[n], g_ref[n], atol=2e-5, rtol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
