@@ -51,6 +51,23 @@ class AttnCall:
             return self.base
         return (self.multiplier.to(dtype) * self.base).unsqueeze(-1)
 
+    def row_value(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The per-row constant of the normalizers that have one, for the fused kernels (CPU and Triton), shaped to
+        broadcast to [B, H, Lq] and autograd-connected to the per-head parameters: symax |eta_h|, sigmoid's bias
+        b_h (- ln n when derived), relu_len 1/n; None for the other normalizers."""
+        name = self.settings.normalizer
+        dev = self.q.device
+        if name == "symax":
+            return self.heads["symax_eta"].to(device=dev, dtype=dtype).abs().view(1, -1, 1)
+        if name == "sigmoid":
+            bias = self.heads["sigmoid_bias"].to(device=dev, dtype=dtype).view(1, -1, 1)
+            if self.settings.sigmoid_bias is None:
+                bias = bias - torch.log(self.mask.n.to(device=dev, dtype=dtype))
+            return bias
+        if name == "relu_len":
+            return 1.0 / self.mask.n.to(device=dev, dtype=dtype)
+        return None
+
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     """[B, Hkv, L, D] -> [B, Hkv * groups, L, D] (head h uses kv head h // groups, as transformers)."""

@@ -185,23 +185,12 @@ class _FusedAttention(torch.autograd.Function):
 
 
 def row_constant(call: AttnCall, dtype: torch.dtype) -> torch.Tensor:
-    """c [B, H, Lq] (contiguous, autograd-connected to the per-head parameters): symax |eta_h|, sigmoid's bias
-    b_h (- ln n when derived), relu_len 1/n, else n (the kernel zeroes the gradient of single-key rows, where
-    those maps are constant)."""
+    """c [B, H, Lq] (contiguous): ``call.row_value`` (symax |eta_h|, sigmoid's bias, relu_len 1/n), else n (the
+    kernel zeroes the gradient of single-key rows, where those maps are constant)."""
     B, H, Lq = call.q.shape[:3]
-    name = call.settings.normalizer
-    dev = call.q.device
-    n = call.mask.n.to(device=dev, dtype=dtype)
-    if name == "symax":
-        c = call.heads["symax_eta"].to(device=dev, dtype=dtype).abs().view(1, H, 1)
-    elif name == "sigmoid":
-        c = call.heads["sigmoid_bias"].to(device=dev, dtype=dtype).view(1, H, 1)
-        if call.settings.sigmoid_bias is None:
-            c = c - torch.log(n)
-    elif name == "relu_len":
-        c = 1.0 / n
-    else:
-        c = n
+    c = call.row_value(dtype)
+    if c is None:
+        c = call.mask.n.to(device=call.q.device, dtype=dtype)
     return c.expand(B, H, Lq).contiguous()
 
 

@@ -726,17 +726,8 @@ def _row_values(call: AttnCall, dtype: torch.dtype = torch.float32) -> tuple[tor
         c = torch.full((B, H, LQ), float(call.base), dtype=dtype, device=dev)
     else:
         c = (call.multiplier.to(dtype) * call.base).expand(B, H, LQ).contiguous()
-    name = call.settings.normalizer
-    n = call.mask.n.to(device=dev, dtype=dtype)
-    if name == "symax":
-        r = call.heads["symax_eta"].to(device=dev, dtype=dtype).abs().view(1, H, 1)
-    elif name == "sigmoid":
-        r = call.heads["sigmoid_bias"].to(device=dev, dtype=dtype).view(1, H, 1)
-        if call.settings.sigmoid_bias is None:
-            r = r - torch.log(n)
-    elif name == "relu_len":
-        r = 1.0 / n
-    else:
+    r = call.row_value(dtype)
+    if r is None:
         r = torch.zeros((), dtype=dtype, device=dev)
     return c, r.expand(B, H, LQ).contiguous()
 
