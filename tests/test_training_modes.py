@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import model_output, tiny
 
+from hf_attnorm.attention import LAST_CALL
 from hf_attnorm.registry import PRESETS
 
 IMPLS = list(PRESETS)
@@ -50,17 +51,21 @@ def test_gradient_checkpointing_matches(family, task, impl):
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", IMPLS)
 def test_torch_compile_matches_eager_and_trains(impl):
+    """fullgraph=True: no graph break anywhere (the eager call first builds the fused CPU extension, which cannot be
+    built while tracing)."""
     torch._dynamo.reset()
     x = _ids(1)
     model = _no_dropout(tiny("llama", "causal_lm", implementation=impl))
     with torch.no_grad():
         eager = model(x).logits
+    path = LAST_CALL.path
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        compiled = torch.compile(model)
+        compiled = torch.compile(model, fullgraph=True)
         with torch.no_grad():
             out = compiled(x).logits
     torch.testing.assert_close(out, eager, atol=1e-4, rtol=1e-4)
+    assert LAST_CALL.path == path  # the compiled graph runs the same fast path as eager
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     loss = compiled(x, labels=x).loss
