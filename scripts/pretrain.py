@@ -1,0 +1,30 @@
+"""Pretrain a GPT-2, BERT (masked LM) or Llama model from scratch with any hf_attnorm attention.
+
+Examples::
+
+    python scripts/pretrain.py --model_type llama --model_size tiny --attn_implementation symax \\
+        --max_train_steps 300 --output_dir runs/llama-symax
+    ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 scripts/pretrain.py ...
+
+Every flag: `python scripts/pretrain.py --help`; the training loop is `hf_attnorm.training` (docs/training.md).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# nothing downloads from the hub at run time unless the user says otherwise
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+try:
+    import hf_attnorm  # noqa: F401
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hf_attnorm.training import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main("pretrain"))
