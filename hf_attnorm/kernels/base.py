@@ -51,6 +51,15 @@ class AttnCall:
             return self.base
         return (self.multiplier.to(dtype) * self.base).unsqueeze(-1)
 
+    def features(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q', k', v) [B, H, L, *] in ``dtype``, k/v repeated for GQA: the normalizer's q/k transform, q times
+        base x multiplier, then its feature map, so that scores = q' @ k'^T (the paths that form scores themselves)."""
+        norm, ctx = self.normalizer, self.ctx()
+        q, k = self.q.to(dtype), repeat_kv(self.k, self.groups).to(dtype)
+        q, k = norm.transform_qk(q, k, ctx)
+        q, k = norm.feature_map(q * self.q_factor(dtype), k, ctx)
+        return q, k, repeat_kv(self.v, self.groups).to(dtype)
+
     def row_value(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The per-row constant of the normalizers that have one, for the fused kernels (CPU and Triton), shaped to
         broadcast to [B, H, Lq] and autograd-connected to the per-head parameters: symax |eta_h|, sigmoid's bias

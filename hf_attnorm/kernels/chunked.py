@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..normalizers.base import Ctx
 from . import PathDeclined
-from .base import AttnCall, compute_dtype, repeat_kv
+from .base import AttnCall, compute_dtype
 
 #: scores per chunk (B x H x chunk x Lk); 2^22 fp32 scores are 16 MB per temporary
 CHUNK_ELEMENTS = 1 << 22
@@ -140,13 +140,7 @@ def chunked_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     """out [B, H, Lq, Dv] in the input dtype (fp16/bf16 computed in fp32), any normalizer."""
     if call.q.numel() == 0 or call.k.shape[2] == 0:
         raise PathDeclined("empty inputs")
-    dt = compute_dtype(call.q.dtype)
-    norm, ctx = call.normalizer, call.ctx()
-    q, k = call.q.to(dt), repeat_kv(call.k, call.groups).to(dt)
-    q, k = norm.transform_qk(q, k, ctx)
-    q = q * call.q_factor(dt)
-    q, k = norm.feature_map(q, k, ctx)
-    v = repeat_kv(call.v, call.groups).to(dt)
+    q, k, v = call.features(compute_dtype(call.q.dtype))
     names = list(call.heads)
     plan = _Plan(call, names)
     out = _ChunkedFn.apply(plan, q, k, v, *[call.heads[n] for n in names])

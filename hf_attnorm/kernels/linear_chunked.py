@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from ..normalizers.base import masked_fill_zero, safe_divide
 from ..normalizers.linear import linear_attention
 from . import PathDeclined
-from .base import AttnCall, compute_dtype, repeat_kv
+from .base import AttnCall, compute_dtype
 
 
 def decompose_mask(call: AttnCall) -> tuple[bool, int, torch.Tensor | None, torch.Tensor | None] | None:
@@ -49,13 +49,7 @@ def linear_chunked_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     if parts is None:
         raise PathDeclined("the mask is not key padding x causal with a constant offset (no O(n) form)")
     causal, offset, key_valid, query_valid = parts
-    dt = compute_dtype(call.q.dtype)
-    norm, ctx = call.normalizer, call.ctx()
-    q, k = call.q.to(dt), repeat_kv(call.k, call.groups).to(dt)
-    q, k = norm.transform_qk(q, k, ctx)
-    q = q * call.q_factor(dt)
-    fq, fk = norm.feature_map(q, k, ctx)
-    v = repeat_kv(call.v, call.groups).to(dt)
+    fq, fk, v = call.features(compute_dtype(call.q.dtype))
     if causal and offset == 0 and fq.shape[2] == fk.shape[2]:
         out = causal_linear_attention_batched(fq, fk, v, key_valid=key_valid, query_valid=query_valid)
     else:

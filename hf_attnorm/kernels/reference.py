@@ -13,12 +13,7 @@ from .base import AttnCall, compute_dtype, repeat_kv
 
 def reference_scores(call: AttnCall) -> torch.Tensor:
     """Scaled scores [B, H, Lq, Lk] in the compute dtype."""
-    dt = compute_dtype(call.q.dtype)
-    norm, ctx = call.normalizer, call.ctx()
-    q, k = call.q.to(dt), repeat_kv(call.k, call.groups).to(dt)
-    q, k = norm.transform_qk(q, k, ctx)
-    q = q * call.q_factor(dt)
-    q, k = norm.feature_map(q, k, ctx)
+    q, k, _ = call.features(compute_dtype(call.q.dtype))
     return q @ k.transpose(-1, -2)
 
 
