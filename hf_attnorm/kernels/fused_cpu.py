@@ -139,12 +139,9 @@ def _register_fakes() -> None:
         # contiguous like the C++ at::empty(x.sizes()) (empty_like would keep a transposed input's strides)
         return [x.new_empty(x.shape) for x in (q, k, v, c)]
 
-    for op, fn in (("forward", forward_fake), ("backward", backward_fake)):
-        try:
-            torch.library.register_fake(f"hf_attnorm_fused::{op}")(fn)
-        except RuntimeError as exc:  # already registered (a second load in the same process)
-            if "already" not in str(exc):
-                raise
+    # called once per process: native_ops() caches the loaded ops (or the failure) under its lock
+    torch.library.register_fake("hf_attnorm_fused::forward")(forward_fake)
+    torch.library.register_fake("hf_attnorm_fused::backward")(backward_fake)
 
 
 def _fail(reason: str, warn: bool) -> None:
