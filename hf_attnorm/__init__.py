@@ -13,12 +13,11 @@ On plain tensors: ``from hf_attnorm.attention import attention``.
 from __future__ import annotations
 
 from . import normalizers, scales  # noqa: F401  (registers every normalizer and scale)
-from .attention import AttnormState
-from .config import OPTIONS, AttnormSettings, resolve_settings
-from .integration import apply, register
+from .hf.integration import apply, register
+from .hf.state import AttnormState
 from .registry import NORMALIZERS, PRESETS, SCALES, AttnormError, UnknownNameError, first_line
-
-__version__ = "0.1.0"
+from .settings import OPTIONS, AttnormSettings, resolve_settings
+from .version import __version__
 
 
 def available(kind: str = "implementations") -> dict[str, str]:

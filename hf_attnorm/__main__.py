@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 import hf_attnorm
-from hf_attnorm.config import OPTIONS, resolve_settings
 from hf_attnorm.registry import NORMALIZERS, PRESETS, SCALES
+from hf_attnorm.settings import OPTIONS, resolve_settings
 
 
 def _cell(text: object) -> str:

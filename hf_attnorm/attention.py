@@ -1,28 +1,23 @@
-"""The attention function transformers calls, and the same computation as a plain function on tensors.
+"""The tensor API: attention with any registered normalizer and scale on plain tensors.
 
-``attention(q, k, v, ...)`` works on raw tensors (benchmarks, tests, custom models). ``hf_attention_forward`` is
-what ``AttentionInterface`` calls for every registered name: it reads the module's ``AttnormState`` (settings and
-per-head parameters), builds the keep-mask and n, handles GQA, and dispatches to a kernel.
+``attention(q, k, v, ...)`` works on raw tensors (benchmarks, tests, custom models); ``make_call`` resolves one
+call (mask -> keep/n, scale -> multiplier, per-head factors) into the ``AttnCall`` every kernel receives. The
+function transformers calls (``hf_attnorm.hf.forward``) builds on ``make_call`` with a module's state.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import reprlib
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import nn
 
-from .config import AttnormSettings, resolve_settings
 from .kernels import attend
 from .kernels.base import AttnCall
 from .masks import build_mask_info
-from .normalizers.base import ParamSpec
+from .normalizers.base import Ctx, ParamSpec
 from .registry import NORMALIZERS, SCALES
+from .settings import AttnormSettings, resolve_settings
 
 
 def param_specs(settings: AttnormSettings) -> tuple[ParamSpec, ...]:
@@ -36,51 +31,6 @@ def constant_heads(settings: AttnormSettings, num_heads: int, device=None) -> di
         spec.name: torch.full((num_heads,), spec.init_value(settings), dtype=torch.float32, device=device)
         for spec in param_specs(settings)
     }
-
-
-class AttnormState(nn.Module):
-    """Lives on every attention module as ``<attention>.attnorm``: the settings and the learnable per-head values.
-
-    Learnable values are ``nn.Parameter`` [H] named after what they are (``sink_logit``, ``ssmax_s``, ``symax_eta``,
-    ``sigmoid_bias``, ``cosine_temperature``), so they appear in ``model.parameters()`` and in the state dict as
-    ``...self_attn.attnorm.ssmax_s``. Non-learnable values are constants taken from the settings.
-    """
-
-    def __init__(self, settings: AttnormSettings, num_heads: int, module_info: dict[str, Any]) -> None:
-        super().__init__()
-        self.settings = settings
-        self.num_heads = num_heads
-        self.module_info = dict(module_info)
-        SCALES.get(settings.scale).prepare(settings, self.module_info)
-        for spec in param_specs(settings):
-            if spec.is_learnable(settings):
-                self.register_parameter(spec.name, nn.Parameter(torch.full((num_heads,), spec.init_value(settings))))
-
-    def learnable_names(self) -> list[str]:
-        return [name for name, _ in self.named_parameters(recurse=False)]
-
-    @torch.no_grad()
-    def reset_parameters(self, only_uninitialised: bool = False) -> None:
-        """Set every learnable value to its initial value from the settings."""
-        for spec in param_specs(self.settings):
-            p = getattr(self, spec.name, None)
-            if isinstance(p, nn.Parameter) and not (only_uninitialised and getattr(p, "_is_hf_initialized", False)):
-                p.fill_(spec.init_value(self.settings))
-
-    def heads(self, device: torch.device) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for spec in param_specs(self.settings):
-            p = self._parameters.get(spec.name)
-            if p is not None:
-                out[spec.name] = p.float() if p.dtype != torch.float32 else p
-            else:
-                out[spec.name] = torch.full((self.num_heads,), spec.init_value(self.settings), device=device)
-        return out
-
-    def extra_repr(self) -> str:
-        s = self.settings
-        opts = "".join(f", {k}={reprlib.repr(v)}" for k, v in s.options.items())  # tables stay short
-        return f"{s.implementation}: normalizer={s.normalizer}, scale={s.scale}{opts}"
 
 
 def make_call(
@@ -114,8 +64,6 @@ def make_call(
             v = torch.where(dead, torch.zeros((), dtype=v.dtype, device=v.device), v)
     heads = dict(heads)
     info = dict(module_info or {})
-    from .normalizers.base import Ctx
-
     ctx = Ctx(settings, heads, D, mask.n, info, Lk)
     mult = sc.multiplier(mask.n, ctx)
     head_factor = norm.head_multiplier(ctx)
@@ -164,71 +112,3 @@ def attention(
     return out, w
 
 
-# --------------------------------------------------------------------------------------------------- transformers
-
-
-def _weights_requested(kwargs: Mapping[str, Any]) -> bool:
-    if kwargs.get("output_attentions"):
-        return True
-    if torch.compiler.is_compiling():
-        return False  # transformers' output collector is a ContextVar, which dynamo cannot trace
-    try:
-        from transformers.utils.output_capturing import _active_collector
-
-        collected = _active_collector.get()
-    except Exception:  # pragma: no cover - older transformers
-        return False
-    return isinstance(collected, dict) and ("attentions" in collected or "cross_attentions" in collected)
-
-
-@dataclasses.dataclass
-class _LastCall:
-    path: str = ""
-
-
-#: the path the most recent call took (for tests and benchmarks)
-LAST_CALL = _LastCall()
-
-
-def hf_attention_forward(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: object,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    *,
-    implementation: str,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The AttentionInterface function. query [B, H, Lq, D], key/value [B, Hkv, Lk, D] -> (out [B, Lq, H, Dv],
-    weights [B, H, Lq, Lk] when output_attentions is requested, else None)."""
-    from .integration import ensure_state
-
-    state = ensure_state(module, implementation)
-    causal = kwargs.get("is_causal")
-    if causal is None:
-        causal = bool(getattr(module, "is_causal", True))
-    if kwargs.get("position_bias") is not None:
-        raise ValueError("hf_attnorm does not support additive position biases (position_bias)")
-    if kwargs.get("softcap") is not None:
-        raise ValueError("hf_attnorm does not support logit soft-capping (softcap)")
-    if kwargs.get("sliding_window") is not None and attention_mask is None:
-        warnings.warn("hf_attnorm: sliding_window given without a mask; full causal attention is used", stacklevel=2)
-    call = make_call(
-        query, key, value, state.settings, state.heads(query.device), attention_mask, causal, scaling,
-        dropout if module.training else 0.0, _weights_requested(kwargs), state.module_info,
-    )
-    out, weights, path = attend(call)
-    LAST_CALL.path = path
-    return out.transpose(1, 2).contiguous(), weights
-
-
-@functools.cache
-def forward_for(implementation: str):
-    """The function registered under ``implementation`` (a named partial, so tracebacks say which)."""
-    fn = functools.partial(hf_attention_forward, implementation=implementation)
-    functools.update_wrapper(fn, hf_attention_forward)
-    fn.__name__ = f"hf_attnorm_{implementation}"
-    return fn

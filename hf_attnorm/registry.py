@@ -6,7 +6,8 @@ the CLI listings, the generic tests and the transformers registration all read t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import dataclasses
+from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -58,8 +59,14 @@ class Registry(Generic[T]):
     def items(self):
         return self._items.items()
 
-    def names(self) -> list[str]:
-        return list(self._items)
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A registered attention-implementation name: a normalizer, a scale and fixed option values."""
+
+    name: str
+    description: str
+    settings: dict[str, Any]
 
 
 NORMALIZERS: Registry[Any] = Registry("normalizer")
@@ -74,8 +81,6 @@ def register_normalizer(cls: type[T]) -> type[T]:
     Each normalizer name is also an attention implementation (a preset with the ``standard`` scale, unless the class
     sets ``default_scale``); extra presets (e.g. ``softmax1``) are declared in ``cls.presets``.
     """
-    from .presets import Preset
-
     obj = cls()
     NORMALIZERS.add(cls.name, obj)
     PRESETS.add(
@@ -93,8 +98,6 @@ def register_scale(cls: type[T]) -> type[T]:
 
     Every scale except ``standard`` is also an attention implementation: softmax with that scale.
     """
-    from .presets import Preset
-
     obj = cls()
     SCALES.add(cls.name, obj)
     if cls.name != "standard":
@@ -110,4 +113,18 @@ def first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else ""
 
 
-Factory = Callable[..., T]
+#: prefix under which an implementation name is written into config.json, so that loading without
+#: ``import hf_attnorm`` fails with an error that names the package instead of silently running sdpa
+CONFIG_PREFIX = "hf_attnorm:"
+
+
+def canonical(name: object) -> object:
+    """Strip the config.json prefix: ``"hf_attnorm:symax"`` -> ``"symax"``; anything else is returned as is."""
+    if isinstance(name, str) and name.startswith(CONFIG_PREFIX):
+        return name[len(CONFIG_PREFIX):]
+    return name
+
+
+def is_ours(name: object) -> bool:
+    """Whether ``name`` (an ``attn_implementation`` value, prefixed or not) is a registered hf_attnorm preset."""
+    return isinstance(name, str) and canonical(name) in PRESETS

@@ -40,9 +40,9 @@ if str(ROOT) not in sys.path:
 
 import hf_attnorm  # noqa: E402,F401  (registers everything)
 from hf_attnorm.attention import constant_heads, make_call  # noqa: E402
-from hf_attnorm.config import resolve_settings  # noqa: E402
 from hf_attnorm.kernels import attend, candidate_paths, explain  # noqa: E402
 from hf_attnorm.registry import NORMALIZERS, SCALES  # noqa: E402
+from hf_attnorm.settings import resolve_settings  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from hf_attnorm.training import run_pretraining
+    from hf_attnorm.lab.training import run_pretraining
 
     names = ["softmax"] + [n for n in args.implementations if n != "softmax"]
     rows = []

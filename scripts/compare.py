@@ -172,7 +172,7 @@ def training_key(argv: list[str]) -> list[str]:
 def train_or_reuse(argv: list[str], out: Path, reuse: bool) -> tuple[dict[str, Any], bool]:
     """Train (``run_pretraining``), or with ``reuse`` return the summary of a finished run in ``out`` that was
     trained with the same settings."""
-    from hf_attnorm.training import SUMMARY_FILE, run_pretraining
+    from hf_attnorm.lab.training import SUMMARY_FILE, run_pretraining
 
     marker = out / "compare_training_key.json"
     if reuse and (out / SUMMARY_FILE).is_file() and marker.is_file():
@@ -279,10 +279,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
 
     import hf_attnorm
-    from hf_attnorm import plots
-    from hf_attnorm.data import load_tokenizer, shakespeare_documents
-    from hf_attnorm.diagnostics import diagnose
-    from hf_attnorm.evaluation import (
+    from hf_attnorm.lab import plots
+    from hf_attnorm.lab.data import load_tokenizer, shakespeare_documents
+    from hf_attnorm.lab.diagnostics import diagnose
+    from hf_attnorm.lab.evaluation import (
         EvaluationError,
         extrapolation_contexts,
         length_extrapolation,
@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                              args.reuse)
             t_train = time.time() - t0
             if reused:  # training wrote its card where it ran then: write it here too
-                from hf_attnorm.cards import write_model_card
+                from hf_attnorm.lab.cards import write_model_card
 
                 write_model_card(run_dir, summary, card_dir=args.model_card_dir, name=card_name)
             model = load_model(run_dir)

@@ -48,7 +48,7 @@ DEFAULT_VARIANTS = ["sdpa", "softmax", "log_n", "qwen_logn:train_length=512", "l
 
 def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
     from hf_attnorm import AttnormError
-    from hf_attnorm.evaluation import EvaluationError, parse_variant
+    from hf_attnorm.lab.evaluation import EvaluationError, parse_variant
 
     try:
         return parse_variant(spec)
@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 def load_text(path: str | None) -> str:
     if path is not None:
         return Path(path).read_text(encoding="utf-8")
-    from hf_attnorm.data import shakespeare_text
+    from hf_attnorm.lab.data import shakespeare_text
 
     return shakespeare_text("validation")
 
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
 
     import hf_attnorm
-    from hf_attnorm.evaluation import (
+    from hf_attnorm.lab.evaluation import (
         NATIVE_IMPLEMENTATIONS,
         EvaluationError,
         length_extrapolation,
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     variants = [(spec, *parse_variant(spec)) for spec in args.variants]
     path = args.model_name_or_path
     if path is None:
-        from hf_attnorm.assets import smollm2_path
+        from hf_attnorm.lab.assets import smollm2_path
 
         path = str(smollm2_path())
     from transformers import AutoTokenizer

@@ -5,7 +5,7 @@ Examples::
     python scripts/finetune.py --model_name_or_path smollm2 --attn_implementation softmax1 \\
         --max_train_steps 50 --per_device_train_batch_size 1 --output_dir runs/smollm2-softmax1
 
-Every flag: `python scripts/finetune.py --help`; the training loop is `hf_attnorm.training` (docs/training.md).
+Every flag: `python scripts/finetune.py --help`; the training loop is `hf_attnorm.lab.training` (docs/training.md).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hf_attnorm.training import main  # noqa: E402
+from hf_attnorm.lab.training import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main("finetune"))

@@ -6,7 +6,7 @@ Examples::
         --max_train_steps 300 --output_dir runs/llama-symax
     ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 scripts/pretrain.py ...
 
-Every flag: `python scripts/pretrain.py --help`; the training loop is `hf_attnorm.training` (docs/training.md).
+Every flag: `python scripts/pretrain.py --help`; the training loop is `hf_attnorm.lab.training` (docs/training.md).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hf_attnorm.training import main  # noqa: E402
+from hf_attnorm.lab.training import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main("pretrain"))

@@ -36,8 +36,8 @@ try:
 except ModuleNotFoundError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hf_attnorm.analysis import scale_analysis as sa  # noqa: E402
-from hf_attnorm.analysis import scale_plots as plots  # noqa: E402
+from hf_attnorm.lab.analysis import scale_analysis as sa  # noqa: E402
+from hf_attnorm.lab.analysis import scale_plots as plots  # noqa: E402
 from hf_attnorm.scales import max_gradient_alpha  # noqa: E402
 
 PARTS = ("mass", "alpha", "mc", "empirical")
@@ -271,7 +271,7 @@ def run_empirical(args: argparse.Namespace, summary: dict) -> None:
 
     path = args.model
     if path == "smollm2":
-        from hf_attnorm.assets import smollm2_path
+        from hf_attnorm.lab.assets import smollm2_path
 
         path = str(smollm2_path())
     t = time.time()

@@ -13,7 +13,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import hf_attnorm  # noqa: E402,F401  (registers everything)
-from hf_attnorm.model_zoo import build_model  # noqa: E402
+from hf_attnorm.lab.model_zoo import build_model  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

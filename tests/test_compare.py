@@ -110,8 +110,8 @@ def test_help_documents_every_flag():
 def test_evaluate_script_swaps_on_a_saved_model(tmp_path):
     """scripts/evaluate.py (the SmolLM2 swap experiment) on a tiny saved Llama: sdpa and hf_attnorm softmax agree,
     a swap changes the numbers, options reach the model, and the table has one row per variant."""
-    from hf_attnorm.data import load_tokenizer, shakespeare_text
-    from hf_attnorm.model_zoo import build_model
+    from hf_attnorm.lab.data import load_tokenizer, shakespeare_text
+    from hf_attnorm.lab.model_zoo import build_model
 
     tok = load_tokenizer("llama")
     model = build_model("llama", "micro", vocab_size=len(tok), max_positions=64, attn_implementation="sdpa")

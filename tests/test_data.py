@@ -1,4 +1,4 @@
-"""hf_attnorm.data: the embedded corpus as text, tokenizers, tokenised + packed datasets, masking, sampling."""
+"""hf_attnorm.lab.data: the embedded corpus as text, tokenizers, tokenised + packed datasets, masking, sampling."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from hf_attnorm import data
+from hf_attnorm.lab import data
 
 MARKDOWN = """# A Play
 

@@ -9,14 +9,14 @@ import pytest
 import torch
 from conftest import tiny
 
-from hf_attnorm.diagnostics import (
+from hf_attnorm.lab.diagnostics import (
     attention_curves,
     diagnose,
     hidden_state_kurtosis,
     log2_bins,
     row_statistics,
 )
-from hf_attnorm.evaluation import (
+from hf_attnorm.lab.evaluation import (
     EvaluationError,
     causal_lm_perplexity,
     extrapolation_contexts,
@@ -98,7 +98,7 @@ def test_sliding_windows_score_each_target_once():
 def test_text_input_and_bos():
     from transformers import AutoTokenizer
 
-    from hf_attnorm.assets import gpt2_tokenizer_path
+    from hf_attnorm.lab.assets import gpt2_tokenizer_path
 
     tok = AutoTokenizer.from_pretrained(str(gpt2_tokenizer_path()))
     model = tiny("llama", "causal_lm", "softmax1")
@@ -134,7 +134,7 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(EvaluationError, match="batch_size"):
         causal_lm_perplexity(model, input_ids=seqs, max_length=8, batch_size=0)
     with pytest.raises(EvaluationError, match="single string"):
-        from hf_attnorm.evaluation import tokenize_texts
+        from hf_attnorm.lab.evaluation import tokenize_texts
 
         tokenize_texts(None, "a string")
     gpt2 = tiny("gpt2", "causal_lm")  # 64 learned positions
@@ -152,7 +152,7 @@ def test_bad_inputs_raise_clear_errors():
 def bert_setup():
     from transformers import AutoTokenizer
 
-    from hf_attnorm.assets import minilm_path
+    from hf_attnorm.lab.assets import minilm_path
 
     tok = AutoTokenizer.from_pretrained(str(minilm_path()))
     model = tiny("bert", "masked_lm", "sigmoid")
@@ -217,12 +217,12 @@ def test_pseudo_perplexity_equals_hand_loop(bert_setup):
 def test_evaluate_module_object_and_checkpoint(tmp_path, monkeypatch):
     import evaluate
 
-    from hf_attnorm.metrics import perplexity_module_path
+    from hf_attnorm.lab.metrics import perplexity_module_path
 
     monkeypatch.setattr(evaluate.config, "HF_MODULES_CACHE", tmp_path / "modules")  # nothing in ~/.cache
     from transformers import AutoTokenizer
 
-    from hf_attnorm.assets import gpt2_tokenizer_path
+    from hf_attnorm.lab.assets import gpt2_tokenizer_path
 
     tok = AutoTokenizer.from_pretrained(str(gpt2_tokenizer_path()))
     model = tiny("llama", "causal_lm", "symax")
@@ -283,7 +283,7 @@ def test_extrapolation_learned_positions_are_skipped():
 
 
 def test_spread_chunks_cover_the_stream():
-    from hf_attnorm.evaluation import spread_chunks
+    from hf_attnorm.lab.evaluation import spread_chunks
 
     ids = torch.arange(1000)
     out = spread_chunks(ids, 64, 256)
@@ -349,7 +349,7 @@ def test_diagnostics_on_hand_built_pattern():
 
 
 def test_entropy_curve_log_binning():
-    from hf_attnorm.diagnostics import Diagnostics, log_bins
+    from hf_attnorm.lab.diagnostics import Diagnostics, log_bins
 
     L = 40
     keep = torch.ones(L, L, dtype=torch.bool).tril()[None]
@@ -425,7 +425,7 @@ def png_size(path) -> tuple[int, int]:
 def test_plots_are_png_with_expected_series(tmp_path):
     import matplotlib.image
 
-    from hf_attnorm import plots
+    from hf_attnorm.lab import plots
 
     runs = ["softmax", "symax", "ssmax"]
     infos = [

@@ -17,8 +17,8 @@ import warnings
 import pytest
 import torch
 
-from hf_attnorm.attention import LAST_CALL, attention, constant_heads, make_call
-from hf_attnorm.config import OPTIONS, AttnormSettings, resolve_settings
+from hf_attnorm.attention import attention, constant_heads, make_call
+from hf_attnorm.hf.forward import LAST_CALL
 from hf_attnorm.kernels import (
     ENV_VAR,
     PATHS,
@@ -31,6 +31,7 @@ from hf_attnorm.kernels import (
 )
 from hf_attnorm.kernels import chunked as chunked_mod
 from hf_attnorm.registry import NORMALIZERS, SCALES, AttnormError
+from hf_attnorm.settings import OPTIONS, AttnormSettings, resolve_settings
 
 FAST_PATHS = [p for p in PATHS if p != "reference"]
 MODULE_INFO = {"max_positions": 16}  # qwen_logn's L_train: small, so the scale is active at test lengths
@@ -405,7 +406,7 @@ def test_fallback_without_native_kernels_warns_once():
         "assert len(msgs) == 1, msgs\n"
         "assert torch.allclose(a, r, atol=1e-6)\n"
         "from hf_attnorm.attention import make_call, constant_heads\n"
-        "from hf_attnorm.config import OPTIONS, AttnormSettings, resolve_settings\n"
+        "from hf_attnorm.settings import OPTIONS, AttnormSettings, resolve_settings\n"
         "s = resolve_settings('symax')\n"
         "print(attend(make_call(q, q, q, s, constant_heads(s, 2), None, True, None))[2])\n"
     )
@@ -442,7 +443,7 @@ _MEMORY_CHILD = """
 import json, sys, torch
 from pathlib import Path
 from hf_attnorm.attention import constant_heads, make_call
-from hf_attnorm.config import OPTIONS, AttnormSettings, resolve_settings
+from hf_attnorm.settings import OPTIONS, AttnormSettings, resolve_settings
 from hf_attnorm.kernels import attend
 name, path, n, heads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 settings = resolve_settings(name)

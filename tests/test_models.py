@@ -12,7 +12,7 @@ import torch
 from conftest import MODEL_IDS, MODEL_KINDS, model_output, tiny
 
 import hf_attnorm
-from hf_attnorm.model_zoo import is_causal_family
+from hf_attnorm.lab.model_zoo import is_causal_family
 from hf_attnorm.registry import NORMALIZERS, PRESETS
 
 IMPLS = list(PRESETS)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from hf_attnorm.attention import attention, constant_heads, make_call
-from hf_attnorm.config import resolve_settings
 from hf_attnorm.kernels.reference import reference_weights
 from hf_attnorm.registry import NORMALIZERS
+from hf_attnorm.settings import resolve_settings
 
 NAMES = list(NORMALIZERS)
 

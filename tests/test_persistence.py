@@ -19,9 +19,9 @@ from conftest import MODEL_IDS, MODEL_KINDS, model_output, tiny
 
 import hf_attnorm
 from hf_attnorm.attention import param_specs
-from hf_attnorm.config import OPTIONS, resolve_settings
-from hf_attnorm.persistence import CHECKSUM_FILE, CheckpointError, verify_checkpoint
+from hf_attnorm.hf.persistence import CHECKSUM_FILE, CheckpointError, verify_checkpoint
 from hf_attnorm.registry import PRESETS, AttnormError
+from hf_attnorm.settings import OPTIONS, resolve_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hf_attnorm.attention import attention, constant_heads
-from hf_attnorm.config import resolve_settings
 from hf_attnorm.kernels import RULES
 from hf_attnorm.registry import NORMALIZERS, PRESETS
+from hf_attnorm.settings import resolve_settings
 
 IMPLS = list(PRESETS)
 

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from hf_attnorm import assets
+from hf_attnorm.lab import assets
 
 PASSAGE = (
     "HAMLET: To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer "

@@ -1,4 +1,4 @@
-"""Scale analysis (hf_attnorm.analysis, scripts/scale_analysis.py) and the empirical_max_gradient scale.
+"""Scale analysis (hf_attnorm.lab.analysis, scripts/scale_analysis.py) and the empirical_max_gradient scale.
 
 Covers: the worked irrelevant-mass numbers; alpha*(n) optimality, reference values and fitted constants; the
 Monte-Carlo check of the sum p^2 approximation; the exact-objective and plug-in solvers on cases with known answers;
@@ -22,8 +22,8 @@ import torch
 from conftest import tiny
 
 import hf_attnorm
-from hf_attnorm.analysis import scale_analysis as sa
 from hf_attnorm.attention import attention
+from hf_attnorm.lab.analysis import scale_analysis as sa
 from hf_attnorm.registry import AttnormError
 from hf_attnorm.scales import max_gradient_alpha, max_gradient_condition, max_gradient_objective
 from hf_attnorm.scales.empirical_max_gradient import empirical_alpha
@@ -350,8 +350,8 @@ def _assert_png(path: Path) -> None:
 
 
 def test_script_end_to_end_on_a_tiny_checkpoint(tmp_path):
-    from hf_attnorm.assets import load_gpt2_tokenizer
-    from hf_attnorm.model_zoo import build_model
+    from hf_attnorm.lab.assets import load_gpt2_tokenizer
+    from hf_attnorm.lab.model_zoo import build_model
 
     ckpt = tmp_path / "ckpt"
     with warnings.catch_warnings():

@@ -8,9 +8,9 @@ from conftest import tiny
 
 import hf_attnorm
 from hf_attnorm.attention import attention
-from hf_attnorm.config import OPTIONS, AttnormSettings, resolve_settings
 from hf_attnorm.masks import MaskError
 from hf_attnorm.registry import NORMALIZERS, PRESETS, SCALES, AttnormError, UnknownNameError
+from hf_attnorm.settings import OPTIONS, AttnormSettings, resolve_settings
 
 
 def test_available_lists_every_name_with_a_description():
@@ -126,7 +126,7 @@ def test_unknown_path_and_forced_path_errors(monkeypatch):
 def test_from_pretrained_attnorm_overrides_and_config_built_models(tmp_path):
     from transformers import LlamaForCausalLM
 
-    from hf_attnorm.model_zoo import make_config
+    from hf_attnorm.lab.model_zoo import make_config
 
     config = make_config("llama", "micro")
     config._attn_implementation = "softmax"

@@ -1,4 +1,4 @@
-"""hf_attnorm.training and scripts/pretrain.py, scripts/finetune.py: training runs on tiny models and the embedded
+"""hf_attnorm.lab.training and scripts/pretrain.py, scripts/finetune.py: training runs on tiny models and the embedded
 corpus (loss decreases for every family x normalizer kind), checkpoints that load with from_pretrained and give the
 logged validation loss, exact resume after SIGKILL, two gloo ranks, Ctrl-C, fine-tuning with surgery, bad input."""
 
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_attnorm import training
-from hf_attnorm.training import TrainingError, run_finetuning, run_pretraining
+from hf_attnorm.lab import training
+from hf_attnorm.lab.training import TrainingError, run_finetuning, run_pretraining
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
@@ -83,7 +83,7 @@ def test_training_reduces_the_loss(family, implementation, tmp_path, request) ->
 def test_checkpoint_and_final_model_load_with_from_pretrained_and_give_the_logged_val_loss(llama_sink_run) -> None:
     from transformers import AutoModelForCausalLM
 
-    from hf_attnorm import data
+    from hf_attnorm.lab import data
 
     s = llama_sink_run
     out = Path(s["output_dir"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import model_output, tiny
 
-from hf_attnorm.attention import LAST_CALL
+from hf_attnorm.hf.forward import LAST_CALL
 from hf_attnorm.registry import PRESETS
 
 IMPLS = list(PRESETS)

@@ -24,10 +24,10 @@ import torch
 pytest.importorskip("triton")
 
 from hf_attnorm.attention import attention, constant_heads, make_call, param_specs  # noqa: E402
-from hf_attnorm.config import resolve_settings  # noqa: E402
 from hf_attnorm.kernels import attend, candidate_paths, paths_for  # noqa: E402
 from hf_attnorm.kernels import triton_attn as ta  # noqa: E402
 from hf_attnorm.registry import NORMALIZERS  # noqa: E402
+from hf_attnorm.settings import resolve_settings  # noqa: E402
 
 NAMES = [n for n in ta.KINDS if n in NORMALIZERS]
 INTERPRETED = ta.interpreter_requested()
@@ -333,7 +333,7 @@ if INTERPRETED:  # the kernel tests proper: only where the interpreter was on be
             (out[mask.bool()] ** 2).mean().backward()
             grads[path] = (out.detach(),
                            {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-        from hf_attnorm.attention import LAST_CALL
+        from hf_attnorm.hf.forward import LAST_CALL
 
         assert LAST_CALL.path == "triton"
         (o_ref, g_ref), (o_tri, g_tri) = grads["reference"], grads["triton"]

@@ -6,10 +6,10 @@ import dataclasses
 
 import torch
 
-from ..config import AttnormSettings
 from ..masks import MaskInfo
 from ..normalizers.base import Ctx, Normalizer
 from ..registry import NORMALIZERS
+from ..settings import AttnormSettings
 
 
 @dataclasses.dataclass

@@ -21,7 +21,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from ..config import AttnormSettings
+from ..settings import AttnormSettings
 
 RowSum = Literal["one", "at_most_one", "free"]
 

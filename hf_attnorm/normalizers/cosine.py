@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..config import declare_option, positive
 from ..registry import register_normalizer
+from ..settings import declare_option, positive
 from .base import Ctx, Normalizer, ParamSpec, masked_max, safe_divide
 from .softmax import masked_exp
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ..config import declare_option
 from ..registry import register_normalizer
+from ..settings import declare_option
 from .base import Ctx, Normalizer, ParamSpec, masked_max, safe_divide
 from .softmax import masked_exp
 

@@ -5,12 +5,10 @@ The n_extra term is an always-visible phantom key with score 0 and value 0, so a
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ..config import declare_option, nonnegative
 from ..registry import register_normalizer
+from ..settings import declare_option, nonnegative
 from .base import Ctx, Normalizer, masked_max, safe_divide
 from .softmax import masked_exp
 
@@ -34,7 +32,3 @@ class SoftmaxN(Normalizer):
         e = masked_exp(scores, keep, shift)
         den = e.sum(dim=-1, keepdim=True) + n_extra * torch.exp(-shift)
         return safe_divide(e, den)
-
-    @staticmethod
-    def log_n_extra(n_extra: float) -> float:
-        return math.log(n_extra) if n_extra > 0 else float("-inf")

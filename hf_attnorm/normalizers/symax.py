@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ..config import declare_option, nonnegative
 from ..registry import register_normalizer
+from ..settings import declare_option, nonnegative
 from .base import Ctx, Normalizer, ParamSpec, masked_fill_zero, safe_divide
 
 ETA = declare_option("eta", float, 1.0, "symax: the constant eta >= 0 in |s_i|/(eta + sum|s_j|)", check=nonnegative)

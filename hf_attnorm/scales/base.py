@@ -11,8 +11,8 @@ from typing import ClassVar
 
 import torch
 
-from ..config import AttnormSettings
 from ..normalizers.base import Ctx, ParamSpec
+from ..settings import AttnormSettings
 
 
 class Scale:

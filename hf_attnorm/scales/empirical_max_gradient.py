@@ -1,4 +1,4 @@
-"""empirical_max_gradient: alpha*(n) read from a table measured on a model's own scores (``hf_attnorm.analysis``).
+"""empirical_max_gradient: alpha*(n) read from a table measured on a model's own scores (``hf_attnorm.lab.analysis``).
 
 ``max_gradient`` solves alpha*(n) for a score MODEL (normal or cosine). This scale takes the optimum measured on a
 model's real pre-scale scores q.k*scaling instead: ``scripts/scale_analysis.py --model DIR`` writes the table,
@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from ..config import AttnormSettings, declare_option
 from ..normalizers.base import Ctx
 from ..registry import register_scale
+from ..settings import AttnormSettings, declare_option
 from .base import Scale
 from .max_gradient import max_gradient_alpha, max_gradient_alpha_torch, warm_table
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ..config import declare_option, nonnegative, positive
 from ..normalizers.base import Ctx
 from ..registry import register_scale
+from ..settings import declare_option, nonnegative, positive
 from .base import Scale
 
 ATTN_SCALE = declare_option("llama4_attn_scale", float, 0.1, "llama4: attn_scale (>= 0)", check=nonnegative)

@@ -26,9 +26,9 @@ import threading
 import numpy as np
 import torch
 
-from ..config import AttnormError, AttnormSettings, declare_option
 from ..normalizers.base import Ctx
 from ..registry import register_scale
+from ..settings import AttnormError, AttnormSettings, declare_option
 from .base import Scale
 
 DIST = declare_option("max_gradient_dist", str, "normal", "max_gradient: score model, normal (s ~ N(0,1)) or "

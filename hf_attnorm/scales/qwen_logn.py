@@ -6,9 +6,9 @@ import math
 
 import torch
 
-from ..config import declare_option
 from ..normalizers.base import Ctx
 from ..registry import register_scale
+from ..settings import declare_option
 from .base import Scale
 
 TRAIN_LENGTH = declare_option(

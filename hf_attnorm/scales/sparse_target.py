@@ -14,9 +14,9 @@ import math
 
 import torch
 
-from ..config import AttnormSettings, declare_option, nonnegative, open_unit, positive
 from ..normalizers.base import Ctx
 from ..registry import AttnormError, register_scale
+from ..settings import AttnormSettings, declare_option, nonnegative, open_unit, positive
 from .base import Scale
 
 EPS = declare_option("sparse_eps", float, 0.1, "sparse_target: target mass eps on irrelevant keys, in (0, 1)",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ..config import declare_option
 from ..normalizers.base import Ctx, ParamSpec
 from ..registry import register_scale
+from ..settings import declare_option
 from .base import Scale
 
 SSMAX_S = declare_option("ssmax_s", float, 1.0, "ssmax: initial per-head factor s_h in s_h * ln n")

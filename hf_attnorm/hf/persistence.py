@@ -33,24 +33,20 @@ from typing import Any
 
 from torch import nn
 
-from .config import INFO_KEYS, AttnormSettings
-from .registry import AttnormError
+from ..fileio import atomic_write
+from ..registry import CONFIG_PREFIX, AttnormError, canonical, is_ours
+from ..settings import INFO_KEYS, AttnormSettings
+from ..version import __version__
+from .state import AttnormState
 
 #: safetensors header metadata keys
 METADATA_KEY = "hf_attnorm"
 VERSION_KEY = "hf_attnorm_version"
 CHECKSUM_FILE = "attnorm_checksums.json"
-CONFIG_PREFIX = "hf_attnorm:"
 
 
 class CheckpointError(AttnormError):
     """A checkpoint that is corrupted, truncated or inconsistent."""
-
-
-def _version() -> str:
-    from . import __version__
-
-    return __version__
 
 
 # ------------------------------------------------------------------------------------------- safetensors headers
@@ -129,36 +125,27 @@ def finalize_saved(model: nn.Module, save_directory: Any, kwargs: Mapping[str, A
     """After transformers' ``save_pretrained``: settings into config.json and the safetensors headers, checksums."""
     if not kwargs.get("is_main_process", True):
         return
-    from .integration import canonical, is_ours
-
     config = getattr(model, "config", None)
     impl = canonical(getattr(config, "_attn_implementation", None))
     if config is None or not is_ours(impl):
         return
     directory = Path(save_directory)
     settings = AttnormSettings.from_dict(config.attnorm).to_dict()
-    saved = {**settings, "hf_attnorm_version": _version()}
+    saved = {**settings, "hf_attnorm_version": __version__}
     cfg_path = directory / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["attnorm"] = saved
     cfg["attn_implementation"] = CONFIG_PREFIX + impl
-    _atomic_write(cfg_path, json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    atomic_write(cfg_path, json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     files = weight_files(directory)
     if not files:
         raise CheckpointError(f"{directory}: save_pretrained wrote no .safetensors file; hf_attnorm checkpoints need "
                               "safetensors (safe_serialization=True)")
-    meta = {METADATA_KEY: json.dumps(settings, sort_keys=True), VERSION_KEY: _version()}
+    meta = {METADATA_KEY: json.dumps(settings, sort_keys=True), VERSION_KEY: __version__}
     for f in files:
         write_safetensors_metadata(f, meta)
     sums = {f.name: sha256_file(f) for f in files}
-    _atomic_write(directory / CHECKSUM_FILE, json.dumps({"sha256": sums}, indent=2, sort_keys=True) + "\n")
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    atomic_write(directory / CHECKSUM_FILE, json.dumps({"sha256": sums}, indent=2, sort_keys=True) + "\n")
 
 
 # ------------------------------------------------------------------------------------------------------- loading
@@ -187,7 +174,7 @@ def verify_checkpoint(directory: str | os.PathLike) -> AttnormSettings | None:
             settings = AttnormSettings.from_dict(raw)
         except AttnormError as e:
             raise CheckpointError(f"{cfg_path}: invalid hf_attnorm settings (saved by hf_attnorm "
-                                  f"{raw.get('hf_attnorm_version', '?')}, this is {_version()}): {e}") from None
+                                  f"{raw.get('hf_attnorm_version', '?')}, this is {__version__}): {e}") from None
     sums_path = directory / CHECKSUM_FILE
     expected: dict[str, str] = {}
     if sums_path.is_file():
@@ -242,8 +229,6 @@ def verify_loaded(model: nn.Module, path: Any, kwargs: Mapping[str, Any]) -> Non
     """After loading: a checkpoint saved with learned per-head values must have delivered all of them."""
     if path is None or not Path(str(path)).is_dir():
         return
-    from .attention import AttnormState
-
     directory = Path(str(path)) / kwargs.get("subfolder", "")
     files = weight_files(directory)
     if not files:

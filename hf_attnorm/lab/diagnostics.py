@@ -242,7 +242,7 @@ class Diagnostics:
 @contextlib.contextmanager
 def _weights_available(model: nn.Module) -> Iterator[None]:
     """Switch a model running transformers' own fused attention (sdpa, flash) to eager for the call."""
-    from .integration import is_ours
+    from ..registry import is_ours
 
     impl = model.config._attn_implementation
     if is_ours(impl) or impl == "eager":
@@ -259,7 +259,7 @@ def diagnose(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
              causal: bool | None = None) -> Diagnostics:
     """Run ``model`` once on input_ids [B, L] (attention_mask [B, L], 1 = token) with attention weights and hidden
     states. ``causal`` defaults to the model kind (causal LM: True, encoders / masked LMs: False)."""
-    from .integration import canonical
+    from ..registry import canonical
 
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, L], got shape {list(input_ids.shape)}")

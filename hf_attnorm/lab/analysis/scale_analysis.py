@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..scales import max_gradient_alpha, max_gradient_objective, sparse_target_k, sum_p2_model
+from ...scales import max_gradient_alpha, max_gradient_objective, sparse_target_k, sum_p2_model
 from .capture import capture_attention
 
 # ------------------------------------------------------------------------------------------ 1. irrelevant-key mass
@@ -712,7 +712,7 @@ def strip_markdown(text: str) -> str:
 
 
 def shakespeare_text(plays_dir: Path | None = None) -> str:
-    """Every play of the offline Shakespeare corpus (``hf_attnorm.assets``), stripped of markdown, in path order."""
+    """Every play of the offline Shakespeare corpus stripped of markdown, in path order."""
     if plays_dir is None:
         from ..assets import shakespeare_plays_dir
 

@@ -82,9 +82,9 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
     """
     import json
 
-    from . import available
-    from .config import resolve_settings
-    from .integration import is_ours
+    from .. import available
+    from ..registry import is_ours
+    from ..settings import resolve_settings
 
     name, _, rest = spec.partition(":")
     options: dict[str, Any] = {}

@@ -17,132 +17,24 @@ Model families differ in a few facts only; they are read from attributes every s
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import logging
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 
-from .attention import AttnormState, forward_for
-from .config import AttnormSettings, resolve_settings
-from .registry import PRESETS, AttnormError
+from ..registry import CONFIG_PREFIX, PRESETS, AttnormError, canonical, is_ours
+from ..settings import resolve_settings
+from .families import attention_modules
+from .forward import forward_for
+from .persistence import finalize_saved, verify_before_load, verify_loaded
+from .state import _PENDING, AttnormState, install, settings_for, uninstall
 
 logger = logging.getLogger("hf_attnorm")
 
-#: prefix under which the implementation name is written into config.json, so that loading without
-#: ``import hf_attnorm`` fails with an error that names the package instead of silently running sdpa
-CONFIG_PREFIX = "hf_attnorm:"
-
-#: how each family's attention module exposes its head count (the other facts are common attributes)
-MODULE_FACTS: dict[str, str] = {
-    "GPT2Attention": "num_heads",
-    "BertSelfAttention": "num_attention_heads",
-    "BertCrossAttention": "num_attention_heads",
-    "LlamaAttention": "config.num_attention_heads",
-}
-
-#: settings passed as ``from_pretrained(..., attnorm={...})`` while that call builds the model
-_PENDING: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar("hf_attnorm_pending", default=None)
-
 _REGISTERED = False
-
-
-def canonical(name: object) -> object:
-    """Strip the config.json prefix: ``"hf_attnorm:symax"`` -> ``"symax"``."""
-    if isinstance(name, str) and name.startswith(CONFIG_PREFIX):
-        return name[len(CONFIG_PREFIX):]
-    return name
-
-
-def is_ours(name: object) -> bool:
-    return isinstance(name, str) and canonical(name) in PRESETS
-
-
-def attention_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """Modules that call the attention interface: they carry ``config``, ``is_causal`` and ``scaling``."""
-    for name, mod in model.named_modules():
-        if isinstance(mod, AttnormState):
-            continue
-        if hasattr(mod, "config") and hasattr(mod, "is_causal") and hasattr(mod, "scaling") and not hasattr(
-            mod, "post_init"
-        ):
-            yield name, mod
-
-
-def num_heads_of(module: nn.Module) -> int:
-    attr = MODULE_FACTS.get(type(module).__name__)
-    if attr is not None:
-        obj: Any = module
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-        return int(obj)
-    for attr in ("num_heads", "num_attention_heads"):
-        if isinstance(getattr(module, attr, None), int):
-            return int(getattr(module, attr))
-    return int(module.config.num_attention_heads)
-
-
-def module_info(module: nn.Module) -> dict[str, Any]:
-    cfg = module.config
-    max_pos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
-    return {"max_positions": max_pos, "family": type(module).__name__,
-            "layer_idx": getattr(module, "layer_idx", None), "num_heads": num_heads_of(module),
-            "head_dim": getattr(module, "head_dim", None) or getattr(module, "attention_head_size", None)}
-
-
-def settings_for(config: Any, implementation: str) -> AttnormSettings:
-    """Resolve the settings of ``config`` for ``implementation`` and store them back (full dict) in
-    ``config.attnorm``. Saved settings of the same implementation and user overrides (no ``implementation`` key)
-    apply; settings saved for another implementation are replaced by that implementation's preset."""
-    pending = _PENDING.get()
-    if pending is not None:
-        config.attnorm = dict(pending)
-    raw = getattr(config, "attnorm", None)
-    if isinstance(raw, AttnormSettings):
-        raw = raw.to_dict()
-    if raw is None:
-        overrides: dict[str, Any] = {}
-    elif not isinstance(raw, Mapping):
-        raise AttnormError(f"config.attnorm must be a dict of settings, got {type(raw).__name__}")
-    elif raw.get("implementation", implementation) == implementation:
-        overrides = {k: v for k, v in raw.items() if k != "implementation"}
-    else:
-        logger.info("hf_attnorm: config.attnorm was saved for %r; using the %r preset", raw["implementation"],
-                    implementation)
-        overrides = {}
-    settings = resolve_settings(implementation, overrides)
-    config.attnorm = settings.to_dict()
-    return settings
-
-
-def install(module: nn.Module, settings: AttnormSettings) -> AttnormState:
-    """Attach (or update) ``module.attnorm``. Learnable values whose settings did not change keep their values."""
-    old = module._modules.get("attnorm")
-    if isinstance(old, AttnormState) and old.settings == settings:
-        return old
-    ref = next((p for p in module.parameters(recurse=False)), None) or next(iter(module.parameters()), None)
-    state = AttnormState(settings, num_heads_of(module), module_info(module))
-    if ref is not None:
-        state.to(device=ref.device)
-    if isinstance(old, AttnormState):
-        from .attention import param_specs
-
-        old_specs = {s.name: s for s in param_specs(old.settings)}
-        for spec in param_specs(settings):
-            prev = old._parameters.get(spec.name)
-            same = spec.name in old_specs and spec.init_value(old.settings) == spec.init_value(settings)
-            if prev is not None and spec.name in state._parameters and same:
-                state._parameters[spec.name] = prev  # keep the learned value (and the optimizer's reference)
-    module.attnorm = state
-    return state
-
-
-def uninstall(module: nn.Module) -> None:
-    if isinstance(module._modules.get("attnorm"), AttnormState):
-        del module._modules["attnorm"]
 
 
 def sync_model(model: nn.Module, explicit: bool = False) -> None:
@@ -174,28 +66,6 @@ def sync_model(model: nn.Module, explicit: bool = False) -> None:
         del config.attnorm
     for _, mod in attention_modules(model):
         uninstall(mod)
-
-
-_warned_lazy: set[str] = set()
-
-
-def ensure_state(module: nn.Module, implementation: str) -> AttnormState:
-    """The module's state for ``implementation``; built on first use if the model was never synced (e.g. its
-    config._attn_implementation was assigned directly)."""
-    state = module._modules.get("attnorm")
-    if isinstance(state, AttnormState) and state.settings.implementation == implementation:
-        return state
-    settings = settings_for(module.config, implementation)
-    state = install(module, settings)
-    if state.learnable_names() and implementation not in _warned_lazy:
-        _warned_lazy.add(implementation)
-        warnings.warn(
-            f"hf_attnorm: learnable parameters {state.learnable_names()} of {implementation!r} were created at the "
-            "first forward pass because the model was not set up through from_pretrained/set_attn_implementation/"
-            "hf_attnorm.apply; an optimizer built before this call does not train them.",
-            stacklevel=3,
-        )
-    return state
 
 
 def apply(model: nn.Module, implementation: str, **options: Any) -> nn.Module:
@@ -287,8 +157,6 @@ def register() -> None:
     def from_pretrained(cls, *args, attnorm: Mapping[str, Any] | None = None, **kwargs):
         if attnorm is not None and not isinstance(attnorm, Mapping):
             raise AttnormError(f"attnorm= must be a dict of settings, got {type(attnorm).__name__}")
-        from .persistence import verify_before_load, verify_loaded
-
         path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
         verify_before_load(path, kwargs)
         token = _PENDING.set(dict(attnorm) if attnorm is not None else None)
@@ -312,8 +180,6 @@ def register() -> None:
     @functools.wraps(orig_save)
     def save_pretrained(self, save_directory, *args, **kwargs):
         result = orig_save(self, save_directory, *args, **kwargs)
-        from .persistence import finalize_saved
-
         finalize_saved(self, save_directory, kwargs)
         return result
 

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..integration import attention_modules
-from ..masks import build_mask_info
+from ...hf.families import attention_modules
+from ...masks import build_mask_info
 
 #: callback(module, layer, q [B, H, Lq, D], k [B, Hkv, Lk, D], keep bool [B|1, 1|H, Lq, Lk], scaling)
 Callback = Callable[[nn.Module, int, torch.Tensor, torch.Tensor, torch.Tensor, float], None]

@@ -3,7 +3,7 @@
 Unlike the stock ``perplexity`` metric it takes the model object itself (or a checkpoint path plus the attention
 implementation and attnorm settings, so a custom attention is not lost on reload), slides a window with a stride,
 counts the scored tokens exactly, and handles masked LMs (BERT) with a fixed masking seed or pseudo-perplexity.
-The computation is ``hf_attnorm.evaluation`` (see its docstring for the exact conventions).
+The computation is ``hf_attnorm.lab.evaluation`` (see its docstring for the exact conventions).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import datasets
 import evaluate
 
 try:
-    from hf_attnorm.evaluation import EvaluationError, load_model, model_kind, perplexity
+    from hf_attnorm.lab.evaluation import EvaluationError, load_model, model_kind, perplexity
 except ImportError as e:  # evaluate runs a copy of this file from its module cache
     raise ImportError(
         "attnorm_perplexity needs the hf_attnorm package: `pip install -e <repo>` or `import hf_attnorm` before "
@@ -46,7 +46,7 @@ Returns:
     perplexities: per text; mean_nll: nats per token; total_tokens: tokens scored; text_tokens: per text;
     windows: sequences run; mode: "causal", "masked" or "pseudo".
 Examples:
-    >>> ppl = evaluate.load(hf_attnorm.metrics.perplexity_module_path())
+    >>> ppl = evaluate.load(hf_attnorm.lab.metrics.perplexity_module_path())
     >>> ppl.compute(predictions=texts, model=model, tokenizer=tok, max_length=256, stride=128)["perplexity"]
 """
 

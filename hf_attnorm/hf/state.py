@@ -1,0 +1,145 @@
+"""The state on every attention module: ``<attention>.attnorm`` (an ``AttnormState``) holds the settings and the
+learnable per-head values; ``install`` puts it there, ``settings_for`` resolves a config's settings.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import reprlib
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..attention import param_specs
+from ..registry import SCALES, AttnormError
+from ..settings import AttnormSettings, resolve_settings
+from .families import module_info, num_heads_of
+
+logger = logging.getLogger("hf_attnorm")
+
+#: settings passed as ``from_pretrained(..., attnorm={...})`` while that call builds the model
+_PENDING: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar("hf_attnorm_pending", default=None)
+
+
+
+class AttnormState(nn.Module):
+    """Lives on every attention module as ``<attention>.attnorm``: the settings and the learnable per-head values.
+
+    Learnable values are ``nn.Parameter`` [H] named after what they are (``sink_logit``, ``ssmax_s``, ``symax_eta``,
+    ``sigmoid_bias``, ``cosine_temperature``), so they appear in ``model.parameters()`` and in the state dict as
+    ``...self_attn.attnorm.ssmax_s``. Non-learnable values are constants taken from the settings.
+    """
+
+    def __init__(self, settings: AttnormSettings, num_heads: int, module_info: dict[str, Any]) -> None:
+        super().__init__()
+        self.settings = settings
+        self.num_heads = num_heads
+        self.module_info = dict(module_info)
+        SCALES.get(settings.scale).prepare(settings, self.module_info)
+        for spec in param_specs(settings):
+            if spec.is_learnable(settings):
+                self.register_parameter(spec.name, nn.Parameter(torch.full((num_heads,), spec.init_value(settings))))
+
+    def learnable_names(self) -> list[str]:
+        return [name for name, _ in self.named_parameters(recurse=False)]
+
+    @torch.no_grad()
+    def reset_parameters(self, only_uninitialised: bool = False) -> None:
+        """Set every learnable value to its initial value from the settings."""
+        for spec in param_specs(self.settings):
+            p = getattr(self, spec.name, None)
+            if isinstance(p, nn.Parameter) and not (only_uninitialised and getattr(p, "_is_hf_initialized", False)):
+                p.fill_(spec.init_value(self.settings))
+
+    def heads(self, device: torch.device) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for spec in param_specs(self.settings):
+            p = self._parameters.get(spec.name)
+            if p is not None:
+                out[spec.name] = p.float() if p.dtype != torch.float32 else p
+            else:
+                out[spec.name] = torch.full((self.num_heads,), spec.init_value(self.settings), device=device)
+        return out
+
+    def extra_repr(self) -> str:
+        s = self.settings
+        opts = "".join(f", {k}={reprlib.repr(v)}" for k, v in s.options.items())  # tables stay short
+        return f"{s.implementation}: normalizer={s.normalizer}, scale={s.scale}{opts}"
+
+
+def settings_for(config: Any, implementation: str) -> AttnormSettings:
+    """Resolve the settings of ``config`` for ``implementation`` and store them back (full dict) in
+    ``config.attnorm``. Saved settings of the same implementation and user overrides (no ``implementation`` key)
+    apply; settings saved for another implementation are replaced by that implementation's preset."""
+    pending = _PENDING.get()
+    if pending is not None:
+        config.attnorm = dict(pending)
+    raw = getattr(config, "attnorm", None)
+    if isinstance(raw, AttnormSettings):
+        raw = raw.to_dict()
+    if raw is None:
+        overrides: dict[str, Any] = {}
+    elif not isinstance(raw, Mapping):
+        raise AttnormError(f"config.attnorm must be a dict of settings, got {type(raw).__name__}")
+    elif raw.get("implementation", implementation) == implementation:
+        overrides = {k: v for k, v in raw.items() if k != "implementation"}
+    else:
+        logger.info("hf_attnorm: config.attnorm was saved for %r; using the %r preset", raw["implementation"],
+                    implementation)
+        overrides = {}
+    settings = resolve_settings(implementation, overrides)
+    config.attnorm = settings.to_dict()
+    return settings
+
+
+def install(module: nn.Module, settings: AttnormSettings) -> AttnormState:
+    """Attach (or update) ``module.attnorm``. Learnable values whose settings did not change keep their values."""
+    old = module._modules.get("attnorm")
+    if isinstance(old, AttnormState) and old.settings == settings:
+        return old
+    ref = next((p for p in module.parameters(recurse=False)), None) or next(iter(module.parameters()), None)
+    state = AttnormState(settings, num_heads_of(module), module_info(module))
+    if ref is not None:
+        state.to(device=ref.device)
+    if isinstance(old, AttnormState):
+        old_specs = {s.name: s for s in param_specs(old.settings)}
+        for spec in param_specs(settings):
+            prev = old._parameters.get(spec.name)
+            same = spec.name in old_specs and spec.init_value(old.settings) == spec.init_value(settings)
+            if prev is not None and spec.name in state._parameters and same:
+                state._parameters[spec.name] = prev  # keep the learned value (and the optimizer's reference)
+    module.attnorm = state
+    return state
+
+
+def uninstall(module: nn.Module) -> None:
+    if isinstance(module._modules.get("attnorm"), AttnormState):
+        del module._modules["attnorm"]
+
+
+_warned_lazy: set[str] = set()
+
+
+def ensure_state(module: nn.Module, implementation: str) -> AttnormState:
+    """The module's state for ``implementation``; built on first use if the model was never synced (e.g. its
+    config._attn_implementation was assigned directly)."""
+    state = module._modules.get("attnorm")
+    if isinstance(state, AttnormState) and state.settings.implementation == implementation:
+        return state
+    settings = settings_for(module.config, implementation)
+    state = install(module, settings)
+    if state.learnable_names() and implementation not in _warned_lazy:
+        _warned_lazy.add(implementation)
+        warnings.warn(
+            f"hf_attnorm: learnable parameters {state.learnable_names()} of {implementation!r} were created at the "
+            "first forward pass because the model was not set up through from_pretrained/set_attn_implementation/"
+            "hf_attnorm.apply; an optimizer built before this call does not train them.",
+            stacklevel=3,
+        )
+    return state
+
+

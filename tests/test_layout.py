@@ -1,0 +1,94 @@
+"""The package's shape: a one-way import chain in the plugin core, and a core that needs only torch, transformers and
+safetensors (the lab's dependencies are extras)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "hf_attnorm"
+
+#: layer of each core module (a module may import only from lower or equal layers; equal = inside a package)
+LAYERS = {
+    "version": 0, "fileio": 0, "registry": 0,
+    "settings": 1,
+    "masks": 2, "normalizers": 2, "scales": 2,
+    "kernels": 3,
+    "attention": 4,
+    "hf": 5,
+    "__init__": 6, "__main__": 6,
+    "lab": 7,
+}
+#: numpy is a hard dependency of transformers; triton is optional (imported under a guard)
+CORE_THIRD_PARTY = {"torch", "transformers", "safetensors", "numpy", "triton"}
+
+
+def _module_of(path: Path) -> str:
+    return path.relative_to(PKG).parts[0].removesuffix(".py")
+
+
+def _imports(path: Path) -> list[tuple[str, int]]:
+    """(imported module, with relative imports resolved to ``hf_attnorm.<top-level module>``, line) per import."""
+    tree = ast.parse(path.read_text())
+    rel = path.relative_to(PKG).with_suffix("").parts
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = list(rel[: len(rel) - node.level])
+                target = [*base, *(node.module.split(".") if node.module else [])]
+                names = [target[0]] if target else [a.name for a in node.names]
+                out += [("hf_attnorm." + n, node.lineno) for n in names]
+            elif node.module:
+                out.append((node.module, node.lineno))
+        elif isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+    return out
+
+
+def _function_level_imports(path: Path) -> list[int]:
+    tree = ast.parse(path.read_text())
+    lines = []
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines += [n.lineno for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))
+                      and (isinstance(n, ast.ImportFrom) and (n.level or (n.module or "").startswith("hf_attnorm")))]
+    return lines
+
+
+CORE_FILES = [p for p in sorted(PKG.rglob("*.py")) if _module_of(p) != "lab"]
+
+
+@pytest.mark.parametrize("path", CORE_FILES, ids=lambda p: str(p.relative_to(PKG)))
+def test_core_imports_flow_one_way(path: Path) -> None:
+    layer = LAYERS[_module_of(path)]
+    for target, line in _imports(path):
+        if target.startswith("hf_attnorm."):
+            dep = target.split(".")[1]
+            assert LAYERS[dep] <= layer, f"{path.name}:{line} imports {target} (layer {LAYERS[dep]} > {layer})"
+
+
+@pytest.mark.parametrize("path", CORE_FILES, ids=lambda p: str(p.relative_to(PKG)))
+def test_core_has_no_function_level_package_imports(path: Path) -> None:
+    # a lazy import of our own modules inside a function is how a cycle hides
+    assert _function_level_imports(path) == [], f"{path}: package imports inside functions"
+
+
+@pytest.mark.parametrize("path", CORE_FILES, ids=lambda p: str(p.relative_to(PKG)))
+def test_core_needs_only_the_plugin_dependencies(path: Path) -> None:
+    stdlib = set(sys.stdlib_module_names)
+    for target, line in _imports(path):
+        top = target.split(".")[0]
+        assert top in stdlib or top in CORE_THIRD_PARTY or top == "hf_attnorm", (
+            f"{path.relative_to(PKG)}:{line} imports {target}: the plugin core may use only torch, transformers, "
+            "safetensors (and triton, optional) — the lab's dependencies are extras")
+
+
+def test_import_loads_no_lab_module() -> None:
+    code = "import sys, hf_attnorm; print(sorted(m for m in sys.modules if m.startswith('hf_attnorm.lab')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
