@@ -114,6 +114,19 @@ def open_unit(v: float) -> str | None:
     return "must lie strictly between 0 and 1" if not 0.0 < v < 1.0 else None
 
 
+class FrozenOptions(dict):
+    """The options of an ``AttnormSettings``: a dict that refuses changes (the settings are frozen; a changed copy
+    comes from ``AttnormSettings.replace``). Copies and pickles as a plain mapping."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("AttnormSettings options are read-only; use settings.replace(name=value)")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _refuse  # type: ignore[assignment]
+
+    def __reduce__(self):
+        return (type(self), (dict(self),))
+
+
 @dataclasses.dataclass(frozen=True)
 class AttnormSettings:
     """Validated settings of one model: the implementation name, its normalizer and scale, and their options.
@@ -131,6 +144,7 @@ class AttnormSettings:
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "options", FrozenOptions(self.options))
         # options read as plain attributes (settings.eta, settings.n_extra): ordinary instance attributes, so
         # torch.compile traces them without a graph break
         for name, value in self.options.items():

@@ -138,3 +138,16 @@ def test_from_pretrained_attnorm_overrides_and_config_built_models(tmp_path):
     config2._attn_implementation = "symax"
     m2 = LlamaForCausalLM(config2)
     assert m2.model.layers[0].self_attn.attnorm.settings.normalizer == "symax"
+
+
+def test_settings_options_are_read_only_and_copy_cleanly() -> None:
+    import copy
+    import pickle
+
+    s = resolve_settings("symax", {"eta": 0.5})
+    with pytest.raises(TypeError, match="read-only"):
+        s.options["eta"] = 3.0  # type: ignore[index]
+    with pytest.raises(TypeError, match="read-only"):
+        s.options.update(eta=3.0)  # type: ignore[attr-defined]
+    assert s.eta == 0.5 and s.replace(eta=0.25).eta == 0.25
+    assert copy.deepcopy(s) == s and pickle.loads(pickle.dumps(s)) == s
