@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ..fileio import atomic_write
 from . import assets
 
 #: plays (``<genre>/<play>``) of the validation split; all other plays are the training split
@@ -140,9 +141,7 @@ def _converted_plays() -> tuple[tuple[str, str], ...]:
         except (OSError, ValueError):
             pass  # unreadable: rebuild below
     plays = tuple((pid, play_to_text(path.read_text(encoding="utf-8"))) for pid, path in files)
-    tmp = cache.with_name(f".tmp-{os.getpid()}-{cache.name}")
-    tmp.write_text(json.dumps(plays), encoding="utf-8")
-    os.replace(tmp, cache)
+    atomic_write(cache, json.dumps(plays))
     return plays
 
 

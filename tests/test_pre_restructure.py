@@ -1,0 +1,69 @@
+"""Files written by the code before the issue-13 restructure (commit e546e6f, tests/fixtures/pre_restructure/) still
+work: a saved ssmax checkpoint loads with its settings, learned values and logits, and a training checkpoint's
+recorded arguments are the ones today's parser produces, so ``--resume_from_checkpoint`` accepts it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_attnorm  # noqa: F401  (registers the attention implementations)
+from hf_attnorm.lab.training import STATE_FILE
+from hf_attnorm.lab.training.args import parse_args
+from hf_attnorm.lab.training.checkpoints import plan_output
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "pre_restructure"
+
+
+def test_old_ssmax_checkpoint_loads_with_its_settings_values_and_logits() -> None:
+    folder = FIXTURES / "gpt2_ssmax"
+    expected = json.loads((folder / "expected.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert model.config._attn_implementation.endswith("ssmax")
+    assert {k: v for k, v in model.config.attnorm.items() if k != "hf_attnorm_version"} == {
+        "implementation": "ssmax", "normalizer": "softmax", "scale": "ssmax", "ssmax_learnable": True,
+        "ssmax_s": 1.0}
+    params = dict(model.named_parameters())
+    assert len(expected["learned"]) == 2
+    for name, values in expected["learned"].items():
+        assert params[name].requires_grad, name
+        torch.testing.assert_close(params[name].detach(), torch.tensor(values), rtol=0, atol=0)
+        assert not torch.allclose(params[name].detach(), torch.ones_like(params[name])), "values are the init"
+    with torch.no_grad():
+        logits = model(torch.tensor(expected["input_ids"])).logits
+    torch.testing.assert_close(logits, torch.tensor(expected["logits"]), rtol=0, atol=2e-6)
+
+
+#: the flags the fixture run was started with (scripts/pretrain.py of commit e546e6f)
+OLD_RUN_FLAGS = ["--model_size", "micro", "--block_size", "32", "--per_device_train_batch_size", "4",
+                 "--per_device_eval_batch_size", "8", "--max_eval_samples", "16", "--learning_rate", "3e-3",
+                 "--lr_scheduler_type", "constant", "--model_card_dir", "none", "--max_train_steps", "4",
+                 "--checkpointing_steps", "2", "--model_type", "llama", "--attn_implementation", "sink"]
+
+
+def test_old_training_state_records_the_arguments_of_todays_parser() -> None:
+    saved = json.loads((FIXTURES / "pretrain_run" / STATE_FILE).read_text())["args"]
+    args = parse_args("pretrain", [*OLD_RUN_FLAGS, "--output_dir", saved["output_dir"]])
+    now = {**args.as_dict(), "num_processes": 1}
+    # the old code rewrote --model_card_dir none to None in place; today the flag's value is kept as given
+    assert saved.pop("model_card_dir") is None and now.pop("model_card_dir") == "none"
+    assert now == saved
+
+
+def test_old_checkpoint_folder_is_accepted_for_resume(tmp_path) -> None:
+    out = tmp_path / "run"
+    (out / "step_2").mkdir(parents=True)
+    shutil.copy(FIXTURES / "pretrain_run" / STATE_FILE, out / "step_2" / STATE_FILE)
+    shutil.copy(FIXTURES / "pretrain_run" / "training_args.json", out / "training_args.json")
+    args = parse_args("pretrain", [*OLD_RUN_FLAGS, "--output_dir", str(out), "--resume_from_checkpoint", "latest"])
+    plan = plan_output(args)
+    assert plan.resume_dir == out / "step_2" and plan.resume_step == 2 and not plan.clear
+    changed = parse_args("pretrain", [*OLD_RUN_FLAGS, "--output_dir", str(out), "--resume_from_checkpoint",
+                                      "latest", "--block_size", "64"])
+    with pytest.raises(ValueError, match="--block_size 64 .checkpoint: 32."):
+        plan_output(changed)
