@@ -300,8 +300,39 @@ def run(args: TrainingArguments) -> dict[str, Any]:
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     args.validate()
-    plan = ckpt.plan_output(args)
+    plan = ckpt.plan_output(args)  # may we write there, what do we resume: decided before anything is built
     run_name = args.model_card_name or plan.output_dir.resolve().name
+    accelerator = _start_accelerator(args, plan, run_name)
+    setup = build_model(args, plan.saved_settings, plan.resume_dir)
+    if plan.clear and accelerator.is_main_process:
+        removed = ckpt.clear_run(plan.output_dir)
+        other = [p.name for p in plan.output_dir.iterdir()]
+        logger.info(f"--overwrite_output_dir: removed {removed or 'nothing'} from {plan.output_dir}"
+                    + (f"; left other files {other}" if other else ""))
+    accelerator.wait_for_everyone()
+    data = build_data(args, setup.tokenizer, setup.task, accelerator)
+    loop = _prepare(args, accelerator, setup, data, plan)
+    n_params = _record_start(args, loop, run_name, time.time() - t_setup)
+    _train(args, loop, run_name)
+    summary = make_summary(args, loop, n_params)
+
+    def write_card_and_summary() -> None:  # main process, after the model files: the summary marks completion
+        card = write_model_card(plan.output_dir, summary, card_dir=args.card_dir, name=args.model_card_name)
+        summary["model_card"] = str(card)
+        ckpt.write_json(plan.output_dir / ckpt.SUMMARY_FILE, summary)
+
+    ckpt.save_final(accelerator, loop.model, setup.tokenizer, plan.output_dir, write_card_and_summary)
+    if args.with_tracking:
+        accelerator.end_training()
+    if accelerator.is_main_process:
+        print(format_summary(summary), flush=True)
+    accelerator.wait_for_everyone()
+    return summary
+
+
+def _start_accelerator(args: TrainingArguments, plan: ckpt.OutputPlan, run_name: str) -> Accelerator:
+    """The accelerator (with the trackers of ``--with_tracking``) and logging; a resume must have the process
+    count of its checkpoint."""
     logging_dir = Path(args.logging_dir) if args.logging_dir else plan.output_dir / "runs"
     trackers = build_trackers(args.report_to, run_name, logging_dir, plan.resume_step) if args.with_tracking else None
     accelerator = Accelerator(
@@ -316,62 +347,46 @@ def run(args: TrainingArguments) -> dict[str, Any]:
                                 f"{accelerator.num_processes}: the data position would not match")
     elif args.resume_from_checkpoint == "latest":
         logger.warning(f"--resume_from_checkpoint latest: no checkpoint in {plan.output_dir}; starting fresh")
+    return accelerator
 
-    setup = build_model(args, plan.saved_settings, plan.resume_dir)
-    if plan.clear and accelerator.is_main_process:
-        removed = ckpt.clear_run(plan.output_dir)
-        other = [p.name for p in plan.output_dir.iterdir()]
-        logger.info(f"--overwrite_output_dir: removed {removed or 'nothing'} from {plan.output_dir}"
-                    + (f"; left other files {other}" if other else ""))
-    accelerator.wait_for_everyone()
-    data = build_data(args, setup.tokenizer, setup.task, accelerator)
-    loop = _prepare(args, accelerator, setup, data, plan)
 
+def _record_start(args: TrainingArguments, loop: Loop, run_name: str, setup_seconds: float) -> int:
+    """Write ``training_args.json``, start the trackers, log what is trained; returns the parameter count."""
+    acc, setup, data = loop.accelerator, loop.setup, loop.data
     hparams = _hparams(args, loop)
-    if accelerator.is_main_process:
-        plan.output_dir.mkdir(parents=True, exist_ok=True)
-        ckpt.write_json(plan.output_dir / ckpt.ARGS_FILE, hparams)
+    if acc.is_main_process:
+        loop.output_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.write_json(loop.output_dir / ckpt.ARGS_FILE, hparams)
     if args.with_tracking:
-        accelerator.init_trackers(run_name, config={k: v for k, v in hparams.items()
-                                                    if isinstance(v, int | float | str | bool)})
+        scalars = {k: v for k, v in hparams.items() if isinstance(v, int | float | str | bool)}
+        acc.init_trackers(run_name, config=scalars)
     n_params = sum(p.numel() for p in {id(p): p for p in setup.model.parameters()}.values())
-    total_batch = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
+    total_batch = args.per_device_train_batch_size * acc.num_processes * args.gradient_accumulation_steps
     logger.info(f"{setup.model_type} ({setup.task}), {n_params / 1e6:.2f}M parameters, attention "
                 f"{setup.settings or 'the model default (' + str(setup.model.config._attn_implementation) + ')'}; "
                 f"{len(data.train)} training blocks of {args.block_size} ({data.description}); "
-                f"{loop.max_steps} steps of {total_batch} blocks ({accelerator.num_processes} process(es)); "
-                f"setup {time.time() - t_setup:.1f} s")
+                f"{loop.max_steps} steps of {total_batch} blocks ({acc.num_processes} process(es)); "
+                f"setup {setup_seconds:.1f} s")
+    return n_params
 
+
+def _train(args: TrainingArguments, loop: Loop, run_name: str) -> None:
+    """``loop.train()`` under a progress bar; Ctrl-C names the last complete checkpoint and re-raises."""
     loop.bar = tqdm(total=loop.max_steps, initial=loop.progress.step, desc=f"{args.kind} {run_name}", unit="step",
-                    disable=not accelerator.is_local_main_process or _env_flag("TQDM_DISABLE"), mininterval=0.5,
-                    dynamic_ncols=True)
+                    disable=not loop.accelerator.is_local_main_process or _env_flag("TQDM_DISABLE"),
+                    mininterval=0.5, dynamic_ncols=True)
     try:
         loop.train()
     except KeyboardInterrupt:
-        last = ckpt.latest_checkpoint(plan.output_dir)
+        last = ckpt.latest_checkpoint(loop.output_dir)
         logger.warning(f"interrupted at step {loop.progress.step}; nothing more is written. Last complete "
                        f"checkpoint: {last or 'none'}" + (" (resume with --resume_from_checkpoint latest)"
                                                           if last else ""))
         if args.with_tracking:
-            accelerator.end_training()
+            loop.accelerator.end_training()
         raise
     finally:
         loop.bar.close()
-
-    summary = make_summary(args, loop, n_params)
-
-    def write_card_and_summary() -> None:
-        card = write_model_card(plan.output_dir, summary, card_dir=args.card_dir, name=args.model_card_name)
-        summary["model_card"] = str(card)
-        ckpt.write_json(plan.output_dir / ckpt.SUMMARY_FILE, summary)
-
-    ckpt.save_final(accelerator, loop.model, setup.tokenizer, plan.output_dir, write_card_and_summary)
-    if args.with_tracking:
-        accelerator.end_training()
-    if accelerator.is_main_process:
-        print(format_summary(summary), flush=True)
-    accelerator.wait_for_everyone()
-    return summary
 
 
 def _env_flag(name: str) -> bool:
