@@ -1,6 +1,6 @@
 """Files written by the code before the issue-13 restructure (commit e546e6f, tests/fixtures/pre_restructure/) still
 work: a saved ssmax checkpoint loads with its settings, learned values and logits, and a training checkpoint's
-recorded arguments are the ones today's parser produces, so ``--resume_from_checkpoint`` accepts it."""
+recorded arguments are the ones today's parser produces, and today's code resumes it exactly."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_attnorm  # noqa: F401  (registers the attention implementations)
-from hf_attnorm.lab.training import STATE_FILE, build_parser
+from hf_attnorm.lab import training
+from hf_attnorm.lab.training import STATE_FILE, build_parser, run_pretraining
 from hf_attnorm.lab.training.args import parse_args
 from hf_attnorm.lab.training.checkpoints import plan_output
 
@@ -39,34 +40,49 @@ def test_old_ssmax_checkpoint_loads_with_its_settings_values_and_logits() -> Non
     torch.testing.assert_close(logits, torch.tensor(expected["logits"]), rtol=0, atol=2e-6)
 
 
-#: the flags the fixture run was started with (scripts/pretrain.py of commit e546e6f)
-OLD_RUN_FLAGS = ["--model_size", "micro", "--block_size", "32", "--per_device_train_batch_size", "4",
-                 "--per_device_eval_batch_size", "8", "--max_eval_samples", "16", "--learning_rate", "3e-3",
-                 "--lr_scheduler_type", "constant", "--model_card_dir", "none", "--max_train_steps", "4",
-                 "--checkpointing_steps", "2", "--model_type", "llama", "--attn_implementation", "sink"]
+#: the flags the fixture run was started with (scripts/pretrain.py of commit e546e6f, from inside char_run/): a
+#: one-layer Llama with a character tokenizer, so that the checkpoint with its optimizer state is ~100 KB
+OLD_RUN_FLAGS = ["--config_name", "cfg/config.json", "--tokenizer_name", "chartok", "--block_size", "16",
+                 "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "8", "--max_eval_samples", "8",
+                 "--max_train_samples", "64", "--learning_rate", "3e-3", "--lr_scheduler_type", "constant",
+                 "--model_card_dir", "none", "--max_train_steps", "4", "--checkpointing_steps", "2",
+                 "--attn_implementation", "sink", "--output_dir", "run"]
 
 
-def test_old_training_state_records_the_arguments_of_todays_parser() -> None:
-    saved = json.loads((FIXTURES / "pretrain_run" / STATE_FILE).read_text())["args"]
-    args = parse_args("pretrain", [*OLD_RUN_FLAGS, "--output_dir", saved["output_dir"]])
-    now = {**args.as_dict(), "num_processes": 1}
+@pytest.fixture
+def old_run(tmp_path, monkeypatch) -> Path:
+    """A copy of char_run/ as the working directory: run/ holds training_args.json and step_2/ of the old code."""
+    shutil.copytree(FIXTURES / "char_run", tmp_path / "char_run")
+    monkeypatch.chdir(tmp_path / "char_run")
+    return tmp_path / "char_run" / "run"
+
+
+def test_old_training_state_records_the_arguments_of_todays_parser(old_run) -> None:
+    saved = json.loads((old_run / "step_2" / STATE_FILE).read_text())["args"]
+    now = {**parse_args("pretrain", OLD_RUN_FLAGS).as_dict(), "num_processes": 1}
     # the old code rewrote --model_card_dir none to None in place; today the flag's value is kept as given
     assert saved.pop("model_card_dir") is None and now.pop("model_card_dir") == "none"
     assert now == saved
 
 
-def test_old_checkpoint_folder_is_accepted_for_resume(tmp_path) -> None:
-    out = tmp_path / "run"
-    (out / "step_2").mkdir(parents=True)
-    shutil.copy(FIXTURES / "pretrain_run" / STATE_FILE, out / "step_2" / STATE_FILE)
-    shutil.copy(FIXTURES / "pretrain_run" / "training_args.json", out / "training_args.json")
-    args = parse_args("pretrain", [*OLD_RUN_FLAGS, "--output_dir", str(out), "--resume_from_checkpoint", "latest"])
-    plan = plan_output(args)
-    assert plan.resume_dir == out / "step_2" and plan.resume_step == 2 and not plan.clear
-    changed = parse_args("pretrain", [*OLD_RUN_FLAGS, "--output_dir", str(out), "--resume_from_checkpoint",
-                                      "latest", "--block_size", "64"])
-    with pytest.raises(ValueError, match="--block_size 64 .checkpoint: 32."):
+def test_old_checkpoint_folder_is_accepted_for_resume(old_run) -> None:
+    plan = plan_output(parse_args("pretrain", [*OLD_RUN_FLAGS, "--resume_from_checkpoint", "latest"]))
+    assert plan.resume_dir == Path("run") / "step_2" and plan.resume_step == 2 and not plan.clear
+    changed = parse_args("pretrain", [*OLD_RUN_FLAGS, "--resume_from_checkpoint", "latest", "--block_size", "32"])
+    with pytest.raises(ValueError, match="--block_size 32 .checkpoint: 16."):
         plan_output(changed)
+
+
+@pytest.mark.slow  # ~7 s on the busy 2-core machine (tokenises the corpus with the character tokenizer once)
+def test_old_checkpoint_resumes_exactly(old_run) -> None:
+    """Today's code continues the old step_2 (weights, AdamW state, scheduler, RNG, data position) to step 4 with
+    the losses of the old code's uninterrupted run, bit for bit."""
+    expected = json.loads((FIXTURES / "char_run" / "uninterrupted.json").read_text())
+    summary = run_pretraining([*OLD_RUN_FLAGS, "--resume_from_checkpoint", "latest"])
+    assert summary["steps"] == 4 and summary["attnorm"]["implementation"] == "sink"
+    assert summary["train_losses"] == expected["train_losses"]
+    assert summary["val_losses"] == expected["val_losses"]
+    assert [p.name for p in training.list_checkpoints(old_run)] == ["step_2", "step_4"]
 
 
 def _flags(parser) -> list[dict]:
