@@ -62,9 +62,12 @@ def parse_attnorm_options(pairs: Sequence[str] | None) -> dict[str, Any]:
     option (the one grammar: ``hf_attnorm.settings.parse_option_pairs``). ``implementation``/``normalizer``/
     ``scale`` have their own flags."""
     for pair in pairs or ():
-        key = pair.partition("=")[0].strip()
-        if key in ("implementation", "normalizer", "scale"):
-            raise TrainingError(f"--attnorm {key}=... : use --attn_implementation/--normalizer/--scale instead")
+        key, sep, _ = pair.partition("=")
+        if not sep or not key.strip():
+            raise TrainingError(f"--attnorm expects KEY=VALUE, got {pair!r}")
+        if key.strip() in ("implementation", "normalizer", "scale"):
+            raise TrainingError(f"--attnorm {key.strip()}=... : use --attn_implementation/--normalizer/--scale "
+                                "instead")
     try:
         return parse_option_pairs(pairs or ())
     except OptionError as exc:
