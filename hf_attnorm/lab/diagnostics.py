@@ -27,6 +27,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..hf.families import is_causal
+from ..registry import canonical, is_ours
+from .evaluation import eval_mode
+
 __all__ = [
     "AttentionCurves",
     "Diagnostics",
@@ -242,8 +246,6 @@ class Diagnostics:
 @contextlib.contextmanager
 def _weights_available(model: nn.Module) -> Iterator[None]:
     """Switch a model running transformers' own fused attention (sdpa, flash) to eager for the call."""
-    from ..registry import is_ours
-
     impl = model.config._attn_implementation
     if is_ours(impl) or impl == "eager":
         yield
@@ -259,13 +261,10 @@ def diagnose(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
              causal: bool | None = None) -> Diagnostics:
     """Run ``model`` once on input_ids [B, L] (attention_mask [B, L], 1 = token) with attention weights and hidden
     states. ``causal`` defaults to the model kind (causal LM: True, encoders / masked LMs: False)."""
-    from ..registry import canonical
-
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, L], got shape {list(input_ids.shape)}")
     if causal is None:
-        causal = bool(getattr(model.config, "is_decoder", False)) or type(model).__name__.endswith(
-            ("ForCausalLM", "LMHeadModel"))
+        causal = is_causal(model)
     B, L = input_ids.shape
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
@@ -276,8 +275,6 @@ def diagnose(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
     kwargs: dict[str, Any] = {"output_attentions": True, "output_hidden_states": True}
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask.to(device)
-    from .evaluation import eval_mode
-
     with _weights_available(model), eval_mode(model), torch.inference_mode():
         out = model(input_ids=input_ids, **kwargs)
     if not out.attentions:

