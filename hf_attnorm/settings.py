@@ -139,11 +139,11 @@ FALSE_WORDS = ("false", "0", "no", "off")
 def parse_option_text(name: str, text: str) -> Any:
     """The value of option ``name`` written as command-line text, typed by its declaration: booleans take
     true/false/yes/no/on/off/1/0, numbers their usual spelling, dict/list options JSON, ``null``/``none`` means None
-    (refused later unless the option is optional). Ranges are checked by ``resolve_settings``."""
-    if name in ("normalizer", "scale"):
+    (refused later unless the option is optional). Ranges are checked by ``resolve_settings``, and so are names
+    no component declares: they stay text here, and ``resolve_settings`` refuses them naming the options that the
+    chosen normalizer and scale use."""
+    if name in ("normalizer", "scale") or name not in OPTIONS:
         return text
-    if name not in OPTIONS:
-        raise OptionError(f"unknown option {name!r}; declared options: {', '.join(OPTIONS)}")
     kind = OPTIONS.get(name).kind
     low = text.strip().lower()
     if low in ("null", "none"):

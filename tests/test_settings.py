@@ -161,10 +161,14 @@ def test_option_text_has_one_grammar():
         "ssmax_learnable": True, "eta_learnable": False, "eta": 0.25, "sigmoid_bias": None,
         "sparse_m_rule": "sqrt", "head_dim": 64, "scale": "ssmax"}
     for pairs, message in ((["ssmax_learnable=maybe"], "must be true or false"), (["head_dim=6.5"], "integer"),
-                           (["eta=big"], "must be a number"), (["nosuch=1"], "unknown option 'nosuch'"),
+                           (["eta=big"], "must be a number"),
                            (["eta=1", "eta=2"], "given twice"), (["eta"], "KEY=VALUE")):
         with pytest.raises(OptionError, match=message):
             parse_option_pairs(pairs)
+    # a name no component declares stays text; resolve_settings refuses it naming what the normalizer uses
+    assert parse_option_pairs(["nosuch=1"]) == {"nosuch": "1"}
+    with pytest.raises(AttnormError, match=r"\['nosuch'\] are not used by normalizer 'symax'.*allowed"):
+        resolve_settings("symax", parse_option_pairs(["nosuch=1"]))
 
 
 def test_every_command_line_reads_options_alike():

@@ -68,6 +68,8 @@ def parse_attnorm_options(pairs: Sequence[str] | None) -> dict[str, Any]:
         if key.strip() in ("implementation", "normalizer", "scale"):
             raise TrainingError(f"--attnorm {key.strip()}=... : use --attn_implementation/--normalizer/--scale "
                                 "instead")
+        if key.strip() not in OPTIONS:
+            raise TrainingError(f"--attnorm: unknown option {key.strip()!r}; declared options: {', '.join(OPTIONS)}")
     try:
         return parse_option_pairs(pairs or ())
     except OptionError as exc:
