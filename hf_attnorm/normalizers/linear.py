@@ -28,6 +28,7 @@ class Linear(Normalizer):
     row_sum = "one"
     uses_base_scaling = False
     scoreless = True
+    kernel_family = "linear"
 
     def feature_map(self, q: torch.Tensor, k: torch.Tensor, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
         # The weights phi(q_i).phi(k_j) / sum_j phi(q_i).phi(k_j) do not change when phi(q_i) is divided by any
