@@ -146,6 +146,8 @@ def _to_bool(mask: torch.Tensor) -> torch.Tensor:
     raise MaskError(f"attention mask dtype {mask.dtype} is not supported; use bool (True = keep)")
 
 
+#: (lq, lk, causal, device) -> MaskInfo of the calls without a mask (read-only tensors, shared by every layer)
+_STRUCTURED: dict[tuple, MaskInfo] = {}
 #: the last mask analysed: (weak reference to the mask tensor, its version, the call's sizes, the MaskInfo)
 _LAST: list = [None, -1, None, None]
 
@@ -160,12 +162,21 @@ def build_mask_info(
     The same mask tensor (unchanged) with the same sizes gives the same MaskInfo back (layers of one forward).
     """
     if attention_mask is None:
-        if causal and lq > 1:
-            i = torch.arange(lq, device=device, dtype=torch.float32)
-            n = torch.clamp(i + 1, max=lk).view(1, 1, lq)
-            return MaskInfo(None, True, n, n > 0, lq, lk)
-        n = torch.full((1, 1, lq), float(lk), device=device)
-        return MaskInfo(None, False, n.clamp_min(1), n > 0, lq, lk)
+        key = (lq, lk, causal and lq > 1, device)
+        info = None if torch.compiler.is_compiling() else _STRUCTURED.get(key)
+        if info is None:
+            if key[2]:
+                i = torch.arange(lq, device=device, dtype=torch.float32)
+                n = torch.clamp(i + 1, max=lk).view(1, 1, lq)
+                info = MaskInfo(None, True, n, n > 0, lq, lk)
+            else:
+                n = torch.full((1, 1, lq), float(lk), device=device)
+                info = MaskInfo(None, False, n.clamp_min(1), n > 0, lq, lk)
+            if not torch.compiler.is_compiling():
+                if len(_STRUCTURED) > 64:  # decode: one entry per length; keep the recent ones
+                    _STRUCTURED.pop(next(iter(_STRUCTURED)))
+                _STRUCTURED[key] = info
+        return info
     if not isinstance(attention_mask, torch.Tensor):
         raise MaskError(
             f"attention_mask of type {type(attention_mask).__name__} is not supported by hf_attnorm; expected None "

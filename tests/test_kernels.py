@@ -1,7 +1,7 @@
 """Every fast path against the reference path: forward and every gradient (q, k, v, per-head parameters).
 
 Generic over the registries: the (path, normalizer) pairs come from the paths' own declarations
-(``hf_attnorm.kernels.declared_normalizers``; ``"*"`` paths take every normalizer), scales from ``SCALES``.
+(``hf_attnorm.kernels.declared_normalizers``, from each path's ``takes``), scales from ``SCALES``.
 
 Error criterion (issue 3): with e(x) = max |x - x64| against a float64 reference computed from the same inputs,
 e(fast fp32) <= 5 e(reference fp32) + 1e-5, and in fp16/bf16 e(fast) <= 2 e(reference in that dtype) (+1e-6).
@@ -22,12 +22,14 @@ from hf_attnorm.hf.forward import LAST_CALL
 from hf_attnorm.kernels import (
     ENV_VAR,
     PATHS,
-    PathDeclined,
     attend,
     candidate_paths,
+    choose,
     declared_normalizers,
     explain,
     fused_cpu,
+    kinds,
+    set_forced_path,
 )
 from hf_attnorm.kernels import chunked as chunked_mod
 from hf_attnorm.registry import NORMALIZERS, SCALES, AttnormError
@@ -51,11 +53,7 @@ def _probe_reason(path: str, name: str) -> str | None:
     q = torch.randn(1, 2, 3, 4)
     settings = resolve_settings(name)
     call = make_call(q, q, q, settings, constant_heads(settings, 2), None, True, None, module_info=MODULE_INFO)
-    try:
-        res = PATHS[path](call)
-    except PathDeclined as exc:
-        return str(exc)
-    return None if res is not None else "declined"
+    return PATHS[path].check(call)
 
 
 _PROBES: dict[tuple[str, str], str | None] = {}
@@ -278,7 +276,7 @@ def test_fused_blocks_cross_edges():
     old = fused_cpu.BLOCK_OVERRIDE
     fused_cpu.BLOCK_OVERRIDE = (8, 16)
     try:
-        for name in fused_cpu.KINDS:
+        for name in declared_normalizers("fused_cpu"):
             for case in (CASES[4], CASES[7], CASES[3]):
                 _compare("fused_cpu", name, case)
     finally:
@@ -331,19 +329,96 @@ def test_forced_paths_raise_when_they_cannot_run(name):
 
 
 def test_environment_override(monkeypatch):
+    """HF_ATTNORM_PATH is read by set_forced_path() (at import), not by every call."""
     fused = declared_normalizers("fused_cpu")
     inside = fused[0]
     outside = next(n for n in NORMALIZERS if n not in fused)
-    monkeypatch.setenv(ENV_VAR, "reference")
-    assert attend(_call(inside))[2] == "reference"
-    monkeypatch.setenv(ENV_VAR, "chunked")
-    assert attend(_call(inside))[2] == "chunked"
-    monkeypatch.setenv(ENV_VAR, "fused_cpu")
-    with pytest.raises(ValueError, match="cannot run this call.*no fused CPU kernel"):
-        attend(_call(outside))
-    monkeypatch.setenv(ENV_VAR, "bogus")
-    with pytest.raises(ValueError, match=f"from {ENV_VAR}"):
-        attend(_call(outside))
+    try:
+        monkeypatch.setenv(ENV_VAR, "reference")
+        assert attend(_call(inside))[2] != "reference"  # not re-read per call
+        set_forced_path()
+        assert attend(_call(inside))[2] == "reference"
+        monkeypatch.setenv(ENV_VAR, "chunked")
+        set_forced_path()
+        assert attend(_call(inside))[2] == "chunked"
+        monkeypatch.setenv(ENV_VAR, "fused_cpu")
+        set_forced_path()
+        with pytest.raises(ValueError, match="cannot run this call.*declares no fused kernel map"):
+            attend(_call(outside))
+        monkeypatch.setenv(ENV_VAR, "bogus")
+        with pytest.raises(ValueError, match=f"from {ENV_VAR}"):
+            set_forced_path()
+    finally:
+        monkeypatch.delenv(ENV_VAR)
+        set_forced_path()
+    assert attend(_call(inside))[2] == "fused_cpu" or fused_cpu.unavailable_reason()
+
+
+def test_dispatch_runs_no_kernel(monkeypatch):
+    """choose() and explain() decide from the declared capabilities alone: with every kernel replaced by one that
+    fails, they still answer, and the answer is the path attend() then runs."""
+    import dataclasses
+
+    def boom(call):
+        raise AssertionError("a kernel ran during dispatch")
+
+    for name in NORMALIZERS:
+        call = _call(name)
+        expected = attend(call)[2]
+        patched = {p: dataclasses.replace(path, kernel=boom) for p, path in PATHS.items()}
+        monkeypatch.setattr("hf_attnorm.kernels.PATHS", patched)
+        assert choose(call) == expected
+        assert explain(call)[-1] == (expected, "runs")
+        monkeypatch.undo()
+
+
+def test_priorities_are_explicit_and_distinct():
+    prios = [p.priority for p in PATHS.values()]
+    assert len(set(prios)) == len(prios), prios
+    assert PATHS["reference"].priority == max(prios)
+    # on CUDA the Triton kernels come before the fused CPU ones by declaration, not by file order
+    assert PATHS["triton"].priority < PATHS["fused_cpu"].priority
+
+
+def test_normalizers_declare_their_kernel_facts():
+    """Every normalizer's family is one the kernels know; fused ones name a map of the shared table; a normalizer
+    with a row value or a sink logit says so in its own file (no kernel switches on names)."""
+    from hf_attnorm.normalizers.base import Normalizer
+
+    for name, norm in NORMALIZERS.items():
+        assert norm.kernel_family in ("softmax", "fused", "linear", "generic"), name
+        if norm.kernel_family == "fused":
+            assert norm.fused_kind in kinds.FUSED_KINDS, (name, norm.fused_kind)
+            assert set(declared_normalizers("fused_cpu")) >= {name}
+        else:
+            assert norm.fused_kind is None, name
+        if type(norm).sink_logit is not Normalizer.sink_logit:
+            assert norm.kernel_family == "softmax", name
+
+
+def test_cpp_kernel_ids_match_the_shared_table():
+    """The C++ enum Kind spells exactly kinds.FUSED_KINDS (names and values), and its helper sets match."""
+    import re
+    from pathlib import Path
+
+    src = (Path(fused_cpu.__file__).with_name("csrc") / "fused_cpu.cpp").read_text()
+    enum = re.search(r"enum Kind : int64_t \{(.*?)\};", src, re.S).group(1)
+    cpp = {m.group(1): int(m.group(2)) for m in re.finditer(r"(\w+) = (\d+)", enum)}
+    assert cpp == {kinds.constant_name(n): i for n, i in kinds.FUSED_KINDS.items()}
+    assert int(re.search(r"NUM_KINDS = (\d+);", src).group(1)) == len(kinds.FUSED_KINDS)
+    normalised = re.search(r"is_normalised\(int64_t kind\) \{ return kind <= (\w+); \}", src).group(1)
+    assert {n for n, i in kinds.FUSED_KINDS.items() if i <= cpp[normalised]} == set(kinds.NORMALISED)
+    threshold = re.search(r"is_threshold\(int64_t kind\) \{ return (.*?); \}", src).group(1)
+    assert set(re.findall(r"kind == (\w+)", threshold)) == {kinds.constant_name(n) for n in kinds.THRESHOLD}
+
+
+def test_build_error_reports_the_compiler_lines():
+    log = ("Error building extension 'x':\n[1/2] c++ -c fused_cpu.cpp\nFAILED: fused_cpu.o\n"
+           "fused_cpu.cpp:12:3: error: 'foo' was not declared in this scope\n"
+           "fused_cpu.cpp:40:1: error: expected ';' before '}' token\nninja: build stopped: subcommand failed.")
+    summary = fused_cpu.build_error_summary(RuntimeError(log))
+    assert "'foo' was not declared" in summary and "expected ';'" in summary
+    assert fused_cpu.build_error_summary(RuntimeError("just one line")) == "just one line"
 
 
 @pytest.mark.parametrize("name", list(NORMALIZERS))
@@ -354,7 +429,7 @@ def test_dropout_rule(name):
     out, _, path = attend(call)
     assert torch.isfinite(out).all()
     report = explain(call)
-    assert report[-1] == (path, "runs") or path == "reference"
+    assert report[-1] == (path, "runs")
     for declined, why in report[:-1]:
         assert "dropout" in why, (declined, why)
     out0, _, _ = attend(_call(name))

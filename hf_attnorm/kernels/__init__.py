@@ -86,6 +86,10 @@ def _reference_accepts(call: AttnCall) -> None:
 PATHS: dict[str, Path] = {
     "reference": Path("reference", reference_attention, _any_normalizer, _reference_accepts, 100),
 }
+#: the fast paths by priority, and per (normalizer, device type) those the automatic rule considers (filled lazily:
+#: the hot path then only runs the accepts checks)
+_ORDER: list[Path] = []
+_AUTO: dict[tuple[str, str], list[Path]] = {}
 
 ENV_VAR = "HF_ATTNORM_PATH"
 #: the path HF_ATTNORM_PATH forces ("auto": none); read at import and by ``set_forced_path``
@@ -96,6 +100,8 @@ def register_path(name: str, kernel: Kernel, *, takes: NormCheck, accepts: Check
                   auto_exclude: Collection[str] = ()) -> None:
     """Register a path with its declared capabilities (see the module docstring)."""
     PATHS[name] = Path(name, kernel, takes, accepts, priority, frozenset(auto_exclude))
+    _ORDER[:] = sorted((p for p in PATHS.values() if p.name != "reference"), key=lambda p: p.priority)
+    _AUTO.clear()
 
 
 def set_forced_path(path: str | None = None) -> str:
@@ -119,8 +125,7 @@ def available_paths() -> list[str]:
 def paths_for(normalizer: str) -> list[str]:
     """The fast paths that implement a normalizer (reference excluded), by priority."""
     norm = NORMALIZERS.get(normalizer)
-    return [p.name for p in sorted(PATHS.values(), key=lambda p: p.priority)
-            if p.name != "reference" and p.takes(norm) is None]
+    return [p.name for p in _ORDER if p.takes(norm) is None]
 
 
 def declared_normalizers(path: str) -> list[str] | None:
@@ -133,11 +138,13 @@ def declared_normalizers(path: str) -> list[str] | None:
 def _auto_candidates(call: AttnCall) -> list[Path]:
     if call.need_weights:
         return []  # only the materialised path has the weights: explicit fallback
-    device = call.q.device.type
-    norm = call.normalizer
-    return [p for p in sorted(PATHS.values(), key=lambda p: p.priority)
-            if p.name != "reference" and device not in p.auto_exclude
-            and p.takes(norm) is None]
+    key = (call.settings.normalizer, call.q.device.type)
+    found = _AUTO.get(key)
+    if found is None:
+        norm = call.normalizer
+        found = [p for p in _ORDER if key[1] not in p.auto_exclude and p.takes(norm) is None]
+        _AUTO[key] = found
+    return found
 
 
 def candidate_paths(call: AttnCall) -> list[str]:

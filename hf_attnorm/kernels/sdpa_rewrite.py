@@ -1,7 +1,8 @@
 """Exact rewrites of the softmax family onto ``scaled_dot_product_attention`` (SDPA).
 
 * every per-query scale (log n, SSMax, alpha*(n), ...): q rows are multiplied by base x multiplier (autograd
-  carries the gradient to learnable factors such as ``ssmax_s``), SDPA runs with ``scale=1``;
+  carries the gradient to learnable factors such as ``ssmax_s``), SDPA runs with ``scale=1`` (a
+  constant factor alone goes to SDPA's ``scale`` instead);
 * ``cosine``: q and k are l2-normalised first (the normalizer's own ``transform_qk``), then as above;
 * ``softmax_n`` / ``sink``: an always-visible extra logit lambda (ln n_extra, or sigma_h per head) with value 0.
   Path ``sdpa`` (CPU) uses SDPA's CPU flash kernel, which returns the row log-sum-exp L:
@@ -82,13 +83,17 @@ def accepts(call: AttnCall) -> str | None:
     return why
 
 
-def _prepare(call: AttnCall, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q (transformed and scaled by base x multiplier), k (transformed), v, all in ``dtype``."""
+def _prepare(call: AttnCall, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """(q, k, v, scale): q, k transformed, all in ``dtype``; the per-query factor base x multiplier multiplied into q,
+    or, when it is one number (no per-query scale), left to SDPA's ``scale`` (no extra pass over q)."""
     q, k, v = call.q.to(dtype), call.k.to(dtype), call.v.to(dtype)
     norm = call.normalizer
     if type(norm).transform_qk is not Normalizer.transform_qk:
         q, k = norm.transform_qk(q, k, call.ctx())  # row-wise (cosine: l2-normalise), so fine on unrepeated k
-    return q * call.q_factor(dtype), k, v
+    factor = call.q_factor(dtype)
+    if isinstance(factor, float):
+        return q, k, v, factor
+    return q * factor, k, v, 1.0
 
 
 def _sdpa_mask(call: AttnCall) -> tuple[torch.Tensor | None, bool]:
@@ -107,8 +112,8 @@ class _FlashCPU(torch.autograd.Function):
     """SDPA's CPU flash kernel with an optional sink logit lambda (0-d or [H]); see the module docstring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, lam, mask, causal: bool):
-        out, lse = _FLASH(q, k, v, 0.0, causal, attn_mask=mask, scale=1.0)
+    def forward(ctx, q, k, v, lam, mask, causal: bool, scale: float):
+        out, lse = _FLASH(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
         if lam is not None:
             lam_b = lam.view(1, -1, 1) if lam.dim() == 1 else lam
             lse_all = torch.logaddexp(lse, lam_b)
@@ -118,7 +123,7 @@ class _FlashCPU(torch.autograd.Function):
             out = out * torch.exp(lse - lse_all).unsqueeze(-1)
             lse = lse_all
         ctx.save_for_backward(q, k, v, out, lse, mask, lam)
-        ctx.causal = causal
+        ctx.causal, ctx.scale = causal, scale
         return out
 
     @staticmethod
@@ -126,13 +131,13 @@ class _FlashCPU(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, mask, lam = ctx.saved_tensors
         dq, dk, dv = _FLASH_BWD(dout.contiguous(), q, k, v, out.contiguous(), lse, 0.0, ctx.causal,
-                                attn_mask=mask, scale=1.0)
+                                attn_mask=mask, scale=ctx.scale)
         dlam = None
         if lam is not None and ctx.needs_input_grad[3]:
             lam_b = lam.view(1, -1, 1) if lam.dim() == 1 else lam
             g = -torch.exp(lam_b - lse) * (dout * out).sum(-1)  # [B, H, Lq]
             dlam = g.sum(dim=(0, 2)) if lam.dim() == 1 else g.sum()
-        return dq, dk, dv, dlam, None, None
+        return dq, dk, dv, dlam, None, None, None
 
 
 def _open_dead_rows(keep: torch.Tensor | None, call: AttnCall) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -151,15 +156,15 @@ def sdpa_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     if _uses_flash_cpu(call):
         dt = compute_dtype(call.q.dtype)
         lam = sink_logit(call, dt) if _has_sink(call) else None
-        q, k, v = _prepare(call, dt)
+        q, k, v, scale = _prepare(call, dt)
         mask = None if keep is None else call.mask.additive(dt)
-        out = _FlashCPU.apply(q, k, v, lam, mask, causal)
+        out = _FlashCPU.apply(q, k, v, lam, mask, causal, scale)
         return out.to(call.q.dtype), None
     dt = compute_dtype(call.q.dtype) if call.q.device.type == "cpu" else call.q.dtype
-    q, k, v = _prepare(call, dt)
+    q, k, v, scale = _prepare(call, dt)
     keep, live = _open_dead_rows(keep, call)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=call.dropout, is_causal=causal,
-                                         scale=1.0, enable_gqa=q.shape[1] != k.shape[1])
+                                         scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     if live is not None:
         out = torch.where(live, out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out.to(call.q.dtype), None
@@ -169,15 +174,16 @@ def sdpa_sinkcol_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     """softmax_n / sink through plain SDPA with one extra feature and a prepended sink key (any device)."""
     dt = compute_dtype(call.q.dtype) if call.q.device.type == "cpu" else call.q.dtype
     lam = sink_logit(call, dt)
-    q, k, v = _prepare(call, dt)
+    q, k, v, scale = _prepare(call, dt)
     if lam is None:  # softmax_n with n_extra = 0: plain softmax
         keep, causal = _sdpa_mask(call)
         keep, live = _open_dead_rows(keep, call)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=call.dropout, is_causal=causal,
-                                             scale=1.0, enable_gqa=q.shape[1] != k.shape[1])
+                                             scale=scale, enable_gqa=q.shape[1] != k.shape[1])
         if live is not None:
             out = torch.where(live, out, torch.zeros((), dtype=out.dtype, device=out.device))
         return out.to(call.q.dtype), None
+    q = q * scale  # the sink column must not be scaled
     B, H, Lq, _ = q.shape
     Hkv = k.shape[1]
     lam_col = (lam.view(1, H, 1, 1) if lam.dim() == 1 else lam.view(1, 1, 1, 1)).expand(B, H, Lq, 1)
