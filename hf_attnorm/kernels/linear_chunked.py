@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from ..normalizers.base import Normalizer, masked_fill_zero, safe_divide
 from ..normalizers.linear import linear_attention
-from .base import AttnCall, compute_dtype
+from .base import AttnCall, compute_dtype, repeat_kv
 
 
 def takes(norm: Normalizer) -> str | None:
@@ -29,23 +29,39 @@ def accepts(call: AttnCall) -> str | None:
 def linear_chunked_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     """out [B, H, Lq, Dv] for calls ``accepts`` takes."""
     key_valid, query_valid, causal, offset = call.mask.padding()
-    fq, fk, v = call.features(compute_dtype(call.q.dtype))
+    fq, fk, v = _features(call, compute_dtype(call.q.dtype))
+    if fq.shape[2] == 1:
+        return _one_query(fq, fk, v, key_valid).to(call.q.dtype), None
+    fk, v = repeat_kv(fk, call.groups), repeat_kv(v, call.groups)
     if causal and offset == 0 and fq.shape[2] == fk.shape[2]:
         out = causal_linear_attention_batched(fq, fk, v, key_valid=key_valid, query_valid=query_valid)
-    elif fq.shape[2] == 1:
-        out = _one_query(fq, fk, v, key_valid)
     else:
         out = linear_attention(fq, fk, v, causal=causal, offset=offset, key_valid=key_valid,
                                query_valid=query_valid)
     return out.to(call.q.dtype), None
 
 
+def _features(call: AttnCall, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(phi(q) [B, H, Lq, D], phi(k) [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv]): like ``AttnCall.features`` but with k and v
+    NOT repeated for GQA, so the feature map runs once per kv head (a linear normalizer's map is the same for every
+    head: it reads no per-head value)."""
+    norm, ctx = call.normalizer, call.ctx()
+    q, k = norm.transform_qk(call.q.to(dtype), call.k.to(dtype), ctx)
+    fq, fk = norm.feature_map(q * call.q_factor(dtype), k, ctx)
+    return fq, fk, call.v.to(dtype)
+
+
 def _one_query(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None) -> torch.Tensor:
-    """A decode step: fq [B, H, 1, D] sees every (valid) key: out = (fq . fk_j) v_j / sum_j fq . fk_j, O(Lk d)."""
-    w = fq @ fk.transpose(-1, -2)  # [B, H, 1, Lk], > 0
+    """A decode step, O(Lk d): fq [B, H, 1, D] sees every (valid) key of fk [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv]:
+    out = sum_j (fq . fk_j) v_j / sum_j fq . fk_j, the G = H / Hkv query heads of a kv head as one matrix (no copy
+    of k or v per query head). Returns [B, H, 1, Dv]."""
+    B, H, _, D = fq.shape
+    Hkv = fk.shape[1]
+    w = fq.reshape(B, Hkv, H // Hkv, D) @ fk.transpose(-1, -2)  # [B, Hkv, G, Lk], > 0
     if key_valid is not None:
         w = masked_fill_zero(w, key_valid[:, None, None, :])
-    return safe_divide(w @ v, w.sum(-1, keepdim=True))
+    out = safe_divide(w @ v, w.sum(-1, keepdim=True))  # [B, Hkv, G, Dv]
+    return out.reshape(B, H, 1, v.shape[-1])
 
 
 #: chunk length of the batched causal form (intra-chunk work is O(n * CHUNK * d), the states O(n / CHUNK * d^2))

@@ -157,6 +157,10 @@ def sdpa_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
         dt = compute_dtype(call.q.dtype)
         lam = sink_logit(call, dt) if _has_sink(call) else None
         q, k, v, scale = _prepare(call, dt)
+        if lam is None and keep is None:  # plain SDPA picks this same flash kernel, with less per-call work
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                                 enable_gqa=q.shape[1] != k.shape[1])
+            return out.to(call.q.dtype), None
         mask = None if keep is None else call.mask.additive(dt)
         out = _FlashCPU.apply(q, k, v, lam, mask, causal, scale)
         return out.to(call.q.dtype), None
