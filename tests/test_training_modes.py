@@ -10,6 +10,7 @@ from conftest import model_output, tiny
 
 from hf_attnorm.hf.forward import LAST_CALL
 from hf_attnorm.registry import PRESETS
+from hf_attnorm.settings import resolve_settings
 
 IMPLS = list(PRESETS)
 
@@ -77,6 +78,10 @@ def test_torch_compile_with_padding_mask_matches_eager_and_trains(impl):
             out = compiled(x, attention_mask=mask).logits
     live = mask.bool()
     torch.testing.assert_close(out[live], eager[live], atol=1e-4, rtol=1e-4)
+    if resolve_settings(impl).normalizer == "linear":
+        # a 4-D mask over several queries cannot be analysed while tracing (MaskInfo.padding reads it on the host
+        # in eager mode): the compiled graph takes the exact chunked path (docs/kernels.md)
+        path = "chunked"
     assert LAST_CALL.path == path  # the compiled graph runs the same fast path as eager
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
