@@ -44,7 +44,8 @@ def _normalizers(path: str) -> list[str]:
     return list(NORMALIZERS) if declared is None else [n for n in declared if n in NORMALIZERS]
 
 
-PAIRS = [(p, n) for p in FAST_PATHS for n in _normalizers(p)]
+#: the one-query path takes none of the generic cases (they have several queries): test_decode_path_matches_reference
+PAIRS = [(p, n) for p in FAST_PATHS if p != "decode" for n in _normalizers(p)]
 PAIR_IDS = [f"{p}-{n}" for p, n in PAIRS]
 
 
@@ -251,12 +252,16 @@ def test_option_values(name, option, value):
     """Non-default option values (n_extra = 0 or 0.8, eta = 0, a constant sigmoid bias...) on every path of the
     normalizer."""
     settings = resolve_settings(name, {option: value})
+    ran = []
     for path in FAST_PATHS:
         declared = declared_normalizers(path)
         if declared is not None and name not in declared:
             continue
-        _skip_unless_runs(path, name)
+        if _PROBES.setdefault((path, name), _probe_reason(path, name)) is not None:
+            continue  # (triton without a GPU; decode with several queries)
         _compare(path, settings, OPTION_CASE, perturb=False)  # per-head values exactly as the options say
+        ran.append(path)
+    assert "chunked" in ran and len(ran) >= 2, ran  # the fallback and the normalizer's own fast path
 
 
 HALF_CASE = Case("L65-padding-causal", 2, 2, 1, 65, 65, mask="padding")
@@ -292,6 +297,34 @@ def test_chunked_spans_several_chunks():
             _compare("chunked", name, CASES[7])
     finally:
         chunked_mod.CHUNK_OVERRIDE = old
+
+
+@pytest.mark.parametrize("name", declared_normalizers("decode"))
+def test_decode_path_matches_reference(name):
+    """The one-query path (a cached decode step): GQA, per-query masks and padding, forward and every gradient in
+    fp64 against the reference; calls with several queries are declined."""
+    g = torch.Generator().manual_seed(5)
+    settings = resolve_settings(name)
+    for lk, masked in ((1, False), (13, False), (13, True), (40, True)):
+        q = torch.randn(2, 6, 1, 8, generator=g, dtype=torch.float64)
+        k, v = torch.randn(2, 2, lk, 8, generator=g, dtype=torch.float64), torch.randn(2, 2, lk, 4, generator=g,
+                                                                                         dtype=torch.float64)
+        mask = (torch.rand(2, 1, 1, lk, generator=g) > 0.3) if masked else None
+        if masked:
+            mask[1] = False  # a row with no visible key gives 0
+        res = {}
+        for path in ("reference", "decode"):
+            leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+            heads = {n: t.requires_grad_(True) for n, t in constant_heads(settings, 6).items()}
+            call = make_call(*leaves, settings, heads, mask, True, None, module_info=MODULE_INFO)
+            out, _, ran = attend(call, path)
+            assert ran == path
+            out.pow(2).sum().backward()
+            res[path] = [out.detach(), *[t.grad for t in leaves], *[t.grad for t in heads.values()]]
+        for a, b in zip(res["reference"], res["decode"]):
+            torch.testing.assert_close(b, a, atol=1e-10, rtol=1e-9)
+        assert choose(make_call(q, k, v, settings, constant_heads(settings, 6), mask, True, None)) == "decode"
+    assert PATHS["decode"].check(_call(name)) is not None  # several queries
 
 
 # ---------------------------------------------------------------------------------------------------- dispatch

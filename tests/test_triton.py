@@ -336,14 +336,19 @@ if INTERPRETED:  # the kernel tests proper: only where the interpreter was on be
         ids = torch.randint(0, 97, (2, 19), generator=torch.Generator().manual_seed(0))
         mask = torch.ones(2, 19, dtype=torch.long)
         mask[1, :6] = 0
+        from hf_attnorm.kernels import set_forced_path
+
         grads = {}
-        for path in ("reference", "triton"):
-            monkeypatch.setenv("HF_ATTNORM_PATH", path)
-            model.zero_grad()
-            out = model_output(model(input_ids=ids, attention_mask=mask))
-            (out[mask.bool()] ** 2).mean().backward()
-            grads[path] = (out.detach(),
-                           {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        try:
+            for path in ("reference", "triton"):
+                set_forced_path(path)
+                model.zero_grad()
+                out = model_output(model(input_ids=ids, attention_mask=mask))
+                (out[mask.bool()] ** 2).mean().backward()
+                grads[path] = (out.detach(),
+                               {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        finally:
+            set_forced_path()
         from hf_attnorm.hf.forward import LAST_CALL
 
         assert LAST_CALL.path == "triton"
