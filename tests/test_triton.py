@@ -126,7 +126,8 @@ if not INTERPRETED:
 
 def test_calls_the_kernels_cannot_take_are_declined_with_the_reason():
     q = torch.randn(1, 2, 5, 16)
-    cases = [("softmax", {}, "no Triton kernel for normalizer 'softmax'"), ("symax", {"dropout": 0.1}, "dropout")]
+    cases = [("softmax", {}, "normalizer 'softmax' declares no fused kernel map"),
+             ("symax", {"dropout": 0.1}, "dropout")]
     for name, kw, why in cases:
         settings = resolve_settings(name)
         call = make_call(q, q, q, settings, constant_heads(settings, 2), None, True, None, **kw)
