@@ -10,7 +10,8 @@ seconds and the median of the per-repeat ratios to the sdpa run next to it (1.00
     python scripts/bench_decode.py --prompts 1024 --repeats 3 --implementations softmax linear
 
 prefill: one forward pass over the prompt (no cache). generate: ``generate(max_new_tokens=N)`` including its own
-prefill. decode per token: (generate - prefill) / N, the cost of one cached step. A benchmark, not a test.
+prefill. decode per token: (generate(N) - generate(1)) / (N - 1), the cost of one cached step. A benchmark, not a
+test.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def measure(model, impl: str, ids: torch.Tensor, new_tokens: int) -> dict[str, f
     prefill = timed(lambda: model(ids, use_cache=False))
     path = LAST_CALL.path
     gen = timed(lambda: model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False))
-    return {"prefill": prefill, "generate": gen, "decode_per_token": max(gen - prefill, 0.0) / new_tokens,
+    first = timed(lambda: model.generate(ids, max_new_tokens=1, do_sample=False))  # generate's own prefill
+    return {"prefill": prefill, "generate": gen, "decode_per_token": max(gen - first, 0.0) / max(new_tokens - 1, 1),
             "path": path or "sdpa"}
 
 
