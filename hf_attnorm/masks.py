@@ -182,7 +182,8 @@ def build_mask_info(
             f"attention_mask of type {type(attention_mask).__name__} is not supported by hf_attnorm; expected None "
             "or a tensor (bool, 0/1 integer or additive float) of shape [B, 1, Lq, Lk], [B, Lq, Lk] or [B, Lk]"
         )
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or attention_mask.is_inference():
+        # (inference-mode tensors have no version counter, so an in-place change could not be noticed)
         return _build(attention_mask, batch, heads, lq, lk, causal, device)
     sizes = (batch, heads, lq, lk, causal, device)
     ref, version, last_sizes, info = _LAST
