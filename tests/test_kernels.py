@@ -599,3 +599,24 @@ def test_fast_paths_use_a_fraction_of_the_materialised_memory():
         fast = _peak_extra_rss(name, path, n, heads)
         assert fast["path"] == path
         assert fast["extra"] < 0.25 * reference, (name, path, fast["extra"] / 2**20, reference / 2**20)
+
+
+# ---------------------------------------------------------------------------------------------------- mask facts
+
+
+def test_mask_facts_are_shared_by_the_layers_and_follow_changes():
+    """The same mask tensor (every layer of a forward) gives the same MaskInfo; an in-place change, another size or
+    an inference-mode tensor is analysed afresh."""
+    from hf_attnorm.masks import build_mask_info
+
+    m = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
+    a = build_mask_info(m, 2, 4, 6, 6, True, m.device)
+    assert build_mask_info(m, 2, 4, 6, 6, True, m.device) is a
+    assert build_mask_info(m, 2, 2, 6, 6, True, m.device) is not a
+    m[1, 0, 5, :3] = False
+    b = build_mask_info(m, 2, 4, 6, 6, True, m.device)
+    assert b is not a and b.n[1, 0, 5] == 3 and a.n[1, 0, 5] == 6
+    with torch.inference_mode():
+        mi = torch.ones(1, 1, 3, 3, dtype=torch.bool)
+        assert build_mask_info(mi, 1, 1, 3, 3, False, mi.device) is not build_mask_info(mi, 1, 1, 3, 3, False,
+                                                                                         mi.device)
