@@ -55,13 +55,12 @@ def make_call(
         raise ValueError(f"incompatible shapes q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
     norm, sc = NORMALIZERS.get(settings.normalizer), SCALES.get(settings.scale)
     mask = build_mask_info(attention_mask, B, H, Lq, Lk, causal, q.device)
-    if mask.keep is not None:
-        # keys no query can see (padding) are zeroed, so garbage there (1e10, NaN) cannot leak through 0 * x
-        dead = ~mask.keep.any(dim=2).any(dim=1)  # [B or 1, Lk]
-        if bool(dead.any()):
-            dead = dead.view(dead.shape[0], 1, Lk, 1)
-            k = torch.where(dead, torch.zeros((), dtype=k.dtype, device=k.device), k)
-            v = torch.where(dead, torch.zeros((), dtype=v.dtype, device=v.device), v)
+    if mask.dead is not None:
+        # keys no query can see (padding) are zeroed, so garbage there (1e10, NaN) cannot leak through 0 * x; always
+        # applied with a mask (a where per layer) rather than after asking whether any key is dead (a host sync)
+        zero = torch.zeros((), dtype=k.dtype, device=k.device)
+        k = torch.where(mask.dead, zero, k)
+        v = torch.where(mask.dead, zero.to(v.dtype), v)
     heads = dict(heads)
     info = dict(module_info or {})
     ctx = Ctx(settings, heads, D, mask.n, info, Lk)

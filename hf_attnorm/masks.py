@@ -5,11 +5,19 @@ transformers (with our names registered in AttentionMaskInterface with ``sdpa_ma
 rebuilt here, upper-left aligned like SDPA's ``is_causal`` (query i sees keys j <= i); a single query (cache decode)
 sees every key. Additive float masks (eager style, 0 / finfo.min / -inf) are accepted too, but never added to the
 scores: non-exponential normalizers would turn finfo.min into huge weights.
+
+No host synchronisation: everything here is tensor ops on the mask (no ``.item()``, no ``bool(tensor)``), so a
+call traces under ``torch.compile(fullgraph=True)``. Two things need the mask's values on the host, and both are done
+once per mask (the same tensor object is passed to every layer of a forward, so ``build_mask_info`` keeps the last
+result and returns it again to the next layer): the check that an int/float mask holds only keep/masked values
+(eager CPU: a Python check with a clear error; elsewhere a device-side ``torch._assert_async``), and, only when a
+path asks for it, ``MaskInfo.padding()`` (is it key padding x causal?; skipped under torch.compile).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 
@@ -18,14 +26,15 @@ class MaskError(TypeError):
     """An attention mask of an unsupported type or shape."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class MaskInfo:
     """The visibility pattern of one attention call.
 
-    keep: bool [B or 1, 1 or H, Lq, Lk] (True = visible), or None for the structured cases below;
+    keep: bool [B or 1, 1 or H, Lq or 1, Lk] (True = visible), or None for the structured cases below;
     causal: with keep None, query i sees keys j <= i (upper-left aligned); otherwise every key;
     n: float [B or 1, 1 or H, Lq], number of visible keys, clamped to >= 1 (a scale's log n stays finite);
-    has_keys: bool like n, False on fully masked rows (their output is 0).
+    has_keys: bool like n, False on fully masked rows (their output is 0);
+    dead: with keep given, bool [B or 1, 1, Lk, 1], True on keys no query sees (padding), else None.
     """
 
     keep: torch.Tensor | None
@@ -34,6 +43,16 @@ class MaskInfo:
     has_keys: torch.Tensor
     lq: int
     lk: int
+    dead: torch.Tensor | None = None
+    #: (key_valid [B, Lk] bool, query_valid [B, Lq] bool, causal, offset) when known from how the mask was built
+    _padding: tuple | None = None
+    _padding_done: bool = False
+    _additive: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        """"given" (a keep-mask), "causal" or "none": what the paths' capability checks look at."""
+        return "given" if self.keep is not None else ("causal" if self.causal else "none")
 
     def dense(self, device: torch.device | None = None) -> torch.Tensor:
         """The keep-mask materialised as bool [B or 1, 1 or H, Lq, Lk]."""
@@ -44,6 +63,52 @@ class MaskInfo:
             return causal_keep(self.lq, self.lk, device)
         return torch.ones(1, 1, 1, self.lk, dtype=torch.bool, device=device)
 
+    def additive(self, dtype: torch.dtype) -> torch.Tensor:
+        """The keep-mask as an additive float mask (0 / -inf) in ``dtype``, built once per mask and dtype."""
+        assert self.keep is not None
+        if dtype not in self._additive:
+            self._additive[dtype] = torch.zeros(self.keep.shape, dtype=dtype, device=self.keep.device).masked_fill_(
+                ~self.keep, float("-inf"))
+        return self._additive[dtype]
+
+    def padding(self) -> tuple[torch.Tensor | None, torch.Tensor | None, bool, int] | None:
+        """The visibility as (key_valid [B, Lk] or None, query_valid [B, Lq] or None, causal, offset) when it is
+        "key padding x causal with a constant offset x fully masked rows" (query i sees key j iff key_valid[j],
+        query_valid[i] and, if causal, j <= i + offset); None when it is not, or cannot be known without reading the
+        mask under torch.compile. Known from shapes alone without a mask, for one query and for 2-D padding masks;
+        a 4-D mask is analysed on the host once (then cached on this MaskInfo, which the layers share)."""
+        if self.keep is None:
+            return None, None, self.causal and self.lq > 1, 0
+        if self._padding_done:
+            return self._padding
+        if self.keep.shape[1] != 1:
+            return None
+        if self.lq == 1 or self.keep.shape[2] == 1:
+            return self.keep[:, 0, 0, :], None, False, 0  # every query sees the same keys
+        if torch.compiler.is_compiling():
+            return None
+        self._padding, self._padding_done = _decompose(self.keep[:, 0], self.lq, self.lk), True
+        return self._padding
+
+
+def _decompose(keep: torch.Tensor, lq: int, lk: int) -> tuple | None:
+    """keep [B, Lq, Lk] -> (key_valid, query_valid, causal, offset) or None; reads the mask (host sync)."""
+    key_valid = keep.any(dim=1)  # [B, Lk]
+    query_valid = keep.any(dim=2)  # [B, Lq]
+    full = key_valid[:, None, :] & query_valid[:, :, None]
+    if torch.equal(full, keep):
+        return key_valid, query_valid, False, 0
+    # causal with offset: the last visible key of query i is i + offset for every valid row
+    last = torch.where(keep, torch.arange(lk, device=keep.device), -1).amax(dim=2)  # [B, Lq]
+    rows = torch.arange(lq, device=keep.device)[None, :]
+    offsets = torch.where(query_valid, last - rows, last.new_full((), -(1 << 30)))
+    offset = int(offsets.max().item())
+    i = torch.arange(lq, device=keep.device)[:, None]
+    j = torch.arange(lk, device=keep.device)[None, :]
+    if torch.equal(full & (j <= i + offset)[None], keep):
+        return key_valid, query_valid, True, offset
+    return None
+
 
 def causal_keep(lq: int, lk: int, device: torch.device | str) -> torch.Tensor:
     """bool [1, 1, Lq, Lk]: key j visible to query i iff j <= i (SDPA's upper-left alignment)."""
@@ -52,23 +117,39 @@ def causal_keep(lq: int, lk: int, device: torch.device | str) -> torch.Tensor:
     return (j <= i)[None, None]
 
 
+_BIAS_MESSAGE = ("additive float attention masks may only hold 0 (keep) and -inf/finfo.min (masked); this one holds "
+                 "other values (a position bias?), which hf_attnorm normalizers cannot apply. Pass a boolean mask.")
+_INT_MESSAGE = "integer attention masks must hold only 0 (masked) and 1 (keep)"
+
+
+def _check_values(ok: torch.Tensor, message: str) -> None:
+    """Refuse a mask whose values are not keep/masked. Eager on CPU: a Python check raising MaskError (reading a CPU
+    tensor costs no device sync); compiled or on an accelerator: a device-side assertion (no host sync)."""
+    if ok.device.type == "cpu" and not torch.compiler.is_compiling():
+        if not bool(ok.all()):
+            raise MaskError(message)
+    else:
+        torch._assert_async(ok.all(), message)
+
+
 def _to_bool(mask: torch.Tensor) -> torch.Tensor:
     if mask.dtype == torch.bool:
         return mask
     if mask.is_floating_point():
         # additive mask: 0 = keep; masked entries are -inf or at most half of finfo.min (eager uses finfo.min)
         masked = mask <= torch.finfo(mask.dtype).min / 2
-        if not bool(((mask == 0) | masked).all()):
-            raise MaskError(
-                "additive float attention masks may only hold 0 (keep) and -inf/finfo.min (masked); this one holds "
-                "other values (a position bias?), which hf_attnorm normalizers cannot apply. Pass a boolean mask."
-            )
+        _check_values((mask == 0) | masked, _BIAS_MESSAGE)
         return ~masked
     if mask.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
-        if not bool(((mask == 0) | (mask == 1)).all()):
-            raise MaskError("integer attention masks must hold only 0 (masked) and 1 (keep)")
+        _check_values((mask == 0) | (mask == 1), _INT_MESSAGE)
         return mask != 0
     raise MaskError(f"attention mask dtype {mask.dtype} is not supported; use bool (True = keep)")
+
+
+#: (lq, lk, causal, device) -> MaskInfo of the calls without a mask (read-only tensors, shared by every layer)
+_STRUCTURED: dict[tuple, MaskInfo] = {}
+#: the last mask analysed: (weak reference to the mask tensor, its version, the call's sizes, the MaskInfo)
+_LAST: list = [None, -1, None, None]
 
 
 def build_mask_info(
@@ -78,26 +159,54 @@ def build_mask_info(
 
     Accepted: None; bool/int/additive-float tensors of shape [B|1, 1|H, Lq, Lk] (the 4-D masks transformers
     builds), [B|1, Lq, Lk], or [B, Lk] (a padding mask over keys, combined with causality when ``causal``).
+    The same mask tensor (unchanged) with the same sizes gives the same MaskInfo back (layers of one forward).
     """
     if attention_mask is None:
-        if causal and lq > 1:
-            i = torch.arange(lq, device=device, dtype=torch.float32)
-            n = torch.clamp(i + 1, max=lk).view(1, 1, lq)
-            return MaskInfo(None, True, n, n > 0, lq, lk)
-        n = torch.full((1, 1, lq), float(lk), device=device)
-        return MaskInfo(None, False, n.clamp_min(1), n > 0, lq, lk)
+        key = (lq, lk, causal and lq > 1, device)
+        info = None if torch.compiler.is_compiling() else _STRUCTURED.get(key)
+        if info is None:
+            if key[2]:
+                i = torch.arange(lq, device=device, dtype=torch.float32)
+                n = torch.clamp(i + 1, max=lk).view(1, 1, lq)
+                info = MaskInfo(None, True, n, n > 0, lq, lk)
+            else:
+                n = torch.full((1, 1, lq), float(lk), device=device)
+                info = MaskInfo(None, False, n.clamp_min(1), n > 0, lq, lk)
+            if not torch.compiler.is_compiling():
+                if len(_STRUCTURED) > 64:  # decode: one entry per length; keep the recent ones
+                    _STRUCTURED.pop(next(iter(_STRUCTURED)))
+                _STRUCTURED[key] = info
+        return info
     if not isinstance(attention_mask, torch.Tensor):
         raise MaskError(
             f"attention_mask of type {type(attention_mask).__name__} is not supported by hf_attnorm; expected None "
             "or a tensor (bool, 0/1 integer or additive float) of shape [B, 1, Lq, Lk], [B, Lq, Lk] or [B, Lk]"
         )
+    if torch.compiler.is_compiling() or attention_mask.is_inference():
+        # (inference-mode tensors have no version counter, so an in-place change could not be noticed)
+        return _build(attention_mask, batch, heads, lq, lk, causal, device)
+    sizes = (batch, heads, lq, lk, causal, device)
+    ref, version, last_sizes, info = _LAST
+    if ref is not None and ref() is attention_mask and version == attention_mask._version and last_sizes == sizes:
+        return info
+    info = _build(attention_mask, batch, heads, lq, lk, causal, device)
+    _LAST[:] = [weakref.ref(attention_mask), attention_mask._version, sizes, info]
+    return info
+
+
+def _build(attention_mask: torch.Tensor, batch: int, heads: int, lq: int, lk: int, causal: bool,
+           device: torch.device) -> MaskInfo:
     keep = _to_bool(attention_mask)
+    padding = None
     if keep.dim() == 2:
         if keep.shape[1] != lk or keep.shape[0] not in (1, batch):
             raise MaskError(f"2-D padding mask must be [B={batch}, Lk={lk}], got {list(keep.shape)}")
+        causal_pad = causal and lq > 1
+        key_valid = keep.to(device)
         keep = keep[:, None, None, :]
-        if causal and lq > 1:
+        if causal_pad:
             keep = keep & causal_keep(lq, lk, keep.device)
+        padding = (key_valid, None, causal_pad, 0)
     elif keep.dim() == 3:
         keep = keep[:, None]
     elif keep.dim() != 4:
@@ -112,4 +221,9 @@ def build_mask_info(
     count = keep.sum(dim=-1, dtype=torch.int32).to(torch.float32)
     if count.shape[-1] != lq:
         count = count.expand(*count.shape[:-1], lq)
-    return MaskInfo(keep, causal, count.clamp_min(1), count > 0, lq, lk)
+    has_keys = count > 0
+    if padding is not None and padding[2]:
+        # causal x padding: a query whose own key is padded can still see earlier keys; rows with none are dead
+        padding = (padding[0], None, True, 0)
+    dead = (~keep.any(dim=2).any(dim=1)).view(b, 1, lk, 1)
+    return MaskInfo(keep, causal, count.clamp_min(1), has_keys, lq, lk, dead, padding, padding is not None)

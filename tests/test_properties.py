@@ -15,17 +15,27 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hf_attnorm.attention import attention, constant_heads
-from hf_attnorm.kernels import RULES
+from hf_attnorm.kernels import paths_for as fast_paths_for
 from hf_attnorm.registry import NORMALIZERS, PRESETS
 from hf_attnorm.settings import resolve_settings
 
 IMPLS = list(PRESETS)
 
 
+#: paths these fp64 CPU tests cannot exercise at all, and why (they have their own tests)
+NOT_HERE = {"triton": "fp64 and CPU tensors: the Triton kernels are tested in test_triton.py"}
+
+
 def paths_for(impl: str) -> list[str]:
-    """The reference plus every fast path registered for this implementation's normalizer."""
+    """The reference plus every fast path that implements this implementation's normalizer."""
     norm = resolve_settings(impl).normalizer
-    return ["reference", *dict.fromkeys([*RULES.get(norm, []), *RULES.get("*", [])])]
+    return ["reference", *[p for p in fast_paths_for(norm) if p not in NOT_HERE]]
+
+
+#: the least share of the generated cases each path must actually run (not decline); the paths not listed take
+#: every case. linear_chunked takes only masks that are key padding x causal (random masks are not) and one query;
+#: decode takes one query (Lq is drawn from 1, 2, 5, 9).
+MIN_SHARE = {"linear_chunked": 0.2, "decode": 0.1}
 
 
 def run(q, k, v, impl, path, **kw):
@@ -76,16 +86,37 @@ PROFILE = settings(max_examples=12, deadline=None, derandomize=True,
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@PROFILE
-@given(case=cases())
-def test_invariants(impl, case):
+def test_invariants(impl):
+    """The invariants on the generated cases; every path must have run on its stated share of them (a path that
+    declined everything would otherwise pass without testing anything)."""
+    ran = dict.fromkeys(paths_for(impl), 0)
+    total = 0
+
+    @PROFILE
+    @given(case=cases())
+    def check(case):
+        nonlocal total
+        total += 1
+        for path in check_case(impl, case):
+            ran[path] += 1
+
+    check()
+    for path, count in ran.items():
+        share = MIN_SHARE.get(path, 1.0)
+        assert count >= share * total, f"{impl}: path {path} ran on {count} of {total} cases (needs {share:.0%})"
+
+
+def check_case(impl, case) -> list[str]:
+    """Check one case on every path; returns the paths that ran it."""
     B, H, Hkv, Lq, Lk, D, causal, masked, scale, seed = case
     q, k, v, mask = make(*case)
     kind = NORMALIZERS.get(resolve_settings(impl).normalizer).row_sum
+    ran = []
     for path in paths_for(impl):
         out = run(q, k, v, impl, path, attention_mask=mask, causal=causal)
         if out is None:
             continue
+        ran.append(path)
         where = f"{impl} on {path} with {case}"
         assert out.shape == (B, H, Lq, D) and torch.isfinite(out).all(), where
         if mask is not None:
@@ -120,6 +151,7 @@ def test_invariants(impl, case):
             outp = run(q, k[:, :, perm], v[:, :, perm], impl, path, causal=False,
                        attention_mask=None if mask is None else mask[..., perm])
             torch.testing.assert_close(outp, out, atol=1e-9, rtol=1e-7, msg=where)
+    return ran
 
 
 ADVERSARIAL = [
@@ -135,7 +167,8 @@ ADVERSARIAL = [
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", ADVERSARIAL, ids=[f"adv{i}" for i in range(len(ADVERSARIAL))])
 def test_adversarial_cases(impl, case):
-    test_invariants.hypothesis.inner_test(impl, case)
+    ran = check_case(impl, case)
+    assert "reference" in ran and "chunked" in ran, ran
 
 
 def test_all_false_mask_gives_zeros_and_finite_gradients_on_every_path():

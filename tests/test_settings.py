@@ -115,12 +115,19 @@ def test_unknown_path_and_forced_path_errors(monkeypatch):
     q = torch.randn(1, 2, 3, 4)
     with pytest.raises(ValueError, match="unknown attention path 'warp'"):
         attention(q, q, q, "softmax", path="warp")
-    monkeypatch.setenv("HF_ATTNORM_PATH", "warp")
-    with pytest.raises(ValueError, match="HF_ATTNORM_PATH"):
-        attention(q, q, q, "softmax")
-    monkeypatch.setenv("HF_ATTNORM_PATH", "reference")
-    out, w = attention(q, q, q, "softmax", need_weights=True)
-    assert w.shape == (1, 2, 3, 3)
+    from hf_attnorm.kernels import set_forced_path
+
+    try:  # the variable is read at import and by set_forced_path(), not per call
+        monkeypatch.setenv("HF_ATTNORM_PATH", "warp")
+        with pytest.raises(ValueError, match="HF_ATTNORM_PATH"):
+            set_forced_path()
+        monkeypatch.setenv("HF_ATTNORM_PATH", "reference")
+        set_forced_path()
+        out, w = attention(q, q, q, "softmax", need_weights=True)
+        assert w.shape == (1, 2, 3, 3)
+    finally:
+        monkeypatch.delenv("HF_ATTNORM_PATH")
+        set_forced_path()
 
 
 def test_from_pretrained_attnorm_overrides_and_config_built_models(tmp_path):

@@ -1,6 +1,6 @@
 """The Triton kernels (hf_attnorm/kernels/triton_attn.py) against the reference path, run on the CPU by Triton's
 interpreter: forward and the gradients of q, k, v and every learnable per-head value, generic over the normalizers
-the kernels declare (``KINDS``).
+the kernels implement (the normalizers declaring a fused map of ``kernels/kinds.py``).
 
 Triton fixes interpreted vs compiled mode for its own library when it is imported, so ``TRITON_INTERPRET=1`` must be
 set before anything imports triton. The kernel tests therefore run in a child pytest process started with it set
@@ -24,12 +24,12 @@ import torch
 pytest.importorskip("triton")
 
 from hf_attnorm.attention import attention, constant_heads, make_call, param_specs  # noqa: E402
-from hf_attnorm.kernels import attend, candidate_paths, paths_for  # noqa: E402
+from hf_attnorm.kernels import attend, candidate_paths, declared_normalizers, kinds, paths_for  # noqa: E402
 from hf_attnorm.kernels import triton_attn as ta  # noqa: E402
 from hf_attnorm.registry import NORMALIZERS  # noqa: E402
 from hf_attnorm.settings import resolve_settings  # noqa: E402
 
-NAMES = [n for n in ta.KINDS if n in NORMALIZERS]
+NAMES = declared_normalizers("triton")
 INTERPRETED = ta.interpreter_requested()
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -55,6 +55,17 @@ if not INTERPRETED:
     def test_kernels_interpreted_slow():
         _child("slow")
 
+    def test_every_map_of_the_shared_table_has_its_triton_constant():
+        """The device code compares KIND with K_<MAP> constants taken from kinds.FUSED_KINDS: one per map, same id,
+        and the source names no map by a bare number."""
+        import inspect
+        import re
+
+        assert ta.KIND_CONSTANTS == {f"K_{kinds.constant_name(n)}": i for n, i in kinds.FUSED_KINDS.items()}
+        src = "".join(inspect.getsource(getattr(ta, name)) for name in ta._JIT_FUNCTIONS)
+        assert not re.search(r"KIND\s*(==|>=|<=|<|>)\s*\d", src)
+        assert set(re.findall(r"\bK_[A-Z0-9_]+", src)) <= set(ta.KIND_CONSTANTS)
+
     def _call(name: str, device: str = "cpu", **kw):
         q = torch.randn(1, 2, 5, 16, device=device)
         settings = resolve_settings(name)
@@ -78,12 +89,12 @@ if not INTERPRETED:
         from triton.compiler import ASTSource, compile
 
         kern = ta._compiled()
-        kind = ta.KINDS[kind_name]
+        kind = ta.kind_id(kind_name)
         consts = dict(KIND=kind, NORMALISED=kind_name in ta.NORMALISED, CAUSAL=not masked, HAS_MASK=masked,
                       PREC="ieee" if masked else "tf32", UPCAST=False, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64,
                       BLOCK_DV=64, STEPS=ta.THRESHOLD_STEPS)
         fns = [kern._fwd_kernel, kern._bwd_dq_kernel, kern._bwd_dkdv_kernel]
-        fns += [kern._threshold_kernel] if kind_name in ta.SPARSE else []
+        fns += [kern._threshold_kernel] if kind_name in ta.THRESHOLD else []
         for fn in fns:
             cs = {a: b for a, b in consts.items() if a in fn.arg_names}
             sig = {}
@@ -115,7 +126,8 @@ if not INTERPRETED:
 
 def test_calls_the_kernels_cannot_take_are_declined_with_the_reason():
     q = torch.randn(1, 2, 5, 16)
-    cases = [("softmax", {}, "no Triton kernel for normalizer 'softmax'"), ("symax", {"dropout": 0.1}, "dropout")]
+    cases = [("softmax", {}, "normalizer 'softmax' declares no fused kernel map"),
+             ("symax", {"dropout": 0.1}, "dropout")]
     for name, kw, why in cases:
         settings = resolve_settings(name)
         call = make_call(q, q, q, settings, constant_heads(settings, 2), None, True, None, **kw)
@@ -325,14 +337,19 @@ if INTERPRETED:  # the kernel tests proper: only where the interpreter was on be
         ids = torch.randint(0, 97, (2, 19), generator=torch.Generator().manual_seed(0))
         mask = torch.ones(2, 19, dtype=torch.long)
         mask[1, :6] = 0
+        from hf_attnorm.kernels import set_forced_path
+
         grads = {}
-        for path in ("reference", "triton"):
-            monkeypatch.setenv("HF_ATTNORM_PATH", path)
-            model.zero_grad()
-            out = model_output(model(input_ids=ids, attention_mask=mask))
-            (out[mask.bool()] ** 2).mean().backward()
-            grads[path] = (out.detach(),
-                           {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        try:
+            for path in ("reference", "triton"):
+                set_forced_path(path)
+                model.zero_grad()
+                out = model_output(model(input_ids=ids, attention_mask=mask))
+                (out[mask.bool()] ** 2).mean().backward()
+                grads[path] = (out.detach(),
+                               {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        finally:
+            set_forced_path()
         from hf_attnorm.hf.forward import LAST_CALL
 
         assert LAST_CALL.path == "triton"

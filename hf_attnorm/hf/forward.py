@@ -17,18 +17,18 @@ from ..attention import make_call
 from ..kernels import attend
 from .state import ensure_state
 
+try:  # transformers' collector of requested outputs (private; looked up once, not per call)
+    from transformers.utils.output_capturing import _active_collector
+except (ImportError, AttributeError):  # pragma: no cover - older transformers without it
+    _active_collector = None
+
 
 def _weights_requested(kwargs: Mapping[str, Any]) -> bool:
     if kwargs.get("output_attentions"):
         return True
-    if torch.compiler.is_compiling():
-        return False  # transformers' output collector is a ContextVar, which dynamo cannot trace
-    try:
-        from transformers.utils.output_capturing import _active_collector
-
-        collected = _active_collector.get()
-    except Exception:  # pragma: no cover - older transformers
-        return False
+    if _active_collector is None or torch.compiler.is_compiling():
+        return False  # (the collector is a ContextVar, which dynamo cannot trace)
+    collected = _active_collector.get()
     return isinstance(collected, dict) and ("attentions" in collected or "cross_attentions" in collected)
 
 

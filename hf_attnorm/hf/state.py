@@ -40,6 +40,9 @@ class AttnormState(nn.Module):
         self.num_heads = num_heads
         self.module_info = dict(module_info)
         SCALES.get(settings.scale).prepare(settings, self.module_info)
+        self._specs = param_specs(settings)
+        #: device -> the non-learnable per-head values [H] (fp32), built once per device rather than every call
+        self._constants: dict[torch.device, dict[str, torch.Tensor]] = {}
         for spec in param_specs(settings):
             if spec.is_learnable(settings):
                 self.register_parameter(spec.name, nn.Parameter(torch.full((num_heads,), spec.init_value(settings))))
@@ -56,13 +59,19 @@ class AttnormState(nn.Module):
                 p.fill_(spec.init_value(self.settings))
 
     def heads(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """name -> per-head value [H] (fp32): the parameters, and constants from the settings."""
+        const = self._constants.get(device)
+        if const is None:
+            const = {spec.name: torch.full((self.num_heads,), spec.init_value(self.settings), device=device)
+                     for spec in self._specs if spec.name not in self._parameters}
+            self._constants[device] = const
         out: dict[str, torch.Tensor] = {}
-        for spec in param_specs(self.settings):
+        for spec in self._specs:
             p = self._parameters.get(spec.name)
             if p is not None:
                 out[spec.name] = p.float() if p.dtype != torch.float32 else p
             else:
-                out[spec.name] = torch.full((self.num_heads,), spec.init_value(self.settings), device=device)
+                out[spec.name] = const[spec.name]
         return out
 
     def extra_repr(self) -> str:

@@ -1,34 +1,40 @@
-"""Kernel layer: one entry point, a dispatch rule, and an override so tests can force any path.
+"""Kernel layer: one entry point, paths that declare what they accept, and an override so tests can force any path.
 
-Paths (``available_paths()``): ``reference`` (materialised, any normalizer, the only one returning weights) and
-the fast paths registered by the other modules of this package with ``register_path``:
+Every path (``register_path``) states, without running anything:
 
-============== ================================================= ==========================================
-path           normalizers                                       takes
-============== ================================================= ==========================================
-sdpa           softmax, cosine, softmax_n, sink (+ every scale)  CPU: any dtype (fp16/bf16 in fp32); other
-                                                                 devices: softmax/cosine. Dropout: softmax,
-                                                                 cosine only. Needs D == Dv for the sinks.
-sdpa_sinkcol   softmax_n, sink                                   any device (auto: not on CPU, where D+1
-                                                                 falls off SDPA's fast kernel); dropout ok
-fused_cpu      symax, squared, stablemax, softpick, sigmoid,     CPU, no dropout, C++ compiled on first use
-               relu_len, entmax15, sparsemax
-triton         the fused_cpu set                                 CUDA (or TRITON_INTERPRET=1), no dropout
-linear_chunked linear                                            any, no dropout
-chunked        every normalizer ("*")                            any (pure PyTorch, O(n * chunk) memory)
-reference      every normalizer                                  any; the only path returning weights
-============== ================================================= ==========================================
+* ``takes(normalizer)``: None if it implements that normalizer (read from the normalizer's declared
+  ``kernel_family`` / ``fused_kind``, never from its name), else the reason;
+* ``accepts(call)``: None if it can run this call (device, dtype, dropout, mask kind, weights, head dims ...), else
+  the reason. It looks only at shapes, dtypes, devices and settings: no kernel runs, no value is read from a tensor,
+  so it costs microseconds and traces under torch.compile;
+* ``priority``: lower is tried first; ``auto_exclude``: device types on which the automatic rule skips it.
 
-The rule, for (normalizer, device, dtype, needs-weights, dropout): needs-weights (``output_attentions``) -> the
-reference, explicitly; otherwise the normalizer's own fast paths in registration order, then the ``"*"`` paths,
-then the reference; each path inspects the call and declines what it cannot run (device, dtype, dropout, a
-missing compiler...), so the first one that accepts runs it. Override: ``path=`` on ``attention()``/``attend()``,
-or the environment variable ``HF_ATTNORM_PATH`` (a path name or ``auto``). A forced path that cannot take a call
-raises, naming the reason, instead of silently falling back.
+============== ========= ============================================= =========================================
+path           priority  normalizers (declared family)                 accepts
+============== ========= ============================================= =========================================
+sdpa           10        "softmax" (softmax, cosine, softmax_n, sink)  CPU: any float dtype (fp16/bf16 in fp32);
+                                                                       elsewhere no sink. Dropout: no sink only.
+sdpa_sinkcol   20        "softmax" with a sink (softmax_n, sink)       any; auto: not on CPU (D+1 is slow there)
+triton         30        "fused" (symax, squared, stablemax, ...)      auto: CUDA; forced: CPU under
+                                                                       TRITON_INTERPRET=1. No dropout, no fp64
+fused_cpu      40        "fused"                                       CPU, no dropout, C++ built on first use
+linear_chunked 50        "linear" (linear)                             no dropout; a mask only as key padding x
+                                                                       causal (MaskInfo.padding), or one query
+chunked        90        every normalizer                              any (pure PyTorch, O(n * chunk) memory)
+reference      100       every normalizer                              any; the only path returning weights
+============== ========= ============================================= =========================================
+
+The rule: needs-weights (``output_attentions``) -> the reference; otherwise the first path by priority whose
+``auto_exclude`` does not hold the call's device and whose ``takes`` and ``accepts`` say None. ``explain(call)``
+lists every candidate with its reason, running nothing. Override: ``path=`` on ``attention()``/``attend()``, or
+the environment variable ``HF_ATTNORM_PATH`` (a path name or ``auto``; read when this package is imported and by
+``set_forced_path()``), so ``attend`` reads no environment. A forced path that cannot take a call raises, naming
+the reason, instead of silently falling back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import pkgutil
@@ -36,108 +42,159 @@ from collections.abc import Callable, Collection
 
 import torch
 
+from ..normalizers.base import Normalizer
+from ..registry import NORMALIZERS
 from .base import AttnCall
 from .reference import reference_attention
 
-Kernel = Callable[[AttnCall], "tuple[torch.Tensor, torch.Tensor | None] | None"]
+KernelResult = "tuple[torch.Tensor, torch.Tensor | None]"
+Kernel = Callable[[AttnCall], KernelResult]
+Check = Callable[[AttnCall], "str | None"]
+NormCheck = Callable[[Normalizer], "str | None"]
 
 
 class PathDeclined(Exception):
-    """Raised by a kernel that cannot run a call (same meaning as returning None, but with the reason)."""
+    """Raised by a kernel that finds, while running, that it cannot run a call (its ``accepts`` should have said)."""
 
 
-#: name -> kernel; a kernel returns None (or raises PathDeclined) when it cannot take the call
-PATHS: dict[str, Kernel] = {"reference": reference_attention}
-#: normalizer name -> fast path names to try in order (all normalizers: "*")
-RULES: dict[str, list[str]] = {}
-#: path name -> device types the automatic rule skips it on (it still runs there when forced)
-AUTO_EXCLUDE: dict[str, frozenset[str]] = {}
+@dataclasses.dataclass(frozen=True)
+class Path:
+    """A registered path: its kernel and its declared capabilities (see the module docstring)."""
+
+    name: str
+    kernel: Kernel
+    takes: NormCheck
+    accepts: Check
+    priority: int
+    #: device types on which the automatic rule skips this path (a better one exists there; forced, it still runs)
+    auto_exclude: frozenset[str] = frozenset()
+
+    def check(self, call: AttnCall) -> str | None:
+        """None when this path can run ``call``, else the reason (runs nothing)."""
+        return self.takes(call.normalizer) or self.accepts(call)
+
+
+def _any_normalizer(norm: Normalizer) -> None:
+    return None
+
+
+def _reference_accepts(call: AttnCall) -> None:
+    return None
+
+
+#: name -> path
+PATHS: dict[str, Path] = {
+    "reference": Path("reference", reference_attention, _any_normalizer, _reference_accepts, 100),
+}
+#: the fast paths by priority, and per (normalizer, device type) those the automatic rule considers (filled lazily:
+#: the hot path then only runs the accepts checks)
+_ORDER: list[Path] = []
+_AUTO: dict[tuple[str, str], list[Path]] = {}
 
 ENV_VAR = "HF_ATTNORM_PATH"
+#: the path HF_ATTNORM_PATH forces ("auto": none); read at import and by ``set_forced_path``
+_FORCED: dict[str, str] = {"path": "auto"}
 
 
-def register_path(name: str, kernel: Kernel, normalizers: list[str], *,
-                  exclude_devices: Collection[str] = ()) -> None:
-    """Register a fast path for the given normalizers (tried in registration order; ``"*"`` = every normalizer,
-    tried after the specific ones). ``exclude_devices``: device types ("cpu", "cuda") where the automatic rule
-    skips this path because a better one exists there."""
-    PATHS[name] = kernel
-    if exclude_devices:
-        AUTO_EXCLUDE[name] = frozenset(exclude_devices)
-    for norm in normalizers:
-        RULES.setdefault(norm, []).append(name)
+def register_path(name: str, kernel: Kernel, *, takes: NormCheck, accepts: Check, priority: int,
+                  auto_exclude: Collection[str] = ()) -> None:
+    """Register a path with its declared capabilities (see the module docstring)."""
+    PATHS[name] = Path(name, kernel, takes, accepts, priority, frozenset(auto_exclude))
+    _ORDER[:] = sorted((p for p in PATHS.values() if p.name != "reference"), key=lambda p: p.priority)
+    _AUTO.clear()
+
+
+def set_forced_path(path: str | None = None) -> str:
+    """Set the globally forced path (None: re-read ``HF_ATTNORM_PATH``; "auto": none). Returns it."""
+    forced = path if path is not None else (os.environ.get(ENV_VAR) or "auto")
+    if forced != "auto" and forced not in PATHS:
+        raise ValueError(f"unknown attention path {forced!r} (from {ENV_VAR if path is None else 'path='}); "
+                         f"available: auto, {', '.join(PATHS)}")
+    _FORCED["path"] = forced
+    return forced
+
+
+def forced_path() -> str:
+    return _FORCED["path"]
 
 
 def available_paths() -> list[str]:
-    return list(PATHS)
+    return [p.name for p in sorted(PATHS.values(), key=lambda p: p.priority)]
 
 
 def paths_for(normalizer: str) -> list[str]:
-    """Fast paths declared for a normalizer (its own, then the ``"*"`` ones), in the order the rule tries them."""
-    return [*RULES.get(normalizer, []), *RULES.get("*", [])]
+    """The fast paths that implement a normalizer (reference excluded), by priority."""
+    norm = NORMALIZERS.get(normalizer)
+    return [p.name for p in _ORDER if p.takes(norm) is None]
 
 
 def declared_normalizers(path: str) -> list[str] | None:
-    """Normalizers a path declares (None for the reference and ``"*"`` paths, which take every normalizer)."""
-    if path == "reference" or path in RULES.get("*", []):
-        return None
-    return [norm for norm, names in RULES.items() if path in names]
+    """Normalizers a path implements (None for the reference and the paths that take every normalizer)."""
+    p = PATHS[path]
+    names = [n for n, norm in NORMALIZERS.items() if p.takes(norm) is None]
+    return None if len(names) == len(NORMALIZERS) else names
+
+
+def _auto_candidates(call: AttnCall) -> list[Path]:
+    if call.need_weights:
+        return []  # only the materialised path has the weights: explicit fallback
+    key = (call.settings.normalizer, call.q.device.type)
+    found = _AUTO.get(key)
+    if found is None:
+        norm = call.normalizer
+        found = [p for p in _ORDER if key[1] not in p.auto_exclude and p.takes(norm) is None]
+        _AUTO[key] = found
+    return found
 
 
 def candidate_paths(call: AttnCall) -> list[str]:
-    """Fast paths the rule would try for this call, in order (the reference is always last)."""
-    if call.need_weights:
-        return []  # only the materialised path has the weights: explicit fallback
-    device = call.q.device.type
-    return [p for p in paths_for(call.settings.normalizer) if device not in AUTO_EXCLUDE.get(p, ())]
+    """Fast paths the rule considers for this call, in order (the reference is always last)."""
+    return [p.name for p in _auto_candidates(call)]
 
 
-def _run(name: str, call: AttnCall) -> tuple[tuple[torch.Tensor, torch.Tensor | None] | None, str | None]:
-    try:
-        return PATHS[name](call), None
-    except PathDeclined as exc:
-        return None, str(exc)
-
-
-def explain(call: AttnCall) -> list[tuple[str, str]]:
-    """For each path the rule considers, in order: (name, why it declines or "runs"). Runs the kernels (it is
-    how they decide), so use it for diagnosis, not in a hot loop."""
-    report = []
-    for name in candidate_paths(call):
-        res, why = _run(name, call)
-        if res is not None:
-            report.append((name, "runs"))
-            return report
-        report.append((name, why or "declines"))
-    report.append(("reference", "runs" if not call.need_weights else "runs (weights requested)"))
-    return report
-
-
-def attend(call: AttnCall, path: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None, str]:
-    """Run one call. Returns (out [B, H, Lq, Dv], weights or None, name of the path that ran)."""
-    forced = path or os.environ.get(ENV_VAR) or "auto"
+def choose(call: AttnCall, path: str | None = None) -> str:
+    """The path that will run ``call`` (``path``/HF_ATTNORM_PATH forcing one); raises ValueError when a forced path
+    cannot take it. Runs nothing."""
+    forced = path or _FORCED["path"]
     if forced != "auto":
         if forced not in PATHS:
             raise ValueError(f"unknown attention path {forced!r} (from {'path=' if path else ENV_VAR}); "
                              f"available: auto, {', '.join(PATHS)}")
         if call.need_weights and forced != "reference":
             raise ValueError(f"path {forced!r} cannot return attention weights; output_attentions needs 'reference'")
-        res, why = _run(forced, call)
-        if res is None:
-            mask = "given" if call.mask.keep is not None else ("causal" if call.mask.causal else "none")
+        why = PATHS[forced].check(call)
+        if why is not None:
             raise ValueError(f"path {forced!r} cannot run this call (normalizer {call.settings.normalizer!r}, "
-                             f"dtype {call.q.dtype}, device {call.q.device}, mask {mask}, dropout {call.dropout})"
-                             + (f": {why}" if why else ""))
-        return res[0], res[1], forced
-    for name in candidate_paths(call):
-        res, _ = _run(name, call)
-        if res is not None:
-            return res[0], res[1], name
-    out, w = reference_attention(call)
-    return out, w, "reference"
+                             f"dtype {call.q.dtype}, device {call.q.device}, mask {call.mask.kind}, "
+                             f"dropout {call.dropout}): {why}")
+        return forced
+    for p in _auto_candidates(call):
+        if p.accepts(call) is None:
+            return p.name
+    return "reference"
+
+
+def explain(call: AttnCall) -> list[tuple[str, str]]:
+    """For each path the rule considers, in order: (name, why it declines or "runs"). Runs no kernel."""
+    report = []
+    for p in _auto_candidates(call):
+        why = p.accepts(call)
+        report.append((p.name, why or "runs"))
+        if why is None:
+            return report
+    report.append(("reference", "runs" if not call.need_weights else "runs (weights requested)"))
+    return report
+
+
+def attend(call: AttnCall, path: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None, str]:
+    """Run one call. Returns (out [B, H, Lq, Dv], weights or None, name of the path that ran)."""
+    name = choose(call, path)
+    out, w = PATHS[name].kernel(call)
+    return out, w, name
 
 
 # every other module of this package registers its path(s) with register_path when imported
 for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-    if _info.name not in ("base", "reference"):
+    if _info.name not in ("base", "reference", "kinds"):
         importlib.import_module(f"{__name__}.{_info.name}")
+set_forced_path()

@@ -61,21 +61,10 @@ class AttnCall:
         return q, k, repeat_kv(self.v, self.groups).to(dtype)
 
     def row_value(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """The per-row constant of the normalizers that have one, for the fused kernels (CPU and Triton), shaped to
-        broadcast to [B, H, Lq] and autograd-connected to the per-head parameters: symax |eta_h|, sigmoid's bias
-        b_h (- ln n when derived), relu_len 1/n; None for the other normalizers."""
-        name = self.settings.normalizer
-        dev = self.q.device
-        if name == "symax":
-            return self.heads["symax_eta"].to(device=dev, dtype=dtype).abs().view(1, -1, 1)
-        if name == "sigmoid":
-            bias = self.heads["sigmoid_bias"].to(device=dev, dtype=dtype).view(1, -1, 1)
-            if self.settings.sigmoid_bias is None:
-                bias = bias - torch.log(self.mask.n.to(device=dev, dtype=dtype))
-            return bias
-        if name == "relu_len":
-            return 1.0 / self.mask.n.to(device=dev, dtype=dtype)
-        return None
+        """The normalizer's declared per-row constant (``Normalizer.row_value``: symax |eta_h|, sigmoid's bias,
+        relu_len 1/n) on q's device, broadcastable to [B, H, Lq]; None for maps without one."""
+        r = self.normalizer.row_value(self.ctx(), dtype)
+        return None if r is None else r.to(self.q.device)
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:

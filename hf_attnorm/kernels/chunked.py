@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..normalizers.base import Ctx
-from . import PathDeclined
+from ..normalizers.base import Ctx, Normalizer
 from .base import AttnCall, compute_dtype
 
 #: scores per chunk (B x H x chunk x Lk); 2^22 fp32 scores are 16 MB per temporary
@@ -136,10 +135,12 @@ def _set_rng_state(device: torch.device, state) -> None:
         torch.set_rng_state(state)
 
 
+def accepts(call: AttnCall) -> str | None:
+    return "empty inputs" if call.q.numel() == 0 or call.k.shape[2] == 0 else None
+
+
 def chunked_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     """out [B, H, Lq, Dv] in the input dtype (fp16/bf16 computed in fp32), any normalizer."""
-    if call.q.numel() == 0 or call.k.shape[2] == 0:
-        raise PathDeclined("empty inputs")
     q, k, v = call.features(compute_dtype(call.q.dtype))
     names = list(call.heads)
     plan = _Plan(call, names)
@@ -147,6 +148,10 @@ def chunked_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     return out.to(call.q.dtype), None
 
 
+def _any(norm: Normalizer) -> None:
+    return None
+
+
 from . import register_path  # noqa: E402  (registration at import, like the normalizers)
 
-register_path("chunked", chunked_attention, ["*"])
+register_path("chunked", chunked_attention, takes=_any, accepts=accepts, priority=90)

@@ -25,18 +25,12 @@ from typing import Any
 import torch
 
 from ..normalizers.base import Normalizer
-from . import PathDeclined
 from .base import AttnCall, compute_dtype
+from .kinds import FUSED_KINDS, THRESHOLD, kind_id
 
 logger = logging.getLogger("hf_attnorm")
 
-#: normalizer name -> kind id of the C++ kernel (the normalizers this path declares)
-KINDS: dict[str, int] = {
-    "symax": 0, "squared": 1, "stablemax": 2, "softpick": 3, "sigmoid": 4, "relu_len": 5,
-    "entmax15": 6, "sparsemax": 7,
-}
-THRESHOLD = frozenset({"entmax15", "sparsemax"})
-_THRESHOLD_KINDS = frozenset(KINDS[name] for name in THRESHOLD)
+_THRESHOLD_KINDS = frozenset(FUSED_KINDS[name] for name in THRESHOLD)
 #: (block_q, block_k) of the blocked kernels (tuned on a 2-core AVX-512 Xeon, d = 64: 128 x 256 was best of
 #: 32..256 x 64..512 at n = 1024..4096); threshold maps take block_q_threshold queries against a full row buffer
 BLOCKS = {"block_q": 128, "block_k": 256, "block_q_threshold": 128}
@@ -120,10 +114,23 @@ def native_ops(warn: bool = True) -> Any | None:
             _register_fakes()
             _state["ops"] = ops
         except Exception as exc:  # a failed build must not break attention: the chunked path takes over
-            _fail(f"building the C++ extension failed: {str(exc).strip().splitlines()[-1] if str(exc) else exc!r}",
-                  warn)
+            _fail(f"building the C++ extension failed: {build_error_summary(exc)}", warn)
             return None
     return _state["ops"]
+
+
+def build_error_summary(exc: BaseException, max_lines: int = 12) -> str:
+    """The compiler's error lines of a failed build (``error:`` / ``fatal error:`` / undefined references, at most
+    ``max_lines``), not just the last line (which only says that ninja failed); the message's last line otherwise."""
+    text = str(exc).strip()
+    if not text:
+        return repr(exc)
+    lines = text.splitlines()
+    errors = [ln.strip() for ln in lines if "error:" in ln or "undefined reference" in ln or "Error " in ln]
+    if errors:
+        more = f" (+{len(errors) - max_lines} more)" if len(errors) > max_lines else ""
+        return "; ".join(dict.fromkeys(errors[:max_lines])) + more
+    return lines[-1]
 
 
 def _register_fakes() -> None:
@@ -195,14 +202,17 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def takes(norm: Normalizer) -> str | None:
+    """The normalizers that declare a fused map (``kernel_family = "fused"``, ``fused_kind``) and no q/k transform."""
+    if norm.kernel_family != "fused" or norm.fused_kind not in FUSED_KINDS:
+        return f"normalizer {norm.name!r} declares no fused kernel map (maps: {', '.join(FUSED_KINDS)})"
+    if type(norm).transform_qk is not Normalizer.transform_qk or type(norm).feature_map is not Normalizer.feature_map:
+        return f"normalizer {norm.name!r} transforms q/k, which the fused kernels do not"
+    return None
+
+
 def accepts(call: AttnCall) -> str | None:
-    """None when this path can run the call, else the reason it cannot."""
-    name = call.settings.normalizer
-    if name not in KINDS:
-        return f"normalizer {name!r} has no fused CPU kernel (kernels: {', '.join(KINDS)})"
-    norm = type(call.normalizer)
-    if norm.transform_qk is not Normalizer.transform_qk or norm.feature_map is not Normalizer.feature_map:
-        return f"normalizer {name!r} transforms q/k, which the fused kernel does not"
+    """None when this path can run the call, else the reason it cannot (builds the extension on first use)."""
     if call.q.device.type != "cpu":
         return f"device {call.q.device} (CPU only)"
     if call.q.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
@@ -215,12 +225,8 @@ def accepts(call: AttnCall) -> str | None:
 
 
 def fused_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
-    """out [B, H, Lq, Dv] in the input dtype (fp16/bf16 computed in fp32); raises PathDeclined (with the reason)
-    for calls this path cannot run."""
-    reason = accepts(call)
-    if reason is not None:
-        raise PathDeclined(reason)
-    name = call.settings.normalizer
+    """out [B, H, Lq, Dv] in the input dtype (fp16/bf16 computed in fp32), for calls ``accepts`` takes."""
+    kind = call.normalizer.fused_kind
     dt = compute_dtype(call.q.dtype)
     q = (call.q.to(dt) * call.q_factor(dt)).contiguous()
     k = _last_dim_contiguous(call.k.to(dt))
@@ -235,15 +241,17 @@ def fused_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     causal = keep is None and call.mask.causal
     if BLOCK_OVERRIDE is not None:
         blocks = BLOCK_OVERRIDE
-    elif name in THRESHOLD:
-        blocks = (BLOCKS["block_q_threshold"], BLOCKS["block_k"])
+    elif kind in THRESHOLD:
+        # few queries (decode): a query block no larger than needed, since the threshold maps keep a [block_q, Lk]
+        # row buffer per thread (128 rows for one query made a 4096-key decode step about 2x slower)
+        blocks = (min(BLOCKS["block_q_threshold"], max(8, Lq)), BLOCKS["block_k"])
     else:
         blocks = (BLOCKS["block_q"], BLOCKS["block_k"])
     c = row_constant(call, dt)
-    out = _FusedAttention.apply(q, k, v, c, keep, causal, KINDS[name], blocks)
+    out = _FusedAttention.apply(q, k, v, c, keep, causal, kind_id(kind), blocks)
     return out.to(call.q.dtype), None
 
 
 from . import register_path  # noqa: E402  (registration at import, like the normalizers)
 
-register_path("fused_cpu", fused_cpu_attention, list(KINDS))
+register_path("fused_cpu", fused_cpu_attention, takes=takes, accepts=accepts, priority=40, auto_exclude=("cuda",))

@@ -5,57 +5,63 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..normalizers.base import masked_fill_zero, safe_divide
+from ..normalizers.base import Normalizer, masked_fill_zero, safe_divide
 from ..normalizers.linear import linear_attention
-from . import PathDeclined
-from .base import AttnCall, compute_dtype
+from .base import AttnCall, compute_dtype, repeat_kv
 
 
-def decompose_mask(call: AttnCall) -> tuple[bool, int, torch.Tensor | None, torch.Tensor | None] | None:
-    """Express the call's visibility as (causal, offset, key_valid [B, Lk], query_valid [B, Lq]) if it is
-    "key padding x causal with a constant offset x fully masked rows"; None otherwise."""
-    m = call.mask
-    if m.keep is None:
-        return m.causal and m.lq > 1, 0, None, None
-    keep = m.keep
-    if keep.shape[1] != 1:
-        return None
-    keep = keep[:, 0].expand(-1, m.lq, -1)  # [B, Lq, Lk]
-    key_valid = keep.any(dim=1)  # [B, Lk]
-    query_valid = keep.any(dim=2)  # [B, Lq]
-    full = key_valid[:, None, :] & query_valid[:, :, None]
-    if torch.equal(full, keep):
-        return False, 0, key_valid, query_valid
-    # causal with offset: the last visible key of query i is i + offset for every valid row
-    last = torch.where(keep, torch.arange(m.lk, device=keep.device), -1).amax(dim=2)  # [B, Lq]
-    rows = torch.arange(m.lq, device=keep.device)[None, :]
-    offsets = torch.where(query_valid, last - rows, last.new_full((), -(1 << 30)))
-    offset = int(offsets.max().item())
-    i = torch.arange(m.lq, device=keep.device)[:, None]
-    j = torch.arange(m.lk, device=keep.device)[None, :]
-    cand = full & (j <= i + offset)[None]
-    if torch.equal(cand, keep):
-        return True, offset, key_valid, query_valid
+def takes(norm: Normalizer) -> str | None:
+    if norm.kernel_family != "linear":
+        return f"normalizer {norm.name!r} has no linear (scoreless) form (kernel_family {norm.kernel_family!r})"
+    return None
+
+
+def accepts(call: AttnCall) -> str | None:
+    """No dropout; the visibility must be key padding x causal with a constant offset (``MaskInfo.padding``)."""
+    if call.dropout > 0:
+        return "dropout > 0 acts on the weights, which this path never forms"
+    if call.mask.padding() is None:
+        return ("the mask is not key padding x causal with a constant offset (no O(n) form), or it cannot be "
+                "analysed while tracing (torch.compile with a 4-D mask and several queries)")
     return None
 
 
 def linear_chunked_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
-    """out [B, H, Lq, Dv]; raises PathDeclined (with the reason) for calls this path cannot run."""
-    if not call.normalizer.scoreless:  # e.g. forced through HF_ATTNORM_PATH onto another normalizer
-        raise PathDeclined(f"normalizer {call.settings.normalizer!r} has no linear (scoreless) form")
-    if call.dropout > 0:
-        raise PathDeclined("dropout > 0 acts on the weights, which this path never forms")
-    parts = decompose_mask(call)
-    if parts is None:
-        raise PathDeclined("the mask is not key padding x causal with a constant offset (no O(n) form)")
-    causal, offset, key_valid, query_valid = parts
-    fq, fk, v = call.features(compute_dtype(call.q.dtype))
+    """out [B, H, Lq, Dv] for calls ``accepts`` takes."""
+    key_valid, query_valid, causal, offset = call.mask.padding()
+    fq, fk, v = _features(call, compute_dtype(call.q.dtype))
+    if fq.shape[2] == 1:
+        return _one_query(fq, fk, v, key_valid).to(call.q.dtype), None
+    fk, v = repeat_kv(fk, call.groups), repeat_kv(v, call.groups)
     if causal and offset == 0 and fq.shape[2] == fk.shape[2]:
         out = causal_linear_attention_batched(fq, fk, v, key_valid=key_valid, query_valid=query_valid)
     else:
         out = linear_attention(fq, fk, v, causal=causal, offset=offset, key_valid=key_valid,
                                query_valid=query_valid)
     return out.to(call.q.dtype), None
+
+
+def _features(call: AttnCall, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(phi(q) [B, H, Lq, D], phi(k) [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv]): like ``AttnCall.features`` but with k and v
+    NOT repeated for GQA, so the feature map runs once per kv head (a linear normalizer's map is the same for every
+    head: it reads no per-head value)."""
+    norm, ctx = call.normalizer, call.ctx()
+    q, k = norm.transform_qk(call.q.to(dtype), call.k.to(dtype), ctx)
+    fq, fk = norm.feature_map(q * call.q_factor(dtype), k, ctx)
+    return fq, fk, call.v.to(dtype)
+
+
+def _one_query(fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None) -> torch.Tensor:
+    """A decode step, O(Lk d): fq [B, H, 1, D] sees every (valid) key of fk [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv]:
+    out = sum_j (fq . fk_j) v_j / sum_j fq . fk_j, the G = H / Hkv query heads of a kv head as one matrix (no copy
+    of k or v per query head). Returns [B, H, 1, Dv]."""
+    B, H, _, D = fq.shape
+    Hkv = fk.shape[1]
+    w = fq.reshape(B, Hkv, H // Hkv, D) @ fk.transpose(-1, -2)  # [B, Hkv, G, Lk], > 0
+    if key_valid is not None:
+        w = masked_fill_zero(w, key_valid[:, None, None, :])
+    out = safe_divide(w @ v, w.sum(-1, keepdim=True))  # [B, Hkv, G, Dv]
+    return out.reshape(B, H, 1, v.shape[-1])
 
 
 #: chunk length of the batched causal form (intra-chunk work is O(n * CHUNK * d), the states O(n / CHUNK * d^2))
@@ -102,4 +108,4 @@ def causal_linear_attention_batched(fq: torch.Tensor, fk: torch.Tensor, v: torch
 
 from . import register_path  # noqa: E402  (registration at import, like normalizers)
 
-register_path("linear_chunked", linear_chunked_attention, ["linear"])
+register_path("linear_chunked", linear_chunked_attention, takes=takes, accepts=accepts, priority=50)

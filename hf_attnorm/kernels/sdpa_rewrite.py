@@ -1,7 +1,8 @@
 """Exact rewrites of the softmax family onto ``scaled_dot_product_attention`` (SDPA).
 
 * every per-query scale (log n, SSMax, alpha*(n), ...): q rows are multiplied by base x multiplier (autograd
-  carries the gradient to learnable factors such as ``ssmax_s``), SDPA runs with ``scale=1``;
+  carries the gradient to learnable factors such as ``ssmax_s``), SDPA runs with ``scale=1`` (a
+  constant factor alone goes to SDPA's ``scale`` instead);
 * ``cosine``: q and k are l2-normalised first (the normalizer's own ``transform_qk``), then as above;
 * ``softmax_n`` / ``sink``: an always-visible extra logit lambda (ln n_extra, or sigma_h per head) with value 0.
   Path ``sdpa`` (CPU) uses SDPA's CPU flash kernel, which returns the row log-sum-exp L:
@@ -18,72 +19,89 @@ Fully masked rows give 0 with finite gradients; fp16/bf16 on CPU are computed in
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
-from ..masks import causal_keep
 from ..normalizers.base import Normalizer
-from . import PathDeclined
 from .base import AttnCall, compute_dtype
 
-#: the normalizers these rewrites are exact for: name -> has an extra always-visible logit (a sink)
-SOFTMAX_FAMILY: dict[str, bool] = {"softmax": False, "cosine": False, "softmax_n": True, "sink": True}
 
-
-def sink_logit(call: AttnCall, dtype: torch.dtype) -> torch.Tensor | None:
-    """lambda: 0-d (softmax_n: ln n_extra) or [H] (sink: sigma_h, autograd-connected); None without a sink."""
-    name = call.settings.normalizer
-    if name == "softmax_n":
-        n_extra = call.settings.n_extra
-        if n_extra == 0:
-            return None  # softmax_n with n_extra = 0 is softmax
-        return torch.tensor(math.log(n_extra), dtype=dtype, device=call.q.device)
-    if name == "sink":
-        return call.heads["sink_logit"].to(device=call.q.device, dtype=dtype)
+def takes(norm: Normalizer) -> str | None:
+    """The softmax family (declared ``kernel_family = "softmax"``) without a feature map."""
+    if norm.kernel_family != "softmax":
+        return f"normalizer {norm.name!r} is not in the softmax family (kernel_family {norm.kernel_family!r})"
+    if type(norm).feature_map is not Normalizer.feature_map:
+        return f"normalizer {norm.name!r} has a feature map"
     return None
 
 
-def _check_family(call: AttnCall) -> None:
-    name = call.settings.normalizer
-    if name not in SOFTMAX_FAMILY:
-        raise PathDeclined(f"normalizer {name!r} is not a softmax rewrite (these are: {', '.join(SOFTMAX_FAMILY)})")
-    if type(call.normalizer).feature_map is not Normalizer.feature_map:
-        raise PathDeclined(f"normalizer {name!r} has a feature map")
+def takes_sink(norm: Normalizer) -> str | None:
+    """The softmax family with a sink logit (a normalizer that overrides ``sink_logit``)."""
+    why = takes(norm)
+    if why is None and type(norm).sink_logit is Normalizer.sink_logit:
+        why = f"normalizer {norm.name!r} has no sink logit (sdpa_sinkcol is for those with one)"
+    return why
+
+
+def sink_logit(call: AttnCall, dtype: torch.dtype) -> torch.Tensor | None:
+    """lambda: 0-d or [H] (autograd-connected to a learned sink), from the normalizer's declaration; None without."""
+    lam = call.normalizer.sink_logit(call.ctx(), dtype)
+    return None if lam is None else lam.to(call.q.device)
+
+
+def _has_sink(call: AttnCall) -> bool:
+    """Whether the call has a sink logit, from the settings alone (no tensor is built or read)."""
+    norm = call.normalizer
+    if type(norm).sink_logit is Normalizer.sink_logit:
+        return False
+    return not (call.settings.normalizer == "softmax_n" and call.settings.n_extra == 0)
+
+
+def _common(call: AttnCall) -> str | None:
     if call.q.numel() == 0 or call.k.shape[2] == 0:
-        raise PathDeclined("empty inputs")  # SDPA's CPU kernel crashes (SIGFPE) on zero keys
+        return "empty inputs"  # SDPA's CPU kernel crashes (SIGFPE) on zero keys
     if not call.q.dtype.is_floating_point:
-        raise PathDeclined(f"dtype {call.q.dtype}")
+        return f"dtype {call.q.dtype}"
+    return None
 
 
-def _prepare(call: AttnCall, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q (transformed and scaled by base x multiplier), k (transformed), v, all in ``dtype``."""
+def _uses_flash_cpu(call: AttnCall) -> bool:
+    dt = compute_dtype(call.q.dtype)
+    return (call.q.device.type == "cpu" and call.dropout == 0 and call.v.shape[-1] == call.q.shape[-1]
+            and dt in (torch.float32, torch.float64))
+
+
+def accepts(call: AttnCall) -> str | None:
+    """sdpa: softmax / cosine anywhere (dropout ok); a sink only through SDPA's CPU flash kernel."""
+    why = _common(call)
+    if why is None and _has_sink(call) and not _uses_flash_cpu(call):
+        on_cpu = call.q.device.type == "cpu"
+        reason = ("dropout > 0" if call.dropout > 0 else "head dims of v and q differ"
+                  if call.v.shape[-1] != call.q.shape[-1] else f"device {call.q.device}" if not on_cpu
+                  else f"dtype {call.q.dtype}")
+        why = f"the lse rewrite of the sink needs SDPA's CPU flash kernel ({reason}); see sdpa_sinkcol"
+    return why
+
+
+def _prepare(call: AttnCall, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """(q, k, v, scale): q, k transformed, all in ``dtype``; the per-query factor base x multiplier multiplied into q,
+    or, when it is one number (no per-query scale), left to SDPA's ``scale`` (no extra pass over q)."""
     q, k, v = call.q.to(dtype), call.k.to(dtype), call.v.to(dtype)
     norm = call.normalizer
     if type(norm).transform_qk is not Normalizer.transform_qk:
         q, k = norm.transform_qk(q, k, call.ctx())  # row-wise (cosine: l2-normalise), so fine on unrepeated k
-    return q * call.q_factor(dtype), k, v
+    factor = call.q_factor(dtype)
+    if isinstance(factor, float):
+        return q, k, v, factor
+    return q * factor, k, v, 1.0
 
 
-def _simplify_mask(call: AttnCall) -> tuple[torch.Tensor | None, bool]:
-    """(keep or None, is_causal): a mask that is all-visible or exactly the upper-left causal pattern becomes None,
-    because SDPA with an explicit mask is slower and O(Lq Lk) in memory."""
+def _sdpa_mask(call: AttnCall) -> tuple[torch.Tensor | None, bool]:
+    """(keep or None, is_causal) for SDPA. A given mask is passed as is, even when it is all-visible or exactly
+    causal: finding out would read it on the host (a sync per call, a graph break under torch.compile), and
+    transformers already passes None when nothing beyond causality is masked."""
     m = call.mask
-    if m.keep is None:
-        return None, m.causal
-    keep = m.keep
-    if bool(keep.all()):
-        return None, False
-    if m.lq > 1 and keep.shape[-2] == m.lq:
-        tril = causal_keep(m.lq, m.lk, keep.device)
-        if torch.equal(keep, tril.expand_as(keep)):
-            return None, True
-    return keep, False
-
-
-def _additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
+    return m.keep, (m.keep is None and m.causal)
 
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -94,8 +112,8 @@ class _FlashCPU(torch.autograd.Function):
     """SDPA's CPU flash kernel with an optional sink logit lambda (0-d or [H]); see the module docstring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, lam, mask, causal: bool):
-        out, lse = _FLASH(q, k, v, 0.0, causal, attn_mask=mask, scale=1.0)
+    def forward(ctx, q, k, v, lam, mask, causal: bool, scale: float):
+        out, lse = _FLASH(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
         if lam is not None:
             lam_b = lam.view(1, -1, 1) if lam.dim() == 1 else lam
             lse_all = torch.logaddexp(lse, lam_b)
@@ -105,7 +123,7 @@ class _FlashCPU(torch.autograd.Function):
             out = out * torch.exp(lse - lse_all).unsqueeze(-1)
             lse = lse_all
         ctx.save_for_backward(q, k, v, out, lse, mask, lam)
-        ctx.causal = causal
+        ctx.causal, ctx.scale = causal, scale
         return out
 
     @staticmethod
@@ -113,46 +131,44 @@ class _FlashCPU(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, mask, lam = ctx.saved_tensors
         dq, dk, dv = _FLASH_BWD(dout.contiguous(), q, k, v, out.contiguous(), lse, 0.0, ctx.causal,
-                                attn_mask=mask, scale=1.0)
+                                attn_mask=mask, scale=ctx.scale)
         dlam = None
         if lam is not None and ctx.needs_input_grad[3]:
             lam_b = lam.view(1, -1, 1) if lam.dim() == 1 else lam
             g = -torch.exp(lam_b - lse) * (dout * out).sum(-1)  # [B, H, Lq]
             dlam = g.sum(dim=(0, 2)) if lam.dim() == 1 else g.sum()
-        return dq, dk, dv, dlam, None, None
+        return dq, dk, dv, dlam, None, None, None
 
 
-def _zero_dead_rows(keep: torch.Tensor | None, call: AttnCall) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """With a mask where some query sees no key: (mask with those rows opened, bool [B|1, 1|H, Lq, 1] of live rows)
-    so SDPA never sees an empty row (NaN on some backends); the caller zeroes the dead rows' outputs."""
-    if keep is None or bool(call.mask.has_keys.all()):
-        return keep, None
+def _open_dead_rows(keep: torch.Tensor | None, call: AttnCall) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """With a mask: (the mask with rows that see no key opened, bool [B|1, 1|H, Lq, 1] of live rows), so SDPA never
+    sees an empty row (NaN on some backends); the caller zeroes the dead rows' outputs. Done whether or not a dead
+    row exists (asking would be a host sync)."""
+    if keep is None:
+        return None, None
     live = call.mask.has_keys.to(keep.device).unsqueeze(-1)
     return keep | ~live, live
 
 
 def sdpa_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     """softmax / cosine (any device, dropout ok) and softmax_n / sink (CPU, no dropout, D == Dv)."""
-    _check_family(call)
-    has_sink = SOFTMAX_FAMILY[call.settings.normalizer]
-    on_cpu = call.q.device.type == "cpu"
-    dt = compute_dtype(call.q.dtype) if on_cpu else call.q.dtype
-    lam = sink_logit(call, dt) if has_sink else None
-    same_dim = call.v.shape[-1] == call.q.shape[-1]
-    keep, causal = _simplify_mask(call)
-    if on_cpu and call.dropout == 0 and same_dim and dt in (torch.float32, torch.float64):
-        q, k, v = _prepare(call, dt)
-        mask = None if keep is None else _additive(keep, dt)
-        out = _FlashCPU.apply(q, k, v, lam, mask, causal)
+    keep, causal = _sdpa_mask(call)
+    if _uses_flash_cpu(call):
+        dt = compute_dtype(call.q.dtype)
+        lam = sink_logit(call, dt) if _has_sink(call) else None
+        q, k, v, scale = _prepare(call, dt)
+        if lam is None and keep is None:  # plain SDPA picks this same flash kernel, with less per-call work
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                                 enable_gqa=q.shape[1] != k.shape[1])
+            return out.to(call.q.dtype), None
+        mask = None if keep is None else call.mask.additive(dt)
+        out = _FlashCPU.apply(q, k, v, lam, mask, causal, scale)
         return out.to(call.q.dtype), None
-    if lam is not None:
-        why = ("dropout > 0" if call.dropout > 0 else "head dims of v and q differ" if not same_dim else
-               f"device {call.q.device}" if not on_cpu else f"dtype {dt}")
-        raise PathDeclined(f"the lse rewrite of the sink needs SDPA's CPU flash kernel ({why}); see sdpa_sinkcol")
-    q, k, v = _prepare(call, dt)
-    keep, live = _zero_dead_rows(keep, call)
+    dt = compute_dtype(call.q.dtype) if call.q.device.type == "cpu" else call.q.dtype
+    q, k, v, scale = _prepare(call, dt)
+    keep, live = _open_dead_rows(keep, call)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=call.dropout, is_causal=causal,
-                                         scale=1.0, enable_gqa=q.shape[1] != k.shape[1])
+                                         scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     if live is not None:
         out = torch.where(live, out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out.to(call.q.dtype), None
@@ -160,17 +176,18 @@ def sdpa_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
 
 def sdpa_sinkcol_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     """softmax_n / sink through plain SDPA with one extra feature and a prepended sink key (any device)."""
-    _check_family(call)
-    if not SOFTMAX_FAMILY[call.settings.normalizer]:
-        raise PathDeclined("sdpa_sinkcol is for the normalizers with a sink (softmax_n, sink)")
     dt = compute_dtype(call.q.dtype) if call.q.device.type == "cpu" else call.q.dtype
     lam = sink_logit(call, dt)
-    q, k, v = _prepare(call, dt)
+    q, k, v, scale = _prepare(call, dt)
     if lam is None:  # softmax_n with n_extra = 0: plain softmax
-        keep, causal = _simplify_mask(call)
+        keep, causal = _sdpa_mask(call)
+        keep, live = _open_dead_rows(keep, call)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=call.dropout, is_causal=causal,
-                                             scale=1.0, enable_gqa=q.shape[1] != k.shape[1])
+                                             scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        if live is not None:
+            out = torch.where(live, out, torch.zeros((), dtype=out.dtype, device=out.device))
         return out.to(call.q.dtype), None
+    q = q * scale  # the sink column must not be scaled
     B, H, Lq, _ = q.shape
     Hkv = k.shape[1]
     lam_col = (lam.view(1, H, 1, 1) if lam.dim() == 1 else lam.view(1, 1, 1, 1)).expand(B, H, Lq, 1)
@@ -180,7 +197,7 @@ def sdpa_sinkcol_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     sink_key[..., -1] = 1
     k = torch.cat([sink_key, k], dim=2)
     v = torch.cat([v.new_zeros(B, Hkv, 1, v.shape[-1]), v], dim=2)
-    keep, causal = _simplify_mask(call)
+    keep, causal = _sdpa_mask(call)
     dummy = False
     if keep is not None:
         # the sink key (index 0) is visible to every query, so no row is ever empty
@@ -197,6 +214,7 @@ def sdpa_sinkcol_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
 
 from . import register_path  # noqa: E402  (registration at import, like the normalizers)
 
-register_path("sdpa", sdpa_attention, list(SOFTMAX_FAMILY))
-register_path("sdpa_sinkcol", sdpa_sinkcol_attention, [n for n, sink in SOFTMAX_FAMILY.items() if sink],
-              exclude_devices=("cpu",))
+register_path("sdpa", sdpa_attention, takes=takes, accepts=accepts, priority=10)
+# exact on any device, but on CPU D+1 falls off SDPA's fast kernel: the automatic rule uses it elsewhere only
+register_path("sdpa_sinkcol", sdpa_sinkcol_attention, takes=takes_sink, accepts=_common, priority=20,
+              auto_exclude=("cpu",))

@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
-import inspect
 import math
 import os
 import types
@@ -47,19 +46,21 @@ import torch
 
 from ..normalizers.base import Normalizer
 from .base import AttnCall
+from .kinds import FUSED_KINDS, NORMALISED, THRESHOLD, constant_name, kind_id
 
 # imported on first use (``_load_triton``): the plain package needs no triton, and triton fixes compiled vs
 # interpreted mode for its own library functions when it is imported
 triton: Any = None
 tl: Any = None
 
-#: normalizer name -> compile-time KIND of the kernels
-KINDS: dict[str, int] = {
-    "symax": 0, "squared": 1, "stablemax": 2, "softpick": 3, "sigmoid": 4, "relu_len": 5,
-    "sparsemax": 6, "entmax15": 7,
-}
-NORMALISED = frozenset({"symax", "squared", "stablemax", "softpick"})
-SPARSE = frozenset({"sparsemax", "entmax15"})
+# the ids the device code compares KIND with, taken from the shared table (kinds.py); ``_compiled`` hands them to
+# the kernels as tl.constexpr. tests/test_triton.py checks that every map of the table has its constant here.
+K_SYMAX, K_SQUARED, K_STABLEMAX = kind_id("symax"), kind_id("squared"), kind_id("stablemax")
+K_SOFTPICK, K_SIGMOID, K_RELU_LEN = kind_id("softpick"), kind_id("sigmoid"), kind_id("relu_len")
+K_ENTMAX15, K_SPARSEMAX = kind_id("entmax15"), kind_id("sparsemax")
+#: constant name -> id, for every map of the shared table
+KIND_CONSTANTS: dict[str, int] = {f"K_{constant_name(name)}": globals()[f"K_{constant_name(name)}"]
+                                  for name in FUSED_KINDS}
 #: at most this many Newton passes for the sparse threshold (measured: sparsemax 3-5, entmax15 6-8, plus one max pass)
 THRESHOLD_STEPS = 30
 
@@ -106,28 +107,28 @@ def _entry(s, r, keep, shift, KIND: tl.constexpr):
     sparse: threshold tau). Masked entries give exactly 0.
     """
     zero = 0.0  # (scalars, not tl.zeros_like: library calls are slow in the interpreter)
-    if KIND == 0:  # symax |s|
+    if KIND == K_SYMAX:  # symax |s|
         a = tl.where(keep, tl.abs(s), zero)
         b = a
-    elif KIND == 1:  # squared
+    elif KIND == K_SQUARED:  # squared
         a = tl.where(keep, s * s, zero)
         b = a
-    elif KIND == 2:  # stablemax g(s); each branch only sees its own half-line (no inf in the unused one)
+    elif KIND == K_STABLEMAX:  # stablemax g(s); each branch only sees its own half-line (no inf in the unused one)
         g = tl.where(s >= 0, tl.maximum(s, 0.0) + 1.0, 1.0 / (1.0 - tl.minimum(s, 0.0)))
         a = tl.where(keep, g, zero)
         b = a
-    elif KIND == 3:  # softpick in units of e^-M: e^(s-M) - e^-M
+    elif KIND == K_SOFTPICK:  # softpick in units of e^-M: e^(s-M) - e^-M
         e = tl.exp(tl.where(keep, s - shift[:, None], -float("inf")))
         p = e - tl.exp(-shift)[:, None]
         a = tl.where(keep & (p > 0), p, zero)
         b = tl.where(keep, tl.abs(p), zero)
-    elif KIND == 4:  # sigmoid(s + r)
+    elif KIND == K_SIGMOID:  # sigmoid(s + r)
         a = tl.where(keep, 1.0 / (1.0 + tl.exp(-(s + r[:, None]))), zero)
         b = a
-    elif KIND == 5:  # relu(s) / n, r = 1/n
+    elif KIND == K_RELU_LEN:  # relu(s) / n, r = 1/n
         a = tl.where(keep, tl.maximum(s, 0.0) * r[:, None], zero)
         b = a
-    elif KIND == 6:  # sparsemax [s - tau]_+
+    elif KIND == K_SPARSEMAX:  # sparsemax [s - tau]_+
         a = tl.where(keep, tl.maximum(s - shift[:, None], 0.0), zero)
         b = a
     else:  # entmax-1.5 [s/2 - tau]_+^2
@@ -144,34 +145,34 @@ def _slopes(s, r, keep, shift, KIND: tl.constexpr):
     entmax-1.5) and db is unused.
     """
     zero = 0.0
-    if KIND == 0:
+    if KIND == K_SYMAX:
         a = tl.where(keep, tl.abs(s), zero)
         da = tl.where(keep, tl.where(s > 0, 1.0, tl.where(s < 0, -1.0, 0.0)), zero)
         db = da
-    elif KIND == 1:
+    elif KIND == K_SQUARED:
         a = tl.where(keep, s * s, zero)
         da = tl.where(keep, 2.0 * s, zero)
         db = da
-    elif KIND == 2:
+    elif KIND == K_STABLEMAX:
         neg = 1.0 / (1.0 - tl.minimum(s, 0.0))
         a = tl.where(keep, tl.where(s >= 0, tl.maximum(s, 0.0) + 1.0, neg), zero)
         da = tl.where(keep, tl.where(s >= 0, 1.0, neg * neg), zero)
         db = da
-    elif KIND == 3:
+    elif KIND == K_SOFTPICK:
         e = tl.exp(tl.where(keep, s - shift[:, None], -float("inf")))
         p = e - tl.exp(-shift)[:, None]
         a = tl.where(keep & (p > 0), p, zero)
         da = tl.where(keep & (p > 0), e, zero)
         db = tl.where(keep, tl.where(p > 0, e, tl.where(p < 0, -e, 0.0)), zero)
-    elif KIND == 4:
+    elif KIND == K_SIGMOID:
         a = tl.where(keep, 1.0 / (1.0 + tl.exp(-(s + r[:, None]))), zero)
         da = a * (1.0 - a)
         db = da
-    elif KIND == 5:
+    elif KIND == K_RELU_LEN:
         a = tl.where(keep, tl.maximum(s, 0.0) * r[:, None], zero)
         da = tl.where(keep & (s > 0), r[:, None] + 0.0 * s, zero)
         db = da
-    elif KIND == 6:
+    elif KIND == K_SPARSEMAX:
         a = tl.where(keep, tl.maximum(s - shift[:, None], 0.0), zero)
         da = tl.where(a > 0, 1.0, 0.0)
         db = da
@@ -249,7 +250,7 @@ def _threshold_kernel(
         if live != 0:
             s, keep, kt = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m,
                                        start_n + offs_n0, m_valid, d_valid, c, LK, CAUSAL, HAS_MASK, PREC, UPCAST)
-            if KIND == 7:
+            if KIND == K_ENTMAX15:
                 s = s * 0.5
             zmax = tl.maximum(zmax, tl.max(tl.where(keep, s, -float("inf")), 1))
     has_keys = zmax > -float("inf")
@@ -269,10 +270,10 @@ def _threshold_kernel(
                     s, keep, kt = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m,
                                                start_n + offs_n0, m_valid, d_valid, c, LK, CAUSAL, HAS_MASK, PREC,
                                                UPCAST)
-                    if KIND == 7:
+                    if KIND == K_ENTMAX15:
                         s = s * 0.5
                     t = tl.where(keep, tl.maximum(s - tau[:, None], 0.0), 0.0)
-                    if KIND == 7:
+                    if KIND == K_ENTMAX15:
                         mass += tl.sum(t * t, 1)
                         slope += 2.0 * tl.sum(t, 1)
                     else:
@@ -326,7 +327,7 @@ def _fwd_kernel(
     t_ptr = TABLE + b * stb + h * sth + pid_m * stm
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     den = tl.zeros([BLOCK_M], tl.float32)
-    if KIND >= 6:
+    if ((KIND == K_SPARSEMAX) | (KIND == K_ENTMAX15)):
         shift = tl.load(SHIFT_IN + row, mask=m_valid, other=0.0)  # the sparse threshold tau
     else:
         shift = tl.zeros([BLOCK_M], tl.float32)  # softpick: running max of (0, visible scores)
@@ -341,7 +342,7 @@ def _fwd_kernel(
             offs_n = start_n + offs_n0
             s, keep, kt = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m, offs_n,
                                        m_valid, d_valid, c, LK, CAUSAL, HAS_MASK, PREC, UPCAST)
-            if KIND == 3:
+            if KIND == K_SOFTPICK:
                 new = tl.maximum(shift, tl.max(tl.where(keep, s, 0.0), 1))
                 alpha = tl.exp(shift - new)
                 acc = acc * alpha[:, None]
@@ -353,13 +354,13 @@ def _fwd_kernel(
             acc += tl.dot(a, v, input_precision=PREC)
             den += tl.sum(bden, 1)
     if NORMALISED:
-        if KIND == 0:
+        if KIND == K_SYMAX:
             den = den + r
         inv = tl.where(den != 0, 1.0 / tl.where(den != 0, den, 1.0), 0.0)
         acc = acc * inv[:, None]
     tl.store(OUT + row[:, None] * DV + offs_dv[None, :], acc, mask=m_valid[:, None] & dv_valid[None, :])
     tl.store(DEN + row, den, mask=m_valid)
-    if KIND == 3:
+    if KIND == K_SOFTPICK:
         tl.store(SHIFT + row, shift, mask=m_valid)
 
 
@@ -409,7 +410,7 @@ def _bwd_dq_kernel(
     hi = LK
     if CAUSAL:
         hi = tl.minimum(LK, (pid_m + 1) * BLOCK_M)
-    if NORMALISED or KIND >= 6:
+    if NORMALISED or ((KIND == K_SPARSEMAX) | (KIND == K_ENTMAX15)):
         # First pass: delta_i, stored for the dk/dv kernel. Normalised kinds: sum_j w_ij dp_ij with w = a / D by
         # true division; sparse kinds: the Jacobian's mean term sum_j g_ij dp_ij / sum_j g_ij. Computed from the
         # same dp as the second pass, a row with one visible key (or a one-key support) gets ds = 0 exactly.
@@ -436,7 +437,7 @@ def _bwd_dq_kernel(
                     a, g, _db = _slopes(s, r, keep, shift, KIND)
                     delta += tl.sum(g * dp, 1)
                     gsum += tl.sum(g, 1)
-        if KIND >= 6:
+        if ((KIND == K_SPARSEMAX) | (KIND == K_ENTMAX15)):
             delta = tl.where(gsum > 0, delta / tl.where(gsum > 0, gsum, 1.0), 0.0)
         tl.store(DELTA + row, delta, mask=m_valid)
     for start_n in range(0, hi, BLOCK_N):
@@ -453,16 +454,16 @@ def _bwd_dq_kernel(
             a, da, db = _slopes(s, r, keep, shift, KIND)
             if NORMALISED:
                 ds = (da * dp - db * delta[:, None]) * inv[:, None]
-            elif KIND >= 6:
+            elif ((KIND == K_SPARSEMAX) | (KIND == K_ENTMAX15)):
                 ds = da * (dp - delta[:, None])
             else:
                 ds = da * dp
-            if KIND == 4:  # sigmoid: r is added to s
+            if KIND == K_SIGMOID:  # sigmoid: r is added to s
                 dr += tl.sum(ds, 1)
-            if KIND == 5:  # relu_len: r multiplies relu(s)
+            if KIND == K_RELU_LEN:  # relu_len: r multiplies relu(s)
                 dr += tl.sum(tl.where(keep, tl.maximum(s, 0.0), 0.0) * dp, 1)
             acc += tl.dot(ds, tl.trans(kt).to(tl.float32), input_precision=PREC)
-    if KIND == 0:  # symax: r is added to the denominator
+    if KIND == K_SYMAX:  # symax: r is added to the denominator
         dr = -delta * inv
     tl.store(DQ + row[:, None] * DH + offs_d[None, :], acc * c[:, None], mask=m_valid[:, None] & d_valid[None, :])
     tl.store(DC + row, tl.sum(q.to(tl.float32) * acc, 1), mask=m_valid)
@@ -539,7 +540,7 @@ def _bwd_dkdv_kernel(
                 if NORMALISED:
                     w = a * inv[:, None]
                     ds = (da * dp - db * delta[:, None]) * inv[:, None]
-                elif KIND >= 6:
+                elif ((KIND == K_SPARSEMAX) | (KIND == K_ENTMAX15)):
                     w = a
                     ds = da * (dp - delta[:, None])
                 else:
@@ -569,6 +570,7 @@ def _compiled() -> types.SimpleNamespace:
     mode = bool(triton.knobs.runtime.interpret)
     if mode not in _COMPILED:
         ns: dict[str, Any] = dict(globals())
+        ns.update({name: tl.constexpr(value) for name, value in KIND_CONSTANTS.items()})
         for name in _JIT_FUNCTIONS:
             raw = globals()[name]
             fn = types.FunctionType(raw.__code__, ns, name, raw.__defaults__)
@@ -625,8 +627,8 @@ class _Plan:
         self.B, self.H, self.LQ, self.DH = q.shape
         self.HKV, self.LK, self.DV = k.shape[1], k.shape[2], v.shape[-1]
         self.groups = self.H // self.HKV
-        self.name = call.settings.normalizer
-        self.kind = KINDS[self.name]
+        self.name = call.normalizer.fused_kind
+        self.kind = kind_id(self.name)
         self.normalised = self.name in NORMALISED
         self.bm, self.bn = block_sizes(q.device, self.DH)
         self.bd, self.bdv = _pow2(self.DH), _pow2(self.DV)
@@ -681,7 +683,7 @@ class _TritonAttention(torch.autograd.Function):
         common = plan.common(q, k, v, c)
         cst = plan.consts()
         grid = _grid_q(plan)
-        if plan.name in SPARSE:
+        if plan.name in THRESHOLD:
             # threshold kernel takes no V strides
             kern._threshold_kernel[grid](
                 q, k, c, plan.keep, plan.table, shift, *common[:8], *common[12:], plan.H, plan.groups, plan.LQ,
@@ -735,52 +737,52 @@ def _row_values(call: AttnCall, dtype: torch.dtype = torch.float32) -> tuple[tor
 _WARNED: set[str] = set()
 
 
-def _decline(reason: str) -> None:
-    """Decline a call: raise the kernels package's PathDeclined with the reason where it exists, else None."""
-    declined = getattr(_kernels_pkg, "PathDeclined", None)
-    if declined is not None:
-        raise declined(reason)
-    return None
-
-
 def _warn_once(key: str, message: str) -> None:
     if key not in _WARNED:
         _WARNED.add(key)
-        warnings.warn(message, stacklevel=3)
+        warnings.warn(message, stacklevel=4)
 
 
-def triton_attention(call: AttnCall) -> tuple[torch.Tensor, None] | None:
-    """out [B, H, Lq, Dv] (input dtype), or declined (PathDeclined with the reason, or None with an older kernels
-    package): other normalizers, weights requested, dropout > 0 (the weights are never formed), fp64, empty
-    inputs, CPU tensors without Triton's interpreter, triton missing (one-time warning on CUDA) or imported before
+def takes(norm: Normalizer) -> str | None:
+    """The normalizers that declare a fused map (``kernel_family = "fused"``, ``fused_kind``) and no q/k transform:
+    these kernels compute s = c (q . k) directly."""
+    if norm.kernel_family != "fused" or norm.fused_kind not in FUSED_KINDS:
+        return f"normalizer {norm.name!r} declares no fused kernel map (maps: {', '.join(FUSED_KINDS)})"
+    if type(norm).transform_qk is not Normalizer.transform_qk or type(norm).feature_map is not Normalizer.feature_map:
+        return f"normalizer {norm.name!r} transforms q/k, which the Triton kernels do not"
+    return None
+
+
+def accepts(call: AttnCall) -> str | None:
+    """None, or why not: weights requested, dropout > 0 (the weights are never formed), fp64, empty inputs, CPU
+    tensors without Triton's interpreter, triton missing (one-time warning on CUDA) or imported before
     ``TRITON_INTERPRET`` changed (one-time warning)."""
-    name = call.settings.normalizer
     q, k, v = call.q, call.k, call.v
-    if name not in KINDS:
-        return _decline(f"no Triton kernel for normalizer {name!r} (kernels: {', '.join(KINDS)})")
     if call.need_weights or call.dropout > 0:
-        return _decline("the Triton kernels never form the weights (no output_attentions, no dropout on weights)")
-    norm = type(call.normalizer)
-    # these kernels compute s = c (q . k) directly: normalizers with their own q/k transforms are not theirs
-    if norm.transform_qk is not Normalizer.transform_qk or norm.feature_map is not Normalizer.feature_map:
-        return _decline(f"normalizer {name!r} transforms q/k, which the Triton kernels do not")
+        return "the Triton kernels never form the weights (no output_attentions, no dropout on weights)"
     if not (q.is_cuda or (q.device.type == "cpu" and interpreter_requested())):
-        return _decline(f"Triton kernels run on CUDA tensors, or on CPU tensors under Triton's interpreter "
-                        f"(TRITON_INTERPRET=1, set before triton is imported); got device {q.device}")
+        return (f"Triton kernels run on CUDA tensors, or on CPU tensors under Triton's interpreter "
+                f"(TRITON_INTERPRET=1, set before triton is imported); got device {q.device}")
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"dtype {q.dtype}: the Triton kernels take float32, float16 and bfloat16"
+    if not (k.device == v.device == q.device) or q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
+        return "q, k, v on different devices, or empty"
     if not triton_installed():
         _warn_once("no-triton", "hf_attnorm: triton is not installed, so the Triton fast path is unavailable "
                                 "(pip install triton); another path is used")
-        return _decline("triton is not installed (pip install triton)")
+        return "triton is not installed (pip install triton)"
     _load_triton()
     if not interpreter_consistent():
         msg = ("TRITON_INTERPRET changed after triton was imported (triton fixes interpreted vs compiled mode at "
                "import); set TRITON_INTERPRET=1 in the environment before anything imports triton")
         _warn_once("interp", f"hf_attnorm: {msg}; the Triton path is skipped")
-        return _decline(msg)
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return _decline(f"dtype {q.dtype}: the Triton kernels take float32, float16 and bfloat16")
-    if not (k.device == v.device == q.device) or q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
-        return _decline("q, k, v on different devices, or empty")
+        return msg
+    return None
+
+
+def triton_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
+    """out [B, H, Lq, Dv] (input dtype) for calls ``accepts`` takes."""
+    q, k, v = call.q, call.k, call.v
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():  # launch on q's GPU
         plan = _Plan(call)
         c, r = _row_values(call)
@@ -790,10 +792,6 @@ def triton_attention(call: AttnCall) -> tuple[torch.Tensor, None] | None:
 
 from . import register_path  # noqa: E402  (registration at import, like the normalizers)
 
-_kernels_pkg = importlib.import_module(__package__)
 # auto mode never tries this path on CPU tensors (the CPU paths own them); forced, it runs there under the
-# interpreter. (An older register_path without exclude_devices: CPU calls are declined unless interpreted.)
-if "exclude_devices" in inspect.signature(register_path).parameters:
-    register_path("triton", triton_attention, list(KINDS), exclude_devices=("cpu",))
-else:  # pragma: no cover
-    register_path("triton", triton_attention, list(KINDS))
+# interpreter
+register_path("triton", triton_attention, takes=takes, accepts=accepts, priority=30, auto_exclude=("cpu",))

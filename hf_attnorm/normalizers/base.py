@@ -24,6 +24,8 @@ import torch
 from ..settings import AttnormSettings
 
 RowSum = Literal["one", "at_most_one", "free"]
+#: how the fast kernels can run a normalizer (see ``Normalizer.kernel_family``)
+KernelFamily = Literal["softmax", "fused", "linear", "generic"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +85,23 @@ class Normalizer:
     sparse: ClassVar[bool] = False
     #: True when the normalizer has its own fast O(n) path that does not need scores (linear attention)
     scoreless: ClassVar[bool] = False
+
+    # ---- what the kernels need to know (hf_attnorm.kernels reads these; no kernel switches on a name) ----
+    #: "softmax": exp(s) over the visible keys plus at most one always-visible sink logit (``sink_logit``), exact
+    #: on SDPA; "fused": an elementwise map of the fused CPU / Triton kernels, named by ``fused_kind``; "linear":
+    #: scoreless (``feature_map`` only), the O(n) path; "generic": only the chunked and reference paths
+    kernel_family: ClassVar[KernelFamily] = "generic"
+    #: with kernel_family "fused": the kernels' map, a name of ``hf_attnorm.kernels.kinds.FUSED_KINDS``
+    fused_kind: ClassVar[str | None] = None
+
+    def row_value(self, ctx: Ctx, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        """The per-row constant r of a fused map, in ``dtype`` broadcastable to [B, H, Lq] (autograd-connected to the
+        per-head values it comes from), or None when the map reads none (the kernels then get n)."""
+        return None
+
+    def sink_logit(self, ctx: Ctx, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        """softmax family: the always-visible extra logit lambda (value 0), 0-d or [H] in ``dtype``; None if none."""
+        return None
 
     def validate(self, settings: AttnormSettings) -> None:
         """Cross-option checks (single options are range-checked where declared)."""

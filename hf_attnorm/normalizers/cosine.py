@@ -35,6 +35,7 @@ class Cosine(Normalizer):
     params = (ParamSpec("cosine_temperature", COSINE_TEMPERATURE, COSINE_TEMPERATURE_LEARNABLE,
                         "per-head factor tau_h on the temperature"),)
     uses_base_scaling = False
+    kernel_family = "softmax"
     default_scale = "max_gradient"
     default_settings = {"max_gradient_dist": "cosine"}
 

@@ -17,8 +17,9 @@ from .base import Ctx, Normalizer, masked_fill_zero, safe_divide
 
 def elu_feature(x: torch.Tensor) -> torch.Tensor:
     """elu(x) + 1, computed as x + 1 (x > 0) or e^x (x <= 0): F.elu(x) + 1 = (e^x - 1) + 1 rounds to 0 below x ~ -37
-    in fp64 (-17 in fp32), which would turn rows into 0/0."""
-    return torch.where(x > 0, x + 1, torch.exp(x.clamp_max(0)))
+    in fp64 (-17 in fp32), which would turn rows into 0/0. Written as exp(min(x, 0)) + relu(x) (the same values and
+    gradients, 1 at x = 0) because torch.where is several times slower than exp on CPU (it is on every decode step)."""
+    return torch.exp(x.clamp_max(0)) + torch.relu(x)
 
 
 @register_normalizer
@@ -28,6 +29,7 @@ class Linear(Normalizer):
     row_sum = "one"
     uses_base_scaling = False
     scoreless = True
+    kernel_family = "linear"
 
     def feature_map(self, q: torch.Tensor, k: torch.Tensor, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
         # The weights phi(q_i).phi(k_j) / sum_j phi(q_i).phi(k_j) do not change when phi(q_i) is divided by any

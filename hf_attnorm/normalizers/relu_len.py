@@ -14,6 +14,12 @@ class ReluLen(Normalizer):
     name = "relu_len"
     description = "relu(s_i)/n, n = visible keys (not normalised)"
     row_sum = "free"
+    kernel_family = "fused"
+    fused_kind = "relu_len"
+
+    def row_value(self, ctx: Ctx, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """1 / n [B or 1, 1 or H, Lq], the factor on relu(s)."""
+        return 1.0 / ctx.n.to(dtype)
 
     def reference(self, scores: torch.Tensor, keep: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         return masked_fill_zero(torch.relu(scores) / ctx.n.to(scores.dtype).unsqueeze(-1), keep)

@@ -27,10 +27,17 @@ class Sigmoid(Normalizer):
     description = "sigmoid(s_i + b), b = -ln n by default (not normalised)"
     row_sum = "free"
     options = (SIGMOID_BIAS, SIGMOID_BIAS_LEARNABLE)
+    kernel_family = "fused"
+    fused_kind = "sigmoid"
     params = (ParamSpec("sigmoid_bias", SIGMOID_BIAS, SIGMOID_BIAS_LEARNABLE, "per-head bias offset"),)
 
-    def reference(self, scores: torch.Tensor, keep: torch.Tensor, ctx: Ctx) -> torch.Tensor:
-        bias = ctx.head("sigmoid_bias").to(scores.dtype)
+    def row_value(self, ctx: Ctx, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The bias b [1 or B, H, 1 or Lq]: the per-head value, minus ln n when derived (sigmoid_bias null)."""
+        bias = ctx.heads["sigmoid_bias"].to(device=ctx.n.device, dtype=dtype).view(1, -1, 1)
         if ctx.settings.sigmoid_bias is None:
-            bias = bias - torch.log(ctx.n.to(scores.dtype)).unsqueeze(-1)
+            bias = bias - torch.log(ctx.n.to(dtype))
+        return bias
+
+    def reference(self, scores: torch.Tensor, keep: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+        bias = self.row_value(ctx, scores.dtype).unsqueeze(-1)
         return masked_fill_zero(torch.sigmoid(scores + bias), keep)

@@ -22,7 +22,11 @@ class Sink(Normalizer):
     description = "exp(s_i)/(exp(sigma_h) + sum exp(s_j)), learnable sink logit per head"
     row_sum = "at_most_one"
     options = (SINK_INIT, SINK_LEARNABLE)
+    kernel_family = "softmax"
     params = (ParamSpec("sink_logit", SINK_INIT, SINK_LEARNABLE, "per-head sink logit sigma_h"),)
+
+    def sink_logit(self, ctx: Ctx, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        return ctx.heads["sink_logit"].to(device=ctx.n.device, dtype=dtype)
 
     def reference(self, scores: torch.Tensor, keep: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         sigma = ctx.head("sink_logit").to(scores.dtype)  # [1, H, 1, 1]

@@ -20,6 +20,7 @@ class Softmax(Normalizer):
     name = "softmax"
     description = "softmax exp(s_i)/sum exp(s_j) (the reference)"
     row_sum = "one"
+    kernel_family = "softmax"
 
     def reference(self, scores: torch.Tensor, keep: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         e = masked_exp(scores, keep, masked_max(scores, keep))

@@ -5,6 +5,8 @@ The n_extra term is an always-visible phantom key with score 0 and value 0, so a
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..registry import register_normalizer
@@ -24,7 +26,14 @@ class SoftmaxN(Normalizer):
     description = "exp(s_i)/(n_extra + sum exp(s_j)), n_extra >= 0 (softmax_n)"
     row_sum = "at_most_one"
     options = (N_EXTRA,)
+    kernel_family = "softmax"
     presets = {"softmax1": ("softmax_1, 'attention is off by one': exp(s_i)/(1 + sum exp(s_j))", {"n_extra": 1.0})}
+
+    def sink_logit(self, ctx: Ctx, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        n_extra = ctx.settings.n_extra
+        if n_extra == 0:
+            return None  # softmax_n with n_extra = 0 is softmax
+        return torch.tensor(math.log(n_extra), dtype=dtype, device=ctx.n.device)
 
     def reference(self, scores: torch.Tensor, keep: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         n_extra = ctx.settings.n_extra

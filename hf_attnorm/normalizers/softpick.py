@@ -16,6 +16,8 @@ from .softmax import masked_exp
 @register_normalizer
 class Softpick(Normalizer):
     name = "softpick"
+    kernel_family = "fused"
+    fused_kind = "softpick"
     description = "relu(e^s_i - 1)/sum |e^s_j - 1| (rectified, can put weight nowhere)"
     row_sum = "at_most_one"
 

@@ -58,6 +58,8 @@ def sparsemax(z: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 @register_normalizer
 class Sparsemax(Normalizer):
     name = "sparsemax"
+    kernel_family = "fused"
+    fused_kind = "sparsemax"
     description = "sparsemax: Euclidean projection onto the simplex (exact zeros)"
     row_sum = "one"
     sparse = True

@@ -11,6 +11,8 @@ from .base import Ctx, Normalizer, masked_fill_zero, safe_divide
 @register_normalizer
 class Squared(Normalizer):
     name = "squared"
+    kernel_family = "fused"
+    fused_kind = "squared"
     description = "s_i^2/sum s_j^2 (rows of zeros give 0)"
     row_sum = "at_most_one"  # 1 except on all-zero rows, where it is 0 by convention
 

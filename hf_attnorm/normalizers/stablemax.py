@@ -17,6 +17,8 @@ def stablemax_g(x: torch.Tensor) -> torch.Tensor:
 @register_normalizer
 class Stablemax(Normalizer):
     name = "stablemax"
+    kernel_family = "fused"
+    fused_kind = "stablemax"
     description = "g(s_i)/sum g(s_j), g(x) = x+1 (x>=0), 1/(1-x) (x<0)"
     row_sum = "one"
 

@@ -21,7 +21,13 @@ class Symax(Normalizer):
     description = "|s_i|/(eta + sum |s_j|), eta >= 0 (default 1, optionally learned per head)"
     row_sum = "at_most_one"
     options = (ETA, ETA_LEARNABLE)
+    kernel_family = "fused"
+    fused_kind = "symax"
     params = (ParamSpec("symax_eta", ETA, ETA_LEARNABLE, "per-head eta (used as |eta|)"),)
+
+    def row_value(self, ctx: Ctx, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """|eta_h| [1, H, 1], added to the denominator."""
+        return ctx.heads["symax_eta"].to(device=ctx.n.device, dtype=dtype).abs().view(1, -1, 1)
 
     def reference(self, scores: torch.Tensor, keep: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         eta = ctx.head("symax_eta").to(scores.dtype).abs()

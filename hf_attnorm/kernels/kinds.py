@@ -1,0 +1,33 @@
+"""The one kernel-id table of the fused kernels, shared by the C++ (``csrc/fused_cpu.cpp``, ``enum Kind``) and the
+Triton kernels (``triton_attn.py``, compile-time ``KIND`` compared with the ``K_<NAME>`` constants made from this
+table). ``tests/test_kernels.py`` checks that the C++ enum spells exactly this table.
+
+A normalizer runs on the fused kernels by declaring ``kernel_family = "fused"`` and ``fused_kind = <a name here>``
+in its own file (several normalizers may share a map). A new map needs its elementwise code in both kernels, its
+name appended here and to the C++ enum, and, if it is sum-normalised or threshold-based, its name in the sets below.
+"""
+
+from __future__ import annotations
+
+#: map name -> kernel id (the C++ enum value and the Triton KIND); ids are positions, never reuse one
+FUSED_KINDS: dict[str, int] = {
+    "symax": 0, "squared": 1, "stablemax": 2, "softpick": 3, "sigmoid": 4, "relu_len": 5,
+    "entmax15": 6, "sparsemax": 7,
+}
+#: maps whose rows are divided by a denominator accumulated with them (C++ ``is_normalised``)
+NORMALISED: frozenset[str] = frozenset({"symax", "squared", "stablemax", "softpick"})
+#: maps with a per-row threshold found by a search over the row (C++ ``is_threshold``)
+THRESHOLD: frozenset[str] = frozenset({"entmax15", "sparsemax"})
+
+
+def kind_id(name: str) -> int:
+    """The kernel id of map ``name`` (KeyError naming the known maps otherwise)."""
+    try:
+        return FUSED_KINDS[name]
+    except KeyError:
+        raise KeyError(f"no fused kernel map {name!r} (maps: {', '.join(FUSED_KINDS)})") from None
+
+
+def constant_name(name: str) -> str:
+    """The constant a kernel source uses for map ``name``: ``K_SYMAX`` in Triton, ``SYMAX`` in the C++ enum."""
+    return name.upper()

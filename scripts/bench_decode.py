@@ -1,0 +1,139 @@
+#!/usr/bin/env python
+"""Prefill and generation time per attention implementation relative to transformers' sdpa, in one process.
+
+A tiny random Llama (4 layers, hidden 256, GQA 8/2 heads by default), one sequence, greedy ``model.generate`` with a
+dynamic cache. For each prompt length and repeat, every implementation runs in turn on the same model (switched with
+``hf_attnorm.apply``), interleaved with sdpa, so machine noise hits every row alike; the table gives the median
+seconds and the median of the per-repeat ratios to the sdpa run next to it (1.00 = sdpa speed).
+
+    python scripts/bench_decode.py --out bench/decode            # prompts 1024 and 4096, 48 new tokens
+    python scripts/bench_decode.py --prompts 1024 --repeats 3 --implementations softmax linear
+
+prefill: one forward pass over the prompt (no cache). generate: ``generate(max_new_tokens=N)`` including its own
+prefill. decode per token: (generate(N) - generate(1)) / (N - 1), the cost of one cached step. A benchmark, not a
+test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+try:
+    import hf_attnorm  # noqa: F401
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+DEFAULT_IMPLS = ["softmax", "softmax1", "ssmax", "sigmoid", "symax", "entmax15", "linear"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--implementations", nargs="+", default=DEFAULT_IMPLS,
+                   help="hf_attnorm implementations to measure against sdpa (default: %(default)s)")
+    p.add_argument("--prompts", nargs="+", type=int, default=[1024, 4096], help="prompt lengths in tokens")
+    p.add_argument("--new_tokens", type=int, default=48, help="tokens generated per generate() call")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats per prompt length (median taken)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--hidden", type=int, default=256, help="model width")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers")
+    p.add_argument("--heads", type=int, default=8, help="query heads")
+    p.add_argument("--kv_heads", type=int, default=2, help="key/value heads (GQA)")
+    p.add_argument("--out", type=Path, default=Path("bench/decode"),
+                   help="output directory: decode.json and decode.md are written there")
+    return p.parse_args(argv)
+
+
+def build(args: argparse.Namespace, max_len: int) -> torch.nn.Module:
+    from hf_attnorm.lab.model_zoo import Size, build_model
+
+    size = Size(args.hidden, args.layers, args.heads, args.kv_heads, 2 * args.hidden)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build_model("llama", size, vocab_size=1000, max_positions=max_len, attn_implementation="sdpa")
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def switch(model: torch.nn.Module, impl: str) -> None:
+    if impl == "sdpa":
+        model.set_attn_implementation("sdpa")
+    else:
+        hf_attnorm.apply(model, impl)
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        fn()
+    return time.perf_counter() - t0
+
+
+def measure(model, impl: str, ids: torch.Tensor, new_tokens: int) -> dict[str, float]:
+    from hf_attnorm.hf.forward import LAST_CALL
+
+    switch(model, impl)
+    LAST_CALL.path = ""
+    prefill = timed(lambda: model(ids, use_cache=False))
+    path = LAST_CALL.path
+    gen = timed(lambda: model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False))
+    first = timed(lambda: model.generate(ids, max_new_tokens=1, do_sample=False))  # generate's own prefill
+    return {"prefill": prefill, "generate": gen, "decode_per_token": max(gen - first, 0.0) / max(new_tokens - 1, 1),
+            "path": path or "sdpa"}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    impls = [i for i in args.implementations if i != "sdpa"]
+    model = build(args, max(args.prompts) + args.new_tokens + 8)
+    rows = []
+    for n in args.prompts:
+        ids = torch.randint(1, 1000, (1, n), generator=torch.Generator().manual_seed(n))
+        for impl in ["sdpa", *impls]:  # warm-up: native build, allocator, first-call costs
+            measure(model, impl, ids[:, :64], 2)
+        runs: dict[str, list[dict[str, float]]] = {i: [] for i in ["sdpa", *impls]}
+        for rep in range(args.repeats):
+            for impl in impls:
+                runs["sdpa"].append(measure(model, "sdpa", ids, args.new_tokens))
+                runs[impl].append(measure(model, impl, ids, args.new_tokens))
+                print(f"n={n} rep={rep} {impl}: prefill {runs[impl][-1]['prefill']:.3f}s "
+                      f"(sdpa {runs['sdpa'][-1]['prefill']:.3f}s), generate {runs[impl][-1]['generate']:.3f}s "
+                      f"(sdpa {runs['sdpa'][-1]['generate']:.3f}s) [{runs[impl][-1]['path']}]", flush=True)
+        for impl in impls:
+            mine = runs[impl]
+            # the sdpa run measured just before each of this implementation's runs
+            base = [runs["sdpa"][rep * len(impls) + impls.index(impl)] for rep in range(args.repeats)]
+            row = {"implementation": impl, "prompt": n, "new_tokens": args.new_tokens, "path": mine[-1]["path"]}
+            for key in ("prefill", "generate", "decode_per_token"):
+                row[f"{key}_s"] = statistics.median(r[key] for r in mine)
+                row[f"sdpa_{key}_s"] = statistics.median(r[key] for r in base)
+                row[f"{key}_ratio"] = statistics.median(
+                    r[key] / b[key] if b[key] > 0 else float("nan") for r, b in zip(mine, base))
+            rows.append(row)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"threads": args.threads, "repeats": args.repeats, "torch": torch.__version__,
+            "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads},
+            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
+    (args.out / "decode.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    lines = ["| implementation | path | prompt | prefill s | prefill / sdpa | generate s | generate / sdpa | "
+             "decode ms/token | decode / sdpa |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['implementation']} | {r['path']} | {r['prompt']} | {r['prefill_s']:.3f} | "
+                     f"{r['prefill_ratio']:.2f}x | {r['generate_s']:.3f} | {r['generate_ratio']:.2f}x | "
+                     f"{1000 * r['decode_per_token_s']:.2f} | {r['decode_per_token_ratio']:.2f}x |")
+    (args.out / "decode.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
