@@ -1,0 +1,207 @@
+"""The stacks researchers train with: PEFT (LoRA + modules_to_save), DeepSpeed ZeRO-3 and torch FSDP2.
+
+The multi-process tests run 2 torchrun processes on the CPU (gloo) with the workers in ``tests/dist/`` and compare
+losses, learned per-head values and the saved model with one process doing the same steps on the whole batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_attnorm import AttnormError
+from hf_attnorm.lab.model_zoo import build_model
+
+REPO = Path(__file__).resolve().parent.parent
+DIST = Path(__file__).resolve().parent / "dist"
+
+#: implementation, attnorm settings: every kind of learnable per-head value the presets have
+LEARNABLE = [("ssmax", {}), ("sink", {}), ("symax", {"eta_learnable": True})]
+
+
+def _batch(seed: int = 1, size: int = 4, length: int = 16) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 128, (size, length), generator=g)
+
+
+def _attnorm_values(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if ".attnorm." in n}
+
+
+# ------------------------------------------------------------------------------------------------------- PEFT
+
+
+@pytest.mark.parametrize("implementation,attnorm", LEARNABLE[:2] + LEARNABLE[2:])
+def test_peft_lora_with_modules_to_save_trains_saves_reloads_and_merges(tmp_path, implementation, attnorm):
+    """``modules_to_save=["attnorm"]``: the per-head values train beside LoRA, go into the adapter file, come back
+    with ``PeftModel.from_pretrained`` and survive ``merge_and_unload`` + ``save_pretrained``."""
+    peft = pytest.importorskip("peft", reason="peft is not installed (a dev dependency: pip install peft)")
+    from safetensors.torch import load_file
+
+    base = build_model("llama", "micro", attn_implementation=implementation, attnorm=attnorm or None, seed=0)
+    init = _attnorm_values(base)
+    assert init, "the preset must have learnable per-head values"
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                      modules_to_save=["attnorm"]))
+    trainable = [n for n, p in model.named_parameters() if ".attnorm." in n and p.requires_grad]
+    assert len(trainable) == len(init) and all(".modules_to_save.default." in n for n in trainable)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-2)
+    x = _batch()
+    for _ in range(3):
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    trained = {n.replace("base_model.model.", "").replace(".modules_to_save.default", ""): p.detach().clone()
+               for n, p in model.named_parameters() if ".modules_to_save.default." in n}
+    assert trained.keys() == init.keys()
+    assert all((trained[n] - init[n]).abs().max() > 1e-3 for n in init), "the per-head values did not train"
+    with torch.no_grad():
+        ref = model(input_ids=x).logits
+        with model.disable_adapter():  # the base model's own (untrained) values are what the disabled path uses
+            plain = model(input_ids=x).logits
+    fresh = build_model("llama", "micro", attn_implementation=implementation, attnorm=attnorm or None, seed=0)
+    with torch.no_grad():
+        assert torch.equal(plain, fresh(input_ids=x).logits)
+
+    model.save_pretrained(tmp_path / "adapter")
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert sorted(k for k in saved if ".attnorm." in k) == sorted(f"base_model.model.{n}" for n in init)
+
+    loaded = peft.PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        assert torch.allclose(loaded(input_ids=x).logits, ref, rtol=0, atol=1e-6)
+    merged = loaded.merge_and_unload()
+    assert _attnorm_values(merged).keys() == trained.keys()
+    assert all(torch.equal(v, trained[n]) for n, v in _attnorm_values(merged).items())
+    with torch.no_grad():
+        assert torch.allclose(merged(input_ids=x).logits, ref, rtol=0, atol=1e-5)  # LoRA merge rounding only
+    merged.save_pretrained(tmp_path / "merged")
+    from transformers import AutoModelForCausalLM
+
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert all(torch.equal(v, trained[n]) for n, v in _attnorm_values(again).items())
+
+
+def test_missing_state_is_a_clear_error_not_a_lazy_creation():
+    """A module called with one of our names but without its state raises (it is never created at first forward,
+    where it would replace PEFT's wrapper and escape an optimizer built before)."""
+    model = build_model("llama", "micro", attn_implementation="sdpa", seed=0)
+    model.config._attn_implementation = "ssmax"  # bypasses set_attn_implementation: no state is installed
+    x = _batch(size=1)
+    with pytest.raises(AttnormError, match=r"carries no hf_attnorm state.*set_attn_implementation"):
+        model(input_ids=x)
+    assert not [n for n, _ in model.named_parameters() if ".attnorm." in n]
+    model.set_attn_implementation("ssmax")  # the supported way
+    assert len(_attnorm_values(model)) == model.config.num_hidden_layers
+    model(input_ids=x)
+
+
+# ------------------------------------------------------------------------------------------- two processes
+
+
+def _torchrun(worker: str, args: list[str], extra_env: dict[str, str] | None = None) -> None:
+    env = dict(os.environ)
+    env.update(PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TQDM_DISABLE="1", **(extra_env or {}))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(DIST / worker), *args], env=env, cwd=str(REPO), capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+
+
+def _single_process(model_dir: Path, implementation: str, attnorm: dict, batch: torch.Tensor, steps: int,
+                    lr: float, groups) -> tuple[list[float], torch.nn.Module]:
+    """The reference: one process, the whole batch, the same optimizer steps."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=implementation, attnorm=attnorm,
+                                                 dtype=torch.float32)
+    opt = torch.optim.AdamW(groups(model), lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model
+
+
+def _compare_saved(final: Path, reference: torch.nn.Module, batch: torch.Tensor) -> float:
+    from transformers import AutoModelForCausalLM
+
+    again = AutoModelForCausalLM.from_pretrained(final)
+    ref_sd = reference.state_dict()
+    worst = max((v - ref_sd[k]).abs().max().item() for k, v in again.state_dict().items())
+    with torch.no_grad():
+        logits = (again(input_ids=batch).logits - reference(input_ids=batch).logits).abs().max().item()
+    return max(worst, logits)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("implementation,attnorm", LEARNABLE)
+def test_deepspeed_zero3_two_processes_match_one(tmp_path, implementation, attnorm):
+    """ZeRO-3 (2 gloo processes, CPU): losses, learned values and the final save equal one process within 1e-5;
+    the training script's parameter groups and count read the real shapes of the partitioned parameters."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (optional test dependency: "
+                                            "pip install deepspeed; DS_BUILD_OPS=0 needs no compiler)")
+    from hf_attnorm.lab.training.loop import _param_groups as param_groups
+    from hf_attnorm.lab.training.loop import _unique_params as unique_params
+
+    src = tmp_path / "src"
+    build_model("llama", "micro", attn_implementation="sdpa", seed=0).save_pretrained(src)
+    batch = _batch()
+    torch.save(batch, tmp_path / "batch.pt")
+    steps, lr, wd = 3, 1e-2, 0.1
+    _torchrun("zero3_worker.py", ["--model", str(src), "--implementation", implementation, "--attnorm",
+                                  json.dumps(attnorm), "--batch", str(tmp_path / "batch.pt"), "--steps", str(steps),
+                                  "--lr", str(lr), "--weight_decay", str(wd), "--out", str(tmp_path / "out")])
+    res = json.loads((tmp_path / "out" / "result.json").read_text())
+    losses, ref = _single_process(src, implementation, attnorm, batch, steps, lr, lambda m: param_groups(m, wd))
+    # the worker really ran partitioned, with our values among the partitioned parameters
+    assert any(".attnorm." in n for n in res["partitioned"]), res["partitioned"]
+    ref_groups = param_groups(ref, wd)
+    assert res["group_shapes"] == [[list(p.shape) for p in g["params"]] for g in ref_groups]
+    assert res["group_decay"] == [wd, 0.0] and res["group_shapes"][0], "matrices must be in the decay group"
+    assert res["num_params"] == unique_params(ref)
+    assert max(abs(a - b) for a, b in zip(res["losses"], losses)) < 1e-5, (res["losses"], losses)
+    values = _attnorm_values(ref)
+    assert values.keys() == res["attnorm_values"].keys()
+    for n, v in values.items():
+        assert torch.allclose(torch.tensor(res["attnorm_values"][n]), v, rtol=0, atol=1e-5), n
+        assert (v - 1.0).abs().max() > 1e-4 or implementation == "sink", f"{n} did not train"
+    assert _compare_saved(tmp_path / "out" / "final", ref, batch) < 1e-5
+
+
+@pytest.mark.slow
+def test_fsdp2_two_processes_low_memory_swap_step_and_full_state_dict(tmp_path):
+    """FSDP2 per decoder layer (2 gloo processes): a normalizer swap under transformers' low-memory FSDP loading
+    leaves nothing on meta on any rank; training steps, learned values and the full-state-dict save/reload equal
+    one process."""
+    implementation, attnorm = "symax", {"eta_learnable": True}
+    src = tmp_path / "src"
+    build_model("llama", "micro", attn_implementation="sdpa", seed=0).save_pretrained(src)
+    batch = _batch()
+    torch.save(batch, tmp_path / "batch.pt")
+    steps, lr = 3, 1e-2
+    _torchrun("fsdp2_worker.py", ["--model", str(src), "--implementation", implementation, "--attnorm",
+                                  json.dumps(attnorm), "--batch", str(tmp_path / "batch.pt"), "--steps", str(steps),
+                                  "--lr", str(lr), "--out", str(tmp_path / "out")],
+              {"ACCELERATE_USE_FSDP": "true", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"})
+    res = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert res["meta_after_load"] == [[], []], res["meta_after_load"]
+    assert res["sharded_attnorm"], "the per-head values must be sharded with their decoder layer"
+    losses, ref = _single_process(src, implementation, attnorm, batch, steps, lr,
+                                  lambda m: [{"params": list(m.parameters()), "weight_decay": 0.0}])
+    assert max(abs(a - b) for a, b in zip(res["losses"], losses)) < 1e-5, (res["losses"], losses)
+    for n, v in _attnorm_values(ref).items():
+        assert torch.allclose(torch.tensor(res["attnorm_values"][n]), v, rtol=0, atol=1e-5), n
+        assert (v - 1.0).abs().max() > 1e-4, f"{n} did not train"
+    assert _compare_saved(tmp_path / "out" / "final", ref, batch) < 1e-5
