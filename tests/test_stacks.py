@@ -1,6 +1,7 @@
 """The stacks researchers train with: PEFT (LoRA + modules_to_save), DeepSpeed ZeRO-3 and torch FSDP2.
 
-The multi-process tests run 2 torchrun processes on the CPU (gloo) with the workers in ``tests/dist/`` and compare
+The multi-process tests run 2 torchrun processes on the CPU (gloo) with the workers in ``tests/multiproc/`` and
+compare
 losses, learned per-head values and the saved model with one process doing the same steps on the whole batch.
 """
 
@@ -19,7 +20,7 @@ from hf_attnorm import AttnormError
 from hf_attnorm.lab.model_zoo import build_model
 
 REPO = Path(__file__).resolve().parent.parent
-DIST = Path(__file__).resolve().parent / "dist"
+DIST = Path(__file__).resolve().parent / "multiproc"
 
 #: implementation, attnorm settings: every kind of learnable per-head value the presets have
 LEARNABLE = [("ssmax", {}), ("sink", {}), ("symax", {"eta_learnable": True})]
