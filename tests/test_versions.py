@@ -92,8 +92,9 @@ _OLD = textwrap.dedent('''
     import inspect, transformers, torch
     from transformers import PreTrainedModel
     transformers.__version__ = "5.2.0"
-    hooked = {k: inspect.getattr_static(PreTrainedModel, k) for k in ("_check_and_adjust_attn_implementation", "post_init",
-              "set_attn_implementation", "_initialize_weights", "save_pretrained", "from_pretrained")}
+    hooked = {k: inspect.getattr_static(PreTrainedModel, k) for k in (
+        "_check_and_adjust_attn_implementation", "post_init", "set_attn_implementation", "_initialize_weights",
+        "save_pretrained", "from_pretrained")}
     import hf_attnorm
     from hf_attnorm import AttnormError
     from hf_attnorm.lab.model_zoo import build_model
