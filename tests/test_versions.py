@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import model_output, tiny
 
-from hf_attnorm.hf import compat
+from hf_attnorm.hf import compat, integration
 from hf_attnorm.registry import PRESETS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,6 +34,8 @@ def test_installed_transformers_is_supported_and_every_name_is_registered():
     from transformers.masking_utils import AttentionMaskInterface
 
     assert compat.unsupported_reason() is None
+    assert integration.HOOKED == {"_check_and_adjust_attn_implementation", "post_init", "set_attn_implementation",
+                                  "_initialize_weights", "from_pretrained", "save_pretrained"}
     for name in PRESETS:
         assert name in AttentionInterface._global_mapping and name in AttentionMaskInterface._global_mapping, name
     assert compat.unsupported_reason("5.3.0") and compat.unsupported_reason("4.57.6")

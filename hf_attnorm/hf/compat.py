@@ -37,6 +37,10 @@ def release(version: str) -> tuple[int, int, int]:
     return tuple(int(x or 0) for x in m.groups())  # type: ignore[return-value]
 
 
+def transformers_version_string() -> str:
+    return str(transformers.__version__)
+
+
 def unsupported_reason(version: str | None = None) -> str | None:
     """None when ``version`` (default: the installed transformers, read at call time) is supported, else why not."""
     v = version if version is not None else transformers.__version__

@@ -36,6 +36,8 @@ from .state import _PENDING, AttnormState, install, settings_for, uninstall
 logger = logging.getLogger("hf_attnorm")
 
 _REGISTERED = False
+#: the PreTrainedModel methods hooked by ``register()`` (all six on a supported transformers)
+HOOKED: set[str] = set()
 
 
 def sync_model(model: nn.Module, explicit: bool = False) -> None:
@@ -109,12 +111,23 @@ def register() -> None:
     if _REGISTERED:
         return
     _REGISTERED = True
-    compat.hook(PreTrainedModel, "_check_and_adjust_attn_implementation", _check_hook)
-    compat.hook(PreTrainedModel, "post_init", _post_init_hook)
-    compat.hook(PreTrainedModel, "set_attn_implementation", _set_hook)
-    compat.hook(PreTrainedModel, "_initialize_weights", _initialize_weights_hook)
-    compat.hook(PreTrainedModel, "from_pretrained", _from_pretrained_hook, classmethod_=True)
-    compat.hook(PreTrainedModel, "save_pretrained", _save_hook)
+    hooks = {  # method -> (hook, what is lost without it)
+        "_check_and_adjust_attn_implementation": (_check_hook, "a saved config.json naming 'hf_attnorm:<name>' does "
+                                                  "not load"),
+        "post_init": (_post_init_hook, "models built with our names get no per-head values"),
+        "set_attn_implementation": (_set_hook, "set_attn_implementation installs no per-head values"),
+        "_initialize_weights": (_initialize_weights_hook, "per-head values missing from a checkpoint are not "
+                                "initialised"),
+        "from_pretrained": (_from_pretrained_hook, "from_pretrained(attnorm=...) and checkpoint verification"),
+        "save_pretrained": (_save_hook, "saved checkpoints lack the hf_attnorm settings"),
+    }
+    for attr, (make, lost) in hooks.items():
+        if compat.hook(PreTrainedModel, attr, make, classmethod_=attr == "from_pretrained"):
+            HOOKED.add(attr)
+        else:
+            warnings.warn(f"hf_attnorm: this transformers ({compat.transformers_version_string()}) has no "
+                          f"PreTrainedModel.{attr}: {lost}. Supported: transformers >= {compat.MIN_TRANSFORMERS}, "
+                          f"tested up to {compat.TESTED_NEWEST}.", stacklevel=2)
 
 
 def _refusing_post_init(orig, reason: str):
