@@ -104,6 +104,22 @@ def test_missing_state_is_a_clear_error_not_a_lazy_creation():
     model(input_ids=x)
 
 
+def test_meta_values_are_materialised_at_their_initial_values_and_loaded_ones_kept():
+    """What ``from_pretrained`` does after FSDP low-memory loading (the 2-process test runs the real thing)."""
+    from hf_attnorm.hf.distributed import materialize_meta_states
+
+    model = build_model("llama", "micro", attn_implementation="sink", attnorm={"sink_init": 0.5}, seed=0)
+    states = [layer.self_attn.attnorm for layer in model.model.layers]
+    with torch.no_grad():
+        states[1].sink_logit.fill_(-2.0)  # a "loaded" value
+    states[0]._parameters["sink_logit"] = torch.nn.Parameter(torch.empty(states[0].num_heads, device="meta"))
+    assert materialize_meta_states(model) == ["model.layers.0.self_attn.attnorm.sink_logit"]
+    assert states[0].sink_logit.device.type == "cpu" and states[0].sink_logit.requires_grad
+    assert torch.equal(states[0].sink_logit, torch.full((states[0].num_heads,), 0.5))
+    assert torch.equal(states[1].sink_logit, torch.full((states[1].num_heads,), -2.0))
+    assert materialize_meta_states(model) == []
+
+
 # ------------------------------------------------------------------------------------------- two processes
 
 

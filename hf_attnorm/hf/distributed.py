@@ -43,8 +43,8 @@ def materialize_meta_states(model: nn.Module) -> list[str]:
     done: list[str] = []
     for mname, mod in model.named_modules():
         state = mod._modules.get("attnorm")
-        if not isinstance(state, AttnormState):
-            continue
+        if not isinstance(state, AttnormState) or hasattr(mod, "_hf_hook") or hasattr(state, "_hf_hook"):
+            continue  # accelerate's offload hooks (device_map with offloading) keep meta on purpose and load at call
         metas = [n for n, p in state.named_parameters(recurse=False) if p.device.type == "meta"]
         if not metas:
             continue
