@@ -273,6 +273,8 @@ def test_training_script_under_accelerate_deepspeed_zero3_matches_one_process(tm
         [*python, str(REPO / "scripts" / "finetune.py")])
     a = json.loads((tmp_path / "zero3" / "training_summary.json").read_text())
     b = json.loads((tmp_path / "one" / "training_summary.json").read_text())
+    assert json.loads((tmp_path / "zero3" / "training_args.json").read_text())["distributed_type"] == \
+        "DistributedType.DEEPSPEED"
     assert (tmp_path / "zero3" / "step_3" / "pytorch_model").is_dir(), "DeepSpeed's engine did not save: not ZeRO"
     assert a["num_processes"] == 2 and a["parameters"] == b["parameters"] > 1_000_000
     loss_diff = max(abs(x - y) for (_, x), (_, y) in zip(a["train_losses"], b["train_losses"], strict=True))
