@@ -59,15 +59,18 @@ class AttnormState(nn.Module):
 
         The attention function CALLS this module rather than reading its parameters, so whatever wraps or hooks a
         module's call sees it: PEFT's ``modules_to_save`` wrapper dispatches to the active adapter's copy, and
-        DeepSpeed ZeRO-3 gathers the partitioned parameters before the call and frees them after it. The values
-        returned are therefore new tensors (``float()``/``clone()``), never a parameter's own storage, which ZeRO-3
-        empties when the call returns; autograd reaches the parameters through them.
+        DeepSpeed ZeRO-3 gathers the partitioned parameters before the call and frees them after it. A parameter
+        ZeRO-3 manages (``ds_id``) is therefore returned as a copy, since its own storage is emptied when the call
+        returns (autograd reaches it through the copy); others are returned as they are (no copy per decode step).
         """
         out: dict[str, torch.Tensor] = {}
         for spec in param_specs(self.settings):
             p = self._parameters.get(spec.name)
             if p is not None:
-                out[spec.name] = p.float() if p.dtype != torch.float32 else p.clone()
+                if p.dtype != torch.float32:
+                    out[spec.name] = p.float()
+                else:
+                    out[spec.name] = p.clone() if hasattr(p, "ds_id") else p
             else:
                 out[spec.name] = torch.full((self.num_heads,), spec.init_value(self.settings), device=device)
         return out
