@@ -59,18 +59,15 @@ class AttnormState(nn.Module):
 
         The attention function CALLS this module rather than reading its parameters, so whatever wraps or hooks a
         module's call sees it: PEFT's ``modules_to_save`` wrapper dispatches to the active adapter's copy, and
-        DeepSpeed ZeRO-3 gathers the partitioned parameters before the call and frees them after it. A parameter
-        ZeRO-3 manages (``ds_id``) is therefore returned as a copy, since its own storage is emptied when the call
-        returns (autograd reaches it through the copy); others are returned as they are (no copy per decode step).
+        DeepSpeed ZeRO-3 gathers the partitioned parameters for the call. Returning a parameter itself is fine
+        there: ZeRO-3's post-forward hook registers a module output that is one of its parameters as an external
+        parameter of the calling module (the attention module), so it stays gathered until that module is done.
         """
         out: dict[str, torch.Tensor] = {}
         for spec in param_specs(self.settings):
             p = self._parameters.get(spec.name)
             if p is not None:
-                if p.dtype != torch.float32:
-                    out[spec.name] = p.float()
-                else:
-                    out[spec.name] = p.clone() if hasattr(p, "ds_id") else p
+                out[spec.name] = p.float() if p.dtype != torch.float32 else p
             else:
                 out[spec.name] = torch.full((self.num_heads,), spec.init_value(self.settings), device=device)
         return out

@@ -45,8 +45,12 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     batch = torch.load(a.batch)
     per_rank = batch.shape[0] // world
+    # persistence threshold and reuse distance 0: the per-head values are released after every use, so every call
+    # must gather them (stricter than DeepSpeed's default, which keeps parameters under 1e5 elements resident)
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+            "stage3_prefetch_bucket_size": 0}
     cfg = {"train_micro_batch_size_per_gpu": per_rank, "gradient_accumulation_steps": 1,
-           "train_batch_size": per_rank * world, "zero_optimization": {"stage": 3},
+           "train_batch_size": per_rank * world, "zero_optimization": zero,
            "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0, "steps_per_print": 10**9}
     dschf = HfDeepSpeedConfig(cfg)  # noqa: F841  (kept alive: from_pretrained partitions under zero.Init)
     model = AutoModelForCausalLM.from_pretrained(a.model, attn_implementation=a.implementation,
