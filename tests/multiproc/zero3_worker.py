@@ -25,8 +25,8 @@ from transformers.integrations import HfDeepSpeedConfig  # noqa: E402
 import hf_attnorm  # noqa: E402, F401
 from hf_attnorm.hf.distributed import logical_shape  # noqa: E402
 from hf_attnorm.lab.distributed import gathered_state_dict  # noqa: E402
-from hf_attnorm.lab.training import _param_groups as param_groups  # noqa: E402
-from hf_attnorm.lab.training import _unique_params as unique_params  # noqa: E402
+from hf_attnorm.lab.training.loop import _param_groups as param_groups  # noqa: E402
+from hf_attnorm.lab.training.loop import _unique_params as unique_params  # noqa: E402
 
 
 def main() -> None:
