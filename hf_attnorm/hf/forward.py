@@ -1,5 +1,5 @@
-"""The function transformers calls for every registered name (``AttentionInterface``): it reads the module's
-``AttnormState``, resolves the call (mask, n, scale, per-head values) and dispatches to a kernel.
+"""The function transformers calls for every registered name (``AttentionInterface``): it calls the module's
+``AttnormState`` for the per-head values, resolves the call (mask, n, scale) and dispatches to a kernel.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import nn
 
 from ..attention import make_call
 from ..kernels import attend
-from .state import ensure_state
+from .state import state_of
 
 try:  # transformers' collector of requested outputs (private; looked up once, not per call)
     from transformers.utils.output_capturing import _active_collector
@@ -55,7 +55,7 @@ def hf_attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The AttentionInterface function. query [B, H, Lq, D], key/value [B, Hkv, Lk, D] -> (out [B, Lq, H, Dv],
     weights [B, H, Lq, Lk] when output_attentions is requested, else None)."""
-    state = ensure_state(module, implementation)
+    state = state_of(module, implementation)
     causal = kwargs.get("is_causal")
     if causal is None:
         causal = bool(getattr(module, "is_causal", True))
@@ -66,7 +66,7 @@ def hf_attention_forward(
     if kwargs.get("sliding_window") is not None and attention_mask is None:
         warnings.warn("hf_attnorm: sliding_window given without a mask; full causal attention is used", stacklevel=2)
     call = make_call(
-        query, key, value, state.settings, state.heads(query.device), attention_mask, causal, scaling,
+        query, key, value, state.settings, state(query.device), attention_mask, causal, scaling,
         dropout if module.training else 0.0, _weights_requested(kwargs), state.module_info,
     )
     out, weights, path = attend(call)

@@ -17,7 +17,6 @@ Model families differ in a few facts only; they are read from attributes every s
 
 from __future__ import annotations
 
-import functools
 import logging
 import warnings
 from collections.abc import Mapping
@@ -27,6 +26,8 @@ from torch import nn
 
 from ..registry import CONFIG_PREFIX, PRESETS, AttnormError, canonical, is_ours
 from ..settings import resolve_settings
+from . import compat
+from .distributed import materialize_meta_states
 from .families import attention_modules
 from .forward import forward_for
 from .persistence import finalize_saved, verify_before_load, verify_loaded
@@ -35,6 +36,8 @@ from .state import _PENDING, AttnormState, install, settings_for, uninstall
 logger = logging.getLogger("hf_attnorm")
 
 _REGISTERED = False
+#: the PreTrainedModel methods hooked by ``register()`` (all six on a supported transformers)
+HOOKED: set[str] = set()
 
 
 def sync_model(model: nn.Module, explicit: bool = False) -> None:
@@ -84,22 +87,64 @@ def apply(model: nn.Module, implementation: str, **options: Any) -> nn.Module:
 
 
 def register() -> None:
-    """Register every preset with transformers and install the hooks (idempotent)."""
+    """Register every preset with transformers and install the hooks (idempotent).
+
+    On a transformers older than ``compat.MIN_TRANSFORMERS`` only a refusal is installed (see ``compat``): our names
+    raise an error saying which versions work, every other model is untouched. Every hook passes through whatever
+    arguments the hooked version takes, so a changed signature of a private method cannot break models that do not
+    use our names (docs/internals.md lists each internal and its guard)."""
     global _REGISTERED
     from transformers import AttentionInterface, PreTrainedModel
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+    reason = compat.unsupported_reason()
+    if reason is not None:
+        for name in PRESETS:
+            AttentionInterface.register(name, compat.refusing_forward(name, reason))
+        if not _REGISTERED:
+            _REGISTERED = True
+            compat.hook(PreTrainedModel, "post_init", lambda orig: _refusing_post_init(orig, reason))
+        return
     for name in PRESETS:
         AttentionInterface.register(name, forward_for(name))
         AttentionMaskInterface.register(name, sdpa_mask)
     if _REGISTERED:
         return
     _REGISTERED = True
+    hooks = {  # method -> (hook, what is lost without it)
+        "_check_and_adjust_attn_implementation": (_check_hook, "a saved config.json naming 'hf_attnorm:<name>' does "
+                                                  "not load"),
+        "post_init": (_post_init_hook, "models built with our names get no per-head values"),
+        "set_attn_implementation": (_set_hook, "set_attn_implementation installs no per-head values"),
+        "_initialize_weights": (_initialize_weights_hook, "per-head values missing from a checkpoint are not "
+                                "initialised"),
+        "from_pretrained": (_from_pretrained_hook, "from_pretrained(attnorm=...) and checkpoint verification"),
+        "save_pretrained": (_save_hook, "saved checkpoints lack the hf_attnorm settings"),
+    }
+    for attr, (make, lost) in hooks.items():
+        if compat.hook(PreTrainedModel, attr, make, classmethod_=attr == "from_pretrained"):
+            HOOKED.add(attr)
+        else:
+            warnings.warn(f"hf_attnorm: this transformers ({compat.transformers_version_string()}) has no "
+                          f"PreTrainedModel.{attr}: {lost}. Supported: transformers >= {compat.MIN_TRANSFORMERS}, "
+                          f"tested up to {compat.TESTED_NEWEST}.", stacklevel=2)
 
-    orig_check = PreTrainedModel._check_and_adjust_attn_implementation
 
-    @functools.wraps(orig_check)
-    def check(self, attn_implementation, is_init_check: bool = False, allow_all_kernels: bool = False):
+def _refusing_post_init(orig, reason: str):
+    def post_init(self, *args, **kwargs):
+        impl = canonical(getattr(getattr(self, "config", None), "_attn_implementation", None))
+        if is_ours(impl):
+            raise AttnormError(f"attention implementation {impl!r}: {reason}")
+        return orig(self, *args, **kwargs)
+
+    return post_init
+
+
+def _check_hook(orig):
+    """``_check_and_adjust_attn_implementation`` (private; called by ``__init__`` and ``set_attn_implementation``):
+    reads ``"hf_attnorm:<name>"`` from a saved config.json, and an unset implementation from ``config.attnorm``."""
+
+    def check(self, attn_implementation, *args, **kwargs):
         if isinstance(attn_implementation, str) and attn_implementation.startswith(CONFIG_PREFIX):
             if not is_ours(attn_implementation):
                 raise AttnormError(
@@ -111,49 +156,49 @@ def register() -> None:
             saved = getattr(self.config, "attnorm", None)
             if isinstance(saved, Mapping) and is_ours(saved.get("implementation")):
                 attn_implementation = saved["implementation"]
-        return orig_check(self, attn_implementation, is_init_check=is_init_check,
-                          allow_all_kernels=allow_all_kernels)
+        return orig(self, attn_implementation, *args, **kwargs)
 
-    PreTrainedModel._check_and_adjust_attn_implementation = check
+    return check
 
-    orig_post_init = PreTrainedModel.post_init
 
-    @functools.wraps(orig_post_init)
-    def post_init(self):
+def _post_init_hook(orig):
+    def post_init(self, *args, **kwargs):
         sync_model(self)
-        orig_post_init(self)
+        result = orig(self, *args, **kwargs)
         # a plain checkpoint lacks our parameters: they are initialised from the settings, not "missing"
         self._keys_to_ignore_on_load_missing = set(self._keys_to_ignore_on_load_missing or ()) | {r"\.attnorm\."}
+        return result
 
-    PreTrainedModel.post_init = post_init
+    return post_init
 
-    orig_set = PreTrainedModel.set_attn_implementation
 
-    @functools.wraps(orig_set)
+def _set_hook(orig):
     def set_attn_implementation(self, attn_implementation, *args, **kwargs):
         if isinstance(attn_implementation, str):
             attn_implementation = canonical(attn_implementation)
-        orig_set(self, attn_implementation, *args, **kwargs)
+        result = orig(self, attn_implementation, *args, **kwargs)
         sync_model(self, explicit=True)
+        return result
 
-    PreTrainedModel.set_attn_implementation = set_attn_implementation
+    return set_attn_implementation
 
-    orig_init_one = PreTrainedModel._initialize_weights
 
-    @functools.wraps(orig_init_one)
+def _initialize_weights_hook(orig):
+    """``_initialize_weights`` (private): per-head values a checkpoint lacks get their initial values from the
+    settings (transformers' own ``_init_weights`` does not know the module)."""
+
     def _initialize_weights(self, module, *args, **kwargs):
         if isinstance(module, AttnormState):
             if not getattr(module, "_is_hf_initialized", False):
                 module.reset_parameters(only_uninitialised=True)
                 module._is_hf_initialized = True
-            return
-        return orig_init_one(self, module, *args, **kwargs)
+            return None
+        return orig(self, module, *args, **kwargs)
 
-    PreTrainedModel._initialize_weights = _initialize_weights
+    return _initialize_weights
 
-    orig_from_pretrained = PreTrainedModel.from_pretrained.__func__
 
-    @functools.wraps(orig_from_pretrained)
+def _from_pretrained_hook(orig):
     def from_pretrained(cls, *args, attnorm: Mapping[str, Any] | None = None, **kwargs):
         if attnorm is not None and not isinstance(attnorm, Mapping):
             raise AttnormError(f"attnorm= must be a dict of settings, got {type(attnorm).__name__}")
@@ -161,7 +206,7 @@ def register() -> None:
         verify_before_load(path, kwargs)
         token = _PENDING.set(dict(attnorm) if attnorm is not None else None)
         try:
-            model = orig_from_pretrained(cls, *args, **kwargs)
+            model = orig(cls, *args, **kwargs)
         finally:
             _PENDING.reset(token)
         model_ = model[0] if isinstance(model, tuple) else model
@@ -170,17 +215,18 @@ def register() -> None:
                 f"attnorm settings were given but the attention implementation is "
                 f"{model_.config._attn_implementation!r}; pass attn_implementation= one of {', '.join(PRESETS)}"
             )
+        # FSDP low-memory loading leaves values the checkpoint lacks on meta on ranks > 0 (a normalizer swap)
+        materialize_meta_states(model_)
         verify_loaded(model_, path, kwargs)
         return model
 
-    PreTrainedModel.from_pretrained = classmethod(from_pretrained)
+    return from_pretrained
 
-    orig_save = PreTrainedModel.save_pretrained
 
-    @functools.wraps(orig_save)
+def _save_hook(orig):
     def save_pretrained(self, save_directory, *args, **kwargs):
-        result = orig_save(self, save_directory, *args, **kwargs)
+        result = orig(self, save_directory, *args, **kwargs)
         finalize_saved(self, save_directory, kwargs)
         return result
 
-    PreTrainedModel.save_pretrained = save_pretrained
+    return save_pretrained

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextvars
 import logging
 import reprlib
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,7 +22,6 @@ logger = logging.getLogger("hf_attnorm")
 
 #: settings passed as ``from_pretrained(..., attnorm={...})`` while that call builds the model
 _PENDING: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar("hf_attnorm_pending", default=None)
-
 
 
 class AttnormState(nn.Module):
@@ -58,13 +56,23 @@ class AttnormState(nn.Module):
             if isinstance(p, nn.Parameter) and not (only_uninitialised and getattr(p, "_is_hf_initialized", False)):
                 p.fill_(spec.init_value(self.settings))
 
-    def heads(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """name -> per-head value [H] (fp32): the parameters, and constants from the settings."""
+    def forward(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """Every per-head value [H] (fp32): learnable ones from the parameters, constants from the settings (built
+        once per device, not per call).
+
+        The attention function CALLS this module rather than reading its parameters, so whatever wraps or hooks a
+        module's call sees it: PEFT's ``modules_to_save`` wrapper dispatches to the active adapter's copy, and
+        DeepSpeed ZeRO-3 gathers the partitioned parameters for the call. Returning a parameter itself is fine
+        there: ZeRO-3's post-forward hook registers a module output that is one of its parameters as an external
+        parameter of the calling module (the attention module), so it stays gathered until that module is done.
+        """
         const = self._constants.get(device)
         if const is None:
             const = {spec.name: torch.full((self.num_heads,), spec.init_value(self.settings), device=device)
                      for spec in self._specs if spec.name not in self._parameters}
-            self._constants[device] = const
+            # tensors made under inference_mode cannot be saved for backward later: cache only ordinary ones
+            if not torch.is_inference_mode_enabled():
+                self._constants[device] = const
         out: dict[str, torch.Tensor] = {}
         for spec in self._specs:
             p = self._parameters.get(spec.name)
@@ -108,8 +116,8 @@ def settings_for(config: Any, implementation: str) -> AttnormSettings:
 def install(module: nn.Module, settings: AttnormSettings) -> AttnormState:
     """Attach (or update) ``module.attnorm``. Learnable values whose settings did not change keep their values."""
     old = module._modules.get("attnorm")
-    if isinstance(old, AttnormState) and old.settings == settings:
-        return old
+    if old is not None and getattr(old, "settings", None) == settings:
+        return old  # unchanged; may be a wrapper around the state (PEFT's modules_to_save), which must stay
     ref = next((p for p in module.parameters(recurse=False)), None) or next(iter(module.parameters()), None)
     state = AttnormState(settings, num_heads_of(module), module_info(module))
     if ref is not None:
@@ -130,25 +138,20 @@ def uninstall(module: nn.Module) -> None:
         del module._modules["attnorm"]
 
 
-_warned_lazy: set[str] = set()
-
-
-def ensure_state(module: nn.Module, implementation: str) -> AttnormState:
-    """The module's state for ``implementation``; built on first use if the model was never synced (e.g. its
-    config._attn_implementation was assigned directly)."""
+def state_of(module: nn.Module, implementation: str) -> nn.Module:
+    """The ``attnorm`` child of ``module`` for ``implementation``: an ``AttnormState``, or what wraps one and forwards
+    its call and attributes (PEFT's ``modules_to_save`` wrapper). Never created here: a state created at the first
+    forward would escape an optimizer built before it and would replace a wrapper (PEFT's) with a fresh copy, so a
+    missing or stale one is an error that names the ways to set a model up."""
     state = module._modules.get("attnorm")
-    if isinstance(state, AttnormState) and state.settings.implementation == implementation:
+    settings = getattr(state, "settings", None) if state is not None else None
+    if isinstance(settings, AttnormSettings) and settings.implementation == implementation:
         return state
-    settings = settings_for(module.config, implementation)
-    state = install(module, settings)
-    if state.learnable_names() and implementation not in _warned_lazy:
-        _warned_lazy.add(implementation)
-        warnings.warn(
-            f"hf_attnorm: learnable parameters {state.learnable_names()} of {implementation!r} were created at the "
-            "first forward pass because the model was not set up through from_pretrained/set_attn_implementation/"
-            "hf_attnorm.apply; an optimizer built before this call does not train them.",
-            stacklevel=3,
-        )
-    return state
-
-
+    found = "none" if settings is None else f"one for {settings.implementation!r}"
+    raise AttnormError(
+        f"{type(module).__name__} is called with attention implementation {implementation!r} but carries no "
+        f"hf_attnorm state for it (found: {found}). Set the implementation through from_pretrained("
+        "attn_implementation=...), model.set_attn_implementation(...) or hf_attnorm.apply(model, ...): assigning "
+        "config._attn_implementation directly installs nothing. An attention module without the `config`, "
+        "`is_causal` and `scaling` attributes is not supported."
+    )

@@ -24,6 +24,7 @@ from accelerate.utils import DistributedType
 from safetensors.torch import load_file
 
 from ...fileio import atomic_write
+from ..distributed import gathered_state_dict, is_zero3_partitioned
 from .args import TrainingArguments, TrainingError
 
 logger = get_logger(__name__)
@@ -192,6 +193,16 @@ def load_weights(model: torch.nn.Module, folder: Path) -> None:
                             f"unexpected {list(unexpected)[:5]}")
 
 
+def full_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A full state dict of a sharded (FSDP/DeepSpeed) model; collective: every rank calls it. Under ZeRO-3 it is
+    gathered with DeepSpeed's public API, so no ``zero3_save_16bit_model`` is needed (accelerate's
+    ``get_state_dict`` refuses without it)."""
+    unwrapped = accelerator.unwrap_model(model)
+    if is_zero3_partitioned(unwrapped):
+        return gathered_state_dict(unwrapped)
+    return accelerator.get_state_dict(model)
+
+
 def register_checkpoint_hooks(accelerator: Accelerator) -> None:
     """Make ``save_state``/``load_state`` write and read the model with ``save_pretrained`` (config with the
     attnorm settings, safetensors with metadata): the same folder then also loads with ``from_pretrained``."""
@@ -204,7 +215,7 @@ def register_checkpoint_hooks(accelerator: Accelerator) -> None:
                 if accelerator.is_main_process:
                     unwrapped.save_pretrained(output_dir, safe_serialization=True)
             else:  # sharded engines: gather a full state dict (collective) for the HF copy
-                state = accelerator.get_state_dict(model)
+                state = full_state_dict(accelerator, model)
                 if accelerator.is_main_process:
                     unwrapped.save_pretrained(output_dir, state_dict=state, safe_serialization=True)
         if plain:
@@ -265,7 +276,7 @@ def save_final(accelerator: Accelerator, model: torch.nn.Module, tokenizer: Any,
     """Final model into ``output_dir``: written into a temporary folder and moved in file by file; then
     ``write_rest()`` (main process: card and summary, the completion marker, last)."""
     unwrapped = accelerator.unwrap_model(model)
-    state = accelerator.get_state_dict(model) if _sharded(accelerator) else None
+    state = full_state_dict(accelerator, model) if _sharded(accelerator) else None
     if accelerator.is_main_process:
         tmp = output_dir / f"{TMP_PREFIX}final"
         if tmp.exists():

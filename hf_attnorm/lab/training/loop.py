@@ -26,6 +26,7 @@ from accelerate.utils import ProjectConfiguration, set_seed
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
+from ...hf.distributed import logical_numel, logical_shape
 from ...registry import canonical
 from .. import data as data_lib
 from ..cards import write_model_card
@@ -239,12 +240,18 @@ def _configure_logging(main: bool) -> None:
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Weight decay on matrices only (nanoGPT's rule): biases, norm weights and attnorm per-head values get none."""
+    """Weight decay on matrices only (nanoGPT's rule): biases, norm weights and attnorm per-head values get none.
+    Decided on the real shape, also under DeepSpeed ZeRO-3 (partitioned parameters have shape (0,))."""
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
+            (decay if len(logical_shape(p)) >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _unique_params(model: torch.nn.Module) -> int:
+    """Parameter count; real sizes also under DeepSpeed ZeRO-3, whose partitioned parameters have shape (0,)."""
+    return sum(logical_numel(p) for p in {id(p): p for p in model.parameters()}.values())
 
 
 def _prepare(args: TrainingArguments, accelerator: Accelerator, setup: ModelSetup, data: DataSetup,
@@ -360,7 +367,7 @@ def _record_start(args: TrainingArguments, loop: Loop, run_name: str, setup_seco
     if args.with_tracking:
         scalars = {k: v for k, v in hparams.items() if isinstance(v, int | float | str | bool)}
         acc.init_trackers(run_name, config=scalars)
-    n_params = sum(p.numel() for p in {id(p): p for p in setup.model.parameters()}.values())
+    n_params = _unique_params(setup.model)
     total_batch = args.per_device_train_batch_size * acc.num_processes * args.gradient_accumulation_steps
     logger.info(f"{setup.model_type} ({setup.task}), {n_params / 1e6:.2f}M parameters, attention "
                 f"{setup.settings or 'the model default (' + str(setup.model.config._attn_implementation) + ')'}; "
