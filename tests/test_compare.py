@@ -1,16 +1,16 @@
-"""scripts/compare.py end-to-end on the micro budget: every artifact, its content, reuse, and bad input."""
+"""scripts/compare.py end to end on the micro budget: every artifact and its content, the cache (a second call
+trains nothing; a lost result re-runs alone), a failing run reported without stopping the others, sharding, and
+bad input. Plus scripts/evaluate.py on a saved model."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,80 +31,145 @@ def is_png(path: Path) -> bool:
     return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+IMPLS = ["softmax", "symax:eta=0.5", "ssmax"]
+
+
 @pytest.fixture(scope="module")
 def micro_run(compare, tmp_path_factory):
     out = tmp_path_factory.mktemp("compare")
-    argv = ["--budget", "micro", "--implementations", "softmax", "symax:eta=0.5", "--output_dir", str(out),
-            "--model_card_dir", str(out / "cards"), "--threads", "2"]
-    result = compare.main(argv)
-    return out, argv, result
+    argv = ["--budget", "micro", "--implementations", *IMPLS, "--output_dir", str(out), "--jobs", "1"]
+    return out, argv, compare.main(argv)
 
 
 def test_micro_budget_writes_every_artifact(micro_run):
     out, _, result = micro_run
     saved = json.loads((out / "results.json").read_text())
-    assert saved["table"] == result["table"] and saved["budget"] == "micro"
+    assert saved["budget"] == "micro" and saved["tasks"] == ["mqar", "passkey", "lm"]
+    assert not saved["failed"] and not saved["missing"]
     runs = saved["runs"]
-    assert [r["implementation"] for r in runs] == ["softmax", "symax:eta=0.5"]
-    assert all(r["status"] == "ok" for r in runs)
-    for r in runs:
-        assert r["steps"] == 4 and [s for s, _ in r["val_losses"]] == [2, 4]
-        ext = r["extrapolation"]
-        assert [c["context"] for c in ext["contexts"]] == [16, 64, 128]
-        assert ext["tokens_used"] == 256 and ext["position_encoding"] == "rope"
-        for c in ext["contexts"]:
-            assert c["status"] == "ok" and torch.isfinite(torch.tensor(c["perplexity"]))
-            assert len(c["buckets"]) == c["context"] // 16
-        assert len(r["diagnostics"]["layers"]) == 2 and len(r["diagnostics"]["hidden_states"]) == 3
-        assert r["diagnostics_context"] == 128
-        card = Path(r["model_card"])
-        assert card.parent == out / "cards" and "## Length extrapolation (scripts/compare.py)" in card.read_text()
-    assert runs[1]["attnorm"]["eta"] == 0.5  # the option reached training
-    # the trained model reloads with its attention
-    config = json.loads((out / "symax-eta-0.5" / "config.json").read_text())
+    assert len(runs) == 3 * 3 * 2 and all(r["status"] == "ok" for r in runs)  # tasks x implementations x seeds
+    by_id = {r["id"]: r for r in runs}
+    probe = by_id["mqar/symax-eta-0.5/seed1"]
+    assert probe["lengths"] == [16, 32] and set(probe["accuracy"]) == {"16", "32"}
+    lm = by_id["lm/ssmax/seed0"]
+    assert lm["contexts"] == [16, 32] and lm["vocab_size"] == 77 and lm["learned"]  # ssmax's s_h
+    assert lm["ngram_nats_per_char"]["bigram"] < lm["ngram_nats_per_char"]["unigram"]
+    # the option reached the model, and the model reloads with its attention
+    config = json.loads((out / "runs" / "passkey" / "symax-eta-0.5" / "seed0" / "model" / "config.json").read_text())
     assert config["attnorm"]["implementation"] == "symax" and config["attnorm"]["eta"] == 0.5
-    # the table: a header, a separator and one row per run
-    lines = (out / "results.md").read_text().strip().splitlines()
-    table = [line for line in lines if line.startswith("|")]
-    assert len(table) == 2 + len(runs) and "`symax:eta=0.5`" in table[-1] and "ppl @ 128" in table[0]
-    # plots: valid PNGs with one series per run (the entropy plot adds the ln n reference)
-    names = {"val_loss": 2, "ppl_vs_context": 2, "position_buckets": 2, "entropy_vs_n": 3}
-    for name, count in names.items():
+    assert (out / "runs" / "lm" / "softmax" / "seed0" / "model" / "tokenizer.json").is_file()
+    # tables: one row per implementation; the difference tables one row per non-reference implementation
+    for task in ("mqar", "passkey", "lm"):
+        rows = [x for x in saved["tables"][task].splitlines() if x.startswith("| `")]
+        assert [x.split("`")[1] for x in rows] == IMPLS
+        assert len([x for x in saved["tables"][f"{task}_diff"].splitlines() if x.startswith("| `")]) == 2
+    assert "± " in saved["tables"]["lm"]  # two seeds give an interval
+    md = (out / "results.md").read_text()
+    assert "### Published claims" in md and "Nakanishi 2025" in md
+    assert {c["implementation"] for c in saved["claims"]} == {"ssmax"}  # only claims whose implementation ran
+    # plots: valid PNGs with one band per implementation
+    for name in ("mqar_accuracy", "passkey_accuracy", "lm_loss_vs_context", "lm_val_curve"):
         info = saved["plots"][name]
         assert is_png(Path(info["path"])) and Path(info["path"]).parent == out / "plots"
-        assert len(info["series"]) == count and info["series"][:2] == ["softmax", "symax:eta=0.5"]
+        assert info["series"] == IMPLS
+    # model cards of the seed-0 LMs, with the model-index and the across-seed table
+    cards = [Path(c) for c in saved["model_cards"]]
+    assert [c.name for c in cards] == ["compare-charlm-softmax.md", "compare-charlm-symax-eta-0.5.md",
+                                       "compare-charlm-ssmax.md"]
+    text = cards[1].read_text()
+    assert "model-index" in text and "## Across seeds (scripts/compare.py)" in text
+    assert cards[0].parent == out / "model_cards"
 
 
-def test_reuse_skips_training(compare, micro_run, tmp_path):
-    out, _, first = micro_run
-    shutil.copytree(out / "softmax", tmp_path / "softmax")  # a finished run, moved elsewhere
-    again = compare.main(["--budget", "micro", "--implementations", "softmax", "--output_dir", str(tmp_path),
-                          "--model_card_dir", str(tmp_path / "cards"), "--threads", "2", "--reuse"])
-    run = again["runs"][0]
-    assert run["reused"] is True
-    assert Path(run["model_card"]) == tmp_path / "cards" / "compare-llama-micro-softmax.md"
-    assert run["train_losses"] == first["runs"][0]["train_losses"]
-    # the evaluation is deterministic: the same model gives the same numbers
-    assert run["extrapolation"] == first["runs"][0]["extrapolation"]
+def test_second_call_is_cached_and_a_lost_run_reruns_alone(compare, micro_run, capsys):
+    out, argv, first = micro_run
+    capsys.readouterr()
+    again = compare.main(argv)
+    assert "18 runs, 18 cached, 0 to run" in capsys.readouterr().out
+    assert again["tables"] == first["tables"]
+    # a sweep killed before this run finished: its result is missing, only it runs again, with the same numbers
+    lost = out / "runs" / "passkey" / "ssmax" / "seed1" / "result.json"
+    before = json.loads(lost.read_text())
+    lost.unlink()
+    third = compare.main(argv)
+    assert "18 runs, 17 cached, 1 to run" in capsys.readouterr().out
+    after = json.loads(lost.read_text())
+    assert after["accuracy"] == before["accuracy"] and after["curve"] == before["curve"]  # bit-reproducible
+    assert third["tables"] == first["tables"]
+    # a changed setting is a different run
+    compare.main(argv + ["--tasks", "passkey", "--passkey_steps", "3", "--only", "passkey/softmax/seed0"])
+    assert "1 to run" in capsys.readouterr().out
 
 
-def test_bad_implementation_fails_before_training(compare, tmp_path):
-    with pytest.raises(SystemExit, match="unknown attention implementation 'nope'"):
-        compare.main(["--budget", "micro", "--implementations", "nope", "--output_dir", str(tmp_path)])
-    with pytest.raises(SystemExit, match="not used by normalizer 'symax'"):
-        compare.main(["--budget", "micro", "--implementations", "symax:bogus=1", "--output_dir", str(tmp_path)])
-    with pytest.raises(SystemExit, match="repeats"):
-        compare.main(["--budget", "micro", "--implementations", "softmax", "softmax", "--output_dir", str(tmp_path)])
-    assert not any(tmp_path.iterdir())
+def test_failed_run_is_reported_and_the_others_finish(compare, tmp_path, monkeypatch):
+    from hf_attnorm.lab import probes
+
+    real = probes.run_probe
+
+    def flaky(task, name, options, seed, settings, run_dir=None):
+        if name == "symax" and seed == 1:
+            raise RuntimeError("boom")
+        return real(task, name, options, seed, settings, run_dir)
+
+    monkeypatch.setattr(probes, "run_probe", flaky)
+    result = compare.main(["--budget", "micro", "--tasks", "passkey", "--implementations", "softmax", "symax",
+                           "--output_dir", str(tmp_path), "--jobs", "1"])
+    assert result["failed"] == ["passkey/symax/seed1"]
+    ok = [r for r in result["runs"] if r["status"] == "ok"]
+    assert len(ok) == 3
+    failed = json.loads((tmp_path / "runs" / "passkey" / "symax" / "seed1" / "failed.json").read_text())
+    assert failed["error"] == "RuntimeError: boom" and "Traceback" in failed["traceback"]
+    assert "(1 of 2 runs missing/failed)" in result["tables"]["passkey"]
+    # the next sweep retries it (and, working now, clears the failure)
+    monkeypatch.setattr(probes, "run_probe", real)
+    result = compare.main(["--budget", "micro", "--tasks", "passkey", "--implementations", "softmax", "symax",
+                           "--output_dir", str(tmp_path), "--jobs", "1"])
+    assert not result["failed"] and not (tmp_path / "runs" / "passkey" / "symax" / "seed1" / "failed.json").exists()
+
+
+def test_shards_split_the_sweep(compare, tmp_path, capsys):
+    base = ["--budget", "micro", "--tasks", "passkey", "--implementations", "softmax", "symax",
+            "--output_dir", str(tmp_path), "--jobs", "1"]
+    first = compare.main(base + ["--shard", "0/2"])
+    assert "sweep: 2 runs, 0 cached, 2 to run" in capsys.readouterr().out  # the shard runs only its half
+    assert len(first["missing"]) == 2
+    second = compare.main(base + ["--shard", "1/2"])
+    assert not second["missing"]  # the other shard's results are picked up from the shared output directory
+    merged = compare.main(base + ["--aggregate_only"])
+    assert merged["tables"] == second["tables"] and not merged["missing"]
+
+
+def test_bad_input_fails_before_training(compare, tmp_path):
+    out = tmp_path / "out"
+    for argv, message in [(["--implementations", "nope"], "unknown attention implementation 'nope'"),
+                          (["--implementations", "symax:bogus=1"], "bogus"),
+                          (["--implementations", "softmax", "softmax"], "repeats"),
+                          (["--implementations", "symax", "ssmax"], "--reference 'softmax' is not in"),
+                          (["--probe_length", "8"], "--probe_length must be >= 16")]:
+        with pytest.raises(SystemExit, match=message):
+            compare.main(["--budget", "micro", "--output_dir", str(out), *argv])
+    assert not out.exists()
+    for bad in (["--shard", "2/2"], ["--seeds", "0"], ["--lm_vocab", "-1"]):
+        with pytest.raises(SystemExit):
+            compare.main(["--budget", "micro", "--output_dir", str(out), *bad])
 
 
 def test_help_documents_every_flag():
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare.py"), "--help"], capture_output=True,
                           text=True, timeout=120)
-    assert proc.returncode == 0
+    assert proc.returncode == 0 and "--shard" in proc.stdout
     parser = load_script("compare").build_parser()
     for action in parser._actions:
         assert action.help, f"{action.option_strings} has no help text"
+
+
+@pytest.mark.slow
+def test_two_worker_processes(compare, tmp_path):
+    """The spawned process pool (the default --jobs 2) gives the same numbers as one process."""
+    base = ["--budget", "micro", "--tasks", "passkey", "--implementations", "softmax", "sigmoid"]
+    two = compare.main(base + ["--output_dir", str(tmp_path / "two"), "--jobs", "2"])
+    one = compare.main(base + ["--output_dir", str(tmp_path / "one"), "--jobs", "1"])
+    assert two["tables"] == one["tables"] and not two["failed"]
 
 
 def test_evaluate_script_swaps_on_a_saved_model(tmp_path):
