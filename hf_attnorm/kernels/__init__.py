@@ -53,10 +53,6 @@ Check = Callable[[AttnCall], "str | None"]
 NormCheck = Callable[[Normalizer], "str | None"]
 
 
-class PathDeclined(Exception):
-    """Raised by a kernel that finds, while running, that it cannot run a call (its ``accepts`` should have said)."""
-
-
 @dataclasses.dataclass(frozen=True)
 class Path:
     """A registered path: its kernel and its declared capabilities (see the module docstring)."""

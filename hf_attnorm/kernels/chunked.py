@@ -12,6 +12,8 @@ and ``MAX_CHUNK``); with a causal call and no mask a chunk only scores the keys 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -91,8 +93,10 @@ class _ChunkedFn(torch.autograd.Function):
         dv = torch.zeros_like(v) if need[2] else None
         dheads = [torch.zeros_like(h) if n else None for h, n in zip(heads, need[3:])]
         lq = q.shape[2]
-        with torch.random.fork_rng(devices=[q.device] if q.device.type == "cuda" else [],
-                                   enabled=ctx.rng is not None):
+        # fork_rng only with dropout: it cannot be traced by torch.compile, and without dropout there is no RNG
+        replay = (torch.random.fork_rng(devices=[q.device] if q.device.type == "cuda" else [])
+                  if ctx.rng is not None else contextlib.nullcontext())
+        with replay:
             if ctx.rng is not None:
                 _set_rng_state(q.device, ctx.rng)
             for i0 in range(0, lq, plan.chunk):
@@ -136,7 +140,13 @@ def _set_rng_state(device: torch.device, state) -> None:
 
 
 def accepts(call: AttnCall) -> str | None:
-    return "empty inputs" if call.q.numel() == 0 or call.k.shape[2] == 0 else None
+    if call.q.numel() == 0 or call.k.shape[2] == 0:
+        return "empty inputs"
+    if torch.compiler.is_compiling() and torch.is_grad_enabled() and any(
+            t.requires_grad for t in (call.q, call.k, call.v, *call.heads.values())):
+        # its backward recomputes chunks with torch.autograd.grad, which torch.compile cannot trace
+        return "a backward pass under torch.compile (the per-chunk recomputation cannot be traced)"
+    return None
 
 
 def chunked_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
