@@ -1,17 +1,25 @@
 """Facts about transformers' attention modules, in one table: which modules call the attention interface, their
-head count, and what a model family is (causal LM or encoder). Model families differ only in these few facts.
+head count, which keywords they pass to it, which model families do not use the interface at all, and what a model
+family is (causal LM or encoder). Model families differ only in these few facts.
 
 Read by the state on modules (``state.py``) and by the lab (training, evaluation, diagnostics).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
 
-#: how each family's attention module exposes its head count (the other facts are common attributes)
+from ..registry import AttnormError
+
+#: how each family's attention module exposes its head count, where the generic rule (``num_heads``,
+#: ``num_attention_heads``, ``n_heads`` on the module, then the config) would not find it
 MODULE_FACTS: dict[str, str] = {
     "GPT2Attention": "num_heads",
     "BertSelfAttention": "num_attention_heads",
@@ -19,29 +27,131 @@ MODULE_FACTS: dict[str, str] = {
     "LlamaAttention": "config.num_attention_heads",
 }
 
+#: head-count attributes tried on the module, then on its config, in this order
+_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_q_heads")
+
+#: keywords of the attention interface that hf_attnorm implements (``forward.py`` reads each of them)
+IMPLEMENTED_KEYWORDS: frozenset[str] = frozenset({
+    "scaling", "dropout", "is_causal", "attention_mask",
+    "sliding_window",  # the mask transformers builds with sdpa_mask already holds the window
+    "softcap",  # s = c tanh(s / c) before the normalizer
+    "position_bias",  # s = s + b before the normalizer (T5, MPT-style ALiBi)
+    "s_aux",  # learned attention sinks: an always-visible extra key with logit s_aux[h] and value 0
+    "output_attentions",  # weights come from the reference path
+})
+
+#: keywords that carry nothing for a non-flash attention function: the boolean mask transformers builds for us
+#: (``sdpa_mask``) already holds packed sequences and positions; the rest are flags of the model's own forward
+IGNORED_KEYWORDS: dict[str, str] = {
+    **{k: "flash-attention varlen metadata; the mask built by sdpa_mask holds the same sequence boundaries"
+       for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")},
+    "position_ids": "positions are already applied to q/k (rotary) and to the mask",
+    "deterministic": "a flash-attention kernel flag",
+    "output_hidden_states": "a model output flag",
+    "output_router_logits": "a model output flag",
+    "num_items_in_batch": "a loss normalisation count",
+    "use_cache": "a model flag; the cache is updated before the attention function",
+    "cache_position": "positions are already in the mask",
+    "past_key_values": "the cache is updated before the attention function",
+    "position_embeddings": "already applied to q/k",
+    "return_dict": "a model output flag",
+}
+
+#: model families that compute attention themselves (no ``ALL_ATTENTION_FUNCTIONS`` call): refused at load/set time
+REFUSED_FAMILIES: dict[str, str] = {
+    "falcon": "Falcon picks its attention class from a fixed table (eager/sdpa/flash) and never calls the attention "
+              "interface",
+    "gptj": "GPT-J picks its attention class from a fixed table (eager/flash) and never calls the attention interface",
+    "bloom": "BLOOM computes ALiBi attention inline (alibi.baddbmm) and never calls the attention interface",
+    "mpt": "MPT computes its attention inline and never calls the attention interface",
+}
+
+_INTERFACE_MARKERS = ("ALL_ATTENTION_FUNCTIONS", "attention_interface(")
+
+
+@functools.cache
+def _forward_source(cls: type) -> str:
+    try:
+        return inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return ""
+
+
+def calls_interface(module: nn.Module) -> bool:
+    """The module's own forward calls transformers' attention interface (so the module is passed as ``module``)."""
+    if type(module).__name__ == "AttnormState" or not hasattr(module, "config"):
+        return False
+    src = _forward_source(type(module))
+    return any(m in src for m in _INTERFACE_MARKERS)
+
 
 def attention_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """Modules that call the attention interface: they carry ``config``, ``is_causal`` and ``scaling``."""
+    """Modules whose forward calls the attention interface (with or without a ``scaling`` attribute)."""
     for name, mod in model.named_modules():
-        if type(mod).__name__ == "AttnormState":  # our own child module (state.py imports this one)
-            continue
-        if hasattr(mod, "config") and hasattr(mod, "is_causal") and hasattr(mod, "scaling") and not hasattr(
-            mod, "post_init"
-        ):
+        if calls_interface(mod):
             yield name, mod
 
 
+_CALL = re.compile(r"attention_interface\((.*?)\n\s*\)", re.S)
+
+
+@functools.cache
+def interface_keywords(cls: type) -> frozenset[str]:
+    """Keywords the module's forward passes by name to the attention interface (read from its source; ``**kwargs``
+    passthrough is checked per call in ``forward.py``)."""
+    out: set[str] = set()
+    for body in _CALL.findall(_forward_source(cls)):
+        out.update(k for k in re.findall(r"(?<![=!<>])\b(\w+)\s*=(?!=)", body))
+    return frozenset(out)
+
+
+def unsupported_keywords(module: nn.Module) -> list[str]:
+    """Keywords this module passes that hf_attnorm neither implements nor may ignore."""
+    known = IMPLEMENTED_KEYWORDS | IGNORED_KEYWORDS.keys()
+    return sorted(k for k in interface_keywords(type(module)) if k not in known)
+
+
 def num_heads_of(module: nn.Module) -> int:
+    """The number of query heads of an attention module, from the module (or its config); AttnormError if none."""
     attr = MODULE_FACTS.get(type(module).__name__)
     if attr is not None:
         obj: Any = module
         for part in attr.split("."):
             obj = getattr(obj, part)
         return int(obj)
-    for attr in ("num_heads", "num_attention_heads"):
-        if isinstance(getattr(module, attr, None), int):
-            return int(getattr(module, attr))
-    return int(module.config.num_attention_heads)
+    cfg = getattr(module, "config", None)
+    for owner in (module, cfg):
+        for attr in _HEAD_ATTRS:
+            value = getattr(owner, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    raise AttnormError(
+        f"hf_attnorm cannot determine the number of heads of {type(module).__name__} (none of "
+        f"{', '.join(_HEAD_ATTRS)} on the module or its config); add it to hf_attnorm.hf.families.MODULE_FACTS"
+    )
+
+
+def family_of(model_or_cls: Any) -> str:
+    cls = model_or_cls if isinstance(model_or_cls, type) else type(model_or_cls)
+    return getattr(getattr(cls, "config_class", None), "model_type", None) or cls.__name__
+
+
+def refusal_reason(model_or_cls: Any) -> str | None:
+    """Why hf_attnorm cannot run this model class (its family computes attention itself), or None."""
+    cls = model_or_cls if isinstance(model_or_cls, type) else type(model_or_cls)
+    family = family_of(cls)
+    if family in REFUSED_FAMILIES:
+        return REFUSED_FAMILIES[family]
+    mod = sys.modules.get(cls.__module__)
+    sub = getattr(getattr(cls, "config_class", None), "sub_configs", None)
+    if mod is not None and not sub and cls.__module__.startswith("transformers.models."):
+        try:
+            src = inspect.getsource(mod)
+        except (OSError, TypeError):
+            return None
+        if "ALL_ATTENTION_FUNCTIONS" not in src and "AttentionInterface" not in src:
+            return f"{family} computes attention itself and never calls transformers' attention interface"
+    return None
 
 
 def module_info(module: nn.Module) -> dict[str, Any]:
@@ -50,5 +160,3 @@ def module_info(module: nn.Module) -> dict[str, Any]:
     return {"max_positions": max_pos, "family": type(module).__name__,
             "layer_idx": getattr(module, "layer_idx", None), "num_heads": num_heads_of(module),
             "head_dim": getattr(module, "head_dim", None) or getattr(module, "attention_head_size", None)}
-
-

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from ..attention import param_specs
-from ..registry import SCALES, AttnormError
+from ..registry import NORMALIZERS, SCALES, AttnormError
 from ..settings import AttnormSettings, resolve_settings
-from .families import module_info, num_heads_of
+from .families import interface_keywords, module_info, num_heads_of, unsupported_keywords
 
 logger = logging.getLogger("hf_attnorm")
 
@@ -101,7 +101,11 @@ def install(module: nn.Module, settings: AttnormSettings) -> AttnormState:
     old = module._modules.get("attnorm")
     if isinstance(old, AttnormState) and old.settings == settings:
         return old
-    ref = next((p for p in module.parameters(recurse=False)), None) or next(iter(module.parameters()), None)
+    check_module(module, settings)
+    # `is None`, not `or`: a module's own parameter (GPT-OSS sinks) is a tensor with no truth value
+    ref = next(module.parameters(recurse=False), None)
+    if ref is None:
+        ref = next(module.parameters(), None)
     state = AttnormState(settings, num_heads_of(module), module_info(module))
     if ref is not None:
         state.to(device=ref.device)
@@ -114,6 +118,30 @@ def install(module: nn.Module, settings: AttnormSettings) -> AttnormState:
                 state._parameters[spec.name] = prev  # keep the learned value (and the optimizer's reference)
     module.attnorm = state
     return state
+
+
+#: keywords that act on the score matrix, which a scoreless normalizer (linear attention) does not have
+SCORE_KEYWORDS = ("softcap", "position_bias", "s_aux")
+
+
+def check_module(module: nn.Module, settings: AttnormSettings) -> None:
+    """Refuse, at load/set time, a module that passes the attention interface a keyword hf_attnorm does not
+    implement, or a score keyword (soft-cap, bias, sinks) to a normalizer without scores."""
+    name = type(module).__name__
+    bad = unsupported_keywords(module)
+    if bad:
+        raise AttnormError(
+            f"{name} passes {', '.join(map(repr, bad))} to the attention function, which hf_attnorm does not "
+            f"implement; its attention would be computed without it. Use attn_implementation='sdpa' or 'eager'."
+        )
+    norm = NORMALIZERS.get(settings.normalizer)
+    score_kw = [k for k in SCORE_KEYWORDS if k in interface_keywords(type(module))]
+    if score_kw and norm.scoreless:
+        raise AttnormError(
+            f"{name} passes {', '.join(map(repr, score_kw))} to the attention function, which act on the score "
+            f"matrix; normalizer {settings.normalizer!r} ({settings.implementation!r}) has no score matrix (its "
+            "weights are products of positive features), so it cannot apply them. Choose a score-based normalizer."
+        )
 
 
 def uninstall(module: nn.Module) -> None:

@@ -26,7 +26,7 @@ import torch
 
 from ..normalizers.base import Normalizer
 from . import PathDeclined
-from .base import AttnCall, compute_dtype
+from .base import AttnCall, compute_dtype, score_mod_reason
 
 logger = logging.getLogger("hf_attnorm")
 
@@ -195,9 +195,17 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _bias_cap_reason(call: AttnCall) -> str | None:
+    """The C++ kernel takes no score bias, soft-cap or sinks yet: such calls go to the chunked path."""
+    return score_mod_reason(call)
+
+
 def accepts(call: AttnCall) -> str | None:
     """None when this path can run the call, else the reason it cannot."""
     name = call.settings.normalizer
+    reason = _bias_cap_reason(call)
+    if reason is not None:
+        return reason
     if name not in KINDS:
         return f"normalizer {name!r} has no fused CPU kernel (kernels: {', '.join(KINDS)})"
     norm = type(call.normalizer)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from ..normalizers.base import masked_fill_zero, safe_divide
 from ..normalizers.linear import linear_attention
 from . import PathDeclined
-from .base import AttnCall, compute_dtype
+from .base import AttnCall, compute_dtype, score_mod_reason
 
 
 def decompose_mask(call: AttnCall) -> tuple[bool, int, torch.Tensor | None, torch.Tensor | None] | None:
@@ -43,6 +43,8 @@ def linear_chunked_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     """out [B, H, Lq, Dv]; raises PathDeclined (with the reason) for calls this path cannot run."""
     if not call.normalizer.scoreless:  # e.g. forced through HF_ATTNORM_PATH onto another normalizer
         raise PathDeclined(f"normalizer {call.settings.normalizer!r} has no linear (scoreless) form")
+    if score_mod_reason(call) is not None:
+        raise PathDeclined(f"{score_mod_reason(call)} (linear attention forms no scores)")
     if call.dropout > 0:
         raise PathDeclined("dropout > 0 acts on the weights, which this path never forms")
     parts = decompose_mask(call)

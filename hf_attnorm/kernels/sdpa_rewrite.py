@@ -33,7 +33,16 @@ SOFTMAX_FAMILY: dict[str, bool] = {"softmax": False, "cosine": False, "softmax_n
 
 
 def sink_logit(call: AttnCall, dtype: torch.dtype) -> torch.Tensor | None:
-    """lambda: 0-d (softmax_n: ln n_extra) or [H] (sink: sigma_h, autograd-connected); None without a sink."""
+    """lambda: 0-d (softmax_n: ln n_extra) or [H] (sink: sigma_h, autograd-connected), combined with the call's
+    attention sinks (s_aux [H]) as log(e^lambda + e^s_aux); None without any sink."""
+    lam = _own_sink_logit(call, dtype)
+    if call.sinks is None:
+        return lam
+    aux = call.sinks.to(device=call.q.device, dtype=dtype)
+    return aux if lam is None else torch.logaddexp(lam, aux)
+
+
+def _own_sink_logit(call: AttnCall, dtype: torch.dtype) -> torch.Tensor | None:
     name = call.settings.normalizer
     if name == "softmax_n":
         n_extra = call.settings.n_extra
@@ -45,6 +54,13 @@ def sink_logit(call: AttnCall, dtype: torch.dtype) -> torch.Tensor | None:
     return None
 
 
+def _bias_cap_reason(call: AttnCall) -> str | None:
+    """SDPA applies a bias (as a float mask) and sinks (the lse rewrite) exactly, but cannot soft-cap scores."""
+    if call.softcap is not None:
+        return "SDPA cannot soft-cap the scores (tanh) before its softmax"
+    return None
+
+
 def _check_family(call: AttnCall) -> None:
     name = call.settings.normalizer
     if name not in SOFTMAX_FAMILY:
@@ -53,6 +69,9 @@ def _check_family(call: AttnCall) -> None:
         raise PathDeclined(f"normalizer {name!r} has a feature map")
     if call.q.numel() == 0 or call.k.shape[2] == 0:
         raise PathDeclined("empty inputs")  # SDPA's CPU kernel crashes (SIGFPE) on zero keys
+    reason = _bias_cap_reason(call)
+    if reason is not None:
+        raise PathDeclined(reason)
     if not call.q.dtype.is_floating_point:
         raise PathDeclined(f"dtype {call.q.dtype}")
 
@@ -82,8 +101,17 @@ def _simplify_mask(call: AttnCall) -> tuple[torch.Tensor | None, bool]:
     return keep, False
 
 
-def _additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
+def _additive(keep: torch.Tensor | None, dtype: torch.dtype, bias: torch.Tensor | None = None,
+              shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The float mask SDPA adds to the scores: the bias (or 0) where visible, -inf elsewhere."""
+    if bias is None:
+        assert keep is not None
+        return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
+    bias = bias.to(dtype)
+    if keep is not None:
+        bias = bias.masked_fill(~keep, float("-inf"))
+    # one [B|1, H|1, Lq, Lk] mask (SDPA broadcasts the leading dims only)
+    return bias.expand(*bias.shape[:2], *shape[2:]) if shape is not None else bias
 
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -134,23 +162,32 @@ def _zero_dead_rows(keep: torch.Tensor | None, call: AttnCall) -> tuple[torch.Te
 def sdpa_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     """softmax / cosine (any device, dropout ok) and softmax_n / sink (CPU, no dropout, D == Dv)."""
     _check_family(call)
-    has_sink = SOFTMAX_FAMILY[call.settings.normalizer]
+    has_sink = SOFTMAX_FAMILY[call.settings.normalizer] or call.sinks is not None
     on_cpu = call.q.device.type == "cpu"
     dt = compute_dtype(call.q.dtype) if on_cpu else call.q.dtype
     lam = sink_logit(call, dt) if has_sink else None
     same_dim = call.v.shape[-1] == call.q.shape[-1]
     keep, causal = _simplify_mask(call)
-    if on_cpu and call.dropout == 0 and same_dim and dt in (torch.float32, torch.float64):
+    bias = call.bias
+    if bias is not None and causal:  # a bias goes in SDPA's float mask, which excludes is_causal
+        keep, causal = call.mask.dense(call.q.device), False
+    # the flash kernel's backward gives no gradient to its mask: a learned bias (T5) takes SDPA's own autograd
+    bias_grad = bias is not None and bias.requires_grad and torch.is_grad_enabled()
+    shape = (call.q.shape[0], call.q.shape[1], call.q.shape[2], call.k.shape[2])
+    if on_cpu and call.dropout == 0 and same_dim and dt in (torch.float32, torch.float64) and not bias_grad:
         q, k, v = _prepare(call, dt)
-        mask = None if keep is None else _additive(keep, dt)
+        mask = None if keep is None and bias is None else _additive(keep, dt, bias, shape)
         out = _FlashCPU.apply(q, k, v, lam, mask, causal)
         return out.to(call.q.dtype), None
     if lam is not None:
         why = ("dropout > 0" if call.dropout > 0 else "head dims of v and q differ" if not same_dim else
+               "a score bias that needs a gradient" if bias_grad else
                f"device {call.q.device}" if not on_cpu else f"dtype {dt}")
         raise PathDeclined(f"the lse rewrite of the sink needs SDPA's CPU flash kernel ({why}); see sdpa_sinkcol")
     q, k, v = _prepare(call, dt)
     keep, live = _zero_dead_rows(keep, call)
+    if bias is not None:
+        keep = _additive(keep, dt, bias, shape)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=call.dropout, is_causal=causal,
                                          scale=1.0, enable_gqa=q.shape[1] != k.shape[1])
     if live is not None:
@@ -163,6 +200,8 @@ def sdpa_sinkcol_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     _check_family(call)
     if not SOFTMAX_FAMILY[call.settings.normalizer]:
         raise PathDeclined("sdpa_sinkcol is for the normalizers with a sink (softmax_n, sink)")
+    if call.bias is not None:
+        raise PathDeclined("sdpa_sinkcol does not apply a score bias")
     dt = compute_dtype(call.q.dtype) if call.q.device.type == "cpu" else call.q.dtype
     lam = sink_logit(call, dt)
     q, k, v = _prepare(call, dt)

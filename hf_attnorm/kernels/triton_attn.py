@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from ..normalizers.base import Normalizer
-from .base import AttnCall
+from .base import AttnCall, score_mod_reason
 
 # imported on first use (``_load_triton``): the plain package needs no triton, and triton fixes compiled vs
 # interpreted mode for its own library functions when it is imported
@@ -749,6 +749,11 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, stacklevel=3)
 
 
+def _bias_cap_reason(call: AttnCall) -> str | None:
+    """The Triton kernels take no score bias, soft-cap or sinks yet: such calls go to the chunked path."""
+    return score_mod_reason(call) if getattr(call, "modifies_scores", False) else None
+
+
 def triton_attention(call: AttnCall) -> tuple[torch.Tensor, None] | None:
     """out [B, H, Lq, Dv] (input dtype), or declined (PathDeclined with the reason, or None with an older kernels
     package): other normalizers, weights requested, dropout > 0 (the weights are never formed), fp64, empty
@@ -758,6 +763,9 @@ def triton_attention(call: AttnCall) -> tuple[torch.Tensor, None] | None:
     q, k, v = call.q, call.k, call.v
     if name not in KINDS:
         return _decline(f"no Triton kernel for normalizer {name!r} (kernels: {', '.join(KINDS)})")
+    reason = _bias_cap_reason(call)
+    if reason is not None:
+        return _decline(reason)
     if call.need_weights or call.dropout > 0:
         return _decline("the Triton kernels never form the weights (no output_attentions, no dropout on weights)")
     norm = type(call.normalizer)
