@@ -55,6 +55,8 @@ IGNORED_KEYWORDS: dict[str, str] = {
     "past_key_values": "the cache is updated before the attention function",
     "position_embeddings": "already applied to q/k",
     "return_dict": "a model output flag",
+    "encoder_hidden_states": "cross-attention: already projected into the key/value the function receives",
+    "encoder_attention_mask": "cross-attention: already in the attention_mask the function receives",
 }
 
 #: model families that compute attention themselves (no ``ALL_ATTENTION_FUNCTIONS`` call): refused at load/set time
