@@ -149,6 +149,8 @@ def register() -> None:
     def set_attn_implementation(self, attn_implementation, *args, **kwargs):
         if isinstance(attn_implementation, str):
             attn_implementation = canonical(attn_implementation)
+            if is_ours(attn_implementation):
+                refuse_family(self, attn_implementation)  # transformers only logs a warning for these families
         orig_set(self, attn_implementation, *args, **kwargs)
         sync_model(self, explicit=True)
 
