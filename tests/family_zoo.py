@@ -95,8 +95,9 @@ FAMILIES: dict[str, Family] = {
     "vit": Family("ViTConfig", "ViTModel", dict(_VIT), "vision"),
     "dinov2": Family("Dinov2Config", "Dinov2Model", dict(_VIT), "vision"),
     "clip": Family("CLIPConfig", "CLIPModel",
+                   # eos_token_id 2: CLIP's legacy pooling at the largest id (random ids hold no real eos token)
                    dict(text_config=dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                         intermediate_size=64, max_position_embeddings=64),
+                                         intermediate_size=64, max_position_embeddings=64, eos_token_id=2),
                         vision_config=dict(_VIT), projection_dim=16), "dual"),
     "siglip": Family("SiglipConfig", "SiglipModel",
                      dict(text_config=dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -122,18 +123,23 @@ def make_config(name: str) -> transformers.PretrainedConfig:
     return getattr(transformers, fam.config)(**fam.kwargs)
 
 
-def build(name: str, implementation: str, seed: int = 0, **kw: Any) -> transformers.PreTrainedModel:
-    """A tiny random model of family ``name`` with ``implementation`` (weights fixed by ``seed``), in eval mode."""
+def build(name: str, implementation: str, seed: int = 0, attnorm: dict[str, Any] | None = None,
+          **kw: Any) -> transformers.PreTrainedModel:
+    """A tiny random model of family ``name`` with ``implementation`` (weights fixed by ``seed``) and attnorm
+    option overrides, in eval mode."""
     fam = FAMILIES.get(name) or REFUSED[name]
     torch.manual_seed(seed)
+    config = make_config(name)
+    if attnorm is not None:
+        config.attnorm = dict(attnorm)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = getattr(transformers, fam.model)._from_config(make_config(name), attn_implementation=implementation,
-                                                              **kw)
+        model = getattr(transformers, fam.model)._from_config(config, attn_implementation=implementation, **kw)
     return model.eval()
 
 
-def inputs(name: str, seed: int = 0, pad: bool = True, length: int = L) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+def inputs(name: str, seed: int = 0, pad: bool = True,
+           length: int = L) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
     """(model inputs, live [B, L] of the output rows that padding leaves meaningful, or None: every row)."""
     fam = FAMILIES[name]
     g = torch.Generator().manual_seed(seed)

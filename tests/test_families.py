@@ -27,7 +27,7 @@ from hf_attnorm.attention import param_specs
 from hf_attnorm.hf.families import attention_modules, num_heads_of
 from hf_attnorm.hf.forward import LAST_CALL
 from hf_attnorm.hf.state import AttnormState
-from hf_attnorm.registry import NORMALIZERS, PRESETS, AttnormError
+from hf_attnorm.registry import NORMALIZERS, PRESETS, SCALES, AttnormError
 from hf_attnorm.settings import resolve_settings
 
 NAMES = list(FAMILIES)
@@ -292,7 +292,10 @@ def _every_impl(family: str) -> None:
     for impl in PRESETS:
         if impl in SCORELESS and FAMILIES[family].keywords:
             continue  # refused at load: test_score_keywords_refused_for_scoreless_normalizers_at_load
-        model = build(family, impl).train()
+        scale = SCALES.get(resolve_settings(impl, {}).scale)
+        # scales that need a training length get one where the config has no max_position_embeddings (T5)
+        extra = {"attnorm": {"train_length": 64}} if "train_length" in scale.options else {}
+        model = build(family, impl, **extra).train()
         for m in model.modules():
             if isinstance(m, torch.nn.Dropout):
                 m.p = 0.0
