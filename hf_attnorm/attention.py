@@ -73,6 +73,9 @@ def make_call(
         raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
     if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != H):
         raise ValueError(f"sinks (s_aux) must be one logit per head, shape [{H}], got {list(sinks.shape)}")
+    if sinks is not None and norm.row_sum == "free":
+        raise ValueError(f"normalizer {settings.normalizer!r} weighs each key on its own (no sum over keys), so an "
+                         "attention sink (s_aux) would change nothing; it is refused rather than ignored")
     if (bias is not None or softcap is not None or sinks is not None) and norm.scoreless:
         raise ValueError(f"normalizer {settings.normalizer!r} has no score matrix, so it cannot apply a score bias, "
                          "soft-cap or attention sinks")

@@ -46,6 +46,7 @@ LEARNABLE = [p for p in PRESETS if _learnable(p)]
 #: the default run's representative: the first learnable preset on a softmax-family normalizer (exact SDPA path)
 LEARN = next(p for p in LEARNABLE if resolve_settings(p, {}).normalizer == "softmax")
 SCORELESS = {p for p in PRESETS if NORMALIZERS.get(resolve_settings(p, {}).normalizer).scoreless}
+FREE = {p for p in PRESETS if NORMALIZERS.get(resolve_settings(p, {}).normalizer).row_sum == "free"}
 
 ERRORS: dict[str, dict[str, float]] = {}
 
@@ -292,6 +293,10 @@ def _every_impl(family: str) -> None:
     for impl in PRESETS:
         if impl in SCORELESS and FAMILIES[family].keywords:
             continue  # refused at load: test_score_keywords_refused_for_scoreless_normalizers_at_load
+        if impl in FREE and "s_aux" in FAMILIES[family].keywords:
+            with pytest.raises(AttnormError, match="'s_aux'"):
+                build(family, impl)  # a sink would change nothing for a normalizer without a sum over keys
+            continue
         scale = SCALES.get(resolve_settings(impl, {}).scale)
         # scales that need a training length get one where the config has no max_position_embeddings (T5)
         extra = {"attnorm": {"train_length": 64}} if "train_length" in scale.options else {}

@@ -142,6 +142,12 @@ def check_module(module: nn.Module, settings: AttnormSettings) -> None:
             f"matrix; normalizer {settings.normalizer!r} ({settings.implementation!r}) has no score matrix (its "
             "weights are products of positive features), so it cannot apply them. Choose a score-based normalizer."
         )
+    if "s_aux" in score_kw and norm.row_sum == "free":
+        raise AttnormError(
+            f"{name} passes 's_aux' (learned attention sinks) to the attention function; normalizer "
+            f"{settings.normalizer!r} weighs each key on its own (no sum over keys), so a sink would change nothing "
+            "and the model's sink weights would be silently unused. Choose a normalizer that sums over keys."
+        )
 
 
 def uninstall(module: nn.Module) -> None:
