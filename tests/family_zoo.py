@@ -23,7 +23,8 @@ class Family:
     config: str
     model: str
     kwargs: dict[str, Any]
-    #: "causal" (decoder LM), "encoder" (bidirectional text), "seq2seq", "speech" (Whisper), "vision", "dual"
+    #: "causal" (decoder LM), "encoder" (bidirectional text), "seq2seq", "speech" (Whisper), "audio" (wav2vec2
+    #: encoders), "vision", "dual" (CLIP-like text + image)
     kind: str
     #: keywords of the attention interface this family passes with a value (s_aux, softcap, position_bias...)
     keywords: tuple[str, ...] = ()
@@ -39,6 +40,8 @@ _LM_GQA = dict(_LM, num_key_value_heads=2)
 _NOTOK = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 _BART = dict(vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
              decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)
+_T5 = dict(vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, relative_attention_num_buckets=8,
+           decoder_start_token_id=0, pad_token_id=0)
 _VIT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=IMG,
             patch_size=8)
 
@@ -71,6 +74,20 @@ FAMILIES: dict[str, Family] = {
                       dict(_LM_GQA, head_dim=8, num_local_experts=2, num_experts_per_tok=1, sliding_window=5,
                            layer_types=["sliding_attention", "full_attention"], **_NOTOK),
                       "causal", ("s_aux",), window=5),
+    # every other family that passes a keyword hf_attnorm implements (s_aux, softcap, position_bias)
+    "vaultgemma": Family("VaultGemmaConfig", "VaultGemmaForCausalLM",
+                         dict(_LM_GQA, head_dim=8, sliding_window=5, **_NOTOK), "causal", ("softcap",), window=5),
+    "granite_swa": Family("GraniteSWAConfig", "GraniteSWAForCausalLM", dict(_LM_GQA, **_NOTOK), "causal",
+                          ("s_aux",)),
+    "granitemoe_swa": Family("GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM",
+                             dict(_LM_GQA, num_local_experts=2, num_experts_per_tok=1, **_NOTOK), "causal",
+                             ("s_aux",)),
+    "mimo_v2_flash": Family("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM",
+                            dict(_LM_GQA, head_dim=8, v_head_dim=8, moe_intermediate_size=16, n_routed_experts=2,
+                                 num_experts_per_tok=1, sliding_window=5, **_NOTOK), "causal", ("s_aux",), window=5),
+    "flint": Family("FlintConfig", "FlintForCausalLM", dict(_LM_GQA, head_dim=8, **_NOTOK), "causal", ("s_aux",)),
+    "openai_privacy_filter": Family("OpenAIPrivacyFilterConfig", "OpenAIPrivacyFilterForTokenClassification",
+                                    dict(_LM_GQA, head_dim=8, **_NOTOK), "encoder", ("s_aux",)),
     "bert": Family("BertConfig", "BertModel", dict(_LM), "encoder"),
     "roberta": Family("RobertaConfig", "RobertaModel", dict(_LM, pad_token_id=1), "encoder"),
     "xlm_roberta": Family("XLMRobertaConfig", "XLMRobertaModel", dict(_LM, pad_token_id=1), "encoder"),
@@ -83,10 +100,26 @@ FAMILIES: dict[str, Family] = {
     "bart": Family("BartConfig", "BartForConditionalGeneration", dict(_BART), "seq2seq"),
     "marian": Family("MarianConfig", "MarianMTModel", dict(_BART, decoder_start_token_id=0, pad_token_id=0),
                      "seq2seq"),
-    "t5": Family("T5Config", "T5ForConditionalGeneration",
-                 dict(vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-                      relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=0),
-                 "seq2seq", ("position_bias",)),
+    "t5": Family("T5Config", "T5ForConditionalGeneration", dict(_T5), "seq2seq", ("position_bias",)),
+    "mt5": Family("MT5Config", "MT5ForConditionalGeneration", dict(_T5), "seq2seq", ("position_bias",)),
+    "umt5": Family("UMT5Config", "UMT5ForConditionalGeneration", dict(_T5), "seq2seq", ("position_bias",)),
+    "switch_transformers": Family("SwitchTransformersConfig", "SwitchTransformersForConditionalGeneration",
+                                  dict(_T5, num_experts=2, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1,
+                                       num_decoder_layers=2), "seq2seq", ("position_bias",)),
+    "pop2piano": Family("Pop2PianoConfig", "Pop2PianoForConditionalGeneration", dict(_T5), "seq2seq",
+                        ("position_bias",)),
+    "wav2vec2_conformer": Family("Wav2Vec2ConformerConfig", "Wav2Vec2ConformerModel",
+                                 dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=64, conv_dim=(16, 16), conv_stride=(4, 4),
+                                      conv_kernel=(8, 8), position_embeddings_type="relative",
+                                      num_conv_pos_embeddings=8, conv_depthwise_kernel_size=3), "audio",
+                                 ("position_bias",)),
+    "wav2vec2_bert": Family("Wav2Vec2BertConfig", "Wav2Vec2BertModel",
+                            dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                 intermediate_size=64, feature_projection_input_dim=16,
+                                 position_embeddings_type="relative_key", conv_depthwise_kernel_size=3,
+                                 left_max_position_embeddings=8, right_max_position_embeddings=8), "audio",
+                            ("position_bias",)),
     "whisper": Family("WhisperConfig", "WhisperForConditionalGeneration",
                       dict(vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8,
@@ -162,6 +195,13 @@ def inputs(name: str, seed: int = 0, pad: bool = True,
         feats = torch.randn(2, 8, 32, generator=g)
         dec = torch.randint(3, V, (2, 7), generator=g)
         return {"input_features": feats, "decoder_input_ids": dec}, None
+    if fam.kind == "audio":
+        if name == "wav2vec2_bert":
+            mask = torch.ones(2, length, dtype=torch.long)
+            if pad:
+                mask[0, -4:] = 0
+            return {"input_features": torch.randn(2, length, 16, generator=g), "attention_mask": mask}, mask.bool()
+        return {"input_values": torch.randn(2, 16 * length, generator=g)}, None
     pixels = torch.randn(2, 3, IMG, IMG, generator=g)
     if fam.kind == "vision":
         return {"pixel_values": pixels}, None

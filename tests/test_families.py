@@ -321,3 +321,27 @@ def test_every_implementation_runs_with_keywords(family):
 @pytest.mark.parametrize("family", [n for n in NAMES if n not in KEYWORD_FAMILIES])
 def test_every_implementation_runs(family):
     _every_impl(family)
+
+
+@pytest.mark.parametrize("family", ["vit", "gpt2"])
+def test_verify_follows_renaming_and_env_skips_every_check(family, tmp_path, monkeypatch):
+    """ViT saves its layers as encoder.layer.N (the module is layers.N): the post-load check must follow that; a
+    checkpoint that really lacks a learned value fails it, unless HF_ATTNORM_VERIFY=0 (which skips every check)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from hf_attnorm.hf.persistence import CheckpointError
+
+    model = build(family, LEARN)
+    model.save_pretrained(tmp_path)
+    type(model).from_pretrained(tmp_path)  # renamed keys are found
+    f = tmp_path / "model.safetensors"
+    with safe_open(f, "pt") as fh:
+        meta = fh.metadata()
+    state = {k: v for k, v in load_file(f).items() if ".attnorm." not in k}
+    save_file(state, f, metadata=meta)
+    (tmp_path / "attnorm_checksums.json").unlink()
+    with pytest.raises(CheckpointError, match="lack the learned parameter"):
+        type(model).from_pretrained(tmp_path)
+    monkeypatch.setenv("HF_ATTNORM_VERIFY", "0")
+    type(model).from_pretrained(tmp_path)

@@ -7,10 +7,11 @@ Read by the state on modules (``state.py``) and by the lab (training, evaluation
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
-import re
 import sys
+import textwrap
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,7 +33,7 @@ _HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_q_h
 
 #: keywords of the attention interface that hf_attnorm implements (``forward.py`` reads each of them)
 IMPLEMENTED_KEYWORDS: frozenset[str] = frozenset({
-    "scaling", "dropout", "is_causal", "attention_mask",
+    "query", "key", "value", "attention_mask", "scaling", "dropout", "is_causal",
     "sliding_window",  # the mask transformers builds with sdpa_mask already holds the window
     "softcap",  # s = c tanh(s / c) before the normalizer
     "position_bias",  # s = s + b before the normalizer (T5, MPT-style ALiBi)
@@ -43,7 +44,7 @@ IMPLEMENTED_KEYWORDS: frozenset[str] = frozenset({
 #: keywords that carry nothing for a non-flash attention function: the boolean mask transformers builds for us
 #: (``sdpa_mask``) already holds packed sequences and positions; the rest are flags of the model's own forward
 IGNORED_KEYWORDS: dict[str, str] = {
-    **{k: "flash-attention varlen metadata; the mask built by sdpa_mask holds the same sequence boundaries"
+    **{k: "flash-attention varlen metadata: like sdpa and eager, the boolean mask (sdpa_mask) is what counts"
        for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")},
     "position_ids": "positions are already applied to q/k (rotary) and to the mask",
     "deterministic": "a flash-attention kernel flag",
@@ -66,6 +67,8 @@ REFUSED_FAMILIES: dict[str, str] = {
     "gptj": "GPT-J picks its attention class from a fixed table (eager/flash) and never calls the attention interface",
     "bloom": "BLOOM computes ALiBi attention inline (alibi.baddbmm) and never calls the attention interface",
     "mpt": "MPT computes its attention inline and never calls the attention interface",
+    "longt5": "LongT5's encoder attention (local and transient-global) is computed inline; only its decoder calls the "
+              "attention interface, so the encoder would silently keep its own softmax",
 }
 
 _INTERFACE_MARKERS = ("ALL_ATTENTION_FUNCTIONS", "attention_interface(")
@@ -94,16 +97,19 @@ def attention_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, mod
 
 
-_CALL = re.compile(r"attention_interface\((.*?)\n\s*\)", re.S)
-
-
 @functools.cache
 def interface_keywords(cls: type) -> frozenset[str]:
-    """Keywords the module's forward passes by name to the attention interface (read from its source; ``**kwargs``
-    passthrough is checked per call in ``forward.py``)."""
+    """Keywords the module's forward passes by name to the attention interface: the keyword arguments of every call
+    of a local named ``attention_interface`` in its source (``**kwargs`` passthrough is checked per call in
+    ``forward.py``)."""
+    try:
+        tree = ast.parse(textwrap.dedent(_forward_source(cls)))
+    except SyntaxError:
+        return frozenset()
     out: set[str] = set()
-    for body in _CALL.findall(_forward_source(cls)):
-        out.update(k for k in re.findall(r"(?<![=!<>])\b(\w+)\s*=(?!=)", body))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "attention_interface":
+            out.update(kw.arg for kw in node.keywords if kw.arg is not None)
     return frozenset(out)
 
 
@@ -138,21 +144,27 @@ def family_of(model_or_cls: Any) -> str:
     return getattr(getattr(cls, "config_class", None), "model_type", None) or cls.__name__
 
 
+@functools.cache
+def _module_calls_interface(module_name: str) -> bool | None:
+    mod = sys.modules.get(module_name)
+    try:
+        src = inspect.getsource(mod) if mod is not None else None
+    except (OSError, TypeError):
+        src = None
+    return None if src is None else ("ALL_ATTENTION_FUNCTIONS" in src or "AttentionInterface" in src)
+
+
 def refusal_reason(model_or_cls: Any) -> str | None:
     """Why hf_attnorm cannot run this model class (its family computes attention itself), or None."""
     cls = model_or_cls if isinstance(model_or_cls, type) else type(model_or_cls)
     family = family_of(cls)
     if family in REFUSED_FAMILIES:
         return REFUSED_FAMILIES[family]
-    mod = sys.modules.get(cls.__module__)
+    # composite models (sub-configs) delegate attention to sub-models defined elsewhere: checked after building
     sub = getattr(getattr(cls, "config_class", None), "sub_configs", None)
-    if mod is not None and not sub and cls.__module__.startswith("transformers.models."):
-        try:
-            src = inspect.getsource(mod)
-        except (OSError, TypeError):
-            return None
-        if "ALL_ATTENTION_FUNCTIONS" not in src and "AttentionInterface" not in src:
-            return f"{family} computes attention itself and never calls transformers' attention interface"
+    if not sub and cls.__module__.startswith("transformers.models.") and \
+            _module_calls_interface(cls.__module__) is False:
+        return f"{family} computes attention itself and never calls transformers' attention interface"
     return None
 
 
