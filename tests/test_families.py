@@ -154,6 +154,11 @@ def test_unknown_keyword_refused_at_load_and_per_call():
     fn = hf_attnorm.hf.forward.forward_for("symax")
     with pytest.raises(AttnormError, match="'block_indices'"):
         fn(model.model.layers[0].self_attn, q, q[:, :2], q[:, :2], None, block_indices=1)
+    # a sliding window with no mask is only legal when it cannot bite (sdpa_mask skips the mask only then)
+    with pytest.raises(AttnormError, match="sliding_window=2"):
+        fn(model.model.layers[0].self_attn, q, q[:, :2], q[:, :2], None, sliding_window=2)
+    out, _ = fn(model.model.layers[0].self_attn, q, q[:, :2], q[:, :2], None, sliding_window=3)
+    assert torch.isfinite(out).all()
 
 
 # ---------------------------------------------------------------------------------------------- equivalence
@@ -247,7 +252,7 @@ def test_train_step_reaches_learnable_values(family):
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # built right after loading, as a user does
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)  # built right after loading, as users do
     params = {n: p for n, p in model.named_parameters() if ".attnorm." in n}
     before = {n: p.detach().clone() for n, p in params.items()}
     x, _ = inputs(family)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -65,8 +64,12 @@ def hf_attention_forward(
     if unknown:  # a backstop: modules are checked at load/set time, but **kwargs can carry anything
         raise AttnormError(f"{type(module).__name__} passed {', '.join(map(repr, sorted(unknown)))} to the "
                            "attention function, which hf_attnorm does not implement")
-    if kwargs.get("sliding_window") is not None and attention_mask is None:
-        warnings.warn("hf_attnorm: sliding_window given without a mask; full causal attention is used", stacklevel=2)
+    window = kwargs.get("sliding_window")
+    if window is not None and attention_mask is None and key.shape[2] > window:
+        # sdpa_mask returns None only when the window cannot matter (fewer keys than the window)
+        raise AttnormError(f"{type(module).__name__}: sliding_window={window} with {key.shape[2]} keys but no "
+                           "mask; hf_attnorm would attend beyond the window. Build the model's masks with "
+                           "transformers' mask functions (sdpa_mask).")
     call = make_call(
         query, key, value, state.settings, state.heads(query.device), attention_mask, causal, scaling,
         dropout if module.training else 0.0, _weights_requested(kwargs), state.module_info,
