@@ -166,8 +166,10 @@ def build(name: str, implementation: str, seed: int = 0, attnorm: dict[str, Any]
     fam = FAMILIES.get(name) or REFUSED[name]
     torch.manual_seed(seed)
     config = make_config(name)
-    if attnorm is not None:
-        config.attnorm = dict(attnorm)
+    if attnorm is not None:  # on the sub-configs too: composite models (CLIP) build their towers from them
+        for cfg in (config, *(getattr(config, name, None) for name in getattr(config, "sub_configs", {}))):
+            if cfg is not None:
+                cfg.attnorm = dict(attnorm)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = getattr(transformers, fam.model)._from_config(config, attn_implementation=implementation, **kw)
