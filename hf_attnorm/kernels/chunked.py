@@ -12,6 +12,8 @@ and ``MAX_CHUNK``); with a causal call and no mask a chunk only scores the keys 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -103,8 +105,10 @@ class _ChunkedFn(torch.autograd.Function):
         dbias = torch.zeros_like(bias) if need[3 + nh] else None
         dsinks = torch.zeros_like(sinks) if need[4 + nh] else None
         lq = q.shape[2]
-        with torch.random.fork_rng(devices=[q.device] if q.device.type == "cuda" else [],
-                                   enabled=ctx.rng is not None):
+        # without dropout no RNG state is replayed, and no fork_rng is entered (torch.compile cannot trace it)
+        replay = (torch.random.fork_rng(devices=[q.device] if q.device.type == "cuda" else [])
+                  if ctx.rng is not None else contextlib.nullcontext())
+        with replay:
             if ctx.rng is not None:
                 _set_rng_state(q.device, ctx.rng)
             for i0 in range(0, lq, plan.chunk):
@@ -158,7 +162,15 @@ def chunked_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     q, k, v = call.features(compute_dtype(call.q.dtype))
     names = list(call.heads)
     plan = _Plan(call, names)
-    out = _ChunkedFn.apply(plan, q, k, v, call.bias, call.sinks, *[call.heads[n] for n in names])
+    heads = [call.heads[n] for n in names]
+    if torch.compiler.is_compiling():
+        # dynamo cannot trace the recomputing backward (torch.autograd.grad inside it): a compiled graph
+        # differentiates the chunks directly, keeping their weights for backward as eager attention does
+        lq = q.shape[2]
+        out = torch.cat([plan.chunk_out(q[:, :, i0:i0 + plan.chunk], k, v, heads, i0, min(i0 + plan.chunk, lq),
+                                        call.bias, call.sinks) for i0 in range(0, lq, plan.chunk)], dim=2)
+        return out.to(call.q.dtype), None
+    out = _ChunkedFn.apply(plan, q, k, v, call.bias, call.sinks, *heads)
     return out.to(call.q.dtype), None
 
 
