@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_attnorm.attention import attention, make_call
-from hf_attnorm.kernels import attend, candidate_paths
+from hf_attnorm.attention import attention, constant_heads, make_call
+from hf_attnorm.kernels import PATHS, attend, candidate_paths, choose, explain
 from hf_attnorm.registry import NORMALIZERS, PRESETS, SCALES
 from hf_attnorm.settings import resolve_settings
 
@@ -101,6 +101,8 @@ def test_fast_paths_decline_modifiers_with_the_reason():
     for path in ("fused_cpu", "triton"):
         with pytest.raises(ValueError, match="score bias"):
             attend(call, path)
+    # the decline is declared (explain runs no kernel), and named
+    assert dict(explain(call))["fused_cpu"] == "this path does not apply a score bias"
     _, _, ran = attend(call)
     assert ran == "chunked"
 
@@ -140,3 +142,37 @@ def test_bad_modifiers_are_errors():
         attention(q, k, v, "softmax", softcap=0.0)
     with pytest.raises(ValueError, match="no score matrix"):
         attention(q, k, v, "linear", bias=bias)
+
+
+#: presets whose normalizer the one-query decode path implements
+DECODE_PRESETS = [p for p in SCORE_PRESETS
+                  if PATHS["decode"].takes(NORMALIZERS.get(resolve_settings(p, {}).normalizer)) is None]
+
+
+def test_decode_presets_exist():
+    assert DECODE_PRESETS, "no preset runs on the decode path: the test below would check nothing"
+
+
+@pytest.mark.parametrize("impl", DECODE_PRESETS)
+def test_one_query_decode_path_applies_modifiers(impl):
+    """A decode step (one query, GQA, soft-cap + bias + sinks) on the decode path equals the reference, forward and
+    gradients; the rule picks that path for it, and explain() says so without running a kernel."""
+    q, k, v, bias, sinks, keep = _inputs(2)
+    q, keep, bias = q[:, :, -1:], keep[:, :, -1:], bias[:, :, -1:]
+    k, v = k[:, :2], v[:, :2]  # GQA: 4 query heads over 2 kv heads
+    sinks = None if impl in FREE else sinks
+    kw = dict(softcap=3.0, attention_mask=keep, **_options(impl))
+    results = []
+    for path in ("reference", "decode"):
+        qq, bb = q.clone().requires_grad_(), bias.clone().requires_grad_()
+        ss = None if sinks is None else sinks.clone().requires_grad_()
+        out, _ = attention(qq, k, v, impl, bias=bb, sinks=ss, path=path, **kw)
+        out.pow(2).sum().backward()
+        results.append((out.detach(), qq.grad, bb.grad, None if ss is None else ss.grad))
+    for a, b in zip(*results):
+        if a is not None:
+            torch.testing.assert_close(b, a, atol=1e-9, rtol=1e-7)
+    settings = resolve_settings(impl, _options(impl))
+    call = make_call(q, k, v, settings, constant_heads(settings, H), keep, bias=bias, softcap=3.0, sinks=sinks)
+    assert choose(call) == "decode"
+    assert explain(call)[-1] == ("decode", "runs")
