@@ -14,7 +14,7 @@ import torch
 
 from .kernels import attend
 from .kernels.base import AttnCall
-from .masks import build_mask_info
+from .masks import build_mask_info, split_float_mask
 from .normalizers.base import Ctx, ParamSpec
 from .registry import NORMALIZERS, SCALES
 from .settings import AttnormSettings, resolve_settings
@@ -45,8 +45,15 @@ def make_call(
     dropout: float = 0.0,
     need_weights: bool = False,
     module_info: Mapping[str, Any] | None = None,
+    *,
+    bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> AttnCall:
-    """Resolve one call: mask -> keep/n, scale -> multiplier, per-head factors. Shapes as ``attention``."""
+    """Resolve one call: mask -> keep/n, scale -> multiplier, per-head factors, score modifiers. Shapes as
+    ``attention``. A float mask is split into visibility (entries <= finfo.min / 2 or -inf are masked) and a
+    bias (its other values), so a float mask holding a position bias acts as in eager attention."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be 4-D [B, H, L, D]; got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
     B, H, Lq, D = q.shape
@@ -54,6 +61,22 @@ def make_call(
     if H % Hkv != 0 or v.shape[1] != Hkv or v.shape[2] != Lk or k.shape[-1] != D:
         raise ValueError(f"incompatible shapes q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
     norm, sc = NORMALIZERS.get(settings.normalizer), SCALES.get(settings.scale)
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.is_floating_point():
+        attention_mask, mask_bias = split_float_mask(attention_mask)
+        bias = _add_bias(bias, mask_bias)
+    if alibi_slopes is not None:
+        bias = _add_bias(bias, alibi_bias(alibi_slopes, Lq, Lk))
+    bias = _check_bias(bias, B, H, Lq, Lk)
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != H):
+        raise ValueError(f"sinks (s_aux) must be one logit per head, shape [{H}], got {list(sinks.shape)}")
+    if sinks is not None and norm.row_sum == "free":
+        raise ValueError(f"normalizer {settings.normalizer!r} weighs each key on its own (no sum over keys), so an "
+                         "attention sink (s_aux) would change nothing; it is refused rather than ignored")
+    if (bias is not None or softcap is not None or sinks is not None) and norm.scoreless:
+        raise ValueError(f"normalizer {settings.normalizer!r} has no score matrix, so it cannot apply a score bias, "
+                         "soft-cap or attention sinks")
     mask = build_mask_info(attention_mask, B, H, Lq, Lk, causal, q.device)
     if mask.dead is not None:
         # keys no query can see (padding) are zeroed, so garbage there (1e10, NaN) cannot leak through 0 * x; always
@@ -72,7 +95,36 @@ def make_call(
     if scaling is None:
         scaling = D**-0.5
     base = float(scaling) if norm.uses_base_scaling else 1.0
-    return AttnCall(q, k, v, mask, settings, heads, base, mult, dropout, need_weights, info)
+    return AttnCall(q, k, v, mask, settings, heads, base, mult, dropout, need_weights, info, bias=bias,
+                    softcap=None if softcap is None else float(softcap), sinks=sinks)
+
+
+def alibi_bias(slopes: torch.Tensor, lq: int, lk: int) -> torch.Tensor:
+    """ALiBi (Press et al.): bias [1, H, Lq, Lk] = -slopes[h] * |pos_i - j| with query i at key position
+    i + Lk - Lq (the last query is the last key, as in cached decoding). For causal attention this is the paper's
+    -m (i - j); BLOOM's m * j differs from it by a per-row constant, which softmax ignores."""
+    pos_q = torch.arange(lq, device=slopes.device, dtype=torch.float32) + (lk - lq)
+    dist = (pos_q[:, None] - torch.arange(lk, device=slopes.device, dtype=torch.float32)[None, :]).abs()
+    return -slopes.to(torch.float32).view(1, -1, 1, 1) * dist
+
+
+def _add_bias(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
+    return b if a is None else a + b
+
+
+def _check_bias(bias: torch.Tensor | None, B: int, H: int, Lq: int, Lk: int) -> torch.Tensor | None:
+    if bias is None:
+        return None
+    if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+        raise ValueError(f"a score bias must be a float tensor, got {type(bias).__name__}"
+                         + (f" of dtype {bias.dtype}" if isinstance(bias, torch.Tensor) else ""))
+    if bias.dim() == 3:
+        bias = bias.unsqueeze(0)
+    ok = bias.dim() == 4 and all(s in (1, full) for s, full in zip(bias.shape, (B, H, Lq, Lk)))
+    if not ok:
+        raise ValueError(f"score bias of shape {list(bias.shape)} does not broadcast to [B={B}, H={H}, Lq={Lq}, "
+                         f"Lk={Lk}]; expected [B or 1, H or 1, Lq or 1, Lk or 1]")
+    return bias
 
 
 def attention(
@@ -89,6 +141,10 @@ def attention(
     need_weights: bool = False,
     path: str | None = None,
     module_info: Mapping[str, Any] | None = None,
+    bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     **options: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention with any registered normalizer and scale on plain tensors.
@@ -97,7 +153,10 @@ def attention(
     bool/0-1/additive mask [B|1, 1|H, Lq, Lk], [B, Lq, Lk] or [B, Lk]; causal: with no mask, query i sees keys
     j <= i (upper-left, as SDPA); scaling: the base scale (default 1/sqrt(D)); heads: per-head values [H]
     (e.g. ``{"ssmax_s": s}``; default: initial values from the settings); options: attnorm options
-    (``eta=0.5``...). Returns (out [B, H, Lq, Dv], weights [B, H, Lq, Lk] if need_weights else None).
+    (``eta=0.5``...). Score modifiers, applied to the scaled scores before the normalizer: softcap c
+    (s = c tanh(s / c)), bias (float, broadcastable to [B, H, Lq, Lk], added), alibi_slopes [H] (adds
+    -slopes[h] |i - j|, see ``alibi_bias``), sinks [H] (an always-visible extra key with that logit and value 0).
+    Returns (out [B, H, Lq, Dv], weights [B, H, Lq, Lk] if need_weights else None).
     """
     settings = implementation if isinstance(implementation, AttnormSettings) else resolve_settings(
         implementation, options)
@@ -106,7 +165,7 @@ def attention(
     all_heads = constant_heads(settings, q.shape[1], q.device)
     all_heads.update(heads or {})
     call = make_call(q, k, v, settings, all_heads, attention_mask, causal, scaling, dropout, need_weights,
-                     module_info)
+                     module_info, bias=bias, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
     out, w, _ = attend(call, path)
     return out, w
 

@@ -146,6 +146,26 @@ def _to_bool(mask: torch.Tensor) -> torch.Tensor:
     raise MaskError(f"attention mask dtype {mask.dtype} is not supported; use bool (True = keep)")
 
 
+#: the last float mask split into (keep, bias): (weak reference to the mask tensor, its version, the parts)
+_LAST_SPLIT: list = [None, -1, None]
+
+
+def split_float_mask(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An additive float mask -> (keep bool, bias float), both of its shape: entries <= finfo.min / 2 (or -inf) are
+    masked (bias 0 there), the others are kept and their values are a score bias (eager attention adds them). The
+    same mask tensor (unchanged) gives the same tensors back, so the layers of one forward share one keep-mask (and
+    its MaskInfo). Nothing is read on the host."""
+    if not (torch.compiler.is_compiling() or mask.is_inference()):
+        ref, version, parts = _LAST_SPLIT
+        if ref is not None and ref() is mask and version == mask._version:
+            return parts
+    keep = mask > torch.finfo(mask.dtype).min / 2
+    parts = keep, torch.where(keep, mask, torch.zeros((), dtype=mask.dtype, device=mask.device))
+    if not (torch.compiler.is_compiling() or mask.is_inference()):
+        _LAST_SPLIT[:] = [weakref.ref(mask), mask._version, parts]
+    return parts
+
+
 #: (lq, lk, causal, device) -> MaskInfo of the calls without a mask (read-only tensors, shared by every layer)
 _STRUCTURED: dict[tuple, MaskInfo] = {}
 #: the last mask analysed: (weak reference to the mask tensor, its version, the call's sizes, the MaskInfo)

@@ -1,12 +1,18 @@
 """Facts about transformers' attention modules, in one table: which modules call the attention interface, their
-head count, and what a model family is (causal LM or encoder: ``lm_task``, ``model_task``, ``is_causal``). Model
-families differ only in these few facts.
+head count, which keywords they pass to it, which model families do not use the interface at all, and what a model
+family is (causal LM or encoder: ``lm_task``, ``model_task``, ``is_causal``). Model families differ only in these
+few facts.
 
 Read by the state on modules (``state.py``) and by the lab (training, evaluation, diagnostics, scale analysis).
 """
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import sys
+import textwrap
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,10 +20,13 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.models.auto import modeling_auto
 
+from ..registry import AttnormError
+
 #: the language-modelling objectives, named as training's ``--task``
 CAUSAL_LM, MASKED_LM = "causal_lm", "masked_lm"
 
-#: how each family's attention module exposes its head count (the other facts are common attributes)
+#: how each family's attention module exposes its head count, where the generic rule (``num_heads``,
+#: ``num_attention_heads``, ``n_heads`` on the module, then the config) would not find it
 MODULE_FACTS: dict[str, str] = {
     "GPT2Attention": "num_heads",
     "BertSelfAttention": "num_attention_heads",
@@ -25,29 +34,144 @@ MODULE_FACTS: dict[str, str] = {
     "LlamaAttention": "config.num_attention_heads",
 }
 
+#: head-count attributes tried on the module, then on its config, in this order
+_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_q_heads")
+
+#: keywords of the attention interface that hf_attnorm implements (``forward.py`` reads each of them)
+IMPLEMENTED_KEYWORDS: frozenset[str] = frozenset({
+    "query", "key", "value", "attention_mask", "scaling", "dropout", "is_causal",
+    "sliding_window",  # the mask transformers builds with sdpa_mask already holds the window
+    "softcap",  # s = c tanh(s / c) before the normalizer
+    "position_bias",  # s = s + b before the normalizer (T5, MPT-style ALiBi)
+    "s_aux",  # learned attention sinks: an always-visible extra key with logit s_aux[h] and value 0
+    "output_attentions",  # weights come from the reference path
+})
+
+#: keywords that carry nothing for a non-flash attention function: the boolean mask transformers builds for us
+#: (``sdpa_mask``) already holds packed sequences and positions; the rest are flags of the model's own forward
+IGNORED_KEYWORDS: dict[str, str] = {
+    **{k: "flash-attention varlen metadata: like sdpa and eager, the boolean mask (sdpa_mask) is what counts"
+       for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")},
+    "position_ids": "positions are already applied to q/k (rotary) and to the mask",
+    "deterministic": "a flash-attention kernel flag",
+    "output_hidden_states": "a model output flag",
+    "output_router_logits": "a model output flag",
+    "num_items_in_batch": "a loss normalisation count",
+    "use_cache": "a model flag; the cache is updated before the attention function",
+    "cache_position": "positions are already in the mask",
+    "past_key_values": "the cache is updated before the attention function",
+    "position_embeddings": "already applied to q/k",
+    "return_dict": "a model output flag",
+    "encoder_hidden_states": "cross-attention: already projected into the key/value the function receives",
+    "encoder_attention_mask": "cross-attention: already in the attention_mask the function receives",
+}
+
+#: model families that compute attention themselves (no ``ALL_ATTENTION_FUNCTIONS`` call): refused at load/set time
+REFUSED_FAMILIES: dict[str, str] = {
+    "falcon": "Falcon picks its attention class from a fixed table (eager/sdpa/flash) and never calls the attention "
+              "interface",
+    "gptj": "GPT-J picks its attention class from a fixed table (eager/flash) and never calls the attention interface",
+    "bloom": "BLOOM computes ALiBi attention inline (alibi.baddbmm) and never calls the attention interface",
+    "mpt": "MPT computes its attention inline and never calls the attention interface",
+    "longt5": "LongT5's encoder attention (local and transient-global) is computed inline; only its decoder calls the "
+              "attention interface, so the encoder would silently keep its own softmax",
+}
+
+_INTERFACE_MARKERS = ("ALL_ATTENTION_FUNCTIONS", "attention_interface(")
+
+
+@functools.cache
+def _forward_source(cls: type) -> str:
+    try:
+        return inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return ""
+
+
+def calls_interface(module: nn.Module) -> bool:
+    """The module's own forward calls transformers' attention interface (so the module is passed as ``module``)."""
+    if type(module).__name__ == "AttnormState" or not hasattr(module, "config"):
+        return False
+    src = _forward_source(type(module))
+    return any(m in src for m in _INTERFACE_MARKERS)
+
 
 def attention_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """Modules that call the attention interface: they carry ``config``, ``is_causal`` and ``scaling``."""
+    """Modules whose forward calls the attention interface (with or without a ``scaling`` attribute)."""
     for name, mod in model.named_modules():
-        if type(mod).__name__ == "AttnormState":  # our own child module (state.py imports this one)
-            continue
-        if hasattr(mod, "config") and hasattr(mod, "is_causal") and hasattr(mod, "scaling") and not hasattr(
-            mod, "post_init"
-        ):
+        if calls_interface(mod):
             yield name, mod
 
 
+@functools.cache
+def interface_keywords(cls: type) -> frozenset[str]:
+    """Keywords the module's forward passes by name to the attention interface: the keyword arguments of every call
+    of a local named ``attention_interface`` in its source (``**kwargs`` passthrough is checked per call in
+    ``forward.py``)."""
+    try:
+        tree = ast.parse(textwrap.dedent(_forward_source(cls)))
+    except SyntaxError:
+        return frozenset()
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "attention_interface":
+            out.update(kw.arg for kw in node.keywords if kw.arg is not None)
+    return frozenset(out)
+
+
+def unsupported_keywords(module: nn.Module) -> list[str]:
+    """Keywords this module passes that hf_attnorm neither implements nor may ignore."""
+    known = IMPLEMENTED_KEYWORDS | IGNORED_KEYWORDS.keys()
+    return sorted(k for k in interface_keywords(type(module)) if k not in known)
+
+
 def num_heads_of(module: nn.Module) -> int:
+    """The number of query heads of an attention module, from the module (or its config); AttnormError if none."""
     attr = MODULE_FACTS.get(type(module).__name__)
     if attr is not None:
         obj: Any = module
         for part in attr.split("."):
             obj = getattr(obj, part)
         return int(obj)
-    for attr in ("num_heads", "num_attention_heads"):
-        if isinstance(getattr(module, attr, None), int):
-            return int(getattr(module, attr))
-    return int(module.config.num_attention_heads)
+    cfg = getattr(module, "config", None)
+    for owner in (module, cfg):
+        for attr in _HEAD_ATTRS:
+            value = getattr(owner, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    raise AttnormError(
+        f"hf_attnorm cannot determine the number of heads of {type(module).__name__} (none of "
+        f"{', '.join(_HEAD_ATTRS)} on the module or its config); add it to hf_attnorm.hf.families.MODULE_FACTS"
+    )
+
+
+def family_of(model_or_cls: Any) -> str:
+    cls = model_or_cls if isinstance(model_or_cls, type) else type(model_or_cls)
+    return getattr(getattr(cls, "config_class", None), "model_type", None) or cls.__name__
+
+
+@functools.cache
+def _module_calls_interface(module_name: str) -> bool | None:
+    mod = sys.modules.get(module_name)
+    try:
+        src = inspect.getsource(mod) if mod is not None else None
+    except (OSError, TypeError):
+        src = None
+    return None if src is None else ("ALL_ATTENTION_FUNCTIONS" in src or "AttentionInterface" in src)
+
+
+def refusal_reason(model_or_cls: Any) -> str | None:
+    """Why hf_attnorm cannot run this model class (its family computes attention itself), or None."""
+    cls = model_or_cls if isinstance(model_or_cls, type) else type(model_or_cls)
+    family = family_of(cls)
+    if family in REFUSED_FAMILIES:
+        return REFUSED_FAMILIES[family]
+    # composite models (sub-configs) delegate attention to sub-models defined elsewhere: checked after building
+    sub = getattr(getattr(cls, "config_class", None), "sub_configs", None)
+    if not sub and cls.__module__.startswith("transformers.models.") and \
+            _module_calls_interface(cls.__module__) is False:
+        return f"{family} computes attention itself and never calls transformers' attention interface"
+    return None
 
 
 def module_info(module: nn.Module) -> dict[str, Any]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,6 +14,8 @@ from torch import nn
 
 from ..attention import make_call
 from ..kernels import attend
+from ..registry import AttnormError
+from .families import IGNORED_KEYWORDS, IMPLEMENTED_KEYWORDS
 from .state import state_of
 
 try:  # transformers' collector of requested outputs (private; looked up once, not per call)
@@ -59,15 +60,20 @@ def hf_attention_forward(
     causal = kwargs.get("is_causal")
     if causal is None:
         causal = bool(getattr(module, "is_causal", True))
-    if kwargs.get("position_bias") is not None:
-        raise ValueError("hf_attnorm does not support additive position biases (position_bias)")
-    if kwargs.get("softcap") is not None:
-        raise ValueError("hf_attnorm does not support logit soft-capping (softcap)")
-    if kwargs.get("sliding_window") is not None and attention_mask is None:
-        warnings.warn("hf_attnorm: sliding_window given without a mask; full causal attention is used", stacklevel=2)
+    unknown = [k for k in kwargs if k not in IMPLEMENTED_KEYWORDS and k not in IGNORED_KEYWORDS]
+    if unknown:  # a backstop: modules are checked at load/set time, but **kwargs can carry anything
+        raise AttnormError(f"{type(module).__name__} passed {', '.join(map(repr, sorted(unknown)))} to the "
+                           "attention function, which hf_attnorm does not implement")
+    window = kwargs.get("sliding_window")
+    if window is not None and attention_mask is None and key.shape[2] > window:
+        # sdpa_mask returns None only when the window cannot matter (fewer keys than the window)
+        raise AttnormError(f"{type(module).__name__}: sliding_window={window} with {key.shape[2]} keys but no "
+                           "mask; hf_attnorm would attend beyond the window. Build the model's masks with "
+                           "transformers' mask functions (sdpa_mask).")
     call = make_call(
         query, key, value, state.settings, state(query.device), attention_mask, causal, scaling,
         dropout if module.training else 0.0, _weights_requested(kwargs), state.module_info,
+        bias=kwargs.get("position_bias"), softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"),
     )
     out, weights, path = attend(call)
     LAST_CALL.path = path

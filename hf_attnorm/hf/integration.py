@@ -28,7 +28,7 @@ from ..registry import CONFIG_PREFIX, PRESETS, AttnormError, canonical, is_ours
 from ..settings import resolve_settings
 from . import compat
 from .distributed import materialize_meta_states
-from .families import attention_modules
+from .families import attention_modules, family_of, refusal_reason
 from .forward import forward_for
 from .persistence import finalize_saved, verify_before_load, verify_loaded
 from .state import _PENDING, AttnormState, install, settings_for, uninstall
@@ -50,8 +50,12 @@ def sync_model(model: nn.Module, explicit: bool = False) -> None:
         return
     impl = canonical(config._attn_implementation)
     if is_ours(impl):
+        refuse_family(model, impl)
         settings = settings_for(config, impl)
-        for _, mod in attention_modules(model):
+        modules = list(attention_modules(model))
+        if not modules and getattr(model, "base_model", model) is model and refusal_reason(model) is not None:
+            raise AttnormError(f"hf_attnorm cannot run {family_of(model)!r}: {refusal_reason(model)}")
+        for _, mod in modules:
             if mod.config is config or canonical(mod.config._attn_implementation) == impl:
                 install(mod, settings)
         return
@@ -71,12 +75,22 @@ def sync_model(model: nn.Module, explicit: bool = False) -> None:
         uninstall(mod)
 
 
+def refuse_family(model_or_cls: Any, implementation: str) -> None:
+    """A clear error, at load and set time, for a family that computes attention itself (it would keep
+    computing its own attention, or fail deep inside transformers with a bare KeyError)."""
+    reason = refusal_reason(model_or_cls)
+    if reason is not None:
+        raise AttnormError(f"attn_implementation={implementation!r} is not available for model family "
+                           f"{family_of(model_or_cls)!r}: {reason}. Use 'eager' or 'sdpa' with this family.")
+
+
 def apply(model: nn.Module, implementation: str, **options: Any) -> nn.Module:
     """Switch ``model`` to ``implementation`` with the given attnorm options, e.g.
     ``hf_attnorm.apply(model, "softmax", scale="ssmax", ssmax_s=0.5)``. Returns the model."""
     if not is_ours(implementation):
         raise AttnormError(f"{implementation!r} is not an hf_attnorm implementation; registered: {', '.join(PRESETS)}")
     resolve_settings(implementation, options)  # validate before touching the model
+    refuse_family(model, implementation)
     model.config.attnorm = {"implementation": implementation, **options}
     model.set_attn_implementation(implementation)
     sync_model(model, explicit=True)
@@ -156,6 +170,8 @@ def _check_hook(orig):
             saved = getattr(self.config, "attnorm", None)
             if isinstance(saved, Mapping) and is_ours(saved.get("implementation")):
                 attn_implementation = saved["implementation"]
+        if isinstance(attn_implementation, str) and is_ours(attn_implementation):
+            refuse_family(self, attn_implementation)
         return orig(self, attn_implementation, *args, **kwargs)
 
     return check
@@ -176,6 +192,8 @@ def _set_hook(orig):
     def set_attn_implementation(self, attn_implementation, *args, **kwargs):
         if isinstance(attn_implementation, str):
             attn_implementation = canonical(attn_implementation)
+            if is_ours(attn_implementation):
+                refuse_family(self, attn_implementation)  # transformers only logs a warning for these families
         result = orig(self, attn_implementation, *args, **kwargs)
         sync_model(self, explicit=True)
         return result

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from ..attention import param_specs
-from ..registry import SCALES, AttnormError
+from ..registry import NORMALIZERS, SCALES, AttnormError
 from ..settings import AttnormSettings, resolve_settings
-from .families import module_info, num_heads_of
+from .families import interface_keywords, module_info, num_heads_of, unsupported_keywords
 
 logger = logging.getLogger("hf_attnorm")
 
@@ -118,7 +118,11 @@ def install(module: nn.Module, settings: AttnormSettings) -> AttnormState:
     old = module._modules.get("attnorm")
     if old is not None and getattr(old, "settings", None) == settings:
         return old  # unchanged; may be a wrapper around the state (PEFT's modules_to_save), which must stay
-    ref = next((p for p in module.parameters(recurse=False)), None) or next(iter(module.parameters()), None)
+    check_module(module, settings)
+    # `is None`, not `or`: a module's own parameter (GPT-OSS sinks) is a tensor with no truth value
+    ref = next(module.parameters(recurse=False), None)
+    if ref is None:
+        ref = next(module.parameters(), None)
     state = AttnormState(settings, num_heads_of(module), module_info(module))
     if ref is not None:
         state.to(device=ref.device)
@@ -131,6 +135,36 @@ def install(module: nn.Module, settings: AttnormSettings) -> AttnormState:
                 state._parameters[spec.name] = prev  # keep the learned value (and the optimizer's reference)
     module.attnorm = state
     return state
+
+
+#: keywords that act on the score matrix, which a scoreless normalizer (linear attention) does not have
+SCORE_KEYWORDS = ("softcap", "position_bias", "s_aux")
+
+
+def check_module(module: nn.Module, settings: AttnormSettings) -> None:
+    """Refuse, at load/set time, a module that passes the attention interface a keyword hf_attnorm does not
+    implement, or a score keyword (soft-cap, bias, sinks) to a normalizer without scores."""
+    name = type(module).__name__
+    bad = unsupported_keywords(module)
+    if bad:
+        raise AttnormError(
+            f"{name} passes {', '.join(map(repr, bad))} to the attention function, which hf_attnorm does not "
+            f"implement; its attention would be computed without it. Use attn_implementation='sdpa' or 'eager'."
+        )
+    norm = NORMALIZERS.get(settings.normalizer)
+    score_kw = [k for k in SCORE_KEYWORDS if k in interface_keywords(type(module))]
+    if score_kw and norm.scoreless:
+        raise AttnormError(
+            f"{name} passes {', '.join(map(repr, score_kw))} to the attention function, which act on the score "
+            f"matrix; normalizer {settings.normalizer!r} ({settings.implementation!r}) has no score matrix (its "
+            "weights are products of positive features), so it cannot apply them. Choose a score-based normalizer."
+        )
+    if "s_aux" in score_kw and norm.row_sum == "free":
+        raise AttnormError(
+            f"{name} passes 's_aux' (learned attention sinks) to the attention function; normalizer "
+            f"{settings.normalizer!r} weighs each key on its own (no sum over keys), so a sink would change nothing "
+            "and the model's sink weights would be silently unused. Choose a normalizer that sums over keys."
+        )
 
 
 def uninstall(module: nn.Module) -> None:
@@ -152,6 +186,6 @@ def state_of(module: nn.Module, implementation: str) -> nn.Module:
         f"{type(module).__name__} is called with attention implementation {implementation!r} but carries no "
         f"hf_attnorm state for it (found: {found}). Set the implementation through from_pretrained("
         "attn_implementation=...), model.set_attn_implementation(...) or hf_attnorm.apply(model, ...): assigning "
-        "config._attn_implementation directly installs nothing. An attention module without the `config`, "
-        "`is_causal` and `scaling` attributes is not supported."
+        "config._attn_implementation directly installs nothing. Attention modules are found by their forward's "
+        "call of transformers' attention interface (ALL_ATTENTION_FUNCTIONS)."
     )

@@ -24,6 +24,10 @@ chunked        90        every normalizer                              any (pure
 reference      100       every normalizer                              any; the only path returning weights
 ============== ========= ============================================= =========================================
 
+Score modifiers on the call (``AttnCall.softcap``/``bias``/``sinks``) are part of each ``accepts``: reference,
+chunked and decode apply all three; sdpa a bias (in its float mask; a bias that needs a gradient leaves the sink
+rewrite) and sinks, not a soft-cap; sdpa_sinkcol sinks only; triton, fused_cpu and linear_chunked none.
+
 The rule: needs-weights (``output_attentions``) -> the reference; otherwise the first path by priority whose
 ``auto_exclude`` does not hold the call's device and whose ``takes`` and ``accepts`` say None. ``explain(call)``
 lists every candidate with its reason, running nothing. Override: ``path=`` on ``attention()``/``attend()``, or

@@ -20,6 +20,11 @@ class AttnCall:
     index k/v themselves); mask: visibility and n; base: the model's scaling (1.0 for normalizers that opt out);
     multiplier: float [B or 1, 1 or H, Lq] = scale(n) x per-head factors, or None for 1; heads: per-head values [H];
     dropout: probability on the weights (training); need_weights: return the weights [B, H, Lq, Lk].
+
+    Score modifiers (None = absent), applied in this order to the scaled scores s = q' @ k'^T before the
+    normalizer: softcap c: s = c tanh(s / c) (Gemma2); bias: s = s + bias, float broadcastable to [B, H, Lq, Lk]
+    (T5's position_bias, ALiBi, the values of a float mask); sinks: float [H], an always-visible extra key with
+    logit sinks[h] and value 0 (transformers' ``s_aux``, GPT-OSS), so for softmax w_j = e^s_j / (e^sink + sum e^s).
     """
 
     q: torch.Tensor
@@ -33,6 +38,14 @@ class AttnCall:
     dropout: float = 0.0
     need_weights: bool = False
     module_info: dict = dataclasses.field(default_factory=dict)
+    bias: torch.Tensor | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+
+    @property
+    def modifies_scores(self) -> bool:
+        """Any score modifier present (paths that only form plain scores must decline)."""
+        return self.bias is not None or self.softcap is not None or self.sinks is not None
 
     @property
     def normalizer(self) -> Normalizer:
@@ -78,3 +91,31 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp16/bf16 inputs are computed in fp32 inside (denominators such as sum s^2 overflow in half precision)."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def score_mod_reason(call: AttnCall) -> str | None:
+    """Why a path that applies no score modifier (soft-cap, bias, sinks) cannot take ``call``, or None."""
+    present = [name for name, v in (("softcap", call.softcap), ("a score bias", call.bias),
+                                    ("attention sinks (s_aux)", call.sinks)) if v is not None]
+    return f"this path does not apply {', '.join(present)}" if present else None
+
+
+def modify_scores(scores: torch.Tensor, softcap: float | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """scores [B, H, Lq, Lk] -> c tanh(scores / c) + bias (either step skipped when None)."""
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)
+    return scores
+
+
+def normalize(norm: Normalizer, scores: torch.Tensor, keep: torch.Tensor, ctx: Ctx,
+              sinks: torch.Tensor | None) -> torch.Tensor:
+    """The normalizer's weights [B, H, Lq, Lk]; with ``sinks`` [H] an always-visible extra key with logit
+    sinks[h] (and value 0) takes part in the normalisation and is dropped from the returned weights."""
+    if sinks is None:
+        return norm.reference(scores, keep, ctx)
+    lead = scores.shape[:-1]
+    col = sinks.to(device=scores.device, dtype=scores.dtype).view(1, -1, 1, 1).expand(*lead, 1)
+    keep = torch.cat([keep.expand(*lead, keep.shape[-1]), keep.new_ones(()).expand(*lead, 1)], dim=-1)
+    return norm.reference(torch.cat([scores, col], dim=-1), keep, ctx)[..., :-1]

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..normalizers.base import Ctx, Normalizer
-from .base import AttnCall, compute_dtype
+from .base import AttnCall, compute_dtype, modify_scores, normalize
 
 #: scores per chunk (B x H x chunk x Lk); 2^22 fp32 scores are 16 MB per temporary
 CHUNK_ELEMENTS = 1 << 22
@@ -48,10 +48,13 @@ class _Plan:
         self.head_names = head_names
         self.dropout = call.dropout
         self.head_dim = call.q.shape[-1]
+        self.softcap = call.softcap
         self.chunk = chunk_size(call.q.shape[0], call.q.shape[1], call.k.shape[2])
 
-    def chunk_out(self, qc, k, v, heads: list[torch.Tensor], i0: int, i1: int) -> torch.Tensor:
-        """Output rows [i0, i1) from the query rows qc = q[:, :, i0:i1]: [B, H, i1 - i0, Dv]."""
+    def chunk_out(self, qc, k, v, heads: list[torch.Tensor], i0: int, i1: int, bias: torch.Tensor | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Output rows [i0, i1) from the query rows qc = q[:, :, i0:i1]: [B, H, i1 - i0, Dv]. bias: the call's
+        whole score bias (broadcastable to [B, H, Lq, Lk]); sinks: [H] or None."""
         m = self.mask
         keys = m.lk
         if m.keep is None:
@@ -66,7 +69,11 @@ class _Plan:
         n = m.n[..., i0:i1] if m.n.shape[-1] > 1 else m.n
         ctx = Ctx(self.settings, dict(zip(self.head_names, heads)), self.head_dim, n, self.module_info)
         scores = qc @ k[:, :, :keys].transpose(-1, -2)
-        w = self.norm.reference(scores, keep.to(scores.device), ctx)
+        if bias is not None:
+            bias = bias[:, :, i0:i1] if bias.shape[2] > 1 else bias
+            bias = bias[..., :keys] if bias.shape[3] > 1 else bias
+        scores = modify_scores(scores, self.softcap, bias)
+        w = normalize(self.norm, scores, keep.to(scores.device), ctx, sinks)
         if self.dropout > 0:
             w = F.dropout(w, p=self.dropout, training=True)
         return w @ v[:, :, :keys]
@@ -74,24 +81,29 @@ class _Plan:
 
 class _ChunkedFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, plan: _Plan, q, k, v, *heads):
+    def forward(ctx, plan: _Plan, q, k, v, bias, sinks, *heads):
         ctx.plan = plan
-        ctx.save_for_backward(q, k, v, *heads)
+        ctx.save_for_backward(q, k, v, bias, sinks, *heads)
         ctx.rng = _rng_state(q.device) if plan.dropout > 0 else None
         lq = q.shape[2]
-        return torch.cat([plan.chunk_out(q[:, :, i0:i0 + plan.chunk], k, v, list(heads), i0, min(i0 + plan.chunk, lq))
+        return torch.cat([plan.chunk_out(q[:, :, i0:i0 + plan.chunk], k, v, list(heads), i0, min(i0 + plan.chunk, lq),
+                                         bias, sinks)
                           for i0 in range(0, lq, plan.chunk)], dim=2)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         plan: _Plan = ctx.plan
-        q, k, v, *heads = ctx.saved_tensors
-        need = ctx.needs_input_grad[1:]
+        q, k, v, bias, sinks, *heads = ctx.saved_tensors
+        # inputs in the order [q, k, v, *heads, bias, sinks]; None tensors never need a gradient
+        need = (*ctx.needs_input_grad[1:4], *ctx.needs_input_grad[6:], *ctx.needs_input_grad[4:6])
+        nh = len(heads)
         dq = torch.zeros_like(q) if need[0] else None
         dk = torch.zeros_like(k) if need[1] else None
         dv = torch.zeros_like(v) if need[2] else None
-        dheads = [torch.zeros_like(h) if n else None for h, n in zip(heads, need[3:])]
+        dheads = [torch.zeros_like(h) if n else None for h, n in zip(heads, need[3:3 + nh])]
+        dbias = torch.zeros_like(bias) if need[3 + nh] else None
+        dsinks = torch.zeros_like(sinks) if need[4 + nh] else None
         lq = q.shape[2]
         # fork_rng only with dropout: it cannot be traced by torch.compile, and without dropout there is no RNG
         replay = (torch.random.fork_rng(devices=[q.device] if q.device.type == "cuda" else [])
@@ -104,9 +116,11 @@ class _ChunkedFn(torch.autograd.Function):
                 with torch.enable_grad():
                     qc = q[:, :, i0:i1].detach().requires_grad_(need[0])
                     kl, vl = k.detach().requires_grad_(need[1]), v.detach().requires_grad_(need[2])
-                    hl = [h.detach().requires_grad_(n) for h, n in zip(heads, need[3:])]
-                    out = plan.chunk_out(qc, kl, vl, hl, i0, i1)
-                    inputs = [t for t, n in zip([qc, kl, vl, *hl], need) if n]
+                    hl = [h.detach().requires_grad_(n) for h, n in zip(heads, need[3:3 + nh])]
+                    bl = None if bias is None else bias.detach().requires_grad_(need[3 + nh])
+                    sl = None if sinks is None else sinks.detach().requires_grad_(need[4 + nh])
+                    out = plan.chunk_out(qc, kl, vl, hl, i0, i1, bl, sl)
+                    inputs = [t for t, n in zip([qc, kl, vl, *hl, bl, sl], need) if n]
                     grads = torch.autograd.grad(out, inputs, dout[:, :, i0:i1], allow_unused=True)
                 grads = iter(grads)
                 if need[0]:
@@ -118,12 +132,12 @@ class _ChunkedFn(torch.autograd.Function):
                         g = next(grads)
                         if g is not None:
                             acc += g
-                for j, n in enumerate(need[3:]):
+                for acc, n in (*zip(dheads, need[3:3 + nh]), (dbias, need[3 + nh]), (dsinks, need[4 + nh])):
                     if n:
                         g = next(grads)
                         if g is not None:
-                            dheads[j] += g
-        return (None, dq, dk, dv, *dheads)
+                            acc += g
+        return (None, dq, dk, dv, dbias, dsinks, *dheads)
 
 
 def _rng_state(device: torch.device):
@@ -154,7 +168,15 @@ def chunked_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     q, k, v = call.features(compute_dtype(call.q.dtype))
     names = list(call.heads)
     plan = _Plan(call, names)
-    out = _ChunkedFn.apply(plan, q, k, v, *[call.heads[n] for n in names])
+    heads = [call.heads[n] for n in names]
+    if torch.compiler.is_compiling():
+        # dynamo cannot trace the recomputing backward (torch.autograd.grad inside it): a compiled graph
+        # differentiates the chunks directly, keeping their weights for backward as eager attention does
+        lq = q.shape[2]
+        out = torch.cat([plan.chunk_out(q[:, :, i0:i0 + plan.chunk], k, v, heads, i0, min(i0 + plan.chunk, lq),
+                                        call.bias, call.sinks) for i0 in range(0, lq, plan.chunk)], dim=2)
+        return out.to(call.q.dtype), None
+    out = _ChunkedFn.apply(plan, q, k, v, call.bias, call.sinks, *heads)
     return out.to(call.q.dtype), None
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..normalizers.base import Normalizer
-from .base import AttnCall, compute_dtype
+from .base import AttnCall, compute_dtype, modify_scores, normalize
 
 
 def takes(norm: Normalizer) -> str | None:
@@ -36,7 +36,7 @@ def accepts(call: AttnCall) -> str | None:
 
 
 def decode_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
-    """out [B, H, 1, Dv] (input dtype; fp16/bf16 computed in fp32)."""
+    """out [B, H, 1, Dv] (input dtype; fp16/bf16 computed in fp32); soft-cap, bias and sinks as the reference."""
     dt = compute_dtype(call.q.dtype)
     norm, ctx = call.normalizer, call.ctx()
     q, k = norm.transform_qk(call.q.to(dt), call.k.to(dt), ctx)  # row-wise, so fine on unrepeated k
@@ -45,7 +45,8 @@ def decode_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     Hkv, Lk = k.shape[1], k.shape[2]
     G = H // Hkv
     scores = (q.reshape(B, Hkv, G, D) @ k.transpose(-1, -2)).reshape(B, H, 1, Lk)
-    w = norm.reference(scores, call.mask.dense(scores.device), ctx)
+    scores = modify_scores(scores, call.softcap, call.bias)  # bias [B|1, H|1, 1|Lq, Lk] broadcasts onto the row
+    w = normalize(norm, scores, call.mask.dense(scores.device), ctx, call.sinks)
     out = w.reshape(B, Hkv, G, Lk) @ call.v.to(dt)
     return out.reshape(B, H, 1, call.v.shape[-1]).to(call.q.dtype), None
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..normalizers.base import Normalizer
-from .base import AttnCall, compute_dtype
+from .base import AttnCall, compute_dtype, score_mod_reason
 from .kinds import FUSED_KINDS, THRESHOLD, kind_id
 
 logger = logging.getLogger("hf_attnorm")
@@ -213,6 +213,9 @@ def takes(norm: Normalizer) -> str | None:
 
 def accepts(call: AttnCall) -> str | None:
     """None when this path can run the call, else the reason it cannot (builds the extension on first use)."""
+    reason = score_mod_reason(call)  # the C++ kernel takes no soft-cap, bias or sinks: the chunked path does
+    if reason is not None:
+        return reason
     if call.q.device.type != "cpu":
         return f"device {call.q.device} (CPU only)"
     if call.q.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):

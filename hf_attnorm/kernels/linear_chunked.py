@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from ..normalizers.base import Normalizer, masked_fill_zero, safe_divide
 from ..normalizers.linear import linear_attention
-from .base import AttnCall, compute_dtype, repeat_kv
+from .base import AttnCall, compute_dtype, repeat_kv, score_mod_reason
 
 
 def takes(norm: Normalizer) -> str | None:
@@ -18,6 +18,9 @@ def takes(norm: Normalizer) -> str | None:
 
 def accepts(call: AttnCall) -> str | None:
     """No dropout; the visibility must be key padding x causal with a constant offset (``MaskInfo.padding``)."""
+    reason = score_mod_reason(call)
+    if reason is not None:
+        return f"{reason} (linear attention forms no scores)"
     if call.dropout > 0:
         return "dropout > 0 acts on the weights, which this path never forms"
     if call.mask.padding() is None:

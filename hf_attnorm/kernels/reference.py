@@ -8,20 +8,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import AttnCall, compute_dtype, repeat_kv
+from .base import AttnCall, compute_dtype, modify_scores, normalize, repeat_kv
 
 
 def reference_scores(call: AttnCall) -> torch.Tensor:
-    """Scaled scores [B, H, Lq, Lk] in the compute dtype."""
+    """Scaled scores [B, H, Lq, Lk] in the compute dtype, soft-capped and biased when the call says so."""
     q, k, _ = call.features(compute_dtype(call.q.dtype))
-    return q @ k.transpose(-1, -2)
+    return modify_scores(q @ k.transpose(-1, -2), call.softcap, call.bias)
 
 
 def reference_weights(call: AttnCall) -> torch.Tensor:
     """Attention weights [B, H, Lq, Lk] (compute dtype), before dropout."""
     scores = reference_scores(call)
     keep = call.mask.dense(scores.device)
-    return call.normalizer.reference(scores, keep, call.ctx())
+    return normalize(call.normalizer, scores, keep, call.ctx(), call.sinks)
 
 
 def reference_attention(call: AttnCall) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -44,22 +44,40 @@ def takes_sink(norm: Normalizer) -> str | None:
 
 
 def sink_logit(call: AttnCall, dtype: torch.dtype) -> torch.Tensor | None:
-    """lambda: 0-d or [H] (autograd-connected to a learned sink), from the normalizer's declaration; None without."""
+    """lambda: 0-d or [H] (autograd-connected to a learned sink), from the normalizer's declaration, combined with
+    the call's attention sinks (s_aux [H]) as log(e^lambda + e^s_aux); None without any sink."""
     lam = call.normalizer.sink_logit(call.ctx(), dtype)
-    return None if lam is None else lam.to(call.q.device)
+    if lam is not None:
+        lam = lam.to(call.q.device)
+    if call.sinks is None:
+        return lam
+    aux = call.sinks.to(device=call.q.device, dtype=dtype)
+    return aux if lam is None else torch.logaddexp(lam, aux)
 
 
 def _has_sink(call: AttnCall) -> bool:
-    """Whether the call has a sink logit, from the settings alone (no tensor is built or read)."""
+    """Whether the call has a sink logit (its own or s_aux), from the settings alone (no tensor is built or read)."""
+    if call.sinks is not None:
+        return True
     norm = call.normalizer
     if type(norm).sink_logit is Normalizer.sink_logit:
         return False
     return not (call.settings.normalizer == "softmax_n" and call.settings.n_extra == 0)
 
 
+def _bias_grad(call: AttnCall) -> bool:
+    """A score bias that needs a gradient (T5's learned position bias while training): the flash kernel's backward
+    gives none to its mask, so such calls take SDPA's own autograd (metadata only, nothing is read)."""
+    return call.bias is not None and call.bias.requires_grad and torch.is_grad_enabled()
+
+
 def _common(call: AttnCall) -> str | None:
+    """What both SDPA paths need: inputs, a float dtype, no soft-cap (a bias goes in SDPA's float mask, sinks in the
+    sink logit)."""
     if call.q.numel() == 0 or call.k.shape[2] == 0:
         return "empty inputs"  # SDPA's CPU kernel crashes (SIGFPE) on zero keys
+    if call.softcap is not None:
+        return "SDPA cannot soft-cap the scores (tanh) before its softmax"
     if not call.q.dtype.is_floating_point:
         return f"dtype {call.q.dtype}"
     return None
@@ -68,7 +86,7 @@ def _common(call: AttnCall) -> str | None:
 def _uses_flash_cpu(call: AttnCall) -> bool:
     dt = compute_dtype(call.q.dtype)
     return (call.q.device.type == "cpu" and call.dropout == 0 and call.v.shape[-1] == call.q.shape[-1]
-            and dt in (torch.float32, torch.float64))
+            and dt in (torch.float32, torch.float64) and not _bias_grad(call))
 
 
 def accepts(call: AttnCall) -> str | None:
@@ -78,7 +96,7 @@ def accepts(call: AttnCall) -> str | None:
         on_cpu = call.q.device.type == "cpu"
         reason = ("dropout > 0" if call.dropout > 0 else "head dims of v and q differ"
                   if call.v.shape[-1] != call.q.shape[-1] else f"device {call.q.device}" if not on_cpu
-                  else f"dtype {call.q.dtype}")
+                  else "a score bias that needs a gradient" if _bias_grad(call) else f"dtype {call.q.dtype}")
         why = f"the lse rewrite of the sink needs SDPA's CPU flash kernel ({reason}); see sdpa_sinkcol"
     return why
 
@@ -102,6 +120,18 @@ def _sdpa_mask(call: AttnCall) -> tuple[torch.Tensor | None, bool]:
     transformers already passes None when nothing beyond causality is masked."""
     m = call.mask
     return m.keep, (m.keep is None and m.causal)
+
+
+def _float_mask(call: AttnCall, keep: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The float mask SDPA adds to the scores: without a bias the keep-mask as 0 / -inf (built once per mask),
+    with one the bias where visible and -inf elsewhere, [B|1, H|1, Lq, Lk] (SDPA broadcasts the leading dims only)."""
+    bias = call.bias
+    if bias is None:
+        return None if keep is None else call.mask.additive(dtype)
+    bias = bias.to(dtype)
+    if keep is not None:
+        bias = bias.masked_fill(~keep, float("-inf"))
+    return bias.expand(*bias.shape[:2], call.q.shape[2], call.k.shape[2])
 
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -153,25 +183,33 @@ def _open_dead_rows(keep: torch.Tensor | None, call: AttnCall) -> tuple[torch.Te
 def sdpa_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     """softmax / cosine (any device, dropout ok) and softmax_n / sink (CPU, no dropout, D == Dv)."""
     keep, causal = _sdpa_mask(call)
+    if call.bias is not None and causal:  # a bias goes in SDPA's float mask, which excludes is_causal
+        keep, causal = call.mask.dense(call.q.device), False
     if _uses_flash_cpu(call):
         dt = compute_dtype(call.q.dtype)
         lam = sink_logit(call, dt) if _has_sink(call) else None
         q, k, v, scale = _prepare(call, dt)
-        if lam is None and keep is None:  # plain SDPA picks this same flash kernel, with less per-call work
+        if lam is None and keep is None and call.bias is None:  # plain SDPA picks this flash kernel, less work
             out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
                                                  enable_gqa=q.shape[1] != k.shape[1])
             return out.to(call.q.dtype), None
-        mask = None if keep is None else call.mask.additive(dt)
-        out = _FlashCPU.apply(q, k, v, lam, mask, causal, scale)
+        out = _FlashCPU.apply(q, k, v, lam, _float_mask(call, keep, dt), causal, scale)
         return out.to(call.q.dtype), None
     dt = compute_dtype(call.q.dtype) if call.q.device.type == "cpu" else call.q.dtype
     q, k, v, scale = _prepare(call, dt)
     keep, live = _open_dead_rows(keep, call)
+    if call.bias is not None:
+        keep = _float_mask(call, keep, dt)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=call.dropout, is_causal=causal,
                                          scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     if live is not None:
         out = torch.where(live, out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out.to(call.q.dtype), None
+
+
+def _sinkcol_accepts(call: AttnCall) -> str | None:
+    """sdpa_sinkcol: what both SDPA paths need, and no score bias (its extra sink column has none)."""
+    return _common(call) or ("sdpa_sinkcol does not apply a score bias" if call.bias is not None else None)
 
 
 def sdpa_sinkcol_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
@@ -216,5 +254,5 @@ from . import register_path  # noqa: E402  (registration at import, like the nor
 
 register_path("sdpa", sdpa_attention, takes=takes, accepts=accepts, priority=10)
 # exact on any device, but on CPU D+1 falls off SDPA's fast kernel: the automatic rule uses it elsewhere only
-register_path("sdpa_sinkcol", sdpa_sinkcol_attention, takes=takes_sink, accepts=_common, priority=20,
+register_path("sdpa_sinkcol", sdpa_sinkcol_attention, takes=takes_sink, accepts=_sinkcol_accepts, priority=20,
               auto_exclude=("cpu",))

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from ..normalizers.base import Normalizer
-from .base import AttnCall
+from .base import AttnCall, score_mod_reason
 from .kinds import FUSED_KINDS, NORMALISED, THRESHOLD, constant_name, kind_id
 
 # imported on first use (``_load_triton``): the plain package needs no triton, and triton fixes compiled vs
@@ -758,6 +758,9 @@ def accepts(call: AttnCall) -> str | None:
     tensors without Triton's interpreter, triton missing (one-time warning on CUDA) or imported before
     ``TRITON_INTERPRET`` changed (one-time warning)."""
     q, k, v = call.q, call.k, call.v
+    reason = score_mod_reason(call)  # the Triton kernels take no soft-cap, bias or sinks: the chunked path does
+    if reason is not None:
+        return reason
     if call.need_weights or call.dropout > 0:
         return "the Triton kernels never form the weights (no output_attentions, no dropout on weights)"
     if not (q.is_cuda or (q.device.type == "cpu" and interpreter_requested())):

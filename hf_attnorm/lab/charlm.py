@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from .data import shakespeare_text
+from .diagnostics import diagnose
 from .probes import train_seed
 from .tiny import ModelShape, TrainConfig, tiny_llama, train
 
@@ -64,7 +66,6 @@ def prepare(out_dir: Path, vocab_size: int = 0) -> Path:
     """Train the tokenizer and tokenize both splits once per output directory (idempotent, atomic): returns the
     folder holding ``tokenizer.json``, ``data.pt`` (train/validation ids) and ``meta.json`` (vocabulary size,
     characters per token, n-gram baselines)."""
-    from hf_attnorm.lab.data import shakespeare_text
 
     folder = Path(out_dir) / f"charlm-data-v{DATA_VERSION}-vocab{vocab_size}"
     if (folder / "meta.json").is_file():
@@ -126,7 +127,6 @@ def run_lm(task: str, implementation: str, options: dict[str, Any], seed: int, s
 
     settings: data_dir (from ``prepare``), length, factors, steps, batch_size, lr, warmup, eval_tokens,
     eval_every, shape (ModelShape fields)."""
-    from hf_attnorm.lab.diagnostics import diagnose
 
     data_dir = Path(settings["data_dir"])
     meta = json.loads((data_dir / "meta.json").read_text())

@@ -26,6 +26,9 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
+from .. import AttnormError, available, resolve_settings
+from ..settings import parse_option_pairs
+
 #: bump when a change to the probes, the LM or the loop changes what a cached result means
 CODE_VERSION = 1
 RESULT_FILE = "result.json"
@@ -41,8 +44,6 @@ def parse_implementation(spec: str) -> tuple[str, dict[str, Any]]:
     """``name`` or ``name:key=value,...`` -> (hf_attnorm implementation, attnorm options), validated now: an
     unknown name or option raises ``ValueError`` naming what is allowed. Values follow the one option grammar of
     the project (``hf_attnorm.settings.parse_option_pairs``)."""
-    from hf_attnorm import AttnormError, available, resolve_settings
-    from hf_attnorm.settings import parse_option_pairs
 
     name, _, rest = spec.partition(":")
     if name not in available():

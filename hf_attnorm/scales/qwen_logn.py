@@ -8,7 +8,7 @@ import torch
 
 from ..normalizers.base import Ctx
 from ..registry import register_scale
-from ..settings import declare_option
+from ..settings import AttnormSettings, declare_option
 from .base import Scale
 
 TRAIN_LENGTH = declare_option(
@@ -28,6 +28,12 @@ class QwenLogN(Scale):
     name = "qwen_logn"
     description = "scaling * max(1, log_{L_train} n)"
     options = (TRAIN_LENGTH,)
+
+    def prepare(self, settings: AttnormSettings, module_info: dict) -> None:
+        length = settings.train_length or module_info.get("max_positions")
+        if not length or length < 2:  # at load time, not at the first forward
+            raise ValueError(f"qwen_logn needs attnorm option train_length (>= 2): the config of "
+                             f"{module_info.get('family', 'this model')} has no max_position_embeddings")
 
     def multiplier(self, n: torch.Tensor, ctx: Ctx) -> torch.Tensor | None:
         length = ctx.settings.train_length or ctx.module_info.get("max_positions")

@@ -1,0 +1,392 @@
+"""The family matrix: every model family of ``family_zoo.FAMILIES`` on tiny random-init configs (no hub).
+
+Checks per family: load (per-head values exist right after from_pretrained/_from_config, set_attn_implementation
+and hf_attnorm.apply, one per head the module really has), softmax equal to transformers' eager (and sdpa) with
+padding, causality, cached generation equal to no-cache, cross-attention (seq2seq), sliding windows (sequences
+longer than the window), a train step that reaches the learnable values, save and reload exact, and every
+registered implementation running (or refused at load time with a message naming the keyword). Families that do
+not use the attention interface are refused at load and set time.
+
+Generic over the registry: the learnable implementations are every preset with a learnable per-head value, and the
+"every implementation" check takes every preset. Set ``FAMILY_MATRIX_JSON=<file>`` to record the largest error of
+each (family, check).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+from family_zoo import FAMILIES, REFUSED, build, inputs, output
+
+import hf_attnorm
+from hf_attnorm.attention import param_specs
+from hf_attnorm.hf.families import attention_modules, num_heads_of
+from hf_attnorm.hf.forward import LAST_CALL
+from hf_attnorm.hf.state import AttnormState
+from hf_attnorm.registry import NORMALIZERS, PRESETS, SCALES, AttnormError
+from hf_attnorm.settings import resolve_settings
+
+NAMES = list(FAMILIES)
+CAUSAL = [n for n in NAMES if FAMILIES[n].kind == "causal"]
+KEYWORD_FAMILIES = [n for n in NAMES if FAMILIES[n].keywords]
+WINDOWED = [n for n in NAMES if FAMILIES[n].window]
+
+
+def _learnable(impl: str) -> list[str]:
+    s = resolve_settings(impl, {})
+    return [p.name for p in param_specs(s) if p.is_learnable(s)]
+
+
+#: presets with a learnable per-head value (ssmax, sink, cosine, ...): the ones that can lose one
+LEARNABLE = [p for p in PRESETS if _learnable(p)]
+#: the default run's representative: the first learnable preset on a softmax-family normalizer (exact SDPA path)
+LEARN = next(p for p in LEARNABLE if resolve_settings(p, {}).normalizer == "softmax")
+SCORELESS = {p for p in PRESETS if NORMALIZERS.get(resolve_settings(p, {}).normalizer).scoreless}
+FREE = {p for p in PRESETS if NORMALIZERS.get(resolve_settings(p, {}).normalizer).row_sum == "free"}
+
+ERRORS: dict[str, dict[str, float]] = {}
+
+
+def _record(family: str, check: str, err: float) -> None:
+    row = ERRORS.setdefault(family, {})
+    row[check] = max(row.get(check, 0.0), float(err))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _write_matrix():
+    yield
+    path = os.environ.get("FAMILY_MATRIX_JSON")
+    if path:
+        old = json.loads(open(path).read()) if os.path.exists(path) else {}
+        for fam, row in ERRORS.items():
+            for check, err in row.items():
+                old.setdefault(fam, {})[check] = max(old.get(fam, {}).get(check, 0.0), err)
+        with open(path, "w") as f:
+            json.dump(old, f, indent=1, sort_keys=True)
+
+
+def _run(model, x) -> torch.Tensor:
+    with torch.no_grad():
+        return output(model(**x))
+
+
+def _states(model) -> list[tuple[torch.nn.Module, AttnormState]]:
+    out = []
+    for _, mod in attention_modules(model):
+        st = mod._modules.get("attnorm")
+        assert isinstance(st, AttnormState), f"{type(mod).__name__} has no attnorm state"
+        out.append((mod, st))
+    assert out, "no attention module found"
+    return out
+
+
+def _check_values(model, impl: str) -> None:
+    names = _learnable(impl)
+    for mod, st in _states(model):
+        assert st.settings.implementation == impl
+        for name in names:
+            p = st._parameters.get(name)
+            assert isinstance(p, torch.nn.Parameter), f"{type(mod).__name__}.attnorm lacks {name}"
+            assert p.shape == (num_heads_of(mod),)
+    have = [n for n, _ in model.named_parameters() if ".attnorm." in n]
+    assert len(have) == len(names) * len(_states(model))
+
+
+# ----------------------------------------------------------------------------------------------------- loading
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_load_set_apply_create_values(family):
+    model = build(family, LEARN)
+    _check_values(model, LEARN)
+    model = build(family, "eager")
+    assert not any(".attnorm." in n for n, _ in model.named_parameters())
+    model.set_attn_implementation(LEARN)
+    _check_values(model, LEARN)
+    other = next(p for p in LEARNABLE if p != LEARN)
+    hf_attnorm.apply(model, other)
+    _check_values(model, other)
+
+
+@pytest.mark.parametrize("family", list(REFUSED))
+def test_refused_families_fail_at_load_and_set_time(family):
+    with pytest.raises(AttnormError, match=f"model family '{family}'"):
+        build(family, "symax")
+    model = build(family, "eager")
+    with pytest.raises(AttnormError, match=f"model family '{family}'"):
+        model.set_attn_implementation("symax")
+    with pytest.raises(AttnormError, match=f"model family '{family}'"):
+        hf_attnorm.apply(model, "softmax")
+    assert model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("family", KEYWORD_FAMILIES)
+def test_score_keywords_refused_for_scoreless_normalizers_at_load(family):
+    impl = sorted(SCORELESS)[0]
+    kw = FAMILIES[family].keywords[0]
+    with pytest.raises(AttnormError, match=kw):
+        build(family, impl)
+
+
+def test_unknown_keyword_refused_at_load_and_per_call():
+    from transformers.models.llama import modeling_llama
+
+    class OddAttention(modeling_llama.LlamaAttention):
+        def forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
+            attention_interface = modeling_llama.ALL_ATTENTION_FUNCTIONS.get_interface(
+                self.config._attn_implementation, modeling_llama.eager_attention_forward)
+            q = k = v = hidden_states.view(*hidden_states.shape[:2], -1, self.head_dim).transpose(1, 2)
+            return attention_interface(
+                self, q, k[:, :2], v[:, :2], attention_mask, scaling=self.scaling, window_bias=1.0,
+            )
+
+    model = build("llama", "eager")
+    model.model.layers[0].self_attn.__class__ = OddAttention
+    with pytest.raises(AttnormError, match="'window_bias'"):
+        model.set_attn_implementation("symax")
+    # a keyword arriving through **kwargs that no module declares: refused at the call, never ignored
+    model = build("llama", "symax")
+    q = torch.randn(1, 4, 3, 8)
+    fn = hf_attnorm.hf.forward.forward_for("symax")
+    with pytest.raises(AttnormError, match="'block_indices'"):
+        fn(model.model.layers[0].self_attn, q, q[:, :2], q[:, :2], None, block_indices=1)
+    # a sliding window with no mask is only legal when it cannot bite (sdpa_mask skips the mask only then)
+    with pytest.raises(AttnormError, match="sliding_window=2"):
+        fn(model.model.layers[0].self_attn, q, q[:, :2], q[:, :2], None, sliding_window=2)
+    out, _ = fn(model.model.layers[0].self_attn, q, q[:, :2], q[:, :2], None, sliding_window=3)
+    assert torch.isfinite(out).all()
+
+
+# ---------------------------------------------------------------------------------------------- equivalence
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_softmax_equals_eager_and_sdpa_with_padding(family):
+    model = build(family, "eager")
+    x, live = inputs(family)
+    eager = _run(model, x)
+    model.set_attn_implementation("softmax")
+    LAST_CALL.path = ""
+    ours = _run(model, x)
+    assert LAST_CALL.path, "the call did not go through hf_attnorm"
+    sel = (lambda t: t[live]) if live is not None else (lambda t: t)
+    err = (sel(ours) - sel(eager)).abs().max().item()
+    _record(family, "softmax vs eager (padding)", err)
+    torch.testing.assert_close(sel(ours), sel(eager), atol=1e-5, rtol=0)
+    try:
+        model.set_attn_implementation("sdpa")
+    except (ValueError, ImportError):
+        return  # the family has no sdpa
+    sdpa = _run(model, x)
+    _record(family, "softmax vs sdpa (padding)", (sel(ours) - sel(sdpa)).abs().max().item())
+    torch.testing.assert_close(sel(ours), sel(sdpa), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", CAUSAL)
+def test_causality(family):
+    model = build(family, "symax")
+    x, _ = inputs(family, pad=False)
+    base = _run(model, x)
+    y = dict(x, input_ids=x["input_ids"].clone())
+    y["input_ids"][:, 7] = (y["input_ids"][:, 7] % 90) + 3
+    changed = _run(model, y)
+    err = (changed[:, :7] - base[:, :7]).abs().max().item()
+    _record(family, "causality (earlier rows unchanged)", err)
+    assert err <= 1e-6
+    assert not torch.allclose(changed[:, 7:], base[:, 7:])
+
+
+@pytest.mark.parametrize("family", CAUSAL)
+def test_cached_generation_equals_no_cache(family):
+    model = build(family, LEARN)
+    x, _ = inputs(family)
+    args = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                pad_token_id=0)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a = model.generate(input_ids=x["input_ids"], attention_mask=x["attention_mask"], use_cache=True, **args)
+        b = model.generate(input_ids=x["input_ids"], attention_mask=x["attention_mask"], use_cache=False, **args)
+    err = max((p - q).abs().max().item() for p, q in zip(a.logits, b.logits))
+    _record(family, "cached generation vs no cache", err)
+    assert torch.equal(a.sequences, b.sequences)
+    assert err <= 1e-4
+
+
+@pytest.mark.parametrize("family", [n for n in NAMES if FAMILIES[n].kind in ("seq2seq", "speech")])
+def test_cross_attention(family):
+    """Cross-attention modules carry states and the decoder output depends on the encoder input through them."""
+    model = build(family, LEARN)
+    cross = [name for name, _ in attention_modules(model) if "encoder_attn" in name or "EncDec" in name]
+    assert cross, "no cross-attention module found"
+    x, _ = inputs(family, pad=False)
+    base = _run(model, x)
+    key = "input_ids" if "input_ids" in x else "input_features"
+    y = dict(x, **{key: x[key].flip(-1)})
+    assert not torch.allclose(_run(model, y), base), "the decoder must see the encoder through cross-attention"
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+def test_sliding_window(family):
+    """Past the window the mask transformers builds (sdpa_mask) limits the keys: softmax equals eager there, and a
+    single layer's first query's token is invisible to queries beyond the window."""
+    model = build(family, "eager")
+    x, _ = inputs(family, pad=False, length=3 * FAMILIES[family].window)
+    eager = _run(model, x)
+    model.set_attn_implementation("softmax")
+    ours = _run(model, x)
+    err = (ours - eager).abs().max().item()
+    _record(family, "sliding window vs eager (L = 3 x window)", err)
+    torch.testing.assert_close(ours, eager, atol=1e-5, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------- training / saving
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_train_step_reaches_learnable_values(family):
+    model = build(family, LEARN).train()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)  # built right after loading, as users do
+    params = {n: p for n, p in model.named_parameters() if ".attnorm." in n}
+    before = {n: p.detach().clone() for n, p in params.items()}
+    x, _ = inputs(family)
+    loss = output(model(**x)).float().pow(2).mean()
+    loss.backward()
+    for n, p in params.items():
+        assert p.grad is not None and p.grad.abs().sum() > 0, f"{n} got no gradient"
+    opt.step()
+    moved = min((params[n] - before[n]).abs().max().item() for n in params)
+    _record(family, "train step: min change of a learnable value", moved)
+    assert moved > 0
+
+
+@pytest.mark.parametrize("family", NAMES)
+def test_save_reload_exact(family, tmp_path):
+    model = build(family, LEARN)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".attnorm." in n:
+                p.copy_(torch.rand(p.shape) + 0.5)
+    x, _ = inputs(family)
+    ref = _run(model, x)
+    model.save_pretrained(tmp_path)
+    cls = type(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        back = cls.from_pretrained(tmp_path).eval()
+    assert back.config._attn_implementation == LEARN
+    a = dict(model.named_parameters())
+    for n, p in back.named_parameters():
+        if ".attnorm." in n:
+            assert torch.equal(p, a[n]), n
+    err = (_run(back, x) - ref).abs().max().item()
+    _record(family, "save/reload (max |diff|)", err)
+    assert err == 0
+
+
+# ----------------------------------------------------------------------------------------- every implementation
+
+
+def _every_impl(family: str) -> None:
+    x, _ = inputs(family)
+    for impl in PRESETS:
+        if impl in SCORELESS and FAMILIES[family].keywords:
+            continue  # refused at load: test_score_keywords_refused_for_scoreless_normalizers_at_load
+        if impl in FREE and "s_aux" in FAMILIES[family].keywords:
+            with pytest.raises(AttnormError, match="'s_aux'"):
+                build(family, impl)  # a sink would change nothing for a normalizer without a sum over keys
+            continue
+        scale = SCALES.get(resolve_settings(impl, {}).scale)
+        # scales that need a training length get one where the config has no max_position_embeddings (T5)
+        extra = {"attnorm": {"train_length": 64}} if "train_length" in scale.options else {}
+        model = build(family, impl, **extra).train()
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
+        out = output(model(**x))
+        assert torch.isfinite(out).all(), impl
+        out.float().pow(2).mean().backward()
+        for n, p in model.named_parameters():
+            if ".attnorm." in n:
+                assert p.grad is not None and torch.isfinite(p.grad).all(), (impl, n)
+
+
+@pytest.mark.parametrize("family", KEYWORD_FAMILIES)
+def test_every_implementation_runs_with_keywords(family):
+    _every_impl(family)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", [n for n in NAMES if n not in KEYWORD_FAMILIES])
+def test_every_implementation_runs(family):
+    _every_impl(family)
+
+
+@pytest.mark.parametrize("family", ["vit", "gpt2"])
+def test_verify_follows_renaming_and_env_skips_every_check(family, tmp_path, monkeypatch):
+    """ViT saves its layers as encoder.layer.N (the module is layers.N): the post-load check must follow that; a
+    checkpoint that really lacks a learned value fails it, unless HF_ATTNORM_VERIFY=0 (which skips every check)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from hf_attnorm.hf.persistence import CheckpointError
+
+    model = build(family, LEARN)
+    model.save_pretrained(tmp_path)
+    type(model).from_pretrained(tmp_path)  # renamed keys are found
+    f = tmp_path / "model.safetensors"
+    with safe_open(f, "pt") as fh:
+        meta = fh.metadata()
+    state = {k: v for k, v in load_file(f).items() if ".attnorm." not in k}
+    save_file(state, f, metadata=meta)
+    (tmp_path / "attnorm_checksums.json").unlink()
+    with pytest.raises(CheckpointError, match="lack the learned parameter"):
+        type(model).from_pretrained(tmp_path)
+    monkeypatch.setenv("HF_ATTNORM_VERIFY", "0")
+    type(model).from_pretrained(tmp_path)
+
+
+#: families whose attention passes a score modifier: soft-cap (Gemma2), sinks (GPT-OSS), position bias (T5)
+COMPILE_FAMILIES = [n for n in ("gemma2", "gpt_oss", "t5") if n in FAMILIES]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["softmax", "symax"])
+@pytest.mark.parametrize("family", COMPILE_FAMILIES)
+def test_torch_compile_fullgraph_with_score_modifiers_and_padding(family, impl):
+    """torch.compile(fullgraph=True) with a padding mask: the score modifiers add no data-dependent branch or host
+    sync; the compiled model matches eager and runs the same path."""
+    torch._dynamo.reset()
+    model = build(family, impl)
+    x, live = inputs(family)
+    LAST_CALL.path = ""
+    eager = _run(model, x)
+    path = LAST_CALL.path
+    assert path, "the eager call did not go through hf_attnorm"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = torch.compile(model, fullgraph=True)
+        LAST_CALL.path = ""
+        out = _run(compiled, x)
+    sel = (lambda t: t[live]) if live is not None else (lambda t: t)
+    torch.testing.assert_close(sel(out), sel(eager), atol=1e-4, rtol=1e-4)
+    assert LAST_CALL.path == path
+    # a compiled training step: gradients reach the model's own modifier weights (T5's relative bias, GPT-OSS sinks)
+    model.train()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        output(compiled(**x)).float().pow(2).mean().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads and all(torch.isfinite(g).all() for g in grads.values())
+    for key in ("relative_attention_bias", "sinks"):
+        if any(key in n for n, _ in model.named_parameters()):
+            assert any(key in n and g.abs().sum() > 0 for n, g in grads.items()), key
