@@ -150,7 +150,9 @@ def attention(
     """Attention with any registered normalizer and scale on plain tensors.
 
     q: [B, H, Lq, D]; k: [B, Hkv, Lk, D]; v: [B, Hkv, Lk, Dv] (H a multiple of Hkv); attention_mask: None, or a
-    bool/0-1/additive mask [B|1, 1|H, Lq, Lk], [B, Lq, Lk] or [B, Lk]; causal: with no mask, query i sees keys
+    mask [B|1, 1|H, Lq, Lk], [B, Lq, Lk] or [B, Lk] that is bool (True = keep), integer 0/1 (1 = keep) or additive
+    float as SDPA and eager attention read it (-inf/finfo.min = masked, any other value is added to the score: a
+    float 0/1 mask is therefore a bias, not a keep-mask); causal: with no mask, query i sees keys
     j <= i (upper-left, as SDPA); scaling: the base scale (default 1/sqrt(D)); heads: per-head values [H]
     (e.g. ``{"ssmax_s": s}``; default: initial values from the settings); options: attnorm options
     (``eta=0.5``...). Score modifiers, applied to the scaled scores before the normalizer: softcap c
