@@ -150,18 +150,24 @@ def _to_bool(mask: torch.Tensor) -> torch.Tensor:
 _LAST_SPLIT: list = [None, -1, None]
 
 
+def _no_cache() -> bool:
+    """Mask facts are not cached while tracing (nothing may persist across a graph) nor under inference_mode
+    (tensors made there cannot be saved for backward by a later training step that would reuse them)."""
+    return torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
+
+
 def split_float_mask(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """An additive float mask -> (keep bool, bias float), both of its shape: entries <= finfo.min / 2 (or -inf) are
     masked (bias 0 there), the others are kept and their values are a score bias (eager attention adds them). The
     same mask tensor (unchanged) gives the same tensors back, so the layers of one forward share one keep-mask (and
     its MaskInfo). Nothing is read on the host."""
-    if not (torch.compiler.is_compiling() or mask.is_inference()):
+    if not (_no_cache() or mask.is_inference()):
         ref, version, parts = _LAST_SPLIT
         if ref is not None and ref() is mask and version == mask._version:
             return parts
     keep = mask > torch.finfo(mask.dtype).min / 2
     parts = keep, torch.where(keep, mask, torch.zeros((), dtype=mask.dtype, device=mask.device))
-    if not (torch.compiler.is_compiling() or mask.is_inference()):
+    if not (_no_cache() or mask.is_inference()):
         _LAST_SPLIT[:] = [weakref.ref(mask), mask._version, parts]
     return parts
 
@@ -183,7 +189,7 @@ def build_mask_info(
     """
     if attention_mask is None:
         key = (lq, lk, causal and lq > 1, device)
-        info = None if torch.compiler.is_compiling() else _STRUCTURED.get(key)
+        info = None if _no_cache() else _STRUCTURED.get(key)
         if info is None:
             if key[2]:
                 i = torch.arange(lq, device=device, dtype=torch.float32)
@@ -192,7 +198,7 @@ def build_mask_info(
             else:
                 n = torch.full((1, 1, lq), float(lk), device=device)
                 info = MaskInfo(None, False, n.clamp_min(1), n > 0, lq, lk)
-            if not torch.compiler.is_compiling():
+            if not _no_cache():
                 if len(_STRUCTURED) > 64:  # decode: one entry per length; keep the recent ones
                     _STRUCTURED.pop(next(iter(_STRUCTURED)))
                 _STRUCTURED[key] = info
@@ -202,7 +208,7 @@ def build_mask_info(
             f"attention_mask of type {type(attention_mask).__name__} is not supported by hf_attnorm; expected None "
             "or a tensor (bool, 0/1 integer or additive float) of shape [B, 1, Lq, Lk], [B, Lq, Lk] or [B, Lk]"
         )
-    if torch.compiler.is_compiling() or attention_mask.is_inference():
+    if _no_cache() or attention_mask.is_inference():
         # (inference-mode tensors have no version counter, so an in-place change could not be noticed)
         return _build(attention_mask, batch, heads, lq, lk, causal, device)
     sizes = (batch, heads, lq, lk, causal, device)

@@ -620,3 +620,18 @@ def test_mask_facts_are_shared_by_the_layers_and_follow_changes():
         mi = torch.ones(1, 1, 3, 3, dtype=torch.bool)
         assert build_mask_info(mi, 1, 1, 3, 3, False, mi.device) is not build_mask_info(mi, 1, 1, 3, 3, False,
                                                                                          mi.device)
+
+
+@pytest.mark.parametrize("path", ["chunked", "reference"])
+def test_mask_facts_made_under_inference_mode_do_not_reach_training(path):
+    """Mask facts (n, keep) built inside torch.inference_mode must not be cached and reused by a later training
+    call: inference tensors cannot be saved for backward."""
+    q = torch.randn(1, 2, 5, 8, requires_grad=True)
+    mask = torch.ones(1, 1, 5, 5, dtype=torch.bool).tril()
+    for m in (None, mask):
+        with torch.inference_mode():
+            attention(q.detach(), q.detach(), q.detach(), "relu_len", attention_mask=m, causal=True, path=path)
+        out, _ = attention(q, q, q, "relu_len", attention_mask=m, causal=True, path=path)
+        out.sum().backward()
+        assert q.grad is not None and torch.isfinite(q.grad).all()
+        q.grad = None
