@@ -76,12 +76,20 @@ def test_old_checkpoint_folder_is_accepted_for_resume(old_run) -> None:
 @pytest.mark.slow  # ~7 s on the busy 2-core machine (tokenises the corpus with the character tokenizer once)
 def test_old_checkpoint_resumes_exactly(old_run) -> None:
     """Today's code continues the old step_2 (weights, AdamW state, scheduler, RNG, data position) to step 4 with
-    the losses of the old code's uninterrupted run, bit for bit."""
+    the losses of the old code's uninterrupted run: the recorded steps and the first resumed step (3) bit for bit,
+    the next ones to fp32 rounding (the sink path's kernel arithmetic changed with issue 14's SDPA rewrite, so the
+    step-3 update differs in the last bits; a resume of a run by the same code stays bit-exact:
+    tests/test_training.py::test_sigkill_and_resume_gives_bit_identical_losses)."""
     expected = json.loads((FIXTURES / "char_run" / "uninterrupted.json").read_text())
     summary = run_pretraining([*OLD_RUN_FLAGS, "--resume_from_checkpoint", "latest"])
     assert summary["steps"] == 4 and summary["attnorm"]["implementation"] == "sink"
-    assert summary["train_losses"] == expected["train_losses"]
-    assert summary["val_losses"] == expected["val_losses"]
+    got, want = summary["train_losses"], expected["train_losses"]
+    assert [s for s, _ in got] == [s for s, _ in want] == [1, 2, 3, 4]
+    assert got[:3] == want[:3]  # steps 1-2 from the checkpoint's history, step 3 computed from the old state
+    assert got[3][1] == pytest.approx(want[3][1], rel=1e-6, abs=0)
+    assert [s for s, _ in summary["val_losses"]] == [s for s, _ in expected["val_losses"]]
+    for (_, a), (_, b) in zip(summary["val_losses"], expected["val_losses"]):
+        assert a == pytest.approx(b, rel=1e-6, abs=0)
     assert [p.name for p in training.list_checkpoints(old_run)] == ["step_2", "step_4"]
 
 
