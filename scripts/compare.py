@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the implementation every other one is compared with, seed by seed (must be listed)")
     p.add_argument("--tasks", nargs="+", choices=TASKS, default=TASKS, help="tasks to run")
     p.add_argument("--budget", choices=list(BUDGETS), default="default",
-                   help="preset of the values below: default (the README's run, about 12 min on 2 idle cores), "
+                   help="preset of the values below: default (the README's run, about 9 min on 2 idle cores), "
                         "long (5 seeds, longer training, bigger LM; hours), micro (seconds; tests)")
     p.add_argument("--seeds", type=_positive_int, default=None, help="seeds per configuration: 0 .. N-1")
     p.add_argument("--probe_length", type=_positive_int, default=None, help="training length L of the probes")
