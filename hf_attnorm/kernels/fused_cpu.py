@@ -26,7 +26,7 @@ import torch
 
 from ..normalizers.base import Normalizer
 from .base import AttnCall, compute_dtype, score_mod_reason
-from .kinds import FUSED_KINDS, THRESHOLD, kind_id
+from .kinds import FUSED_KINDS, THRESHOLD, fused_takes, kind_id
 
 logger = logging.getLogger("hf_attnorm")
 
@@ -203,12 +203,8 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def takes(norm: Normalizer) -> str | None:
-    """The normalizers that declare a fused map (``kernel_family = "fused"``, ``fused_kind``) and no q/k transform."""
-    if norm.kernel_family != "fused" or norm.fused_kind not in FUSED_KINDS:
-        return f"normalizer {norm.name!r} declares no fused kernel map (maps: {', '.join(FUSED_KINDS)})"
-    if type(norm).transform_qk is not Normalizer.transform_qk or type(norm).feature_map is not Normalizer.feature_map:
-        return f"normalizer {norm.name!r} transforms q/k, which the fused kernels do not"
-    return None
+    """The normalizers with a fused map and no q/k transform (``kinds.fused_takes``)."""
+    return fused_takes(norm, "fused")
 
 
 def accepts(call: AttnCall) -> str | None:

@@ -9,6 +9,8 @@ name appended here and to the C++ enum, and, if it is sum-normalised or threshol
 
 from __future__ import annotations
 
+from ..normalizers.base import Normalizer
+
 #: map name -> kernel id (the C++ enum value and the Triton KIND); ids are positions, never reuse one
 FUSED_KINDS: dict[str, int] = {
     "symax": 0, "squared": 1, "stablemax": 2, "softpick": 3, "sigmoid": 4, "relu_len": 5,
@@ -31,3 +33,14 @@ def kind_id(name: str) -> int:
 def constant_name(name: str) -> str:
     """The constant a kernel source uses for map ``name``: ``K_SYMAX`` in Triton, ``SYMAX`` in the C++ enum."""
     return name.upper()
+
+
+def fused_takes(norm: Normalizer, kernels: str) -> str | None:
+    """Whether the fused kernels (``kernels`` names which, for the message) can run ``norm``: it declares a fused
+    map (``kernel_family = "fused"``, ``fused_kind``) and no q/k transform, since these kernels compute
+    s = c (q . k) directly. None, or the reason."""
+    if norm.kernel_family != "fused" or norm.fused_kind not in FUSED_KINDS:
+        return f"normalizer {norm.name!r} declares no fused kernel map (maps: {', '.join(FUSED_KINDS)})"
+    if type(norm).transform_qk is not Normalizer.transform_qk or type(norm).feature_map is not Normalizer.feature_map:
+        return f"normalizer {norm.name!r} transforms q/k, which the {kernels} kernels do not"
+    return None

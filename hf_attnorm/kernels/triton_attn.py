@@ -46,7 +46,7 @@ import torch
 
 from ..normalizers.base import Normalizer
 from .base import AttnCall, score_mod_reason
-from .kinds import FUSED_KINDS, NORMALISED, THRESHOLD, constant_name, kind_id
+from .kinds import FUSED_KINDS, NORMALISED, THRESHOLD, constant_name, fused_takes, kind_id
 
 # imported on first use (``_load_triton``): the plain package needs no triton, and triton fixes compiled vs
 # interpreted mode for its own library functions when it is imported
@@ -744,13 +744,8 @@ def _warn_once(key: str, message: str) -> None:
 
 
 def takes(norm: Normalizer) -> str | None:
-    """The normalizers that declare a fused map (``kernel_family = "fused"``, ``fused_kind``) and no q/k transform:
-    these kernels compute s = c (q . k) directly."""
-    if norm.kernel_family != "fused" or norm.fused_kind not in FUSED_KINDS:
-        return f"normalizer {norm.name!r} declares no fused kernel map (maps: {', '.join(FUSED_KINDS)})"
-    if type(norm).transform_qk is not Normalizer.transform_qk or type(norm).feature_map is not Normalizer.feature_map:
-        return f"normalizer {norm.name!r} transforms q/k, which the Triton kernels do not"
-    return None
+    """The normalizers with a fused map and no q/k transform (``kinds.fused_takes``)."""
+    return fused_takes(norm, "Triton")
 
 
 def accepts(call: AttnCall) -> str | None:
