@@ -25,12 +25,11 @@ def param_specs(settings: AttnormSettings) -> tuple[ParamSpec, ...]:
     return (*NORMALIZERS.get(settings.normalizer).params, *SCALES.get(settings.scale).params)
 
 
-def constant_heads(settings: AttnormSettings, num_heads: int, device=None) -> dict[str, torch.Tensor]:
-    """Per-head values [H] at their initial values (fp32), for calls without a module."""
-    return {
-        spec.name: torch.full((num_heads,), spec.init_value(settings), dtype=torch.float32, device=device)
-        for spec in param_specs(settings)
-    }
+def constant_heads(settings: AttnormSettings, num_heads: int, device=None,
+                   head_dim: int | None = None) -> dict[str, torch.Tensor]:
+    """Per-head values ([H] or [H, ...], ``ParamSpec.shape``) at their initial values (fp32), for calls without a
+    module. head_dim: D of q/k, needed only by values shaped by it."""
+    return {spec.name: spec.initial(num_heads, settings, head_dim, device) for spec in param_specs(settings)}
 
 
 def make_call(
@@ -164,7 +163,7 @@ def attention(
         implementation, options)
     if isinstance(implementation, AttnormSettings) and options:
         settings = settings.replace(**options)
-    all_heads = constant_heads(settings, q.shape[1], q.device)
+    all_heads = constant_heads(settings, q.shape[1], q.device, q.shape[-1])
     all_heads.update(heads or {})
     call = make_call(q, k, v, settings, all_heads, attention_mask, causal, scaling, dropout, need_weights,
                      module_info, bias=bias, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)

@@ -220,13 +220,16 @@ def _inputs(B, H, Hkv, Lq, Lk, D, Dv, seed=0):
     return q * 1.5, k, v, up  # x1.5: scores with some spread (sparse maps get several supports)
 
 
-def _heads(name: str, H: int, opts: dict) -> dict[str, torch.Tensor]:
+def _heads(name: str, H: int, opts: dict, head_dim: int = 16) -> dict[str, torch.Tensor]:
     """The learnable per-head values of the normalizer and the scale, at their initial value plus offsets that
     differ per head (symax eta crosses 0, so |eta| and its gradient sign are exercised)."""
     settings = resolve_settings(name, opts)
-    return {spec.name: torch.full((H,), spec.init_value(settings), dtype=torch.float64)
-            + torch.linspace(-1.7, 0.5, H, dtype=torch.float64)
-            for spec in param_specs(settings) if spec.is_learnable(settings)}
+    out = {}
+    for spec in param_specs(settings):
+        if spec.is_learnable(settings):
+            init = spec.initial(H, settings, head_dim).double()
+            out[spec.name] = init + torch.linspace(-1.7, 0.5, H, dtype=torch.float64).view(-1, *[1] * (init.dim() - 1))
+    return out
 
 
 def _run(name, q, k, v, up, heads, path, dtype, kwargs, opts):
@@ -266,7 +269,7 @@ def _check_scenario(name, scen, sid, extra_opts=None, dtype=torch.float32):
     opts = {**learn, **opts, **(extra_opts or {})}
     q, k, v, up = _inputs(B, H, Hkv, Lq, Lk, D, Dv)
     kwargs = make_kwargs()
-    heads = _heads(name, H, opts)
+    heads = _heads(name, H, opts, D)
     ref64 = _run(name, q, k, v, up, heads, "reference", torch.float64, kwargs, opts)
     ref = _run(name, q, k, v, up, heads, "reference", dtype, kwargs, opts)
     got = _run(name, q, k, v, up, heads, "triton", dtype, kwargs, opts)

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..attention import param_specs
 from .state import AttnormState
 
 
@@ -49,10 +48,9 @@ def materialize_meta_states(model: nn.Module) -> list[str]:
         if not metas:
             continue
         device: Any = next((p.device for p in mod.parameters() if p.device.type != "meta"), torch.device("cpu"))
-        init = {spec.name: spec.init_value(state.settings) for spec in param_specs(state.settings)}
         for n in metas:
             old = state._parameters[n]
-            state._parameters[n] = nn.Parameter(torch.full(old.shape, init[n], dtype=old.dtype, device=device),
+            state._parameters[n] = nn.Parameter(state.initial(n, device).to(old.dtype),
                                                 requires_grad=old.requires_grad)
             done.append(f"{mname}.attnorm.{n}")
     return done

@@ -41,9 +41,14 @@ class AttnormState(nn.Module):
         self._specs = param_specs(settings)
         #: device -> the non-learnable per-head values [H] (fp32), built once per device rather than every call
         self._constants: dict[torch.device, dict[str, torch.Tensor]] = {}
-        for spec in param_specs(settings):
+        try:
+            initial = {spec.name: spec.initial(num_heads, settings, self.module_info.get("head_dim"))
+                       for spec in self._specs}
+        except ValueError as e:  # a shape that needs an unknown fact: refused at load/set time
+            raise AttnormError(f"{self.module_info.get('family', 'attention module')}: {e}") from None
+        for spec in self._specs:
             if spec.is_learnable(settings):
-                self.register_parameter(spec.name, nn.Parameter(torch.full((num_heads,), spec.init_value(settings))))
+                self.register_parameter(spec.name, nn.Parameter(initial[spec.name]))
 
     def learnable_names(self) -> list[str]:
         return [name for name, _ in self.named_parameters(recurse=False)]
@@ -54,11 +59,16 @@ class AttnormState(nn.Module):
         for spec in param_specs(self.settings):
             p = getattr(self, spec.name, None)
             if isinstance(p, nn.Parameter) and not (only_uninitialised and getattr(p, "_is_hf_initialized", False)):
-                p.fill_(spec.init_value(self.settings))
+                p.copy_(self.initial(spec.name, p.device))
+
+    def initial(self, name: str, device: torch.device | str | None = None) -> torch.Tensor:
+        """The initial value of per-head value ``name`` (fp32, its full shape)."""
+        spec = next(s for s in self._specs if s.name == name)
+        return spec.initial(self.num_heads, self.settings, self.module_info.get("head_dim"), device)
 
     def forward(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """Every per-head value [H] (fp32): learnable ones from the parameters, constants from the settings (built
-        once per device, not per call).
+        """Every per-head value [H] or [H, ...] (fp32): learnable ones from the parameters, constants from the
+        settings (built once per device, not per call).
 
         The attention function CALLS this module rather than reading its parameters, so whatever wraps or hooks a
         module's call sees it: PEFT's ``modules_to_save`` wrapper dispatches to the active adapter's copy, and
@@ -68,7 +78,7 @@ class AttnormState(nn.Module):
         """
         const = self._constants.get(device)
         if const is None:
-            const = {spec.name: torch.full((self.num_heads,), spec.init_value(self.settings), device=device)
+            const = {spec.name: self.initial(spec.name, device)
                      for spec in self._specs if spec.name not in self._parameters}
             # tensors made under inference_mode cannot be saved for backward later: cache only ordinary ones
             if not torch.is_inference_mode_enabled():
@@ -130,7 +140,8 @@ def install(module: nn.Module, settings: AttnormSettings) -> AttnormState:
         old_specs = {s.name: s for s in param_specs(old.settings)}
         for spec in param_specs(settings):
             prev = old._parameters.get(spec.name)
-            same = spec.name in old_specs and spec.init_value(old.settings) == spec.init_value(settings)
+            same = (spec.name in old_specs and spec.init_value(old.settings) == spec.init_value(settings)
+                    and prev is not None and prev.shape == state._parameters.get(spec.name, prev).shape)
             if prev is not None and spec.name in state._parameters and same:
                 state._parameters[spec.name] = prev  # keep the learned value (and the optimizer's reference)
     module.attnorm = state

@@ -17,6 +17,7 @@ Pipeline for one attention call (see ``hf_attnorm.attention``)::
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from typing import ClassVar, Literal
 
 import torch
@@ -31,12 +32,20 @@ KernelFamily = Literal["softmax", "fused", "linear", "generic"]
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:
     """A per-head value that may be learned: initialised from option ``init_option``; a trainable
-    ``nn.Parameter`` of shape [H] named ``name`` when option ``learnable_option`` is true, else a constant."""
+    ``nn.Parameter`` named ``name`` when option ``learnable_option`` is true, else a constant.
+
+    Its shape is [H] followed by ``shape``: each trailing dim an int, ``"head_dim"`` (D of q/k, known from the
+    attention module or the call) or the name of an integer option (e.g. a number of memory slots). ``init``:
+    ``"fill"`` sets every entry to the init option's value; ``"normal"`` draws N(0, value^2) entries from a generator
+    seeded by the name and shape (reproducible, so a constant is the same on every device and call), for vectors whose
+    entries must differ (learned memory keys)."""
 
     name: str
     init_option: str
     learnable_option: str
     help: str
+    shape: tuple[int | str, ...] = ()
+    init: Literal["fill", "normal"] = "fill"
 
     def is_learnable(self, settings: AttnormSettings) -> bool:
         return bool(settings.options[self.learnable_option])
@@ -45,12 +54,39 @@ class ParamSpec:
         value = settings.options[self.init_option]
         return 0.0 if value is None else float(value)  # None: the option's "derived" mode (e.g. sigmoid -ln n)
 
+    def dims(self, num_heads: int, settings: AttnormSettings, head_dim: int | None = None) -> tuple[int, ...]:
+        """The full shape (H, *trailing). ValueError naming the missing fact when ``"head_dim"`` is needed but
+        unknown."""
+        out = [num_heads]
+        for d in self.shape:
+            if d == "head_dim":
+                if not head_dim:
+                    raise ValueError(f"per-head value {self.name!r} has shape [H, head_dim, ...] but the attention "
+                                     "module's head dimension is unknown (no head_dim / attention_head_size)")
+                out.append(int(head_dim))
+            elif isinstance(d, str):
+                out.append(int(settings.options[d]))
+            else:
+                out.append(int(d))
+        return tuple(out)
+
+    def initial(self, num_heads: int, settings: AttnormSettings, head_dim: int | None = None,
+                device: torch.device | str | None = None) -> torch.Tensor:
+        """The initial value, fp32, of shape ``dims(...)``."""
+        shape, value = self.dims(num_heads, settings, head_dim), self.init_value(settings)
+        if self.init == "fill":
+            return torch.full(shape, value, dtype=torch.float32, device=device)
+        seed = zlib.crc32(f"{self.name}:{shape}".encode())
+        gen = torch.Generator().manual_seed(seed)
+        return (torch.randn(shape, generator=gen, dtype=torch.float32) * value).to(device)
+
 
 @dataclasses.dataclass
 class Ctx:
     """What a normalizer or scale may read during one attention call.
 
-    settings: the validated settings; heads: per-head values name -> tensor [H] (parameters or constants, fp32);
+    settings: the validated settings; heads: per-head values name -> tensor [H] or [H, ...] (``ParamSpec.shape``;
+    parameters or constants, fp32);
     head_dim: D of q/k; n: visible keys per query, float [B, 1 or H, Lq] (>= 1); module_info: static facts about
     the attention module (``train_length`` ...).
     """
