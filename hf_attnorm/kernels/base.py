@@ -25,6 +25,8 @@ class AttnCall:
     normalizer: softcap c: s = c tanh(s / c) (Gemma2); bias: s = s + bias, float broadcastable to [B, H, Lq, Lk]
     (T5's position_bias, ALiBi, the values of a float mask); sinks: float [H], an always-visible extra key with
     logit sinks[h] and value 0 (transformers' ``s_aux``, GPT-OSS), so for softmax w_j = e^s_j / (e^sink + sum e^s).
+    alibi_slopes: float [H], ALiBi's bias -slopes[h] |(Lk - Lq + i) - j| added with ``bias``, left unmaterialised
+    for the kernels that compute it in place (fused_cpu, triton); the other paths add ``score_bias()``.
     """
 
     q: torch.Tensor
@@ -41,11 +43,21 @@ class AttnCall:
     bias: torch.Tensor | None = None
     softcap: float | None = None
     sinks: torch.Tensor | None = None
+    alibi_slopes: torch.Tensor | None = None
 
     @property
     def modifies_scores(self) -> bool:
         """Any score modifier present (paths that only form plain scores must decline)."""
-        return self.bias is not None or self.softcap is not None or self.sinks is not None
+        return (self.bias is not None or self.softcap is not None or self.sinks is not None
+                or self.alibi_slopes is not None)
+
+    def score_bias(self) -> torch.Tensor | None:
+        """The whole additive score bias, broadcastable to [B, H, Lq, Lk]: ``bias`` plus the materialised ALiBi
+        bias [1, H, Lq, Lk] when slopes are carried (for the paths that add a bias tensor)."""
+        if self.alibi_slopes is None:
+            return self.bias
+        alibi = alibi_bias(self.alibi_slopes, self.q.shape[2], self.k.shape[2])
+        return alibi if self.bias is None else self.bias + alibi
 
     @property
     def normalizer(self) -> Normalizer:
@@ -96,8 +108,19 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def score_mod_reason(call: AttnCall) -> str | None:
     """Why a path that applies no score modifier (soft-cap, bias, sinks) cannot take ``call``, or None."""
     present = [name for name, v in (("softcap", call.softcap), ("a score bias", call.bias),
-                                    ("attention sinks (s_aux)", call.sinks)) if v is not None]
+                                    ("ALiBi slopes", call.alibi_slopes), ("attention sinks (s_aux)", call.sinks))
+               if v is not None]
     return f"this path does not apply {', '.join(present)}" if present else None
+
+
+def alibi_bias(slopes: torch.Tensor, lq: int, lk: int) -> torch.Tensor:
+    """ALiBi (Press et al.): bias [1, H, Lq, Lk] = -slopes[h] * |pos_i - j| with query i at key position
+    i + Lk - Lq (the last query is the last key, as in cached decoding). For causal attention this is the paper's
+    -m (i - j); BLOOM's m * j differs from it by a per-row constant, which softmax ignores."""
+    dt = torch.promote_types(slopes.dtype, torch.float32)
+    pos_q = torch.arange(lq, device=slopes.device, dtype=dt) + (lk - lq)
+    dist = (pos_q[:, None] - torch.arange(lk, device=slopes.device, dtype=dt)[None, :]).abs()
+    return -slopes.to(dt).view(1, -1, 1, 1) * dist
 
 
 def modify_scores(scores: torch.Tensor, softcap: float | None, bias: torch.Tensor | None) -> torch.Tensor:
