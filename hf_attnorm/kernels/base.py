@@ -123,6 +123,17 @@ def alibi_bias(slopes: torch.Tensor, lq: int, lk: int) -> torch.Tensor:
     return -slopes.to(dt).view(1, -1, 1, 1) * dist
 
 
+def compact_bias(bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bias [B|1, H|1, Lq|1, Lk|1] in ``dtype`` with its expanded (stride-0) dims back to size 1 and a contiguous
+    last dim, so that neither the cast nor the copy is ever of size B x H x Lq x Lk when the bias is smaller (the
+    kernels read size-1 dims with stride 0). Differentiable: the gradient flows back to the caller's bias."""
+    for d in range(4):
+        if bias.shape[d] > 1 and bias.stride(d) == 0:
+            bias = bias.narrow(d, 0, 1)
+    bias = bias.to(dtype)
+    return bias if bias.shape[3] == 1 or bias.stride(3) == 1 else bias.contiguous()
+
+
 def modify_scores(scores: torch.Tensor, softcap: float | None, bias: torch.Tensor | None) -> torch.Tensor:
     """scores [B, H, Lq, Lk] -> c tanh(scores / c) + bias (either step skipped when None)."""
     if softcap is not None:

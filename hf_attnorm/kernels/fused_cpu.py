@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ..normalizers.base import Normalizer
-from .base import AttnCall, compute_dtype
+from .base import AttnCall, compact_bias, compute_dtype
 from .kinds import FUSED_KINDS, THRESHOLD, fused_takes, kind_id
 
 logger = logging.getLogger("hf_attnorm")
@@ -209,17 +209,6 @@ def row_constant(call: AttnCall, dtype: torch.dtype) -> torch.Tensor:
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def compact_bias(bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """bias [B|1, H|1, Lq|1, Lk|1] in ``dtype`` with its expanded (stride-0) dims back to size 1 and a contiguous
-    last dim, so that neither the cast nor the copy is ever of size B x H x Lq x Lk when the bias is smaller (the
-    kernels read size-1 dims with stride 0). Differentiable: the gradient flows back to the caller's bias."""
-    for d in range(4):
-        if bias.shape[d] > 1 and bias.stride(d) == 0:
-            bias = bias.narrow(d, 0, 1)
-    bias = bias.to(dtype)
-    return bias if bias.shape[3] == 1 or bias.stride(3) == 1 else bias.contiguous()
 
 
 def takes(norm: Normalizer) -> str | None:
