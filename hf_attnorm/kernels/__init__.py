@@ -24,9 +24,12 @@ chunked        90        every normalizer                              any (pure
 reference      100       every normalizer                              any; the only path returning weights
 ============== ========= ============================================= =========================================
 
-Score modifiers on the call (``AttnCall.softcap``/``bias``/``sinks``) are part of each ``accepts``: reference,
-chunked and decode apply all three; sdpa a bias (in its float mask; a bias that needs a gradient leaves the sink
-rewrite) and sinks, not a soft-cap; sdpa_sinkcol sinks only; triton, fused_cpu and linear_chunked none.
+Score modifiers on the call (``AttnCall.softcap``/``bias``/``alibi_slopes``/``sinks``) are part of each
+``accepts``: reference, chunked and decode apply all of them (ALiBi slopes through ``AttnCall.score_bias()``); sdpa
+a bias (in its float mask; a bias that needs a gradient leaves the sink rewrite) and sinks, not a soft-cap;
+sdpa_sinkcol sinks only; triton and fused_cpu a soft-cap, a bias (read through its broadcast strides, with its
+gradient) and ALiBi slopes in the kernel, not sinks; linear_chunked none. ``make_call`` leaves ALiBi slopes
+unmaterialised only for the normalizers the fused kernels take (the softmax family gets the bias tensor).
 
 The rule: needs-weights (``output_attentions``) -> the reference; otherwise the first path by priority whose
 ``auto_exclude`` does not hold the call's device and whose ``takes`` and ``accepts`` say None. ``explain(call)``
