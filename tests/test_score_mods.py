@@ -172,7 +172,8 @@ def test_one_query_decode_path_applies_modifiers(impl):
     q, keep, bias = q[:, :, -1:], keep[:, :, -1:], bias[:, :, -1:]
     k, v = k[:, :2], v[:, :2]  # GQA: 4 query heads over 2 kv heads
     sinks = None if impl in FREE else sinks
-    kw = dict(softcap=3.0, attention_mask=keep, **_options(impl))
+    alibi = 2.0 ** -torch.arange(1, H + 1, dtype=q.dtype)  # slopes (unmaterialised for the fused maps)
+    kw = dict(softcap=3.0, attention_mask=keep, alibi_slopes=alibi, **_options(impl))
     results = []
     for path in ("reference", "decode"):
         qq, bb = q.clone().requires_grad_(), bias.clone().requires_grad_()
@@ -184,7 +185,8 @@ def test_one_query_decode_path_applies_modifiers(impl):
         if a is not None:
             torch.testing.assert_close(b, a, atol=1e-9, rtol=1e-7)
     settings = resolve_settings(impl, _options(impl))
-    call = make_call(q, k, v, settings, constant_heads(settings, H), keep, bias=bias, softcap=3.0, sinks=sinks)
+    call = make_call(q, k, v, settings, constant_heads(settings, H), keep, bias=bias, softcap=3.0, sinks=sinks,
+                     alibi_slopes=alibi)
     assert choose(call) == "decode"
     assert explain(call)[-1] == ("decode", "runs")
 
