@@ -8,6 +8,7 @@ built once outside the timing); with a soft-cap, which SDPA cannot apply, plain 
 ``<out-dir>/bench_score_mods.json`` and ``.md``.
 
     python scripts/bench_score_mods.py --lengths 1024 4096
+    python scripts/bench_score_mods.py --memory     # peak extra RSS at n = 8192, fresh process per row
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -43,7 +47,59 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="time the chunked ALiBi row up to this n (one run: 9-22 s at n = 1024 on 2 cores)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out-dir", type=Path, default=Path("bench/kernels_score_mods"))
+    p.add_argument("--memory", action="store_true",
+                   help="instead: peak extra RSS of one forward+backward per (normalizer, modifier), fresh process")
+    p.add_argument("--memory-length", type=int, default=8192)
+    p.add_argument("--memory-heads", type=int, default=2)
+    p.add_argument("--memory-child", nargs=4, metavar=("NORMALIZER", "MODIFIER", "N", "H"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+def mod_kwargs(mod: str, h: int, n: int, softcap: float) -> dict:
+    if mod == "alibi":
+        return dict(alibi_slopes=slopes(h))
+    if mod == "bias":
+        return dict(bias=alibi_bias(slopes(h), n, n))
+    return dict(softcap=softcap) if mod == "softcap" else {}
+
+
+def memory_child(name: str, mod: str, n: int, h: int, softcap: float) -> None:
+    """Prints the peak RSS growth (MB) of one causal forward+backward on fused_cpu, after a small warm-up call."""
+    from hf_attnorm.kernels import fused_cpu
+
+    fused_cpu.native_ops()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, n, 64, generator=g).requires_grad_() for _ in range(3))
+    settings = resolve_settings(name, {})
+    small = make_call(q[:, :, :64], k[:, :, :64], v[:, :, :64], settings, constant_heads(settings, h), None, True,
+                      **mod_kwargs(mod, h, 64, softcap))
+    attend(small, "fused_cpu")[0].sum().backward()
+    kw = mod_kwargs(mod, h, n, softcap)
+    q.grad = k.grad = v.grad = None
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out, _, ran = attend(make_call(q, k, v, settings, constant_heads(settings, h), None, True, **kw), "fused_cpu")
+    out.pow(2).mean().backward()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"normalizer": name, "modifier": mod, "path": ran, "extra_mb": round((peak - base) / 1024, 1)}))
+
+
+def measure_memory(args) -> int:
+    n, h = args.memory_length, args.memory_heads
+    rows = []
+    for name in args.normalizers:
+        for mod in ("none", "alibi", "softcap"):  # a bias row's input is [1, H, n, n] itself: nothing to show
+            cmd = [sys.executable, __file__, "--memory-child", name, mod, str(n), str(h),
+                   "--softcap", str(args.softcap)]
+            res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            row = json.loads(res.stdout.strip().splitlines()[-1])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    result = {"meta": {"n": n, "H": h, "d": 64, "dtype": "fp32", "causal": True,
+                       "one_H_n_n_fp32_mb": h * n * n * 4 / 2**20}, "rows": rows}
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "memory.json").write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out_dir}/memory.json")
+    return 0
 
 
 def _ms(fn) -> float:
@@ -92,6 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.memory_child:
+        name, mod, n, h = args.memory_child
+        memory_child(name, mod, int(n), int(h), args.softcap)
+        return 0
+    if args.memory:
+        return measure_memory(args)
     H, D = args.heads, args.head_dim
     meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "B": 1, "H": H, "d": D, "dtype": "fp32", "causal": True,
@@ -110,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             heads = constant_heads(settings, H)
             for mod in MODS:
                 kw = {"alibi": dict(alibi_slopes=m), "softcap": dict(softcap=args.softcap),
-                      "bias": dict(bias=alibi), "none": {}}[mod]
+                      "bias": dict(bias=alibi), "none": {}}[mod]  # the bias row reuses the timed alibi tensor
                 paths = ["fused_cpu"] + (["chunked"] if mod == "alibi" and n <= args.chunked_max_length else [])
                 for path in paths:
                     ran: list[str] = []
