@@ -26,6 +26,10 @@ Masks: none; causal (upper-left, key j visible to query i iff j <= i: MaskInfo's
 or the boolean keep-mask (any pattern: padding, fully masked rows, cache offsets, per head) read blockwise, with a
 block table (one byte per [query block, key block]) so blocks without a visible key are skipped.
 
+Score modifiers (``_mods``, wherever a score block is formed): soft-cap c tanh(s / c), a bias read through its
+broadcast strides (gradient: block sums of ds added atomically into the bias's own shape), ALiBi from the slopes
+(-m_h |Lk - Lq + i - j|); constexpr flags leave the unmodified kernels as they were. Sinks are declined.
+
 Dispatch: automatic on CUDA tensors. Forced (``path="triton"``), CPU tensors run too while Triton's interpreter is on
 (``TRITON_INTERPRET=1``): that is how the tests run these kernels without a GPU. Triton is imported and the kernels
 are jitted on first use (per interpreter mode), so importing this module needs no triton.
