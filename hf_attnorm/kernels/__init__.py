@@ -18,6 +18,9 @@ sdpa_sinkcol   20        "softmax" with a sink (softmax_n, sink)       any; auto
 triton         30        "fused" (symax, squared, stablemax, ...)      auto: CUDA; forced: CPU under
                                                                        TRITON_INTERPRET=1. No dropout, no fp64
 fused_cpu      40        "fused"                                       CPU, no dropout, C++ built on first use
+linear_recurrent 45      "linear" with ``key_features`` (linear)       one query with ``AttnCall.recurrent`` set
+                                                                       (a cache's state, hf/recurrent.py); no
+                                                                       dropout, no grad
 linear_chunked 50        "linear" (linear)                             no dropout; a mask only as key padding x
                                                                        causal (MaskInfo.padding), or one query
 chunked        90        every normalizer                              any (pure PyTorch, O(n * chunk) memory)

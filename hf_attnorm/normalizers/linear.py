@@ -42,6 +42,12 @@ class Linear(Normalizer):
         fk = fk / fk.detach().amax(dim=(-2, -1), keepdim=True).clamp_min(tiny)
         return fq, fk
 
+    def key_features(self, k: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+        """phi(k) [..., D] without ``feature_map``'s division by the per-(batch, head) maximum (a constant that
+        cancels in the weights): what a recurrent state accumulates key by key (kernels/linear_recurrent.py keeps
+        its own running maximum instead, so adding a key never changes the scale of the keys already summed)."""
+        return elu_feature(k)
+
     def reference(self, scores: torch.Tensor, keep: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         a = masked_fill_zero(scores, keep)  # phi > 0, so scores > 0 on visible keys
         return safe_divide(a, a.sum(dim=-1, keepdim=True))
