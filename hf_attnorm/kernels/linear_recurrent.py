@@ -54,6 +54,8 @@ def takes(norm: Normalizer) -> str | None:
 
 
 def accepts(call: AttnCall) -> str | None:
+    if call.dropout > 0:
+        return "dropout > 0 acts on the weights, which this path never forms"
     st = call.recurrent
     if st is None:
         return ("no recurrent state for this call (one is kept per transformers DynamicCache layer and passed only "
@@ -73,8 +75,6 @@ def accepts(call: AttnCall) -> str | None:
     reason = score_mod_reason(call)
     if reason is not None:
         return f"{reason} (linear attention forms no scores)"
-    if call.dropout > 0:
-        return "dropout > 0 acts on the weights, which this path never forms"
     if call.mask.padding() is None:
         return "the mask is not key padding (one query with a per-head mask)"
     if torch.is_grad_enabled() and (call.q.requires_grad or call.k.requires_grad or call.v.requires_grad):
