@@ -49,7 +49,7 @@ def _decode_against_reference(settings, q, k, v, mask, L0, dtype):
         assert path == "linear_recurrent" and state.length == t + 1
         assert out.dtype == dtype and torch.isfinite(out).all()
         torch.testing.assert_close(out.double(), ref.double(), atol=TOL[dtype], rtol=TOL[dtype],
-                                   msg=lambda m: f"step {t}: {m}")
+                                   msg=lambda m, t=t: f"step {t}: {m}")
     return L - L0
 
 

@@ -26,30 +26,40 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 
-from ..normalizers.base import Normalizer, safe_divide
+from ..normalizers.base import Ctx, Normalizer
 from ..settings import AttnormSettings
 from .base import AttnCall, compute_dtype, score_mod_reason
 
 
 @dataclasses.dataclass(eq=False)
 class LinearState:
-    """Sums over the first ``length`` keys of a cache: s [B, Hkv, D, Dv], z [B, Hkv, D] (in the compute dtype), at
-    the scale 1 / m with m [B, Hkv, 1, 1] the running maximum of phi(k) over those keys (``tiny`` before any valid
-    key); ``settings``: those of the calls it was built by (the key features depend on them)."""
+    """Sums over the first ``length`` keys of a cache, as one tensor sz [B, Hkv, D, Dv + 1] (compute dtype):
+    sz[..., :Dv] = S = sum_j phi(k_j) v_j^T, sz[..., Dv] = z = sum_j phi(k_j) (one product then gives numerator and
+    denominator), at the scale 1 / m with m [B, Hkv, 1, 1] the running maximum of phi(k) over those keys (``tiny``
+    before any valid key); ``settings``: those of the calls it was built by (the key features depend on them)."""
 
-    s: torch.Tensor
-    z: torch.Tensor
+    sz: torch.Tensor
     m: torch.Tensor
     length: int
     settings: AttnormSettings
+
+    @property
+    def s(self) -> torch.Tensor:
+        return self.sz[..., :-1]
+
+    @property
+    def z(self) -> torch.Tensor:
+        return self.sz[..., -1]
 
 
 def takes(norm: Normalizer) -> str | None:
     if norm.kernel_family != "linear":
         return f"normalizer {norm.name!r} has no linear (scoreless) form (kernel_family {norm.kernel_family!r})"
-    if not callable(getattr(norm, "key_features", None)):
-        return f"normalizer {norm.name!r} declares no key_features (phi(k) without its per-head rescaling)"
+    if not (callable(getattr(norm, "key_features", None)) and callable(getattr(norm, "query_features", None))):
+        return (f"normalizer {norm.name!r} declares no key_features / query_features (the two sides of its feature "
+                "map, the key side without its per-head rescaling)")
     return None
 
 
@@ -67,9 +77,9 @@ def accepts(call: AttnCall) -> str | None:
     B, H, _, D = call.q.shape
     Hkv, Dv = call.k.shape[1], call.v.shape[-1]
     dt = compute_dtype(call.q.dtype)
-    if tuple(st.s.shape) != (B, Hkv, D, Dv) or st.s.dtype != dt or st.s.device != call.q.device:
-        return (f"the state is {list(st.s.shape)} {st.s.dtype} on {st.s.device}; the call needs "
-                f"[{B}, {Hkv}, {D}, {Dv}] {dt} on {call.q.device}")
+    if tuple(st.sz.shape) != (B, Hkv, D, Dv + 1) or st.sz.dtype != dt or st.sz.device != call.q.device:
+        return (f"the state is {list(st.sz.shape)} {st.sz.dtype} on {st.sz.device}; the call needs "
+                f"[{B}, {Hkv}, {D}, {Dv + 1}] {dt} on {call.q.device}")
     if st.settings != call.settings:
         return "the state was built with other settings"
     reason = score_mod_reason(call)
@@ -82,23 +92,22 @@ def accepts(call: AttnCall) -> str | None:
     return None
 
 
-def _key_part(call: AttnCall, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
+def _transforms(norm: Normalizer) -> bool:
+    """Whether the normalizer has a q/k transform (skipped otherwise: every op counts on a per-token path)."""
+    return type(norm).transform_qk is not Normalizer.transform_qk
+
+
+def _key_part(call: AttnCall, ctx: Ctx, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(phi(k) [B, Hkv, L, D] with masked keys 0, v [B, Hkv, L, Dv]) in ``dtype`` for keys k, values v [B, Hkv, L, *];
-    valid: bool [B|1, L] or None."""
-    norm, ctx = call.normalizer, call.ctx()
-    k = norm.transform_qk(call.q.to(dtype), k.to(dtype), ctx)[1]  # row-wise: the same on any subset of the keys
+    """(phi(k) [B, Hkv, L, D] with masked keys 0, [v, 1] [B, Hkv, L, Dv + 1]) in ``dtype`` for keys k, values v
+    [B, Hkv, L, *]; valid: bool [B|1, L] or None."""
+    norm, k = call.normalizer, k.to(dtype)
+    if _transforms(norm):
+        k = norm.transform_qk(call.q.to(dtype), k, ctx)[1]  # row-wise: the same on any subset of the keys
     fk = norm.key_features(k, ctx)
     if valid is not None:
         fk = fk * valid[:, None, :, None].to(dtype)
-    return fk, v.to(dtype)
-
-
-def _query_features(call: AttnCall, dtype: torch.dtype) -> torch.Tensor:
-    """phi(q) [B, H, 1, D] as ``feature_map`` makes it (its key side is not used)."""
-    norm, ctx = call.normalizer, call.ctx()
-    q, k = norm.transform_qk(call.q.to(dtype), call.k[:, :, -1:].to(dtype), ctx)
-    return norm.feature_map(q * call.q_factor(dtype), k, ctx)[0]
+    return fk, F.pad(v.to(dtype), (0, 1), value=1.0)
 
 
 def build_state(call: AttnCall) -> LinearState | None:
@@ -113,30 +122,32 @@ def build_state(call: AttnCall) -> LinearState | None:
     if padding is None:
         return None
     dt = compute_dtype(call.q.dtype)
-    fk, v = _key_part(call, call.k, call.v, padding[0], dt)
+    fk, v1 = _key_part(call, call.ctx(), call.k, call.v, padding[0], dt)
     m = fk.amax(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(dt).tiny)  # [B, Hkv, 1, 1]
-    fk = fk / m
-    return LinearState(fk.transpose(-1, -2) @ v, fk.sum(dim=2), m, call.k.shape[2], call.settings)
+    return LinearState((fk / m).transpose(-1, -2) @ v1, m, call.k.shape[2], call.settings)
 
 
 def recurrent_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     """One decode step: adds the call's last key to ``call.recurrent`` (in place: the state then holds Lk keys) and
     returns out [B, H, 1, Dv] (input dtype) = phi(q) S / phi(q) . z, 0 when no cached key is visible."""
-    st = call.recurrent
-    dt = st.s.dtype
+    st, ctx = call.recurrent, call.ctx()
+    dt = st.sz.dtype
     key_valid = call.mask.padding()[0]
     valid = None if key_valid is None else key_valid[:, -1:]
-    fk, v = _key_part(call, call.k[:, :, -1:], call.v[:, :, -1:], valid, dt)  # [B, Hkv, 1, D], [B, Hkv, 1, Dv]
+    fk, v1 = _key_part(call, ctx, call.k[:, :, -1:], call.v[:, :, -1:], valid, dt)  # [B, Hkv, 1, D], [.., Dv + 1]
     m = torch.maximum(st.m, fk.amax(dim=(-2, -1), keepdim=True))
-    r, fk = st.m / m, fk / m
-    st.s = st.s * r + fk.transpose(-1, -2) @ v
-    st.z = st.z * r.squeeze(-1) + fk.squeeze(2)
+    st.sz = st.sz * (st.m / m) + (fk / m).transpose(-1, -2) @ v1
     st.m, st.length = m, st.length + 1
-    fq = _query_features(call, dt)
+    norm, q = call.normalizer, call.q.to(dt)
+    if _transforms(norm):
+        q = norm.transform_qk(q, call.k[:, :, -1:].to(dt), ctx)[0]
+    fq = norm.query_features(q * call.q_factor(dt), ctx)
     B, H, _, D = fq.shape
-    Hkv = st.s.shape[1]
-    fq = fq.reshape(B, Hkv, H // Hkv, D)  # the G query heads of a kv head as one matrix
-    out = safe_divide(fq @ st.s, fq @ st.z.unsqueeze(-1))  # [B, Hkv, G, Dv]
+    Hkv = st.sz.shape[1]
+    nd = fq.reshape(B, Hkv, H // Hkv, D) @ st.sz  # the G query heads of a kv head as one matrix: [B, Hkv, G, Dv + 1]
+    # den = phi(q) . z is 0 only with no visible key, where num is 0 too: the clamp gives 0 (no 0/0), like the
+    # safe_divide of the other paths, in one op on this per-token path
+    out = nd[..., :-1] / nd[..., -1:].clamp_min(torch.finfo(dt).tiny)
     return out.reshape(B, H, 1, -1).to(call.q.dtype), None
 
 

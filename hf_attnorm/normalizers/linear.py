@@ -36,11 +36,14 @@ class Linear(Normalizer):
         # per-query constant or phi(k) by a per-head constant: dividing by the (detached) maxima keeps every
         # product away from underflow (elu + 1 = e^x for x < 0), so large negative scores still give rows that
         # sum to 1 instead of 0/0.
-        fq, fk = elu_feature(q), elu_feature(k)
-        tiny = torch.finfo(fq.dtype).tiny
-        fq = fq / fq.detach().amax(dim=-1, keepdim=True).clamp_min(tiny)
-        fk = fk / fk.detach().amax(dim=(-2, -1), keepdim=True).clamp_min(tiny)
-        return fq, fk
+        fk = elu_feature(k)
+        fk = fk / fk.detach().amax(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(fk.dtype).tiny)
+        return self.query_features(q, ctx), fk
+
+    def query_features(self, q: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+        """phi(q) [..., D] divided by its own (detached) maximum per query: the query side of ``feature_map``."""
+        fq = elu_feature(q)
+        return fq / fq.detach().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(fq.dtype).tiny)
 
     def key_features(self, k: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         """phi(k) [..., D] without ``feature_map``'s division by the per-(batch, head) maximum (a constant that
