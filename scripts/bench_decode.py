@@ -77,11 +77,20 @@ def build(args: argparse.Namespace, max_len: int) -> torch.nn.Module:
     return model.eval()
 
 
+#: pseudo-implementation: ``linear`` forced onto its exact O(Lk) path (no recurrent state), for before/after rows
+EXACT = {"linear_exact": ("linear", "linear_chunked")}
+
+
 def switch(model: torch.nn.Module, impl: str) -> None:
-    if impl == "sdpa":
+    """Switch the model to ``impl`` (and force a path for the pseudo-implementations of ``EXACT``)."""
+    from hf_attnorm.kernels import set_forced_path
+
+    name, forced = EXACT.get(impl, (impl, "auto"))
+    set_forced_path(forced)
+    if name == "sdpa":
         model.set_attn_implementation("sdpa")
     else:
-        hf_attnorm.apply(model, impl)
+        hf_attnorm.apply(model, name)
 
 
 def timed(fn) -> float:
@@ -99,9 +108,10 @@ def measure(model, impl: str, ids: torch.Tensor, new_tokens: int) -> dict[str, f
     prefill = timed(lambda: model(ids, use_cache=False))
     path = LAST_CALL.path
     gen = timed(lambda: model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False))
+    decode_path = LAST_CALL.path
     first = timed(lambda: model.generate(ids, max_new_tokens=1, do_sample=False))  # generate's own prefill
     return {"prefill": prefill, "generate": gen, "decode_per_token": max(gen - first, 0.0) / max(new_tokens - 1, 1),
-            "path": path or "sdpa"}
+            "path": path or "sdpa", "decode_path": decode_path or "sdpa"}
 
 
 def decode_steps(model, impl: str, ids: torch.Tensor, steps: int) -> tuple[float, str]:
@@ -111,9 +121,7 @@ def decode_steps(model, impl: str, ids: torch.Tensor, steps: int) -> tuple[float
     from hf_attnorm.hf.forward import LAST_CALL
     from hf_attnorm.kernels import set_forced_path
 
-    exact = impl == "linear_exact"
-    switch(model, "linear" if exact else impl)
-    set_forced_path("linear_chunked" if exact else "auto")
+    switch(model, impl)
     try:
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
@@ -188,6 +196,7 @@ def curve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    load = os.getloadavg()[0]
     if args.curve:
         curve(args)
         return
@@ -210,7 +219,8 @@ def main(argv: list[str] | None = None) -> None:
             mine = runs[impl]
             # the sdpa run measured just before each of this implementation's runs
             base = [runs["sdpa"][rep * len(impls) + impls.index(impl)] for rep in range(args.repeats)]
-            row = {"implementation": impl, "prompt": n, "new_tokens": args.new_tokens, "path": mine[-1]["path"]}
+            row = {"implementation": impl, "prompt": n, "new_tokens": args.new_tokens, "path": mine[-1]["path"],
+                   "decode_path": mine[-1]["decode_path"]}
             for key in ("prefill", "generate", "decode_per_token"):
                 row[f"{key}_s"] = statistics.median(r[key] for r in mine)
                 row[f"sdpa_{key}_s"] = statistics.median(r[key] for r in base)
@@ -220,12 +230,13 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"threads": args.threads, "repeats": args.repeats, "torch": torch.__version__,
             "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads},
-            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
+            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "load_average_at_start": load}
     (args.out / "decode.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = ["| implementation | path | prompt | prefill s | prefill / sdpa | generate s | generate / sdpa | "
-             "decode ms/token | decode / sdpa |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| implementation | path (prefill / decode) | prompt | prefill s | prefill / sdpa | generate s | "
+             "generate / sdpa | decode ms/token | decode / sdpa |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['implementation']} | {r['path']} | {r['prompt']} | {r['prefill_s']:.3f} | "
+        lines.append(f"| {r['implementation']} | {r['path']} / {r['decode_path']} | {r['prompt']} | "
+                     f"{r['prefill_s']:.3f} | "
                      f"{r['prefill_ratio']:.2f}x | {r['generate_s']:.3f} | {r['generate_ratio']:.2f}x | "
                      f"{1000 * r['decode_per_token_s']:.2f} | {r['decode_per_token_ratio']:.2f}x |")
     (args.out / "decode.md").write_text("\n".join(lines) + "\n")

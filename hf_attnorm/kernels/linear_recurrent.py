@@ -136,12 +136,14 @@ def recurrent_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     valid = None if key_valid is None else key_valid[:, -1:]
     fk, v1 = _key_part(call, ctx, call.k[:, :, -1:], call.v[:, :, -1:], valid, dt)  # [B, Hkv, 1, D], [.., Dv + 1]
     m = torch.maximum(st.m, fk.amax(dim=(-2, -1), keepdim=True))
+    # rescaled by m_old / m_new <= 1 (never through the raw scale, which underflows when every phi(k) is tiny)
     st.sz = st.sz * (st.m / m) + (fk / m).transpose(-1, -2) @ v1
     st.m, st.length = m, st.length + 1
     norm, q = call.normalizer, call.q.to(dt)
     if _transforms(norm):
         q = norm.transform_qk(q, call.k[:, :, -1:].to(dt), ctx)[0]
-    fq = norm.query_features(q * call.q_factor(dt), ctx)
+    factor = call.q_factor(dt)
+    fq = norm.query_features(q if isinstance(factor, float) and factor == 1.0 else q * factor, ctx)
     B, H, _, D = fq.shape
     Hkv = st.sz.shape[1]
     nd = fq.reshape(B, Hkv, H // Hkv, D) @ st.sz  # the G query heads of a kv head as one matrix: [B, Hkv, G, Dv + 1]
