@@ -83,6 +83,14 @@ def test_steps_with_a_length_aware_scale():
     _decode_against_reference(resolve_settings("linear", {"scale": "ssmax"}), q, k, v, mask, 5, torch.float64)
 
 
+def test_steps_with_far_negative_keys():
+    """phi(k) = e^k below fp32's normal range (k ~ -95): the state's running maximum keeps the sums at scale 1, so
+    the weights are still the average the reference gives, not 0/0 or 0."""
+    q, k, v = _tensors(1, 2, 2, 9, 4, 4, torch.float32, seed=4)
+    k = k.clamp(-3, 3) - 95
+    _decode_against_reference(resolve_settings("linear"), q, k, v, None, 3, torch.float32)
+
+
 def test_declines_with_reasons():
     settings = resolve_settings("linear")
     q, k, v = _tensors(1, 2, 2, 6, 4, 4, torch.float32)
