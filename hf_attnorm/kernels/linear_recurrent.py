@@ -92,6 +92,11 @@ def accepts(call: AttnCall) -> str | None:
     return None
 
 
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in ``dtype`` (``Tensor.to`` costs microseconds even when there is nothing to do: 4 calls a step)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def _transforms(norm: Normalizer) -> bool:
     """Whether the normalizer has a q/k transform (skipped otherwise: every op counts on a per-token path)."""
     return type(norm).transform_qk is not Normalizer.transform_qk
@@ -101,13 +106,13 @@ def _key_part(call: AttnCall, ctx: Ctx, k: torch.Tensor, v: torch.Tensor, valid:
               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(phi(k) [B, Hkv, L, D] with masked keys 0, [v, 1] [B, Hkv, L, Dv + 1]) in ``dtype`` for keys k, values v
     [B, Hkv, L, *]; valid: bool [B|1, L] or None."""
-    norm, k = call.normalizer, k.to(dtype)
+    norm, k = call.normalizer, _as(k, dtype)
     if _transforms(norm):
-        k = norm.transform_qk(call.q.to(dtype), k, ctx)[1]  # row-wise: the same on any subset of the keys
+        k = norm.transform_qk(_as(call.q, dtype), k, ctx)[1]  # row-wise: the same on any subset of the keys
     fk = norm.key_features(k, ctx)
     if valid is not None:
         fk = fk * valid[:, None, :, None].to(dtype)
-    return fk, F.pad(v.to(dtype), (0, 1), value=1.0)
+    return fk, F.pad(_as(v, dtype), (0, 1), value=1.0)
 
 
 def build_state(call: AttnCall) -> LinearState | None:
@@ -137,11 +142,12 @@ def recurrent_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     fk, v1 = _key_part(call, ctx, call.k[:, :, -1:], call.v[:, :, -1:], valid, dt)  # [B, Hkv, 1, D], [.., Dv + 1]
     m = torch.maximum(st.m, fk.amax(dim=(-2, -1), keepdim=True))
     # rescaled by m_old / m_new <= 1 (never through the raw scale, which underflows when every phi(k) is tiny)
-    st.sz = st.sz * (st.m / m) + (fk / m).transpose(-1, -2) @ v1
+    st.sz = st.sz * (st.m / m) + (fk / m).transpose(-1, -2) * v1  # outer product by broadcasting (cheaper than a
+    # batched matmul of one key on CPU)
     st.m, st.length = m, st.length + 1
-    norm, q = call.normalizer, call.q.to(dt)
+    norm, q = call.normalizer, _as(call.q, dt)
     if _transforms(norm):
-        q = norm.transform_qk(q, call.k[:, :, -1:].to(dt), ctx)[0]
+        q = norm.transform_qk(q, _as(call.k[:, :, -1:], dt), ctx)[0]
     factor = call.q_factor(dt)
     fq = norm.query_features(q if isinstance(factor, float) and factor == 1.0 else q * factor, ctx)
     B, H, _, D = fq.shape
@@ -150,7 +156,7 @@ def recurrent_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     # den = phi(q) . z is 0 only with no visible key, where num is 0 too: the clamp gives 0 (no 0/0), like the
     # safe_divide of the other paths, in one op on this per-token path
     out = nd[..., :-1] / nd[..., -1:].clamp_min(torch.finfo(dt).tiny)
-    return out.reshape(B, H, 1, -1).to(call.q.dtype), None
+    return _as(out.reshape(B, H, 1, -1), call.q.dtype), None
 
 
 from . import register_path  # noqa: E402  (registration at import, like the normalizers)
