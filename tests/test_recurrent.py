@@ -6,6 +6,7 @@ cropped or reordered cache and a static cache."""
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import pytest
 import torch
@@ -227,6 +228,18 @@ def test_reordered_cache_is_not_reused(model, counted):
     assert len(counted) == model.config.num_hidden_layers - 1  # every layer but the changed one
     drop_states(c)
     assert not any(hasattr(la, STATE_ATTR) for la in c.layers)
+
+
+def test_cache_with_a_state_pickles(model):
+    """A state holds weak references; a pickled cache carries no state (and the model stays picklable)."""
+    x, mask = _padded(seed=7)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(x, attention_mask=mask, past_key_values=cache, use_cache=True)
+    assert hasattr(cache.layers[0], STATE_ATTR)
+    copy = pickle.loads(pickle.dumps(cache))
+    assert getattr(copy.layers[0], STATE_ATTR) is None and torch.equal(copy.layers[0].keys, cache.layers[0].keys)
+    pickle.dumps(model)
 
 
 def test_beam_search_equals_exact(model, counted):

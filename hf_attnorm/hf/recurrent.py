@@ -58,6 +58,12 @@ class _Owned:
     versions: tuple[int, int]
     module: weakref.ref
 
+    def __reduce__(self):
+        # weak references cannot be pickled, and a state is meaningless apart from its tensors: a pickled cache (or
+        # model) carries None in its place, i.e. no state (copy.deepcopy keeps it, and the copy's new tensors fail
+        # the identity check, so it is dropped there too)
+        return _none, ()
+
     def matches(self, layer: DynamicLayer, module: nn.Module) -> bool:
         k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
         return (k is not None and self.keys() is k and self.values() is v and self.module() is module
@@ -69,6 +75,13 @@ class _Pending:
     cache: weakref.ref
     layer_idx: int
     armed: LinearState | None
+
+    def __reduce__(self):
+        return _none, ()
+
+
+def _none() -> None:
+    return None
 
 
 def supports(module: nn.Module) -> bool:
