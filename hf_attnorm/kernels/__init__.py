@@ -18,7 +18,8 @@ sdpa_sinkcol   20        "softmax" with a sink (softmax_n, sink)       any; auto
 triton         30        "fused" (symax, squared, stablemax, ...)      auto: CUDA; forced: CPU under
                                                                        TRITON_INTERPRET=1. No dropout, no fp64
 fused_cpu      40        "fused"                                       CPU, no dropout, C++ built on first use
-linear_recurrent 45      "linear" with ``key_features`` (linear)       one query with ``AttnCall.recurrent`` set
+linear_recurrent
+               45        "linear" with query/key_features (linear)     one query with ``AttnCall.recurrent`` set
                                                                        (a cache's state, hf/recurrent.py); no
                                                                        dropout, no grad
 linear_chunked 50        "linear" (linear)                             no dropout; a mask only as key padding x
@@ -29,7 +30,7 @@ reference      100       every normalizer                              any; the 
 
 Score modifiers on the call (``AttnCall.softcap``/``bias``/``sinks``) are part of each ``accepts``: reference,
 chunked and decode apply all three; sdpa a bias (in its float mask; a bias that needs a gradient leaves the sink
-rewrite) and sinks, not a soft-cap; sdpa_sinkcol sinks only; triton, fused_cpu and linear_chunked none.
+rewrite) and sinks, not a soft-cap; sdpa_sinkcol sinks only; triton, fused_cpu, linear_recurrent and linear_chunked none.
 
 The rule: needs-weights (``output_attentions``) -> the reference; otherwise the first path by priority whose
 ``auto_exclude`` does not hold the call's device and whose ``takes`` and ``accepts`` say None. ``explain(call)``
