@@ -30,7 +30,8 @@ reference      100       every normalizer                              any; the 
 
 Score modifiers on the call (``AttnCall.softcap``/``bias``/``sinks``) are part of each ``accepts``: reference,
 chunked and decode apply all three; sdpa a bias (in its float mask; a bias that needs a gradient leaves the sink
-rewrite) and sinks, not a soft-cap; sdpa_sinkcol sinks only; triton, fused_cpu, linear_recurrent and linear_chunked none.
+rewrite) and sinks, not a soft-cap; sdpa_sinkcol sinks only; triton, fused_cpu, linear_recurrent and
+linear_chunked none.
 
 The rule: needs-weights (``output_attentions``) -> the reference; otherwise the first path by priority whose
 ``auto_exclude`` does not hold the call's device and whose ``takes`` and ``accepts`` say None. ``explain(call)``
