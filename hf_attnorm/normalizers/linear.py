@@ -4,7 +4,9 @@ feature map phi = elu + 1.
 The length-aware scale multiplies q before the feature map (the model's 1/sqrt(d) is not applied: the linear
 transformer has none). Besides the materialised reference, ``linear_attention`` computes the same output in O(n)
 time and memory: chunks of ``chunk`` queries attend to their own chunk quadratically and to everything before it
-through a running state sum_j phi(k_j) v_j^T, so no n x n tensor exists.
+through a running state sum_j phi(k_j) v_j^T, so no n x n tensor exists. Decoding keeps that state across calls
+(the paper's RNN form, arXiv:2006.16236 section 3.4): ``query_features`` and ``key_features`` are the two sides of
+``feature_map`` for kernels/linear_recurrent.py, which adds one key per step to a state kept on the cache.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ def elu_feature(x: torch.Tensor) -> torch.Tensor:
 @register_normalizer
 class Linear(Normalizer):
     name = "linear"
-    description = "linear attention, phi = elu+1, causal via running sums (O(n))"
+    description = ("linear attention, phi = elu+1, causal via running sums (O(n)); decode from a recurrent state "
+                   "(O(1) per token)")
     row_sum = "one"
     uses_base_scaling = False
     scoreless = True
