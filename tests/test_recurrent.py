@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -136,7 +137,7 @@ def counted(monkeypatch):
 
 def _generate(model, x, exact: bool, **kw):
     """(sequences, logits [steps, B, V]); exact: every call forced onto the O(Lk) path."""
-    kw = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True, **kw)
+    kw = {"max_new_tokens": 6, "do_sample": False, "output_logits": True, "return_dict_in_generate": True, **kw}
     set_forced_path("linear_chunked" if exact else "auto")
     try:
         with torch.no_grad():
@@ -269,3 +270,22 @@ def test_hook_follows_the_implementation(model):
     assert not any(_pre_hook in mod._forward_pre_hooks.values() for mod in mods)
     m.set_attn_implementation("sdpa")
     assert not any(_pre_hook in mod._forward_pre_hooks.values() for mod in mods)
+
+
+@pytest.mark.slow
+def test_compiled_generation_with_a_dynamic_cache(counted):
+    """torch.compile(fullgraph=True) traces the pre-hook and the attention function with a dynamic cache: no state
+    there (nothing may persist across a graph), the exact path, the same generation as eager."""
+    torch._dynamo.reset()
+    model = tiny("llama", "causal_lm", implementation="linear")
+    x, mask = _padded(seed=8)
+    eager = _generate(model, x, False, attention_mask=mask, max_new_tokens=3)
+    assert counted
+    counted.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.forward = torch.compile(model.forward, fullgraph=True)
+        LAST_CALL.path = ""
+        compiled = _generate(model, x, False, attention_mask=mask, max_new_tokens=3)
+    assert not counted and LAST_CALL.path == "linear_chunked"
+    _same(compiled, eager)
