@@ -153,8 +153,8 @@ def recurrent_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     B, H, _, D = fq.shape
     Hkv = st.sz.shape[1]
     nd = fq.reshape(B, Hkv, H // Hkv, D) @ st.sz  # the G query heads of a kv head as one matrix: [B, Hkv, G, Dv + 1]
-    # den = phi(q) . z is 0 only with no visible key, where num is 0 too: the clamp gives 0 (no 0/0), like the
-    # safe_divide of the other paths, in one op on this per-token path
+    # den = phi(q) . z is 0 with no visible key (or when it underflows), and num = phi(q) S is then 0 too: the clamp
+    # gives 0 instead of 0/0, as the safe_divide of the other paths does, in one op on this per-token path
     out = nd[..., :-1] / nd[..., -1:].clamp_min(torch.finfo(dt).tiny)
     return _as(out.reshape(B, H, 1, -1), call.q.dtype), None
 
