@@ -289,3 +289,12 @@ def test_compiled_generation_with_a_dynamic_cache(counted):
         compiled = _generate(model, x, False, attention_mask=mask, max_new_tokens=3)
     assert not counted and LAST_CALL.path == "linear_chunked"
     _same(compiled, eager)
+
+
+def test_gpt2_generation(counted):
+    """Another family (GPT-2: its own attention module, no GQA) decodes from the state too."""
+    model = tiny("gpt2", "causal_lm", implementation="linear")
+    x, mask = _padded(seed=9)
+    _same(_generate(model, x, False, attention_mask=mask, pad_token_id=0),
+          _generate(model, x, True, attention_mask=mask, pad_token_id=0))
+    assert len(counted) == 5 * model.config.n_layer
