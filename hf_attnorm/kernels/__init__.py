@@ -32,8 +32,9 @@ Score modifiers on the call (``AttnCall.softcap``/``bias``/``alibi_slopes``/``si
 ``accepts``: reference, chunked and decode apply all of them (ALiBi slopes through ``AttnCall.score_bias()``); sdpa
 a bias (in its float mask; a bias that needs a gradient leaves the sink rewrite) and sinks, not a soft-cap;
 sdpa_sinkcol sinks only; triton and fused_cpu a soft-cap, a bias (read through its broadcast strides, with its
-gradient) and ALiBi slopes in the kernel, not sinks; linear_recurrent and linear_chunked none. ``make_call`` leaves ALiBi slopes
-unmaterialised only for the normalizers the fused kernels take (the softmax family gets the bias tensor).
+gradient) and ALiBi slopes in the kernel, not sinks; linear_recurrent and linear_chunked none. ``make_call``
+leaves ALiBi slopes unmaterialised only for the normalizers the fused kernels take (the softmax family gets the bias
+tensor).
 
 The rule: needs-weights (``output_attentions``) -> the reference; otherwise the first path by priority whose
 ``auto_exclude`` does not hold the call's device and whose ``takes`` and ``accepts`` say None. ``explain(call)``
