@@ -42,10 +42,12 @@ enum Kind : int64_t {
   RELU_LEN = 5,
   ENTMAX15 = 6,
   SPARSEMAX = 7,
+  POWER = 9,
+  SOFTPLUS = 10,
 };
-constexpr int64_t NUM_KINDS = 8;
+constexpr int64_t NUM_KINDS = 11;
 
-inline bool is_normalised(int64_t kind) { return kind <= SOFTPICK; }
+inline bool is_normalised(int64_t kind) { return kind <= SOFTPICK || kind == POWER || kind == SOFTPLUS; }
 inline bool is_threshold(int64_t kind) { return kind == ENTMAX15 || kind == SPARSEMAX; }
 
 // ------------------------------------------------------------------------------------------------ elementwise math
@@ -69,6 +71,49 @@ inline float vexp(float x) {
   return x <= -88.0f ? 0.0f : p * scale;
 }
 inline double vexp(double x) { return std::exp(x); }
+
+// ln x for normal x > 0 that GCC vectorises (Cephes logf: mantissa in [sqrt(1/2), sqrt(2)), degree-8 polynomial,
+// ~1 ulp); callers select away x <= 0 and subnormal x (treated as 0 by the power map).
+inline float vlog(float x) {
+  const int32_t bits = __builtin_bit_cast(int32_t, x);
+  int32_t e = ((bits >> 23) & 0xff) - 126;
+  float m = __builtin_bit_cast(float, (bits & 0x007fffff) | 0x3f000000);  // [0.5, 1)
+  const bool small = m < 0.707106781186547524f;
+  e = small ? e - 1 : e;
+  m = small ? m + m - 1.0f : m - 1.0f;
+  const float z = m * m;
+  float y = 7.0376836292e-2f;
+  y = y * m - 1.1514610310e-1f;
+  y = y * m + 1.1676998740e-1f;
+  y = y * m - 1.2420140846e-1f;
+  y = y * m + 1.4249322787e-1f;
+  y = y * m - 1.6668057665e-1f;
+  y = y * m + 2.0000714765e-1f;
+  y = y * m - 2.4999993993e-1f;
+  y = y * m + 3.3333331174e-1f;
+  y = y * m * z;
+  const float fe = static_cast<float>(e);
+  y += -2.12194440e-4f * fe - 0.5f * z;
+  return m + y + 0.693359375f * fe;
+}
+inline double vlog(double x) { return std::log(x); }
+
+// log1p(u) for u in [0, 1] from vlog (Goldberg's correction: exact w - 1 recovers what rounding 1 + u lost)
+template <typename T>
+inline T vlog1p(T u) {
+  const T w = T(1) + u, d = w - T(1);
+  return d == T(0) ? u : vlog(w) * (u / (d == T(0) ? T(1) : d));
+}
+
+// softplus(x) = max(x, 0) + log1p(e^-|x|), no overflow
+template <typename T>
+inline T vsoftplus(T x) {
+  return std::max(x, T(0)) + vlog1p(vexp(-std::abs(x)));
+}
+
+// power map, log domain: "minus infinity" for |s| = 0 (kept finite: l - m stays finite) and its test threshold
+template <typename T>
+constexpr T POW_NEG = T(-1e30);
 
 template <typename T>
 inline T sgn(T x) {
@@ -245,6 +290,7 @@ inline T fmap(T x, T ci) {
   if constexpr (KIND == STABLEMAX) return x >= T(0) ? x + T(1) : T(1) / (T(1) - std::min(x, T(0)));
   if constexpr (KIND == SIGMOID) return T(1) / (T(1) + vexp(-(x + ci)));
   if constexpr (KIND == RELU_LEN) return std::max(x, T(0));
+  if constexpr (KIND == SOFTPLUS) return vsoftplus(x);
   return T(0);
 }
 
@@ -287,6 +333,31 @@ T softpick_row(T* __restrict s, int64_t nb, const bool* __restrict keep, T m, T 
   return acc;
 }
 
+// power: s[j] <- p ln|s_j| (POW_NEG where |s_j| is 0 or subnormal: weight 0)
+template <typename T>
+void power_log_row(T* __restrict s, int64_t nb, T pw) {
+  const T tiny = std::numeric_limits<T>::min();
+#pragma omp simd
+  for (int64_t j = 0; j < nb; ++j) {
+    const T ax = std::abs(s[j]);
+    s[j] = ax >= tiny ? pw * vlog(std::max(ax, tiny)) : POW_NEG<T>;
+  }
+}
+
+// power: s[j] <- e^{l_j - m} (0 for POW_NEG and invisible keys); returns the sum
+template <typename T, bool MASKED>
+T power_row(T* __restrict s, int64_t nb, const bool* __restrict keep, T m) {
+  T acc = 0;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t j = 0; j < nb; ++j) {
+    T a = s[j] > T(0.5) * POW_NEG<T> ? vexp(s[j] - m) : T(0);
+    if constexpr (MASKED) a = keep[j] ? a : T(0);
+    s[j] = a;
+    acc += a;
+  }
+  return acc;
+}
+
 // One row of keys [0, nb) of a tile: visible are keys < lim (causality) that keep allows (keep nullptr: all).
 // Maps the scores in place to the numerator and adds to the row's denominator (softpick: with its running max).
 template <typename T, int64_t KIND>
@@ -302,6 +373,18 @@ inline void fwd_tile_row(const bool* kr, int64_t lim, T* s, int64_t nb, T ci, T&
     }
     const T em = vexp(-mrow);
     den += kr ? softpick_row<T, true>(s, lim, kr, mrow, em) : softpick_row<T, false>(s, lim, nullptr, mrow, em);
+  } else if constexpr (KIND == POWER) {
+    // |s|^p = e^{p ln|s|}, accumulated relative to the row's running max m of p ln|s| (rescaled like softpick), so
+    // large |s| or p cannot overflow; ci = +-p (the sign only marks single-key rows for the backward pass)
+    power_log_row<T>(s, lim, std::abs(ci));
+    T mx = kr ? row_max<T, true>(s, lim, kr, mrow) : row_max<T, false>(s, lim, nullptr, mrow);
+    if (mx > mrow) {
+      const T sc = vexp(mrow - mx);
+      for (int64_t d = 0; d < Dv; ++d) orow[d] *= sc;
+      den *= sc;
+      mrow = mx;
+    }
+    den += kr ? power_row<T, true>(s, lim, kr, mrow) : power_row<T, false>(s, lim, nullptr, mrow);
   } else {
     den += kr ? map_row<T, KIND, true>(s, lim, kr, ci) : map_row<T, KIND, false>(s, lim, nullptr, ci);
   }
@@ -332,7 +415,7 @@ void forward_tiles(const Problem<T>& p, T* out, T* r1, T* r2) {
     const T* crow = p.c + bh * p.Lq + i0;
     for (int64_t r = 0; r < m; ++r) {
       den[r] = KIND == SYMAX ? crow[r] : T(0);
-      mrow[r] = T(0);
+      mrow[r] = KIND == POWER ? POW_NEG<T> : T(0);
     }
     std::fill(O.begin(), O.begin() + m * p.Dv, T(0));
     const int64_t jend = p.causal ? std::min(p.Lk, i0 + m) : p.Lk;
@@ -550,12 +633,20 @@ struct RowC {
 // P = 1, or softpick's 0/1). Their gradient there is exactly 0, but dS = f'(s) (dP - delta) / D would be rounding
 // noise amplified by f'/D (2/s for squared): the row's c holds n, and such rows get dS = 0.
 inline bool constant_on_single_key(int64_t kind) {
-  return kind == SQUARED || kind == STABLEMAX || kind == SOFTPICK || kind == ENTMAX15 || kind == SPARSEMAX;
+  return kind == SQUARED || kind == STABLEMAX || kind == SOFTPICK || kind == ENTMAX15 || kind == SPARSEMAX ||
+         kind == POWER || kind == SOFTPLUS;
 }
 
-// d/ds of one entry: P and dS from the score x and g = dO_i . v_j (branch-free, see the forward)
+// whether a row's c marks it as having a single visible key: c = n, except power, whose c is -p there (else +p)
+template <typename T>
+inline bool single_key_row(int64_t kind, T c) {
+  return kind == POWER ? c < T(0) : c == T(1);
+}
+
+// d/ds of one entry: P and dS from the score x and g = dO_i . v_j (branch-free, see the forward); dr: the entry's
+// term of the gradient of the row value c (sigmoid: dS; power: d/dp)
 template <typename T, int64_t KIND>
-inline void dmap(T x, T g, const RowC<T>& rc, T& pp, T& ds) {
+inline void dmap(T x, T g, const RowC<T>& rc, T& pp, T& ds, T& dr) {
   const T invd = rc.invd, delta = rc.delta;
   if constexpr (KIND == SYMAX) {
     pp = std::abs(x) * invd;
@@ -598,9 +689,26 @@ inline void dmap(T x, T g, const RowC<T>& rc, T& pp, T& ds) {
     pp = r * pos;
     ds = (g - delta) * pos;
   }
+  if constexpr (KIND == POWER) {  // A = e^{p ln|s| - m}: dA/ds = p A / s, dA/dp = A ln|s|
+    const T pw = std::abs(rc.c), ax = std::abs(x), tiny = std::numeric_limits<T>::min();
+    const bool nz = ax >= tiny;
+    const T lx = nz ? vlog(std::max(ax, tiny)) : T(0);
+    pp = nz ? vexp(pw * lx - rc.m) * invd : T(0);
+    const T gp = (g - delta) * pp;
+    ds = nz ? gp * pw / (nz ? x : T(1)) : T(0);
+    dr = gp * lx;
+  }
+  if constexpr (KIND == SOFTPLUS) {  // d softplus / ds = sigmoid(s)
+    const T e = vexp(-std::abs(x));
+    const T sig = (x >= T(0) ? T(1) : e) / (T(1) + e);
+    pp = (std::max(x, T(0)) + vlog1p(e)) * invd;
+    ds = (g - delta) * invd * sig;
+  }
+  if constexpr (KIND != POWER) dr = ds;
 }
 
-// One row of a tile: s (scores) becomes P, dp (dO . v_j) becomes dS; returns sum_j dS (sigmoid's bias gradient).
+// One row of a tile: s (scores) becomes P, dp (dO . v_j) becomes dS; returns sum_j dr (the row value's gradient:
+// sigmoid's bias sum_j dS, power's dp).
 template <typename T, int64_t KIND, bool MASKED>
 T bwd_row(T* __restrict s, T* __restrict dp, int64_t nb, const bool* __restrict keep, const RowC<T>& rcr) {
   const RowC<T> rc = rcr;
@@ -608,14 +716,16 @@ T bwd_row(T* __restrict s, T* __restrict dp, int64_t nb, const bool* __restrict 
   T dcacc = 0;
 #pragma omp simd reduction(+ : dcacc)
   for (int64_t j = 0; j < nb; ++j) {
-    T pp, ds;
-    dmap<T, KIND>(s[j], dp[j], rc, pp, ds);
+    T pp, ds, dr;
+    dmap<T, KIND>(s[j], dp[j], rc, pp, ds, dr);
     ds *= live;
+    dr *= live;
     if constexpr (MASKED) {
       pp = keep[j] ? pp : T(0);
       ds = keep[j] ? ds : T(0);
+      dr = keep[j] ? dr : T(0);
     }
-    dcacc += ds;
+    dcacc += dr;
     s[j] = pp;
     dp[j] = ds;
   }
@@ -772,7 +882,7 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
           T dcrow[MAX_BQ];
           for (int64_t r = 0; r < m; ++r) {
             const int64_t row = bh * p.Lq + i0 + r;
-            const T live = constant_on_single_key(KIND) && p.c[row] == T(1) ? T(0) : T(1);
+            const T live = constant_on_single_key(KIND) && single_key_row(KIND, p.c[row]) ? T(0) : T(1);
             RowC<T> rc{invd[row], delta[row], p.c[row], r2[row], vexp(-r2[row]), r1[row], live};
             const bool* kr = st == 2 && p.keep ? p.mrow(b, h, i0 + r) + j0 : nullptr;
             dcrow[r] = bwd_tile_row<T, KIND>(kr, st == 1 ? nb : p.key_end(i0 + r) - j0, buf.S.data() + r * nb,
@@ -782,7 +892,7 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
           mm_atb<T>(nb, p.D, m, buf.dP.data(), nb, qi, p.qsl, T(1), buf.dK.data(), p.D);
           auto update = [&]() {
             mm_ab<T>(m, p.D, nb, buf.dP.data(), nb, kj, p.ksl, T(1), dq + (bh * p.Lq + i0) * p.D, p.D);
-            if (KIND == SIGMOID)
+            if (KIND == SIGMOID || KIND == POWER)
               for (int64_t r = 0; r < m; ++r) dc[bh * p.Lq + i0 + r] += dcrow[r];
           };
           if (per_head) {
@@ -812,6 +922,8 @@ void dispatch_kind(int64_t kind, const F& f) {
     case RELU_LEN: f(std::integral_constant<int64_t, RELU_LEN>{}); break;
     case ENTMAX15: f(std::integral_constant<int64_t, ENTMAX15>{}); break;
     case SPARSEMAX: f(std::integral_constant<int64_t, SPARSEMAX>{}); break;
+    case POWER: f(std::integral_constant<int64_t, POWER>{}); break;
+    case SOFTPLUS: f(std::integral_constant<int64_t, SOFTPLUS>{}); break;
     default: TORCH_CHECK(false, "fused_cpu: unknown kind ", kind);
   }
 }
