@@ -138,7 +138,8 @@ def _entry(s, r, keep, shift, KIND: tl.constexpr):
     elif KIND == K_POWER:  # |s|^p = e^(p ln|s| - M), p = |r|, M = running max of p ln|s| (shift)
         mag = tl.abs(s)
         nz = keep & (mag >= TINY)
-        a = tl.where(nz, tl.exp(tl.abs(r)[:, None] * tl.log(tl.where(nz, mag, 1.0)) - shift[:, None]), zero)
+        a = tl.where(nz, tl.exp(tl.where(nz, tl.abs(r)[:, None] * tl.log(tl.where(nz, mag, 1.0)) - shift[:, None],
+                                         POW_NEG)), zero)
         b = a
     elif KIND == K_SOFTPLUS:  # softplus(s) = max(s, 0) + log1p(e^-|s|) (log1p by Goldberg's correction)
         u = tl.exp(-tl.abs(s))
@@ -196,7 +197,7 @@ def _slopes(s, r, keep, shift, KIND: tl.constexpr):
         mag = tl.abs(s)
         nz = keep & (mag >= TINY)
         pw = tl.abs(r)[:, None]
-        a = tl.where(nz, tl.exp(pw * tl.log(tl.where(nz, mag, 1.0)) - shift[:, None]), zero)
+        a = tl.where(nz, tl.exp(tl.where(nz, pw * tl.log(tl.where(nz, mag, 1.0)) - shift[:, None], POW_NEG)), zero)
         da = tl.where(nz, a * pw / tl.where(nz, s, 1.0), zero)
         db = da
     elif KIND == K_SOFTPLUS:  # softplus' = sigmoid
