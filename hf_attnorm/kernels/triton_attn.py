@@ -505,9 +505,10 @@ def _bwd_dq_kernel(
                 dr += tl.sum(ds, 1)
             if KIND == K_RELU_LEN:  # relu_len: r multiplies relu(s)
                 dr += tl.sum(tl.where(keep, tl.maximum(s, 0.0), 0.0) * dp, 1)
-            if KIND == K_POWER:  # power: d/dp of a_j / D is a_j ln|s_j| (dp_j - delta) / D
+            if KIND == K_POWER:  # power: d/dp of a_j / D is a_j ln|s_j| (dp_j - delta) / D; ln|s| centred at the
+                # row's largest (shift / p), which sum_j a_j (dp_j - delta) = 0 allows, against rounding
                 mag = tl.abs(s)
-                lg = tl.where(a > 0, tl.log(tl.where(a > 0, mag, 1.0)), 0.0)
+                lg = tl.where(a > 0, tl.log(tl.where(a > 0, mag, 1.0)) - (shift / tl.abs(r))[:, None], 0.0)
                 dr += tl.sum(a * lg * (dp - delta[:, None]), 1) * inv
             acc += tl.dot(ds, tl.trans(kt).to(tl.float32), input_precision=PREC)
     if KIND == K_SYMAX:  # symax: r is added to the denominator
