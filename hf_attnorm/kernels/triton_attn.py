@@ -508,7 +508,8 @@ def _bwd_dq_kernel(
             if KIND == K_POWER:  # power: d/dp of a_j / D is a_j ln|s_j| (dp_j - delta) / D; ln|s| centred at the
                 # row's largest (shift / p), which sum_j a_j (dp_j - delta) = 0 allows, against rounding
                 mag = tl.abs(s)
-                lg = tl.where(a > 0, tl.log(tl.where(a > 0, mag, 1.0)) - (shift / tl.abs(r))[:, None], 0.0)
+                centre = shift / tl.maximum(tl.abs(r), 1.0)  # (|r| = p >= 1; 0 on rows past Lq)
+                lg = tl.where(a > 0, tl.log(tl.where(a > 0, mag, 1.0)) - centre[:, None], 0.0)
                 dr += tl.sum(a * lg * (dp - delta[:, None]), 1) * inv
             acc += tl.dot(ds, tl.trans(kt).to(tl.float32), input_precision=PREC)
     if KIND == K_SYMAX:  # symax: r is added to the denominator

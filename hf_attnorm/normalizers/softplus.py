@@ -29,7 +29,7 @@ from .base import Ctx, Normalizer, masked_fill_zero, safe_divide
 @register_normalizer
 class Softplus(Normalizer):
     name = "softplus"
-    description = "softplus(s_i)/sum softplus(s_j); preset lssa adds the length scale log_{L_train} n (arXiv 2501.13428)"
+    description = "softplus(s_i)/sum softplus(s_j); preset lssa adds the length scale log_{L_train} n (2501.13428)"
     row_sum = "one"
     kernel_family = "fused"
     fused_kind = "softplus"
