@@ -141,12 +141,15 @@ def _entry(s, r, keep, shift, KIND: tl.constexpr):
         a = tl.where(nz, tl.exp(tl.where(nz, tl.abs(r)[:, None] * tl.log(tl.where(nz, mag, 1.0)) - shift[:, None],
                                          POW_NEG)), zero)
         b = a
-    elif KIND == K_SOFTPLUS:  # softplus(s) = max(s, 0) + log1p(e^-|s|) (log1p by Goldberg's correction)
+    elif KIND == K_SOFTPLUS:  # softplus(s) e^-c, c = min(0, running max) (shift): s + log1p(e^-s) for s > 0
+        # (then c = 0), else e^(s - c) log1p(u) / u with u = e^s (exact where u underflows); log1p by Goldberg
         u = tl.exp(-tl.abs(s))
         w = 1.0 + u
         d = w - 1.0
         lp = tl.where(d == 0, u, tl.log(w) * (u / tl.where(d == 0, 1.0, d)))
-        a = tl.where(keep, tl.maximum(s, 0.0) + lp, zero)
+        ratio = tl.where(u > 0, lp / tl.where(u > 0, u, 1.0), 1.0)
+        neg = tl.exp(tl.minimum(s - shift[:, None], 0.0)) * ratio
+        a = tl.where(keep, tl.where(s > 0, s + lp, neg), zero)
         b = a
     else:  # entmax-1.5 [s/2 - tau]_+^2
         t = tl.where(keep, tl.maximum(s * 0.5 - shift[:, None], 0.0), zero)
@@ -200,13 +203,15 @@ def _slopes(s, r, keep, shift, KIND: tl.constexpr):
         a = tl.where(nz, tl.exp(tl.where(nz, pw * tl.log(tl.where(nz, mag, 1.0)) - shift[:, None], POW_NEG)), zero)
         da = tl.where(nz, a * pw / tl.where(nz, s, 1.0), zero)
         db = da
-    elif KIND == K_SOFTPLUS:  # softplus' = sigmoid
+    elif KIND == K_SOFTPLUS:  # (softplus(s) e^-c)' = sigmoid(s) e^-c
         u = tl.exp(-tl.abs(s))
         w = 1.0 + u
         d = w - 1.0
         lp = tl.where(d == 0, u, tl.log(w) * (u / tl.where(d == 0, 1.0, d)))
-        a = tl.where(keep, tl.maximum(s, 0.0) + lp, zero)
-        da = tl.where(keep, tl.where(s >= 0, 1.0, u) / w, zero)
+        ratio = tl.where(u > 0, lp / tl.where(u > 0, u, 1.0), 1.0)
+        e = tl.exp(tl.minimum(s - shift[:, None], 0.0))
+        a = tl.where(keep, tl.where(s > 0, s + lp, e * ratio), zero)
+        da = tl.where(keep, tl.where(s > 0, 1.0, e) / w, zero)
         db = da
     else:
         t = tl.where(keep, tl.maximum(s * 0.5 - shift[:, None], 0.0), zero)
@@ -361,8 +366,9 @@ def _fwd_kernel(
     den = tl.zeros([BLOCK_M], tl.float32)
     if ((KIND == K_SPARSEMAX) | (KIND == K_ENTMAX15)):
         shift = tl.load(SHIFT_IN + row, mask=m_valid, other=0.0)  # the sparse threshold tau
-    elif KIND == K_POWER:
-        shift = tl.full([BLOCK_M], POW_NEG, tl.float32)  # power: running max of p ln|s| over visible s != 0
+    elif (KIND == K_POWER) | (KIND == K_SOFTPLUS):
+        # power: running max of p ln|s| over visible s != 0; softplus: min(0, running max of visible s)
+        shift = tl.full([BLOCK_M], POW_NEG, tl.float32)
     else:
         shift = tl.zeros([BLOCK_M], tl.float32)  # softpick: running max of (0, visible scores)
     hi = LK
@@ -391,6 +397,12 @@ def _fwd_kernel(
                 acc = acc * alpha[:, None]
                 den = den * alpha
                 shift = new
+            if KIND == K_SOFTPLUS:
+                new = tl.maximum(shift, tl.minimum(tl.max(tl.where(keep, s, POW_NEG), 1), 0.0))
+                alpha = tl.exp(shift - new)
+                acc = acc * alpha[:, None]
+                den = den * alpha
+                shift = new
             a, bden = _entry(s, r, keep, shift, KIND)
             v = tl.load(v_ptrs + start_n * svn, mask=(offs_n[:, None] < LK) & dv_valid[None, :],
                         other=0.0).to(tl.float32)
@@ -403,7 +415,7 @@ def _fwd_kernel(
         acc = acc * inv[:, None]
     tl.store(OUT + row[:, None] * DV + offs_dv[None, :], acc, mask=m_valid[:, None] & dv_valid[None, :])
     tl.store(DEN + row, den, mask=m_valid)
-    if (KIND == K_SOFTPICK) | (KIND == K_POWER):
+    if (KIND == K_SOFTPICK) | (KIND == K_POWER) | (KIND == K_SOFTPLUS):
         tl.store(SHIFT + row, shift, mask=m_valid)
 
 

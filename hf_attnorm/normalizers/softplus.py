@@ -14,7 +14,8 @@ SSMax's s ln n with s = 1 / ln L_train. The paper's second stage, the re-weighti
 normalised weights with a power function), is not implemented here; ``power`` is the related map on raw scores.
 
 Kernels: the fused map ``softplus`` (C++ and Triton); the length scale reaches every path through the per-query
-multiplier. Rows whose scores are all below about -87 (fp32) underflow to weights 0 in the fused kernels.
+multiplier. Weights are computed in units of e^c, c = min(0, row max), so rows of very negative scores (where
+softplus underflows) still get their (then softmax-like) weights.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..registry import register_normalizer
-from .base import Ctx, Normalizer, masked_fill_zero, safe_divide
+from .base import Ctx, Normalizer, masked_fill_zero, masked_max, safe_divide
 
 
 @register_normalizer
@@ -37,6 +38,18 @@ class Softplus(Normalizer):
                         {"scale": "log_train_n"})}
 
     def reference(self, scores: torch.Tensor, keep: torch.Tensor, ctx: Ctx) -> torch.Tensor:
-        """scores: [B, H, Lq, Lk] -> weights [B, H, Lq, Lk]."""
-        a = masked_fill_zero(F.softplus(scores), keep)
+        """scores: [B, H, Lq, Lk] -> weights [B, H, Lq, Lk].
+
+        Computed as softplus(s) e^-c with c = min(0, row max) (detached; cancels in the ratio): where every visible
+        score is very negative, softplus(s) = ln(1 + e^s) underflows while the weights (then ~ softmax(s)) do not.
+        """
+        c = masked_max(scores, keep).clamp(max=0.0)
+        u = torch.exp(-scores.abs())
+        # e^-c softplus(s): for s > 0 (then c = 0) softplus itself; for s <= 0, e^(s - c) log1p(u) / u, u = e^s
+        # (-> e^(s - c) where u underflows)
+        # log1p(u) / u; its series below 1e-5 (error < u^3 / 4), where the quotient's gradient would be inf - inf
+        big = u > 1e-5
+        ratio = torch.where(big, torch.log1p(u) / torch.where(big, u, torch.ones_like(u)), 1.0 - u / 2 + u * u / 3)
+        neg = torch.exp(torch.clamp(scores - c, max=0.0)) * ratio
+        a = masked_fill_zero(torch.where(scores > 0, F.softplus(scores), neg), keep)
         return safe_divide(a, a.sum(dim=-1, keepdim=True))

@@ -5,7 +5,7 @@ scale_i = 1 + beta ln(1 + floor(pos_i / L_orig)), pos_i the 0-based position of 
 ``models/ministral3/modeling_ministral3.py`` (config ``rope_parameters``: llama_4_scaling_beta = 0.1,
 original_max_position_embeddings = 16384 by default there), multiplied into q before attention.
 
-Here pos_i = Lk - Lq + i (the last query is the last key: a prefill's i, a cache decode's Lk - 1), the position
+Here pos_i = max(0, Lk - Lq + i) (the last query is the last key: a prefill's i, a cache decode's Lk - 1), the position
 transformers' ``position_ids`` hold for unpadded and right-padded rows. Left padding shifts it: transformers then
 counts positions from the first real token, while pos_i counts the pad slots too (the scale changes only when
 pos_i crosses a multiple of L_orig, so only such rows differ).
@@ -68,6 +68,7 @@ class Llama4Pos(Scale):
 
     def multiplier(self, n: torch.Tensor, ctx: Ctx) -> torch.Tensor | None:
         lq = n.shape[-1]
-        pos = torch.arange(lq, device=n.device, dtype=n.dtype) + float(ctx.lk - lq)
+        # (clamped at 0: more queries than keys, e.g. cross-attention, has no cache offset to count)
+        pos = (torch.arange(lq, device=n.device, dtype=n.dtype) + float(ctx.lk - lq)).clamp(min=0)
         scale = llama4_pos_scale(pos, ctx.settings.llama4_pos_beta, original_length(ctx.settings, ctx.module_info))
         return scale.view(1, 1, lq)

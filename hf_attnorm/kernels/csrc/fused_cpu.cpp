@@ -105,10 +105,41 @@ inline T vlog1p(T u) {
   return d == T(0) ? u : vlog(w) * (u / (d == T(0) ? T(1) : d));
 }
 
-// softplus(x) = max(x, 0) + log1p(e^-|x|), no overflow
+// softplus in units of e^c, c = min(0, row max) <= 0 (the row's running shift, as softpick's): softplus(x) e^-c.
+// Rows with c above SP_SLOW (the usual case) scale softplus(x) = max(x, 0) + log1p(e^-|x|) by the row constant
+// e^-c; rows whose every score is below it (where softplus(x) ~ e^x would underflow) use e^(x - c) log1p(u) / u,
+// u = e^x, which stays exact when u underflows (ratio -> 1), so such rows give softmax-like weights, not 0.
 template <typename T>
-inline T vsoftplus(T x) {
-  return std::max(x, T(0)) + vlog1p(vexp(-std::abs(x)));
+constexpr T SP_SLOW = sizeof(T) == 4 ? T(-60) : T(-650);
+
+template <typename T>
+inline T softplus_shifted(T x, T c, T ec, bool slow) {
+  const T u = vexp(-std::abs(x)), l1 = vlog1p(u);
+  const T fast = (std::max(x, T(0)) + l1) * ec;
+  const T ratio = u > T(0) ? l1 / (u > T(0) ? u : T(1)) : T(1);
+  return slow ? vexp(x - c) * ratio : fast;
+}
+
+// d/dx of softplus(x) e^-c = sigmoid(x) e^-c
+template <typename T>
+inline T softplus_shifted_slope(T x, T c, T ec, bool slow) {
+  const T u = vexp(-std::abs(x));
+  const T fast = (x >= T(0) ? T(1) : u) / (T(1) + u) * ec;
+  return slow ? vexp(x - c) / (T(1) + u) : fast;
+}
+
+// softplus: s[j] <- softplus(s_j) e^-c (0 where invisible); returns the sum. The slow form only on slow rows.
+template <typename T, bool MASKED, bool SLOW>
+T softplus_row(T* __restrict s, int64_t nb, const bool* __restrict keep, T c, T ec) {
+  T acc = 0;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t j = 0; j < nb; ++j) {
+    T a = softplus_shifted(s[j], c, ec, SLOW);
+    if constexpr (MASKED) a = keep[j] ? a : T(0);
+    s[j] = a;
+    acc += a;
+  }
+  return acc;
 }
 
 // power map, log domain: "minus infinity" for |s| = 0 (kept finite: l - m stays finite) and its test threshold
@@ -290,7 +321,6 @@ inline T fmap(T x, T ci) {
   if constexpr (KIND == STABLEMAX) return x >= T(0) ? x + T(1) : T(1) / (T(1) - std::min(x, T(0)));
   if constexpr (KIND == SIGMOID) return T(1) / (T(1) + vexp(-(x + ci)));
   if constexpr (KIND == RELU_LEN) return std::max(x, T(0));
-  if constexpr (KIND == SOFTPLUS) return vsoftplus(x);
   return T(0);
 }
 
@@ -385,6 +415,23 @@ inline void fwd_tile_row(const bool* kr, int64_t lim, T* s, int64_t nb, T ci, T&
       mrow = mx;
     }
     den += kr ? power_row<T, true>(s, lim, kr, mrow) : power_row<T, false>(s, lim, nullptr, mrow);
+  } else if constexpr (KIND == SOFTPLUS) {
+    // shift c = min(0, running max), rescaled like softpick when it rises
+    T mx = std::min(kr ? row_max<T, true>(s, lim, kr, mrow) : row_max<T, false>(s, lim, nullptr, mrow), T(0));
+    if (mx > mrow) {
+      const T sc = vexp(mrow - mx);
+      for (int64_t d = 0; d < Dv; ++d) orow[d] *= sc;
+      den *= sc;
+      mrow = mx;
+    }
+    const T c = mrow, ec = vexp(-std::max(c, SP_SLOW<T>));
+    if (c < SP_SLOW<T>) {
+      den += kr ? softplus_row<T, true, true>(s, lim, kr, c, ec)
+                : softplus_row<T, false, true>(s, lim, nullptr, c, ec);
+    } else {
+      den += kr ? softplus_row<T, true, false>(s, lim, kr, c, ec)
+                : softplus_row<T, false, false>(s, lim, nullptr, c, ec);
+    }
   } else {
     den += kr ? map_row<T, KIND, true>(s, lim, kr, ci) : map_row<T, KIND, false>(s, lim, nullptr, ci);
   }
@@ -415,7 +462,7 @@ void forward_tiles(const Problem<T>& p, T* out, T* r1, T* r2) {
     const T* crow = p.c + bh * p.Lq + i0;
     for (int64_t r = 0; r < m; ++r) {
       den[r] = KIND == SYMAX ? crow[r] : T(0);
-      mrow[r] = KIND == POWER ? POW_NEG<T> : T(0);
+      mrow[r] = KIND == POWER || KIND == SOFTPLUS ? POW_NEG<T> : T(0);
     }
     std::fill(O.begin(), O.begin() + m * p.Dv, T(0));
     const int64_t jend = p.causal ? std::min(p.Lk, i0 + m) : p.Lk;
@@ -700,11 +747,11 @@ inline void dmap(T x, T g, const RowC<T>& rc, T& pp, T& ds, T& dr) {
     // rounding of delta = dO . out from being amplified by large |ln|s|| (fp16 inputs: 4x closer to fp64)
     dr = gp * (lx - rc.m / pw);
   }
-  if constexpr (KIND == SOFTPLUS) {  // d softplus / ds = sigmoid(s)
-    const T e = vexp(-std::abs(x));
-    const T sig = (x >= T(0) ? T(1) : e) / (T(1) + e);
-    pp = (std::max(x, T(0)) + vlog1p(e)) * invd;
-    ds = (g - delta) * invd * sig;
+  if constexpr (KIND == SOFTPLUS) {  // softplus(s) e^-c, c = rc.m: d/ds = sigmoid(s) e^-c
+    const T c = rc.m, ec = vexp(-std::max(c, SP_SLOW<T>));
+    const bool slow = c < SP_SLOW<T>;
+    pp = softplus_shifted(x, c, ec, slow) * invd;
+    ds = (g - delta) * invd * softplus_shifted_slope(x, c, ec, slow);
   }
   if constexpr (KIND != POWER) dr = ds;
 }
