@@ -3,7 +3,9 @@
 scale_i = 1 + beta ln(1 + floor(pos_i / L_orig)), pos_i the 0-based position of query i: transformers'
 ``get_llama_4_attn_scale(position_ids, llama_4_scaling_beta, original_max_position_embeddings)`` in
 ``models/ministral3/modeling_ministral3.py`` (config ``rope_parameters``: llama_4_scaling_beta = 0.1,
-original_max_position_embeddings = 16384 by default there), multiplied into q before attention.
+original_max_position_embeddings = 16384 by default there), multiplied into q before attention. L_orig here: option
+``train_length`` (the original, pre-extension context), else the config's rope_parameters
+original_max_position_embeddings, else its max_position_embeddings.
 
 Here pos_i = max(0, Lk - Lq + i) (the last query is the last key: a prefill's i, a cache decode's Lk - 1), the position
 transformers' ``position_ids`` hold for unpadded and right-padded rows. Left padding shifts it: transformers then
@@ -25,14 +27,10 @@ from ..normalizers.base import Ctx
 from ..registry import register_scale
 from ..settings import AttnormSettings, declare_option, nonnegative
 from .base import Scale
+from .qwen_logn import TRAIN_LENGTH
 
 BETA = declare_option("llama4_pos_beta", float, 0.1, "llama4_pos: beta in 1 + beta ln(1 + floor(pos / L_orig)) (>= 0)",
                       check=nonnegative)
-ORIGINAL = declare_option(
-    "original_max_position_embeddings", int, None,
-    "llama4_pos: L_orig (>= 1); null = the config's rope_parameters original_max_position_embeddings, else "
-    "max_position_embeddings", optional=True, check=lambda v: "must be >= 1" if v < 1 else None,
-)
 
 
 def llama4_pos_scale(pos: torch.Tensor, beta: float, original: int) -> torch.Tensor:
@@ -41,23 +39,25 @@ def llama4_pos_scale(pos: torch.Tensor, beta: float, original: int) -> torch.Ten
 
 
 def original_length(settings: AttnormSettings, module_info: dict) -> int:
-    """L_orig from the option, the config's rope settings or max_position_embeddings; ValueError if none."""
-    if settings.original_max_position_embeddings:
-        return int(settings.original_max_position_embeddings)
+    """L_orig: option train_length, else the config's rope_parameters original_max_position_embeddings, else its
+    max_position_embeddings; ValueError naming them if none is known."""
+    if settings.train_length:
+        return int(settings.train_length)
     for rope in module_info.get("rope", ()):
         if rope.get("original_max_position_embeddings"):
             return int(rope["original_max_position_embeddings"])
     if module_info.get("max_positions"):
         return int(module_info["max_positions"])
-    raise ValueError("llama4_pos needs attnorm option original_max_position_embeddings (>= 1): the config of "
-                     f"{module_info.get('family', 'this model')} has neither it nor max_position_embeddings")
+    raise ValueError("llama4_pos needs attnorm option train_length (its L_orig, >= 2): the config of "
+                     f"{module_info.get('family', 'this model')} has neither rope_parameters "
+                     "original_max_position_embeddings nor max_position_embeddings")
 
 
 @register_scale
 class Llama4Pos(Scale):
     name = "llama4_pos"
     description = "scaling * (1 + beta ln(1 + floor(pos/L_orig))), pos = query position (Ministral 3's Llama-4 scale)"
-    options = (BETA, ORIGINAL)
+    options = (BETA, TRAIN_LENGTH)
 
     def prepare(self, settings: AttnormSettings, module_info: dict) -> None:
         if any(r.get("llama_4_scaling_beta") for r in module_info.get("rope", ())):
