@@ -59,11 +59,16 @@ class Llama4Pos(Scale):
     description = "scaling * (1 + beta ln(1 + floor(pos/L_orig))), pos = query position (Ministral 3's Llama-4 scale)"
     options = (BETA, TRAIN_LENGTH)
 
-    def prepare(self, settings: AttnormSettings, module_info: dict) -> None:
+    def refuses(self, module_info: dict) -> str | None:
         if any(r.get("llama_4_scaling_beta") for r in module_info.get("rope", ())):
-            raise ValueError(
-                f"the llama4_pos scale would be applied twice: {module_info.get('family', 'this')} model's config has "
-                "rope_parameters llama_4_scaling_beta, and the model multiplies q by that scale itself")
+            return (f"the llama4_pos scale would be applied twice: the config of {module_info.get('family', 'this')} "
+                    "has rope_parameters llama_4_scaling_beta, and the model multiplies q by that scale itself")
+        return None
+
+    def prepare(self, settings: AttnormSettings, module_info: dict) -> None:
+        reason = self.refuses(module_info)
+        if reason:
+            raise ValueError(reason)
         original_length(settings, module_info)
 
     def multiplier(self, n: torch.Tensor, ctx: Ctx) -> torch.Tensor | None:

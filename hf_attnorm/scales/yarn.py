@@ -6,7 +6,8 @@ Peng, Quesnelle, Fan and Shippole, "YaRN: Efficient Context Window Extension of 
 model whose ``rope_parameters`` (``rope_scaling``) has rope_type "yarn" (``modeling_rope_utils``:
 ``_compute_yarn_parameters``, ``get_mscale``), i.e. to both q and k, so the scores get (0.1 ln s + 1)^2: this scale
 multiplies by the same. Such a model already has it, so this scale refuses it at load/set time (it would be applied
-twice); use it with a model that extends its context some other way (linear / dynamic NTK rope scaling, or none).
+twice), unless its attention_factor is explicitly 1; use it with a model that extends its context some other way
+(linear / dynamic NTK rope scaling, YaRN's frequencies with attention_factor 1, or none).
 
 s: option ``yarn_factor`` (>= 1), or, when null (default), YaRN's dynamic scaling per query,
 s = max(1, n / L_train) (n = keys the query sees, L_train = option ``train_length`` or the model's
@@ -38,8 +39,14 @@ def yarn_mscale(s: torch.Tensor | float) -> torch.Tensor:
 
 
 def applies_yarn(module_info: dict) -> bool:
-    """Whether the model's rotary settings are YaRN's (transformers then applies the temperature itself)."""
-    return any(str(r.get("rope_type", r.get("type", ""))).lower() == "yarn" for r in module_info.get("rope", ()))
+    """Whether the model's rotary settings are YaRN's with a temperature (transformers then applies it itself):
+    rope_type "yarn" unless attention_factor is explicitly 1 (YaRN's frequencies without its temperature)."""
+    for r in module_info.get("rope", ()):
+        if str(r.get("rope_type", r.get("type", ""))).lower() == "yarn":
+            factor = r.get("attention_factor")
+            if factor is None or float(factor) != 1.0:
+                return True
+    return False
 
 
 @register_scale
@@ -48,12 +55,18 @@ class Yarn(Scale):
     description = "scaling * (0.1 ln s + 1)^2, YaRN's temperature (s = yarn_factor, or max(1, n/L_train))"
     options = (YARN_FACTOR, TRAIN_LENGTH)
 
-    def prepare(self, settings: AttnormSettings, module_info: dict) -> None:
+    def refuses(self, module_info: dict) -> str | None:
         if applies_yarn(module_info):
-            raise ValueError(
-                f"the yarn scale would apply YaRN's attention temperature twice: {module_info.get('family', 'this')} "
-                "model's config has rope_parameters of rope_type 'yarn', whose rotary embedding already multiplies "
-                "q and k by attention_factor (0.1 ln s + 1); use another scale, or a model without yarn rope scaling")
+            return (f"the yarn scale would apply YaRN's attention temperature twice: the config of "
+                    f"{module_info.get('family', 'this model')} has rope_parameters of rope_type 'yarn', whose rotary "
+                    "embedding already multiplies q and k by attention_factor (0.1 ln s + 1); use another scale, or a "
+                    "model without yarn rope scaling")
+        return None
+
+    def prepare(self, settings: AttnormSettings, module_info: dict) -> None:
+        reason = self.refuses(module_info)
+        if reason:
+            raise ValueError(reason)
         if settings.yarn_factor is None:
             train_length(settings, module_info, "yarn (with yarn_factor null)")
 
