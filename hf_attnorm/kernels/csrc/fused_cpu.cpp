@@ -362,15 +362,18 @@ T softpick_row(T* __restrict s, int64_t nb, const bool* __restrict keep, T m, T 
   return acc;
 }
 
-// power: s[j] <- p ln|s_j| (POW_NEG where |s_j| is 0 or subnormal: weight 0)
-template <typename T>
-void power_log_row(T* __restrict s, int64_t nb, T pw) {
+// power: s[j] <- p ln|s_j| (POW_NEG where |s_j| is 0 or subnormal: weight 0); returns max(mx, visible l_j) (one pass)
+template <typename T, bool MASKED>
+T power_log_row(T* __restrict s, int64_t nb, const bool* __restrict keep, T pw, T mx) {
   const T tiny = std::numeric_limits<T>::min();
-#pragma omp simd
+#pragma omp simd reduction(max : mx)
   for (int64_t j = 0; j < nb; ++j) {
     const T ax = std::abs(s[j]);
-    s[j] = ax >= tiny ? pw * vlog(std::max(ax, tiny)) : POW_NEG<T>;
+    const T l = ax >= tiny ? pw * vlog(std::max(ax, tiny)) : POW_NEG<T>;
+    s[j] = l;
+    mx = std::max(mx, MASKED ? (keep[j] ? l : mx) : l);
   }
+  return mx;
 }
 
 // power: s[j] <- e^{l_j - m} (0 for POW_NEG and invisible keys); returns the sum
@@ -405,8 +408,8 @@ inline void fwd_tile_row(const bool* kr, int64_t lim, T* s, int64_t nb, T ci, T&
   } else if constexpr (KIND == POWER) {
     // |s|^p = e^{p ln|s|}, accumulated relative to the row's running max m of p ln|s| (rescaled like softpick), so
     // large |s| or p cannot overflow; ci = +-p (the sign only marks single-key rows for the backward pass)
-    power_log_row<T>(s, lim, std::abs(ci));
-    T mx = kr ? row_max<T, true>(s, lim, kr, mrow) : row_max<T, false>(s, lim, nullptr, mrow);
+    const T mx = kr ? power_log_row<T, true>(s, lim, kr, std::abs(ci), mrow)
+                    : power_log_row<T, false>(s, lim, nullptr, std::abs(ci), mrow);
     if (mx > mrow) {
       const T sc = vexp(mrow - mx);
       for (int64_t d = 0; d < Dv; ++d) orow[d] *= sc;
@@ -415,8 +418,10 @@ inline void fwd_tile_row(const bool* kr, int64_t lim, T* s, int64_t nb, T ci, T&
     }
     den += kr ? power_row<T, true>(s, lim, kr, mrow) : power_row<T, false>(s, lim, nullptr, mrow);
   } else if constexpr (KIND == SOFTPLUS) {
-    // shift c = min(0, running max), rescaled like softpick when it rises
-    T mx = std::min(kr ? row_max<T, true>(s, lim, kr, mrow) : row_max<T, false>(s, lim, nullptr, mrow), T(0));
+    // shift c = min(0, running max), rescaled like softpick when it rises; once 0 (a score >= 0 was seen: most
+    // rows after their first tile) it stays, and the max pass is skipped
+    const T mx = mrow >= T(0) ? mrow
+                 : std::min(kr ? row_max<T, true>(s, lim, kr, mrow) : row_max<T, false>(s, lim, nullptr, mrow), T(0));
     if (mx > mrow) {
       const T sc = vexp(mrow - mx);
       for (int64_t d = 0; d < Dv; ++d) orow[d] *= sc;
