@@ -26,7 +26,7 @@ from .base import Ctx, Normalizer, ParamSpec, masked_fill_zero, safe_divide
 
 POWER_P = declare_option(
     "power_p", float, 2.0, "power: exponent p >= 1 of |s|^p (initial value when learned)",
-    check=lambda v: f"must be >= 1 (|s|^p with p < 1 has an infinite derivative at s = 0), got {v}"
+    check=lambda v: "must be >= 1 (|s|^p with p < 1 has an infinite derivative at s = 0)"
     if not v >= 1.0 else None,
 )
 POWER_LEARNABLE = declare_option("power_learnable", bool, True, "power: learn p per head (initialised at power_p)")
