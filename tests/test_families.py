@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 
 import pytest
 import torch
-from family_zoo import FAMILIES, REFUSED, build, inputs, output
+from family_zoo import FAMILIES, REFUSED, build, inputs, make_config, output
 
 import hf_attnorm
 from hf_attnorm.attention import param_specs
-from hf_attnorm.hf.families import attention_modules, num_heads_of
+from hf_attnorm.hf.families import attention_modules, num_heads_of, rope_parameters
 from hf_attnorm.hf.forward import LAST_CALL
 from hf_attnorm.hf.state import AttnormState
 from hf_attnorm.registry import NORMALIZERS, PRESETS, SCALES, AttnormError
@@ -309,6 +310,11 @@ def _every_impl(family: str) -> None:
                 build(family, impl)  # a sink would change nothing for a normalizer without a sum over keys
             continue
         scale = SCALES.get(resolve_settings(impl, {}).scale)
+        refusal = scale.refuses({"rope": rope_parameters(make_config(family)), "family": family})
+        if refusal:  # the model applies that scale itself (yarn on a yarn-rope config): refused at load
+            with pytest.raises(ValueError, match=re.escape(refusal.split(":")[0])):
+                build(family, impl)
+            continue
         # scales that need a training length get one where the config has no max_position_embeddings (T5)
         extra = {"attnorm": {"train_length": 64}} if "train_length" in scale.options else {}
         model = build(family, impl, **extra).train()

@@ -174,12 +174,26 @@ def refusal_reason(model_or_cls: Any) -> str | None:
     return None
 
 
+def rope_parameters(cfg: Any) -> list[dict[str, Any]]:
+    """The rotary settings of a config as a list of dicts (transformers 5 ``rope_parameters``, possibly one per layer
+    type, or the older ``rope_scaling``); empty without any. Scales read them to refuse what the model already
+    applies (YaRN's temperature, Ministral 3's llama_4_scaling_beta)."""
+    out = []
+    for attr in ("rope_parameters", "rope_scaling"):
+        value = getattr(cfg, attr, None)
+        if isinstance(value, dict):
+            nested = [v for v in value.values() if isinstance(v, dict)]
+            out.extend(nested if nested else [value])
+    return out
+
+
 def module_info(module: nn.Module) -> dict[str, Any]:
     cfg = module.config
     max_pos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
     return {"max_positions": max_pos, "family": type(module).__name__,
             "layer_idx": getattr(module, "layer_idx", None), "num_heads": num_heads_of(module),
-            "head_dim": getattr(module, "head_dim", None) or getattr(module, "attention_head_size", None)}
+            "head_dim": getattr(module, "head_dim", None) or getattr(module, "attention_head_size", None),
+            "rope": rope_parameters(cfg)}
 
 
 

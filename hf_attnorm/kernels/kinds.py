@@ -15,9 +15,10 @@ from ..normalizers.base import Normalizer
 FUSED_KINDS: dict[str, int] = {
     "symax": 0, "squared": 1, "stablemax": 2, "softpick": 3, "sigmoid": 4, "relu_len": 5,
     "entmax15": 6, "sparsemax": 7,
+    "power": 9, "softplus": 10,
 }
 #: maps whose rows are divided by a denominator accumulated with them (C++ ``is_normalised``)
-NORMALISED: frozenset[str] = frozenset({"symax", "squared", "stablemax", "softpick"})
+NORMALISED: frozenset[str] = frozenset({"symax", "squared", "stablemax", "softpick", "power", "softplus"})
 #: maps with a per-row threshold found by a search over the row (C++ ``is_threshold``)
 THRESHOLD: frozenset[str] = frozenset({"entmax15", "sparsemax"})
 

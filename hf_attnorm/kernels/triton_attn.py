@@ -62,6 +62,10 @@ tl: Any = None
 K_SYMAX, K_SQUARED, K_STABLEMAX = kind_id("symax"), kind_id("squared"), kind_id("stablemax")
 K_SOFTPICK, K_SIGMOID, K_RELU_LEN = kind_id("softpick"), kind_id("sigmoid"), kind_id("relu_len")
 K_ENTMAX15, K_SPARSEMAX = kind_id("entmax15"), kind_id("sparsemax")
+K_POWER, K_SOFTPLUS = kind_id("power"), kind_id("softplus")
+#: power: |s| below the smallest normal fp32 counts as 0 (weight 0); the log-domain "minus infinity" of its shift
+TINY = 1.1754943508222875e-38
+POW_NEG = -1e30
 #: constant name -> id, for every map of the shared table
 KIND_CONSTANTS: dict[str, int] = {f"K_{constant_name(name)}": globals()[f"K_{constant_name(name)}"]
                                   for name in FUSED_KINDS}
@@ -135,6 +139,22 @@ def _entry(s, r, keep, shift, KIND: tl.constexpr):
     elif KIND == K_SPARSEMAX:  # sparsemax [s - tau]_+
         a = tl.where(keep, tl.maximum(s - shift[:, None], 0.0), zero)
         b = a
+    elif KIND == K_POWER:  # |s|^p = e^(p ln|s| - M), p = |r|, M = running max of p ln|s| (shift)
+        mag = tl.abs(s)
+        nz = keep & (mag >= TINY)
+        a = tl.where(nz, tl.exp(tl.where(nz, tl.abs(r)[:, None] * tl.log(tl.where(nz, mag, 1.0)) - shift[:, None],
+                                         POW_NEG)), zero)
+        b = a
+    elif KIND == K_SOFTPLUS:  # softplus(s) e^-c, c = min(0, running max) (shift): s + log1p(e^-s) for s > 0
+        # (then c = 0), else e^(s - c) log1p(u) / u with u = e^s (exact where u underflows); log1p by Goldberg
+        u = tl.exp(-tl.abs(s))
+        w = 1.0 + u
+        d = w - 1.0
+        lp = tl.where(d == 0, u, tl.log(w) * (u / tl.where(d == 0, 1.0, d)))
+        ratio = tl.where(u > 0, lp / tl.where(u > 0, u, 1.0), 1.0)
+        neg = tl.exp(tl.minimum(s - shift[:, None], 0.0)) * ratio
+        a = tl.where(keep, tl.where(s > 0, s + lp, neg), zero)
+        b = a
     else:  # entmax-1.5 [s/2 - tau]_+^2
         t = tl.where(keep, tl.maximum(s * 0.5 - shift[:, None], 0.0), zero)
         a = t * t
@@ -179,6 +199,23 @@ def _slopes(s, r, keep, shift, KIND: tl.constexpr):
     elif KIND == K_SPARSEMAX:
         a = tl.where(keep, tl.maximum(s - shift[:, None], 0.0), zero)
         da = tl.where(a > 0, 1.0, 0.0)
+        db = da
+    elif KIND == K_POWER:  # d|s|^p/ds = p |s|^p / s (0 at s = 0)
+        mag = tl.abs(s)
+        nz = keep & (mag >= TINY)
+        pw = tl.abs(r)[:, None]
+        a = tl.where(nz, tl.exp(tl.where(nz, pw * tl.log(tl.where(nz, mag, 1.0)) - shift[:, None], POW_NEG)), zero)
+        da = tl.where(nz, a * pw / tl.where(nz, s, 1.0), zero)
+        db = da
+    elif KIND == K_SOFTPLUS:  # (softplus(s) e^-c)' = sigmoid(s) e^-c
+        u = tl.exp(-tl.abs(s))
+        w = 1.0 + u
+        d = w - 1.0
+        lp = tl.where(d == 0, u, tl.log(w) * (u / tl.where(d == 0, 1.0, d)))
+        ratio = tl.where(u > 0, lp / tl.where(u > 0, u, 1.0), 1.0)
+        e = tl.exp(tl.minimum(s - shift[:, None], 0.0))
+        a = tl.where(keep, tl.where(s > 0, s + lp, e * ratio), zero)
+        da = tl.where(keep, tl.where(s > 0, 1.0, e) / w, zero)
         db = da
     else:
         t = tl.where(keep, tl.maximum(s * 0.5 - shift[:, None], 0.0), zero)
@@ -375,6 +412,9 @@ def _fwd_kernel(
     den = tl.zeros([BLOCK_M], tl.float32)
     if ((KIND == K_SPARSEMAX) | (KIND == K_ENTMAX15)):
         shift = tl.load(SHIFT_IN + row, mask=m_valid, other=0.0)  # the sparse threshold tau
+    elif (KIND == K_POWER) | (KIND == K_SOFTPLUS):
+        # power: running max of p ln|s| over visible s != 0; softplus: min(0, running max of visible s)
+        shift = tl.full([BLOCK_M], POW_NEG, tl.float32)
     else:
         shift = tl.zeros([BLOCK_M], tl.float32)  # softpick: running max of (0, visible scores)
     hi = LK
@@ -395,6 +435,21 @@ def _fwd_kernel(
                 acc = acc * alpha[:, None]
                 den = den * alpha
                 shift = new
+            if KIND == K_POWER:
+                mag = tl.abs(s)
+                nz = keep & (mag >= TINY)
+                lmax = tl.max(tl.where(nz, tl.abs(r)[:, None] * tl.log(tl.where(nz, mag, 1.0)), POW_NEG), 1)
+                new = tl.maximum(shift, lmax)
+                alpha = tl.exp(shift - new)
+                acc = acc * alpha[:, None]
+                den = den * alpha
+                shift = new
+            if KIND == K_SOFTPLUS:
+                new = tl.maximum(shift, tl.minimum(tl.max(tl.where(keep, s, POW_NEG), 1), 0.0))
+                alpha = tl.exp(shift - new)
+                acc = acc * alpha[:, None]
+                den = den * alpha
+                shift = new
             a, bden = _entry(s, r, keep, shift, KIND)
             v = tl.load(v_ptrs + start_n * svn, mask=(offs_n[:, None] < LK) & dv_valid[None, :],
                         other=0.0).to(tl.float32)
@@ -407,7 +462,7 @@ def _fwd_kernel(
         acc = acc * inv[:, None]
     tl.store(OUT + row[:, None] * DV + offs_dv[None, :], acc, mask=m_valid[:, None] & dv_valid[None, :])
     tl.store(DEN + row, den, mask=m_valid)
-    if KIND == K_SOFTPICK:
+    if (KIND == K_SOFTPICK) | (KIND == K_POWER) | (KIND == K_SOFTPLUS):
         tl.store(SHIFT + row, shift, mask=m_valid)
 
 
@@ -517,6 +572,12 @@ def _bwd_dq_kernel(
                 dr += tl.sum(ds, 1)
             if KIND == K_RELU_LEN:  # relu_len: r multiplies relu(s)
                 dr += tl.sum(tl.where(keep, tl.maximum(s, 0.0), 0.0) * dp, 1)
+            if KIND == K_POWER:  # power: d/dp of a_j / D is a_j ln|s_j| (dp_j - delta) / D; ln|s| centred at the
+                # row's largest (shift / p), which sum_j a_j (dp_j - delta) = 0 allows, against rounding
+                mag = tl.abs(s)
+                centre = shift / tl.maximum(tl.abs(r), 1.0)  # (|r| = p >= 1; 0 on rows past Lq)
+                lg = tl.where(a > 0, tl.log(tl.where(a > 0, mag, 1.0)) - centre[:, None], 0.0)
+                dr += tl.sum(a * lg * (dp - delta[:, None]), 1) * inv
             if HAS_DBIAS:
                 ds = tl.where(keep, ds, 0.0)
                 db_ptr = DBIAS + b * sdb + h * sdh
@@ -534,6 +595,8 @@ def _bwd_dq_kernel(
             acc += tl.dot(ds, tl.trans(kt).to(tl.float32), input_precision=PREC)
     if KIND == K_SYMAX:  # symax: r is added to the denominator
         dr = -delta * inv
+    if KIND == K_POWER:  # r = +-p (the sign marks single-key rows; their gradient is 0 anyway)
+        dr = tl.where(r < 0, -dr, dr)
     tl.store(DQ + row[:, None] * DH + offs_d[None, :], acc * c[:, None], mask=m_valid[:, None] & d_valid[None, :])
     tl.store(DC + row, tl.sum(q.to(tl.float32) * acc, 1), mask=m_valid)
     tl.store(DR + row, dr, mask=m_valid)
@@ -646,6 +709,7 @@ def _compiled() -> types.SimpleNamespace:
     if mode not in _COMPILED:
         ns: dict[str, Any] = dict(globals())
         ns.update({name: tl.constexpr(value) for name, value in KIND_CONSTANTS.items()})
+        ns.update(TINY=tl.constexpr(TINY), POW_NEG=tl.constexpr(POW_NEG))  # jitted code reads constexpr globals only
         for name in _JIT_FUNCTIONS:
             raw = globals()[name]
             fn = types.FunctionType(raw.__code__, ns, name, raw.__defaults__)

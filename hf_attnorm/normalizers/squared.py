@@ -1,4 +1,8 @@
-"""squared: s_i^2 / sum_j s_j^2. A row whose visible scores are all 0 (0/0) gives weights 0 by convention."""
+"""squared: s_i^2 / sum_j s_j^2. A row whose visible scores are all 0 (0/0) gives weights 0 by convention.
+
+The same function as ``power`` with a constant p = 2 (tests/test_power_softplus.py checks values and gradients);
+kept as its own normalizer: its fused map needs no log/exp, and its saved configs and checkpoints (no per-head p)
+load unchanged."""
 
 from __future__ import annotations
 

@@ -26,6 +26,11 @@ class Scale:
     def validate(self, settings: AttnormSettings) -> None:
         """Cross-option checks."""
 
+    def refuses(self, module_info: dict) -> str | None:
+        """Why a model (its attention modules' ``module_info``, incl. the config's ``rope`` settings) cannot take
+        this scale, e.g. because it applies the same scale itself; None if it can. ``prepare`` raises it."""
+        return None
+
     def prepare(self, settings: AttnormSettings, module_info: dict) -> None:
         """Called once when a model's attention module gets this scale (e.g. to precompute tables for the
         model's context length, so forward passes need no host-side work)."""

@@ -1,4 +1,9 @@
-"""llama4: 1 + attn_scale * ln(1 + floor(n / floor_scale)), Llama 4's attention temperature tuning (n = position+1)."""
+"""llama4: 1 + attn_scale * ln(1 + floor(n / floor_scale)), Llama 4's attention temperature tuning (n = position+1).
+
+n is the number of keys the query sees (transformers' Llama 4 uses cache_position + 1, which n equals without
+padding or a window). ``llama4_pos`` is the position-based form Mistral / Ministral 3 use: 1 + beta ln(1 +
+floor(pos / original_max_position_embeddings)) on the 0-based query position, unaffected by padding or windows.
+"""
 
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ from .base import Scale
 
 TRAIN_LENGTH = declare_option(
     "train_length", int, None,
-    "qwen_logn: training context length L_train (>= 2); null = the model's max_position_embeddings",
+    "training context length L_train (>= 2) of qwen_logn, log_train_n, yarn (dynamic s) and llama4_pos (its L_orig); "
+    "null = the model's max_position_embeddings (llama4_pos: its rope original_max_position_embeddings first)",
     optional=True, check=lambda v: "must be >= 2" if v < 2 else None,
 )
 

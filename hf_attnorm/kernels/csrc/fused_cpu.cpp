@@ -47,10 +47,12 @@ enum Kind : int64_t {
   RELU_LEN = 5,
   ENTMAX15 = 6,
   SPARSEMAX = 7,
+  POWER = 9,
+  SOFTPLUS = 10,
 };
-constexpr int64_t NUM_KINDS = 8;
+constexpr int64_t NUM_KINDS = 11;
 
-inline bool is_normalised(int64_t kind) { return kind <= SOFTPICK; }
+inline bool is_normalised(int64_t kind) { return kind <= SOFTPICK || kind == POWER || kind == SOFTPLUS; }
 inline bool is_threshold(int64_t kind) { return kind == ENTMAX15 || kind == SPARSEMAX; }
 
 // ------------------------------------------------------------------------------------------------ elementwise math
@@ -74,6 +76,79 @@ inline float vexp(float x) {
   return x <= -88.0f ? 0.0f : p * scale;
 }
 inline double vexp(double x) { return std::exp(x); }
+
+// ln x for normal x > 0 that GCC vectorises (Cephes logf: mantissa in [sqrt(1/2), sqrt(2)), degree-8 polynomial,
+// ~1 ulp); callers select away x <= 0 and subnormal x (treated as 0 by the power map).
+inline float vlog(float x) {
+  const int32_t bits = __builtin_bit_cast(int32_t, x);
+  int32_t e = ((bits >> 23) & 0xff) - 126;
+  float m = __builtin_bit_cast(float, (bits & 0x007fffff) | 0x3f000000);  // [0.5, 1)
+  const bool small = m < 0.707106781186547524f;
+  e = small ? e - 1 : e;
+  m = small ? m + m - 1.0f : m - 1.0f;
+  const float z = m * m;
+  float y = 7.0376836292e-2f;
+  y = y * m - 1.1514610310e-1f;
+  y = y * m + 1.1676998740e-1f;
+  y = y * m - 1.2420140846e-1f;
+  y = y * m + 1.4249322787e-1f;
+  y = y * m - 1.6668057665e-1f;
+  y = y * m + 2.0000714765e-1f;
+  y = y * m - 2.4999993993e-1f;
+  y = y * m + 3.3333331174e-1f;
+  y = y * m * z;
+  const float fe = static_cast<float>(e);
+  y += -2.12194440e-4f * fe - 0.5f * z;
+  return m + y + 0.693359375f * fe;
+}
+inline double vlog(double x) { return std::log(x); }
+
+// log1p(u) / u for u in [0, 1] (1 at u = 0): a degree-8 least-squares polynomial, relative error 1.5e-7 in fp32
+// (no log, no division: softplus costs one exp and a polynomial)
+inline float log1p_ratio(float u) {
+  float r = 5.25345779702369e-3f;
+  r = r * u - 2.9588507393099962e-2f;
+  r = r * u + 7.836166801950378e-2f;
+  r = r * u - 1.3674769705644496e-1f;
+  r = r * u + 1.9111431080665497e-1f;
+  r = r * u - 2.4844369892502244e-1f;
+  r = r * u + 3.3319271342508355e-1f;
+  r = r * u - 4.9999501516787836e-1f;
+  return r * u + 9.999999705406568e-1f;
+}
+inline double log1p_ratio(double u) { return u > 0.0 ? std::log1p(u) / (u > 0.0 ? u : 1.0) : 1.0; }
+
+// softplus in units of e^c, c = min(0, row max) <= 0 (the row's running shift, as softpick's): softplus(x) e^-c
+// with u = e^-|x|: (max(x, 0) + u r(u)) e^-c, r(u) = log1p(u) / u. Rows whose every score is below SP_SLOW (where
+// e^-c would overflow and softplus(x) ~ e^x underflows) use e^(x - c) r(u) (then x <= c < 0, u = e^x), so they
+// get softmax-like weights, not 0.
+template <typename T>
+constexpr T SP_SLOW = sizeof(T) == 4 ? T(-60) : T(-650);
+
+template <typename T, bool SLOW>
+inline T softplus_shifted(T x, T c, T ec) {
+  const T u = vexp(-std::abs(x)), r = log1p_ratio(u);
+  if constexpr (SLOW) return vexp(x - c) * r;
+  return (std::max(x, T(0)) + u * r) * ec;
+}
+
+// softplus: s[j] <- softplus(s_j) e^-c (0 where invisible); returns the sum. The slow form only on slow rows.
+template <typename T, bool MASKED, bool SLOW>
+T softplus_row(T* __restrict s, int64_t nb, const bool* __restrict keep, T c, T ec) {
+  T acc = 0;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t j = 0; j < nb; ++j) {
+    T a = softplus_shifted<T, SLOW>(s[j], c, ec);
+    if constexpr (MASKED) a = keep[j] ? a : T(0);
+    s[j] = a;
+    acc += a;
+  }
+  return acc;
+}
+
+// power map, log domain: "minus infinity" for |s| = 0 (kept finite: l - m stays finite) and its test threshold
+template <typename T>
+constexpr T POW_NEG = T(-1e30);
 
 template <typename T>
 inline T sgn(T x) {
@@ -416,6 +491,34 @@ T softpick_row(T* __restrict s, int64_t nb, const bool* __restrict keep, T m, T 
   return acc;
 }
 
+// power: s[j] <- p ln|s_j| (POW_NEG where |s_j| is 0 or subnormal: weight 0); returns max(mx, visible l_j) (one pass)
+template <typename T, bool MASKED>
+T power_log_row(T* __restrict s, int64_t nb, const bool* __restrict keep, T pw, T mx) {
+  const T tiny = std::numeric_limits<T>::min();
+#pragma omp simd reduction(max : mx)
+  for (int64_t j = 0; j < nb; ++j) {
+    const T ax = std::abs(s[j]);
+    const T l = ax >= tiny ? pw * vlog(std::max(ax, tiny)) : POW_NEG<T>;
+    s[j] = l;
+    mx = std::max(mx, MASKED ? (keep[j] ? l : mx) : l);
+  }
+  return mx;
+}
+
+// power: s[j] <- e^{l_j - m} (0 for POW_NEG and invisible keys); returns the sum
+template <typename T, bool MASKED>
+T power_row(T* __restrict s, int64_t nb, const bool* __restrict keep, T m) {
+  T acc = 0;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t j = 0; j < nb; ++j) {
+    T a = s[j] > T(0.5) * POW_NEG<T> ? vexp(s[j] - m) : T(0);
+    if constexpr (MASKED) a = keep[j] ? a : T(0);
+    s[j] = a;
+    acc += a;
+  }
+  return acc;
+}
+
 // One row of keys [0, nb) of a tile: visible are keys < lim (causality) that keep allows (keep nullptr: all).
 // Maps the scores in place to the numerator and adds to the row's denominator (softpick: with its running max).
 template <typename T, int64_t KIND>
@@ -431,6 +534,37 @@ inline void fwd_tile_row(const bool* kr, int64_t lim, T* s, int64_t nb, T ci, T&
     }
     const T em = vexp(-mrow);
     den += kr ? softpick_row<T, true>(s, lim, kr, mrow, em) : softpick_row<T, false>(s, lim, nullptr, mrow, em);
+  } else if constexpr (KIND == POWER) {
+    // |s|^p = e^{p ln|s|}, accumulated relative to the row's running max m of p ln|s| (rescaled like softpick), so
+    // large |s| or p cannot overflow; ci = +-p (the sign only marks single-key rows for the backward pass)
+    const T mx = kr ? power_log_row<T, true>(s, lim, kr, std::abs(ci), mrow)
+                    : power_log_row<T, false>(s, lim, nullptr, std::abs(ci), mrow);
+    if (mx > mrow) {
+      const T sc = vexp(mrow - mx);
+      for (int64_t d = 0; d < Dv; ++d) orow[d] *= sc;
+      den *= sc;
+      mrow = mx;
+    }
+    den += kr ? power_row<T, true>(s, lim, kr, mrow) : power_row<T, false>(s, lim, nullptr, mrow);
+  } else if constexpr (KIND == SOFTPLUS) {
+    // shift c = min(0, running max), rescaled like softpick when it rises; once 0 (a score >= 0 was seen: most
+    // rows after their first tile) it stays, and the max pass is skipped
+    const T mx = mrow >= T(0) ? mrow
+                 : std::min(kr ? row_max<T, true>(s, lim, kr, mrow) : row_max<T, false>(s, lim, nullptr, mrow), T(0));
+    if (mx > mrow) {
+      const T sc = vexp(mrow - mx);
+      for (int64_t d = 0; d < Dv; ++d) orow[d] *= sc;
+      den *= sc;
+      mrow = mx;
+    }
+    const T c = mrow, ec = vexp(-std::max(c, SP_SLOW<T>));
+    if (c < SP_SLOW<T>) {
+      den += kr ? softplus_row<T, true, true>(s, lim, kr, c, ec)
+                : softplus_row<T, false, true>(s, lim, nullptr, c, ec);
+    } else {
+      den += kr ? softplus_row<T, true, false>(s, lim, kr, c, ec)
+                : softplus_row<T, false, false>(s, lim, nullptr, c, ec);
+    }
   } else {
     den += kr ? map_row<T, KIND, true>(s, lim, kr, ci) : map_row<T, KIND, false>(s, lim, nullptr, ci);
   }
@@ -461,7 +595,7 @@ void forward_tiles(const Problem<T>& p, T* out, T* r1, T* r2) {
     const T* crow = p.c + bh * p.Lq + i0;
     for (int64_t r = 0; r < m; ++r) {
       den[r] = KIND == SYMAX ? crow[r] : T(0);
-      mrow[r] = T(0);
+      mrow[r] = KIND == POWER || KIND == SOFTPLUS ? POW_NEG<T> : T(0);
     }
     std::fill(O.begin(), O.begin() + m * p.Dv, T(0));
     const int64_t jend = p.causal ? std::min(p.Lk, i0 + m) : p.Lk;
@@ -681,12 +815,20 @@ struct RowC {
 // P = 1, or softpick's 0/1). Their gradient there is exactly 0, but dS = f'(s) (dP - delta) / D would be rounding
 // noise amplified by f'/D (2/s for squared): the row's c holds n, and such rows get dS = 0.
 inline bool constant_on_single_key(int64_t kind) {
-  return kind == SQUARED || kind == STABLEMAX || kind == SOFTPICK || kind == ENTMAX15 || kind == SPARSEMAX;
+  return kind == SQUARED || kind == STABLEMAX || kind == SOFTPICK || kind == ENTMAX15 || kind == SPARSEMAX ||
+         kind == POWER || kind == SOFTPLUS;
 }
 
-// d/ds of one entry: P and dS from the score x and g = dO_i . v_j (branch-free, see the forward)
-template <typename T, int64_t KIND>
-inline void dmap(T x, T g, const RowC<T>& rc, T& pp, T& ds) {
+// whether a row's c marks it as having a single visible key: c = n, except power, whose c is -p there (else +p)
+template <typename T>
+inline bool single_key_row(int64_t kind, T c) {
+  return kind == POWER ? c < T(0) : c == T(1);
+}
+
+// d/ds of one entry: P and dS from the score x and g = dO_i . v_j (branch-free, see the forward); dr: the entry's
+// term of the gradient of the row value c (sigmoid: dS; power: d/dp)
+template <typename T, int64_t KIND, bool SLOW = false>
+inline void dmap(T x, T g, const RowC<T>& rc, T& pp, T& ds, T& dr) {
   const T invd = rc.invd, delta = rc.delta;
   if constexpr (KIND == SYMAX) {
     pp = std::abs(x) * invd;
@@ -729,24 +871,52 @@ inline void dmap(T x, T g, const RowC<T>& rc, T& pp, T& ds) {
     pp = r * pos;
     ds = (g - delta) * pos;
   }
+  if constexpr (KIND == POWER) {  // A = e^{p ln|s| - m}: dA/ds = p A / s, dA/dp = A ln|s|
+    const T pw = std::abs(rc.c), ax = std::abs(x), tiny = std::numeric_limits<T>::min();
+    const bool nz = ax >= tiny;
+    const T lx = nz ? vlog(std::max(ax, tiny)) : T(0);
+    pp = nz ? vexp(pw * lx - rc.m) * invd : T(0);
+    const T gp = (g - delta) * pp;
+    ds = nz ? gp * pw / (nz ? x : T(1)) : T(0);
+    // sum_j P_j (g_j - delta) = 0, so ln|s| may be centred at the row's largest ln|s| (m / p): this keeps the
+    // rounding of delta = dO . out from being amplified by large |ln|s|| (fp16 inputs: 4x closer to fp64)
+    dr = gp * (lx - rc.m / pw);
+  }
+  if constexpr (KIND == SOFTPLUS) {  // softplus(s) e^-c, c = rc.m: d/ds = sigmoid(s) e^-c (SLOW: rows below SP_SLOW)
+    const T c = rc.m;
+    const T u = vexp(-std::abs(x)), r = log1p_ratio(u);
+    if constexpr (SLOW) {
+      const T e = vexp(x - c);
+      pp = e * r * invd;
+      ds = (g - delta) * invd * e / (T(1) + u);
+    } else {
+      const T ec = rc.em;  // e^-c, c in [SP_SLOW, 0]
+      pp = (std::max(x, T(0)) + u * r) * ec * invd;
+      ds = (g - delta) * invd * ec * (x >= T(0) ? T(1) : u) / (T(1) + u);
+    }
+  }
+  if constexpr (KIND != POWER) dr = ds;
 }
 
-// One row of a tile: s (scores) becomes P, dp (dO . v_j) becomes dS; returns sum_j dS (sigmoid's bias gradient).
-template <typename T, int64_t KIND, bool MASKED>
+// One row of a tile: s (scores) becomes P, dp (dO . v_j) becomes dS; returns sum_j dr (the row value's gradient:
+// sigmoid's bias sum_j dS, power's dp).
+template <typename T, int64_t KIND, bool MASKED, bool SLOW = false>
 T bwd_row(T* __restrict s, T* __restrict dp, int64_t nb, const bool* __restrict keep, const RowC<T>& rcr) {
   const RowC<T> rc = rcr;
   const T live = rc.live;
   T dcacc = 0;
 #pragma omp simd reduction(+ : dcacc)
   for (int64_t j = 0; j < nb; ++j) {
-    T pp, ds;
-    dmap<T, KIND>(s[j], dp[j], rc, pp, ds);
+    T pp, ds, dr;
+    dmap<T, KIND, SLOW>(s[j], dp[j], rc, pp, ds, dr);
     ds *= live;
+    dr *= live;
     if constexpr (MASKED) {
       pp = keep[j] ? pp : T(0);
       ds = keep[j] ? ds : T(0);
+      dr = keep[j] ? dr : T(0);
     }
-    dcacc += ds;
+    dcacc += dr;
     s[j] = pp;
     dp[j] = ds;
   }
@@ -756,7 +926,13 @@ T bwd_row(T* __restrict s, T* __restrict dp, int64_t nb, const bool* __restrict 
 template <typename T, int64_t KIND>
 inline T bwd_tile_row(const bool* kr, int64_t lim, T* s, T* dp, int64_t nb, const RowC<T>& rc) {
   lim = std::max<int64_t>(0, std::min(lim, nb));
-  T acc = kr ? bwd_row<T, KIND, true>(s, dp, lim, kr, rc) : bwd_row<T, KIND, false>(s, dp, lim, nullptr, rc);
+  T acc;
+  if (KIND == SOFTPLUS && rc.m < SP_SLOW<T>) {  // softplus rows of very negative scores only
+    acc = kr ? bwd_row<T, KIND, true, true>(s, dp, lim, kr, rc)
+             : bwd_row<T, KIND, false, true>(s, dp, lim, nullptr, rc);
+  } else {
+    acc = kr ? bwd_row<T, KIND, true>(s, dp, lim, kr, rc) : bwd_row<T, KIND, false>(s, dp, lim, nullptr, rc);
+  }
   for (int64_t j = lim; j < nb; ++j) s[j] = dp[j] = T(0);
   return acc;
 }
@@ -910,7 +1086,7 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
           T dcrow[MAX_BQ];
           for (int64_t r = 0; r < m; ++r) {
             const int64_t row = bh * p.Lq + i0 + r;
-            const T live = constant_on_single_key(KIND) && p.c[row] == T(1) ? T(0) : T(1);
+            const T live = constant_on_single_key(KIND) && single_key_row(KIND, p.c[row]) ? T(0) : T(1);
             RowC<T> rc{invd[row], delta[row], p.c[row], r2[row], vexp(-r2[row]), r1[row], live};
             const bool* kr = st == 2 && p.keep ? p.mrow(b, h, i0 + r) + j0 : nullptr;
             dcrow[r] = bwd_tile_row<T, KIND>(kr, st == 1 ? nb : p.key_end(i0 + r) - j0, buf.S.data() + r * nb,
@@ -928,7 +1104,7 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
           mm_atb<T>(nb, p.D, m, buf.dP.data(), nb, qi, p.qsl, T(1), buf.dK.data(), p.D);
           auto update = [&]() {
             mm_ab<T>(m, p.D, nb, buf.dP.data(), nb, kj, p.ksl, T(1), dq + (bh * p.Lq + i0) * p.D, p.D);
-            if (KIND == SIGMOID)
+            if (KIND == SIGMOID || KIND == POWER)
               for (int64_t r = 0; r < m; ++r) dc[bh * p.Lq + i0 + r] += dcrow[r];
           };
           if (per_head) {
@@ -958,6 +1134,8 @@ void dispatch_kind(int64_t kind, const F& f) {
     case RELU_LEN: f(std::integral_constant<int64_t, RELU_LEN>{}); break;
     case ENTMAX15: f(std::integral_constant<int64_t, ENTMAX15>{}); break;
     case SPARSEMAX: f(std::integral_constant<int64_t, SPARSEMAX>{}); break;
+    case POWER: f(std::integral_constant<int64_t, POWER>{}); break;
+    case SOFTPLUS: f(std::integral_constant<int64_t, SOFTPLUS>{}); break;
     default: TORCH_CHECK(false, "fused_cpu: unknown kind ", kind);
   }
 }
