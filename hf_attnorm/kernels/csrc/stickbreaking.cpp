@@ -29,6 +29,10 @@
 #include <cstdint>
 #include <vector>
 
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
+
 namespace {
 
 // the BLAS that libtorch_cpu links (as in fused_cpu.cpp, which checks that it is there: blas_available())
@@ -72,8 +76,11 @@ inline void mm_atb(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, con
   gemm('N', 'T', n, m, k, b, ldb, a, lda, beta, c, ldc);
 }
 
-// exp and log1p that GCC vectorises (Cephes expf / logf polynomials, ~1 ulp; the same expf as fused_cpu.cpp)
-inline float vexp(float x) {
+// exp and log1p that GCC vectorises (Cephes expf / logf polynomials, ~1 ulp; the same expf as fused_cpu.cpp),
+// forced inline: an out-of-line call in the scan loop stops its vectorisation (measured 5x slower)
+#define SB_INLINE inline __attribute__((always_inline))
+
+SB_INLINE float vexp(float x) {
   x = std::min(std::max(x, -88.0f), 88.0f);
   float n = std::floor(x * 1.44269504088896341f + 0.5f);
   float r = x - n * 0.693359375f + n * 2.12194440e-4f;
@@ -88,11 +95,11 @@ inline float vexp(float x) {
   const float scale = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
   return x <= -88.0f ? 0.0f : p * scale;
 }
-inline double vexp(double x) { return std::exp(x); }
+SB_INLINE double vexp(double x) { return std::exp(x); }
 
 // log(1 + t) for 0 <= t <= 1: 1 + t lies in [1, 2], one range halving puts it in [sqrt(1/2), sqrt(2)) for the logf
 // polynomial; below 1e-4 the series t - t^2/2 (1 + t would round away t's low bits).
-inline float vlog1p01(float t) {
+SB_INLINE float vlog1p01(float t) {
   const float y = 1.0f + t;
   const bool big = y > 1.41421356f;
   const float e = big ? 1.0f : 0.0f;
@@ -111,17 +118,62 @@ inline float vlog1p01(float t) {
   r = x + r + e * 0.693359375f;
   return t < 1e-4f ? t * (1.0f - 0.5f * t) : r;
 }
-inline double vlog1p01(double t) { return std::log1p(t); }
+SB_INLINE double vlog1p01(double t) { return std::log1p(t); }
 
 // softplus(z), logsigmoid(z) = z - softplus(z) and sigmoid(z) from one exp and one log
 template <typename T>
-inline void sb_elem(T z, T& sp, T& ls, T& sig) {
+SB_INLINE void sb_elem(T z, T& sp, T& ls, T& sig) {
   const T t = vexp(-std::abs(z));
   const T l = vlog1p01(t);
   sp = std::max(z, T(0)) + l;
   ls = std::min(z, T(0)) - l;
   const T inv = T(1) / (T(1) + t);
   sig = z >= T(0) ? inv : t * inv;
+}
+
+// The reverse scan of one tile, nearest key first, in product form: e_i = prod_{k visited} (1 - beta_ik) is what is
+// left of row i's stick (exp(-c_i) of the log-space form), A_ij = beta_ij e_i, then e_i *= 1 - beta_ij. One exp and
+// one division per score instead of log-space's two exps and a log (the scan was the largest part of the forward);
+// beta and 1 - beta both come from t = exp(-|z|) in (0, 1] (no cancellation, no overflow), and e only shrinks, to 0
+// at worst (flushed), where the log-space weight exp(logsigmoid - c) is below fp32's range too.
+// zt[key][query]: scores in, A out; lim[r] = own + attend_current (keys j < lim break the stick); mt: the mask,
+// transposed; sg (backward only): beta, 0 off the stick-breaking keys.
+template <typename T, bool Masked, bool Backward>
+void scan_tile(T* __restrict zt, const T* __restrict mt, const T* __restrict lim, T* __restrict e,
+               T* __restrict at, T* __restrict sg, int64_t j0, int64_t nb, int64_t m) {
+  for (int64_t jj = nb - 1; jj >= 0; --jj) {
+    const T jf = T(j0 + jj);
+    const T* __restrict zr = zt + jj * m;
+    const T* __restrict mr = mt + jj * m;
+    T* __restrict ar = (Backward ? at : zt) + jj * m;
+#pragma omp simd
+    for (int64_t r = 0; r < m; ++r) {
+      const T z = zr[r];
+      const T t = vexp(-std::abs(z));
+      const T inv = T(1) / (T(1) + t);
+      bool part = jf < lim[r];
+      if constexpr (Masked) part = part & (mr[r] > T(0));
+      const T beta = part ? (z >= T(0) ? inv : t * inv) : T(0);
+      const T keep = part ? (z >= T(0) ? t * inv : inv) : T(1);
+      ar[r] = beta * e[r];
+      if constexpr (Backward) sg[jj * m + r] = beta;
+      e[r] *= keep;
+    }
+  }
+}
+
+// dst[c][r] = src[r][c] for src [rows][cols], in 16 x 16 tiles
+template <typename T>
+void transpose(const T* __restrict src, int64_t rows, int64_t cols, T* __restrict dst) {
+  constexpr int64_t TB = 16;
+  for (int64_t r0 = 0; r0 < rows; r0 += TB) {
+    const int64_t r1 = std::min(rows, r0 + TB);
+    for (int64_t c0 = 0; c0 < cols; c0 += TB) {
+      const int64_t c1 = std::min(cols, c0 + TB);
+      for (int64_t c = c0; c < c1; ++c)
+        for (int64_t r = r0; r < r1; ++r) dst[c * rows + r] = src[r * cols + c];
+    }
+  }
 }
 
 template <typename T>
@@ -204,13 +256,23 @@ SB<T> make_sb(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
   return p;
 }
 
-// run fn(item) for items [0, n) on torch's threads, handed out dynamically
+// run fn(item) for items [0, n) on torch's threads, handed out dynamically. Denormals are flushed to zero meanwhile
+// (and the caller's mode restored): the weights of far keys run down to e^-87 and their products with v or dO into
+// the subnormal range, which made the BLAS calls about 20% slower (measured); such values are below fp32's
+// resolution of any output anyway.
 template <typename F>
 void run_items(int64_t n, const F& fn) {
   std::atomic<int64_t> next{0};
   const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
   at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
+#if defined(__SSE__)
+    const unsigned int csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040u);  // FTZ | DAZ
+#endif
     for (int64_t it = next.fetch_add(1); it < n; it = next.fetch_add(1)) fn(it);
+#if defined(__SSE__)
+    _mm_setcsr(csr);
+#endif
   });
 }
 
@@ -224,40 +286,33 @@ void sb_forward_impl(const SB<T>& p, T* out, T* call) {
     const int64_t bh = it % (p.B * p.H), b = bh / p.H, h = bh % p.H, g = h / p.G;
     const int64_t i0 = qb * BQ, m = std::min(BQ, p.Lq - i0);
     thread_local std::vector<T> buf;
-    buf.resize(3 * BQ + 2 * BK * BQ);
-    T *lim = buf.data(), *c = lim + BQ, *zt = c + BQ + BQ, *mt = zt + BK * BQ;
+    buf.resize(2 * BQ + 2 * BK * BQ + p.Dv * BQ);
+    T *lim = buf.data(), *e = lim + BQ, *zt = e + BQ, *mt = zt + BK * BQ, *ot = mt + BK * BQ;
     const int64_t end = p.limits(b, h, i0, m, lim);
-    std::fill(c, c + m, T(0));
-    T* o = out + ((b * p.H + h) * p.Lq + i0) * p.Dv;
+    std::fill(e, e + m, T(1));
+    std::fill(ot, ot + p.Dv * m, T(0));
     T* cs = call + ((b * p.H + h) * p.Lq + i0) * NC;
     for (int64_t kb = (end + BK - 1) / BK - 1; kb >= 0; --kb) {
       const int64_t j0 = kb * BK, nb = std::min(BK, end - j0);
-      for (int64_t r = 0; r < m; ++r) cs[r * NC + kb] = c[r];
+      for (int64_t r = 0; r < m; ++r) cs[r * NC + kb] = e[r];
       mm_abt<T>(nb, m, p.D, p.krow(b, g, j0), p.ksl, p.qrow(b, h, i0), p.D, T(0), zt, m);
-      if (p.keep) p.mask_tile(b, h, i0, m, j0, nb, mt);
-      for (int64_t jj = nb - 1; jj >= 0; --jj) {
-        const T jf = T(j0 + jj);
-        T* zr = zt + jj * m;
-        const T* mr = mt + jj * m;
-        const bool masked = p.keep != nullptr;
-#pragma omp simd
-        for (int64_t r = 0; r < m; ++r) {
-          T sp, ls, sig;
-          sb_elem(zr[r], sp, ls, sig);
-          const bool part = jf < lim[r] && (!masked || mr[r] > T(0));
-          zr[r] = part ? vexp(ls - c[r]) : T(0);
-          c[r] += part ? sp : T(0);
-        }
+      if (p.keep) {
+        p.mask_tile(b, h, i0, m, j0, nb, mt);
+        scan_tile<T, true, false>(zt, mt, lim, e, nullptr, nullptr, j0, nb, m);
+      } else {
+        scan_tile<T, false, false>(zt, mt, lim, e, nullptr, nullptr, j0, nb, m);
       }
-      mm_atb<T>(m, p.Dv, nb, zt, m, p.vrow(b, g, j0), p.vsl, T(1), o, p.Dv);
+      // O^T [Dv][m] += V^T A^T: the scan's A is key-major (A^T), so no transpose per tile
+      mm_atb<T>(p.Dv, m, nb, p.vrow(b, g, j0), p.vsl, zt, m, T(1), ot, m);
     }
+    T* o = out + ((b * p.H + h) * p.Lq + i0) * p.Dv;
+    transpose(ot, p.Dv, m, o);
     const int64_t* ow = p.ownrow(b, h, i0);
     for (int64_t r = 0; r < m; ++r) {
-      cs[r * NC + p.nkb] = c[r];
-      if (p.remainder && ow[r] >= 0) {
-        const T rem = vexp(-c[r]);
+      cs[r * NC + p.nkb] = e[r];
+      if (p.remainder && ow[r] >= 0) {  // what is left of the stick goes to the own key's value
         const T* vo = p.vrow(b, g, ow[r]);
-        for (int64_t d = 0; d < p.Dv; ++d) o[r * p.Dv + d] += rem * vo[d];
+        for (int64_t d = 0; d < p.Dv; ++d) o[r * p.Dv + d] += e[r] * vo[d];
       }
     }
   });
@@ -274,7 +329,7 @@ void sb_backward_impl(const SB<T>& p, const T* call, const T* dout, T* dq, T* dk
     T* dvp = dv + (bg * parts + part) * p.Lk * p.Dv;
     thread_local std::vector<T> buf;
     buf.resize(4 * BQ + 5 * BK * BQ);
-    T *lim = buf.data(), *c = lim + BQ, *pre = c + BQ, *rr = pre + BQ;
+    T *lim = buf.data(), *e = lim + BQ, *pre = e + BQ, *rr = pre + BQ;
     T *zt = rr + BQ, *gt = zt + BK * BQ, *at = gt + BK * BQ, *sg = at + BK * BQ, *mt = sg + BK * BQ;
     for (int64_t h = g * p.G; h < (g + 1) * p.G; ++h) {
       for (int64_t qb = p.nqb - 1 - part; qb >= 0; qb -= parts) {
@@ -290,7 +345,7 @@ void sb_backward_impl(const SB<T>& p, const T* call, const T* dout, T* dq, T* dk
             const T* vo = p.vrow(b, g, ow[r]);
             T dot = 0;
             for (int64_t d = 0; d < p.Dv; ++d) dot += dor[r * p.Dv + d] * vo[d];
-            rr[r] = vexp(-cs[r * NC + p.nkb]) * dot;
+            rr[r] = cs[r * NC + p.nkb] * dot;
           }
         }
         T* dqr = dq + ((b * p.H + h) * p.Lq + i0) * p.D;
@@ -300,23 +355,11 @@ void sb_backward_impl(const SB<T>& p, const T* call, const T* dout, T* dq, T* dk
           mm_abt<T>(nb, m, p.D, p.krow(b, g, j0), p.ksl, p.qrow(b, h, i0), p.D, T(0), zt, m);
           mm_abt<T>(nb, m, p.Dv, p.vrow(b, g, j0), p.vsl, dor, p.Dv, T(0), gt, m);
           if (p.keep) p.mask_tile(b, h, i0, m, j0, nb, mt);
-          const bool masked = p.keep != nullptr;
-          for (int64_t r = 0; r < m; ++r) c[r] = cs[r * NC + kb];
-          for (int64_t jj = nb - 1; jj >= 0; --jj) {  // A and sigmoid, nearest key first (c as in the forward)
-            const T jf = T(j0 + jj);
-            const T* zr = zt + jj * m;
-            const T* mr = mt + jj * m;
-            T* ar = at + jj * m;
-            T* sr = sg + jj * m;
-#pragma omp simd
-            for (int64_t r = 0; r < m; ++r) {
-              T sp, ls, sig;
-              sb_elem(zr[r], sp, ls, sig);
-              const bool part_ = jf < lim[r] && (!masked || mr[r] > T(0));
-              ar[r] = part_ ? vexp(ls - c[r]) : T(0);
-              sr[r] = part_ ? sig : T(0);
-              c[r] += part_ ? sp : T(0);
-            }
+          for (int64_t r = 0; r < m; ++r) e[r] = cs[r * NC + kb];
+          if (p.keep) {  // A and beta, nearest key first (from the forward's e at this block's edge)
+            scan_tile<T, true, true>(zt, mt, lim, e, at, sg, j0, nb, m);
+          } else {
+            scan_tile<T, false, true>(zt, mt, lim, e, at, sg, j0, nb, m);
           }
           for (int64_t jj = 0; jj < nb; ++jj) {  // the prefix P from the far keys, dz into zt
             const T* ar = at + jj * m;
@@ -337,7 +380,7 @@ void sb_backward_impl(const SB<T>& p, const T* call, const T* dout, T* dq, T* dk
         if (p.remainder) {  // dv_own += r_i dO_i
           for (int64_t r = 0; r < m; ++r) {
             if (ow[r] < 0) continue;
-            const T rem = vexp(-cs[r * NC + p.nkb]);
+            const T rem = cs[r * NC + p.nkb];
             T* d = dvp + ow[r] * p.Dv;
             for (int64_t e = 0; e < p.Dv; ++e) d[e] += rem * dor[r * p.Dv + e];
           }
