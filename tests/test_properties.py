@@ -23,7 +23,8 @@ IMPLS = list(PRESETS)
 
 
 #: paths these fp64 CPU tests cannot exercise at all, and why (they have their own tests)
-NOT_HERE = {"triton": "fp64 and CPU tensors: the Triton kernels are tested in test_triton.py"}
+NOT_HERE = {"triton": "fp64 and CPU tensors: the Triton kernels are tested in test_triton.py",
+            "stickbreaking_triton": "fp64 and CPU tensors: tested in test_stickbreaking_triton.py"}
 
 
 def paths_for(impl: str) -> list[str]:

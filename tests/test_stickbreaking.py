@@ -92,3 +92,92 @@ def test_the_first_token_gets_its_own_value():
     q, k, v = (torch.randn(1, 2, 4, 4, generator=g, dtype=torch.float64) for _ in range(3))
     out, _ = attention(q, k, v, "stickbreaking", causal=True, path="reference")
     torch.testing.assert_close(out[:, :, 0], v[:, :, 0])
+
+
+# ------------------------------------------------------------------------------ the fast paths, every option
+
+
+def _grads(path, q, k, v, mask, causal, opts, gout):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out, _, ran = _attend(path, *leaves, mask, causal, opts)
+    out.backward(gout)
+    return ran, [out.detach()] + [t.grad for t in leaves]
+
+
+def _attend(path, q, k, v, mask, causal, opts):
+    from hf_attnorm.attention import constant_heads, make_call
+    from hf_attnorm.kernels import attend
+
+    settings = resolve_settings("stickbreaking", opts)
+    call = make_call(q, k, v, settings, constant_heads(settings, q.shape[1]), mask, causal, None)
+    return attend(call, path=path)
+
+
+def _padding_mask(B, Lq, Lk, causal):
+    keep = torch.ones(B, 1, Lq, Lk, dtype=torch.bool)
+    keep[0, :, :, : Lk // 4] = False  # left padding
+    keep[-1, :, :, Lk - 2:] = False  # right padding
+    if causal:
+        keep &= torch.ones(Lq, Lk, dtype=torch.bool).tril(Lk - Lq)
+    keep[0, :, : min(3, Lq)] = False  # fully masked rows
+    return keep
+
+
+FAST = ["stickbreaking_scan", "stickbreaking_cpu"]
+SHAPES = [  # (B, H, Hkv, Lq, Lk, causal, masked)
+    (2, 4, 2, 37, 37, True, False),  # causal, GQA, odd length
+    (2, 2, 1, 29, 29, True, True),  # causal + padding + dead rows
+    (2, 4, 2, 1, 23, False, False),  # decode: one query against a cache
+    (2, 2, 2, 7, 30, False, True),  # a cache with several queries (bottom-right causal mask)
+    (1, 2, 2, 19, 19, False, False),  # bidirectional: right-to-left order
+]
+
+
+@pytest.mark.parametrize("path", FAST)
+@pytest.mark.parametrize("opts", [{}, {"stickbreaking_attend_current": True}, {"stickbreaking_remainder": False},
+                                  {"stickbreaking_attend_current": True, "stickbreaking_remainder": False}],
+                         ids=["default", "attend_current", "no_remainder", "both"])
+def test_fast_paths_match_the_reference(path, opts, monkeypatch):
+    """Forward and every gradient, float64, with small blocks so that every length crosses block edges."""
+    from hf_attnorm.kernels import stickbreaking as scan_mod
+    from hf_attnorm.kernels import stickbreaking_cpu as cpu_mod
+
+    monkeypatch.setattr(scan_mod, "BLOCK_OVERRIDE", (8, 16))
+    monkeypatch.setattr(cpu_mod, "BLOCK_OVERRIDE", (8, 16))
+    g = torch.Generator().manual_seed(5)
+    for B, H, Hkv, Lq, Lk, causal, masked in SHAPES:
+        q = torch.randn(B, H, Lq, 16, generator=g, dtype=torch.float64) * 2
+        k, v = (torch.randn(B, Hkv, Lk, 16, generator=g, dtype=torch.float64) for _ in range(2))
+        mask = _padding_mask(B, Lq, Lk, causal or Lq < Lk) if masked else None
+        gout = torch.randn(B, H, Lq, 16, generator=g, dtype=torch.float64)
+        _, want = _grads("reference", q, k, v, mask, causal, opts, gout)
+        ran, got = _grads(path, q, k, v, mask, causal, opts, gout)
+        assert ran == path
+        for label, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8, msg=f"{path} {label} {(B, H, Lq, Lk, causal)}")
+        if mask is not None:
+            dead = ~mask.any(-1)
+            assert (got[0][dead.expand(B, H, Lq)] == 0).all()
+
+
+@pytest.mark.parametrize("path", FAST)
+def test_fast_paths_in_fp32_long(path):
+    """n = 600 in fp32 against float64: the accumulated scan stays within a few fp32 ulps of the exact weights."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 600, 32, generator=g, dtype=torch.float64) for _ in range(3))
+    gout = torch.randn(1, 2, 600, 32, generator=g, dtype=torch.float64)
+    _, exact = _grads("reference", q, k, v, None, True, {}, gout)
+    ran, got = _grads(path, q.float(), k.float(), v.float(), None, True, {}, gout.float())
+    assert ran == path
+    for label, a, b in zip(("out", "dq", "dk", "dv"), got, exact):
+        err = (a.double() - b).abs().max().item()
+        assert err < 2e-5, f"{path} {label}: {err:.3g}"
+
+
+def test_auto_rule_picks_the_fused_kernel_on_cpu():
+    from hf_attnorm.kernels import fused_cpu
+
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 9, 8, generator=g) for _ in range(3))
+    _, _, ran = _attend(None, q, k, v, None, True, {})
+    assert ran == ("stickbreaking_cpu" if fused_cpu.unavailable_reason() is None else "stickbreaking_scan")
