@@ -181,3 +181,34 @@ def test_auto_rule_picks_the_fused_kernel_on_cpu():
     q, k, v = (torch.randn(1, 2, 9, 8, generator=g) for _ in range(3))
     _, _, ran = _attend(None, q, k, v, None, True, {})
     assert ran == ("stickbreaking_cpu" if fused_cpu.unavailable_reason() is None else "stickbreaking_scan")
+
+
+# ------------------------------------------------------------------------------ models
+
+
+def test_encoder_modules_warn_and_causal_models_do_not():
+    """Loading stick-breaking into a bidirectional encoder warns (its meaning there is a right-to-left order); a
+    causal LM loads silently and its forward takes the fused path."""
+    import warnings
+
+    from hf_attnorm.hf import state
+    from hf_attnorm.hf.forward import LAST_CALL
+    from hf_attnorm.kernels import fused_cpu
+    from hf_attnorm.lab.model_zoo import build_model
+
+    state._WARNED_ORDER.clear()
+    with pytest.warns(UserWarning, match="not causal .* breaks the stick from the last visible key"):
+        build_model("bert", "micro", task="masked_lm", vocab_size=97, max_positions=64,
+                    attn_implementation="stickbreaking")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model = build_model("llama", "micro", task="causal_lm", vocab_size=97, max_positions=64,
+                            attn_implementation="stickbreaking").eval()
+    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 11, dtype=torch.long)
+    mask[1, :3] = 0  # left padding
+    LAST_CALL.path = None
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.isfinite(logits).all()
+    assert LAST_CALL.path == ("stickbreaking_cpu" if fused_cpu.unavailable_reason() is None else "stickbreaking_scan")

@@ -49,6 +49,31 @@ if not ta.interpreter_requested():
         with pytest.raises(ValueError, match="cannot run this call.*TRITON_INTERPRET=1"):
             attend(call, path=PATH)
 
+    @pytest.mark.slow
+    @pytest.mark.parametrize("masked", [False, True])
+    def test_kernels_compile_for_a_gpu_target(masked):
+        """The interpreter does not check what the compiler does: compile both kernels to PTX for sm_80 (Triton's
+        bundled ptxas; no GPU needed)."""
+        import warnings
+
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource, compile
+
+        from hf_attnorm.kernels import triton_stickbreaking as ts
+
+        kern = ts._compiled()
+        consts = dict(ATTEND_CURRENT=0, REMAINDER=True, HAS_MASK=masked, BLOCK_M=64, BLOCK_N=32, BLOCK_D=64,
+                      BLOCK_DV=64)
+        pointers = {"KEEP": "*u8", "OWN": "*i32"}
+        for fn in (kern._sb_fwd_kernel, kern._sb_bwd_kernel):
+            sig = {a: "constexpr" if a in consts else pointers.get(a, "*fp32") if a.upper() == a and a not in (
+                "H", "GROUPS", "HKV", "LQ", "LK", "DH", "DV", "NC") else "i32" for a in fn.arg_names}
+            src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(a),): v for a, v in consts.items()})
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                compiled = compile(src, target=GPUTarget("cuda", 80, 32))
+            assert ".entry" in compiled.asm["ptx"], fn.__name__
+
 else:
 
     def _padding(B, Lq, Lk):
