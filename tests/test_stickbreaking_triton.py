@@ -36,11 +36,19 @@ def _run(q, k, v, mask, causal, opts, gout, path):
 
 if not ta.interpreter_requested():
 
-    def test_kernels_interpreted():
+    def _child(marker: str) -> None:
         env = {**os.environ, "TRITON_INTERPRET": "1"}
-        cmd = [sys.executable, "-m", "pytest", HERE, "-q", "-p", "no:cacheprovider"]
+        cmd = [sys.executable, "-m", "pytest", HERE, "-q", "-m", marker, "-p", "no:cacheprovider"]
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500, cwd=ROOT)
         assert res.returncode == 0, f"interpreted tests failed:\n{res.stdout[-8000:]}\n{res.stderr[-3000:]}"
+
+    def test_kernels_interpreted():
+        """The default options in a child process with TRITON_INTERPRET=1 (the other options: the slow twin)."""
+        _child("not slow")
+
+    @pytest.mark.slow
+    def test_kernels_interpreted_slow():
+        _child("slow")
 
     def test_cpu_calls_are_declined_without_the_interpreter():
         q = torch.randn(1, 2, 5, 16)
@@ -88,10 +96,11 @@ else:
         "decode": (2, 4, 2, 1, 29, 16, None, False),
         "cache-prefill": (2, 2, 2, 9, 40, 16, _padding, False),
     }
-    OPTIONS = {"default": {}, "attend_current": {"stickbreaking_attend_current": True},
-               "no_remainder": {"stickbreaking_remainder": False}}
+    OPTIONS = [pytest.param({}, id="default"),
+               pytest.param({"stickbreaking_attend_current": True}, id="attend_current", marks=pytest.mark.slow),
+               pytest.param({"stickbreaking_remainder": False}, id="no_remainder", marks=pytest.mark.slow)]
 
-    @pytest.mark.parametrize("opts", list(OPTIONS.values()), ids=list(OPTIONS))
+    @pytest.mark.parametrize("opts", OPTIONS)
     @pytest.mark.parametrize("scenario", list(SCENARIOS))
     def test_triton_matches_the_reference(scenario, opts):
         B, H, Hkv, Lq, Lk, D, make_mask, causal = SCENARIOS[scenario]
