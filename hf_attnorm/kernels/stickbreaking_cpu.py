@@ -36,6 +36,26 @@ class _SBFn(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
+_FAKES: dict[str, bool] = {"done": False}
+
+
+def _register_fakes() -> None:
+    """Shape-only implementations of the two ops (once, eagerly), so torch.compile traces through them."""
+    if _FAKES["done"] or torch.compiler.is_compiling():
+        return
+    _FAKES["done"] = True
+
+    def forward_fake(q, k, v, keep, own, attend_current, remainder, block_q, block_k):
+        B, H, Lq = q.shape[:3]
+        return [q.new_empty((B, H, Lq, v.shape[-1])), q.new_empty((B, H, Lq, -(-k.shape[2] // block_k) + 1))]
+
+    def backward_fake(q, k, v, keep, own, attend_current, remainder, c, dout, block_q, block_k):
+        return [x.new_empty(x.shape) for x in (q, k, v)]
+
+    torch.library.register_fake("hf_attnorm_fused::sb_forward")(forward_fake)
+    torch.library.register_fake("hf_attnorm_fused::sb_backward")(backward_fake)
+
+
 def accepts(call: AttnCall) -> str | None:
     reason = common_reason(call)
     if reason is not None:
@@ -44,9 +64,10 @@ def accepts(call: AttnCall) -> str | None:
         return f"device {call.q.device} (CPU only)"
     if call.q.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
         return f"dtype {call.q.dtype}"
-    if torch.compiler.is_compiling():
-        return "torch.compile (the stick-breaking C++ ops have no fake implementation)"
-    return fused_cpu.unavailable_reason(warn=True)
+    reason = fused_cpu.unavailable_reason(warn=True)
+    if reason is None:
+        _register_fakes()  # an eager call (which also builds the extension) comes before any compiled one
+    return reason
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
