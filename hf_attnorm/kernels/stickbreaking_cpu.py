@@ -2,7 +2,8 @@
 compiled into the fused extension (``fused_cpu.native_ops``), forward and backward. The math and the scan order are
 those of ``stickbreaking.py``; OpenMP (torch's threads) over (batch x head, query blocks) in the forward and over kv
 heads split into parts with private dK/dV buffers in the backward (deterministic). Memory: q, k, v, out and the
-saved per-block sums c [B, H, Lq, Lk / block_k + 1]."""
+stick left at each key block's edge, e [B, H, Lq, Lk / block_k + 1] (the C++ scan runs in product form,
+e = exp(-c), one exp per score; the others in log space)."""
 
 from __future__ import annotations
 

@@ -3,14 +3,15 @@
 // hf_attnorm_fused::sb_backward.
 //
 // Per (batch, head, query block) the key blocks are visited from the block's last own key backwards. The scores of a
-// tile are formed transposed, ZT[key][query] = K Q^T, so that the row-wise reverse scan (c_i += softplus(z_ij) from
-// the nearest key outwards, A_ij = exp(logsigmoid(z_ij) - c_i) before the add) runs over keys with the queries as the
-// vector lanes: m independent running sums, no dependency chain along a vector. O += A^T V by BLAS. The forward saves
-// the running sum c at each key block's edge (c_all [B, H, Lq, nkb + 1], the last slot the row total), so that the
-// backward recomputes block b exactly while visiting the blocks left to right:
-//   dz_ij = A_ij g_ij - sigmoid(z_ij) (P_ij + R_i),  g = dO V^T,  P_ij = sum_{k <= j} A_ik g_ik (a prefix sum from
-//   the far keys, which keeps its relative precision), R_i = r_i dO_i . v_own(i) (the remainder r_i = exp(-c_i) sits
-//   on the own key when that option is on), dQ += dz K, dK += dz^T Q, dV += A^T dO, dv_own += r_i dO_i.
+// tile are formed transposed, ZT[key][query] = K Q^T, so that the row-wise reverse scan runs over keys with the queries
+// as the vector lanes (m independent running values, no dependency chain along a vector). The scan is in product
+// form: e_i = what is left of row i's stick (exp(-c_i), c_i the softplus sum of the log-space form), A_ij =
+// beta_ij e_i, then e_i *= 1 - beta_ij (see scan_tile). O^T += V^T A^T by BLAS. The forward saves e at each key
+// block's edge (e_all [B, H, Lq, nkb + 1], the last slot the row's remainder r_i), so that the backward recomputes
+// block b exactly while visiting the blocks left to right:
+//   dz_ij = A_ij g_ij - beta_ij (P_ij + R_i),  g = dO V^T,  P_ij = sum_{k <= j} A_ik g_ik (a prefix sum from the far
+//   keys, which keeps its relative precision), R_i = r_i dO_i . v_own(i) (the remainder sits on the own key when that
+//   option is on), dQ += dz K, dK += dz^T Q, dV += A^T dO, dv_own += r_i dO_i.
 // Work items: forward (b, h, query block), largest causal blocks first, handed out dynamically. Backward: a kv head
 // (b, hkv) split into P parts (query blocks dealt round-robin, P = threads / (B Hkv) rounded up) with a private
 // dK/dV buffer per part summed in a fixed order: deterministic, no locks.
