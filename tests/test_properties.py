@@ -24,7 +24,8 @@ IMPLS = list(PRESETS)
 
 #: paths these fp64 CPU tests cannot exercise at all, and why (they have their own tests)
 NOT_HERE = {"triton": "fp64 and CPU tensors: the Triton kernels are tested in test_triton.py",
-            "linear_recurrent": "needs a recurrent state kept by a cache: tested in test_recurrent.py"}
+            "linear_recurrent": "needs a recurrent state kept by a cache: tested in test_recurrent.py",
+            "stickbreaking_triton": "fp64 and CPU tensors: tested in test_stickbreaking_triton.py"}
 
 
 def paths_for(impl: str) -> list[str]:
@@ -146,8 +147,9 @@ def check_case(impl, case) -> list[str]:
             solo = run(q[1:2], k[1:2], v[1:2], impl, path, causal=causal,
                        attention_mask=None if mask is None else mask[1:2])
             torch.testing.assert_close(solo[0], out[1], atol=1e-9, rtol=1e-9, msg=where)
-        # without causality, permuting keys together with their values (and mask columns) changes nothing
-        if not causal:
+        # without causality, permuting keys together with their values (and mask columns) changes nothing (unless
+        # the normalizer declares that its weights depend on the key order: stick-breaking)
+        if not causal and not NORMALIZERS.get(resolve_settings(impl).normalizer).key_order:
             perm = torch.randperm(Lk, generator=torch.Generator().manual_seed(seed))
             outp = run(q, k[:, :, perm], v[:, :, perm], impl, path, causal=False,
                        attention_mask=None if mask is None else mask[..., perm])

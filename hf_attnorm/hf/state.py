@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import reprlib
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -150,6 +151,9 @@ def install(module: nn.Module, settings: AttnormSettings) -> AttnormState:
     return state
 
 
+#: module classes already warned about a key-order normalizer on non-causal attention
+_WARNED_ORDER: set[str] = set()
+
 #: keywords that act on the score matrix, which a scoreless normalizer (linear attention) does not have
 SCORE_KEYWORDS = ("softcap", "position_bias", "s_aux")
 
@@ -171,6 +175,14 @@ def check_module(module: nn.Module, settings: AttnormSettings) -> None:
             f"{name} passes {', '.join(map(repr, score_kw))} to the attention function, which act on the score "
             f"matrix; normalizer {settings.normalizer!r} ({settings.implementation!r}) has no score matrix (its "
             "weights are products of positive features), so it cannot apply them. Choose a score-based normalizer."
+        )
+    if norm.key_order and getattr(module, "is_causal", True) is False and name not in _WARNED_ORDER:
+        _WARNED_ORDER.add(name)  # once per module class: a model has many layers
+        warnings.warn(
+            f"{name} is not causal (a bidirectional encoder), but normalizer {settings.normalizer!r} weighs the keys "
+            "by their order: here every query breaks the stick from the last visible key of the sequence backwards "
+            "(right to left), which is not position-invariant; the normalizer was designed for causal attention.",
+            stacklevel=4,
         )
     if "s_aux" in score_kw and norm.row_sum == "free":
         raise AttnormError(

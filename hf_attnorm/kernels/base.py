@@ -149,10 +149,15 @@ def modify_scores(scores: torch.Tensor, softcap: float | None, bias: torch.Tenso
 def normalize(norm: Normalizer, scores: torch.Tensor, keep: torch.Tensor, ctx: Ctx,
               sinks: torch.Tensor | None) -> torch.Tensor:
     """The normalizer's weights [B, H, Lq, Lk]; with ``sinks`` [H] an always-visible extra key with logit
-    sinks[h] (and value 0) takes part in the normalisation and is dropped from the returned weights."""
+    sinks[h] (and value 0) takes part in the normalisation and is dropped from the returned weights. For a normalizer
+    whose weights depend on the key order (``key_order``) the sink sits before the first key (the farthest)."""
     if sinks is None:
         return norm.reference(scores, keep, ctx)
     lead = scores.shape[:-1]
     col = sinks.to(device=scores.device, dtype=scores.dtype).view(1, -1, 1, 1).expand(*lead, 1)
-    keep = torch.cat([keep.expand(*lead, keep.shape[-1]), keep.new_ones(()).expand(*lead, 1)], dim=-1)
+    ones = keep.new_ones(()).expand(*lead, 1)
+    if norm.key_order:  # order-dependent weights (stick-breaking): the sink is the farthest key, before the first
+        keep = torch.cat([ones, keep.expand(*lead, keep.shape[-1])], dim=-1)
+        return norm.reference(torch.cat([col, scores], dim=-1), keep, ctx)[..., 1:]
+    keep = torch.cat([keep.expand(*lead, keep.shape[-1]), ones], dim=-1)
     return norm.reference(torch.cat([scores, col], dim=-1), keep, ctx)[..., :-1]

@@ -44,6 +44,8 @@ BLOCK_OVERRIDE: tuple[int, int] | None = None
 NO_NATIVE_ENV = "HF_ATTNORM_NO_NATIVE"
 
 _SOURCE = Path(__file__).with_name("csrc") / "fused_cpu.cpp"
+#: further sources compiled into the same extension (their ops are TORCH_LIBRARY_FRAGMENTs of hf_attnorm_fused)
+EXTRA_SOURCES = [Path(__file__).with_name("csrc") / "stickbreaking.cpp"]
 _lock = threading.Lock()
 _state: dict[str, Any] = {"ops": None, "error": None, "warned": False}
 
@@ -105,7 +107,7 @@ def native_ops(warn: bool = True) -> Any | None:
                                "minute; cached in %s)", build_dir)
             load(
                 name=name,
-                sources=[str(_SOURCE)],
+                sources=[str(_SOURCE), *map(str, EXTRA_SOURCES)],
                 extra_cflags=_cflags(),
                 extra_ldflags=["-fopenmp"],
                 is_python_module=False,

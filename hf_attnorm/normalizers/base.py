@@ -26,7 +26,7 @@ from ..settings import AttnormSettings
 
 RowSum = Literal["one", "at_most_one", "free"]
 #: how the fast kernels can run a normalizer (see ``Normalizer.kernel_family``)
-KernelFamily = Literal["softmax", "fused", "linear", "generic"]
+KernelFamily = Literal["softmax", "fused", "linear", "stickbreaking", "generic"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,11 +121,15 @@ class Normalizer:
     sparse: ClassVar[bool] = False
     #: True when the normalizer has its own fast O(n) path that does not need scores (linear attention)
     scoreless: ClassVar[bool] = False
+    #: True when the weights depend on the order of the keys, not only on which keys are visible (stick-breaking
+    #: scans them from the last visible one backwards): permuting keys with a non-causal call changes the output
+    key_order: ClassVar[bool] = False
 
     # ---- what the kernels need to know (hf_attnorm.kernels reads these; no kernel switches on a name) ----
     #: "softmax": exp(s) over the visible keys plus at most one always-visible sink logit (``sink_logit``), exact
     #: on SDPA; "fused": an elementwise map of the fused CPU / Triton kernels, named by ``fused_kind``; "linear":
-    #: scoreless (``feature_map`` only), the O(n) path; "generic": only the chunked and reference paths
+    #: scoreless (``feature_map`` only), the O(n) path; "stickbreaking": the stick-breaking scan kernels
+    #: (``kernels/stickbreaking*.py``); "generic": only the chunked and reference paths
     kernel_family: ClassVar[KernelFamily] = "generic"
     #: with kernel_family "fused": the kernels' map, a name of ``hf_attnorm.kernels.kinds.FUSED_KINDS``
     fused_kind: ClassVar[str | None] = None

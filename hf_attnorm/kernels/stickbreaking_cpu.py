@@ -1,0 +1,97 @@
+"""Fused CPU stick-breaking attention (path ``stickbreaking_cpu``): the C++ kernel of ``csrc/stickbreaking.cpp``,
+compiled into the fused extension (``fused_cpu.native_ops``), forward and backward. The math and the scan order are
+those of ``stickbreaking.py``; OpenMP (torch's threads) over (batch x head, query blocks) in the forward and over kv
+heads split into parts with private dK/dV buffers in the backward (deterministic). Memory: q, k, v, out and the
+stick left at each key block's edge, e [B, H, Lq, Lk / block_k + 1] (the C++ scan runs in product form,
+e = exp(-c), one exp per score; the others in log space)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import fused_cpu
+from .base import AttnCall, compute_dtype
+from .stickbreaking import common_reason, options, own_index, takes
+
+#: (block_q, block_k): the query block is the vector width of the scan, the key block the BLAS inner size
+BLOCKS = (128, 256)
+#: tests set this to small blocks so that odd lengths cross block edges
+BLOCK_OVERRIDE: tuple[int, int] | None = None
+
+
+class _SBFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, keep, own, attend_current: bool, remainder: bool, blocks: tuple[int, int]):
+        out, c = fused_cpu.native_ops().sb_forward(q, k, v, keep, own, attend_current, remainder, *blocks)
+        ctx.save_for_backward(q, k, v, keep, own, c)
+        ctx.meta = (attend_current, remainder, blocks)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q, k, v, keep, own, c = ctx.saved_tensors
+        attend_current, remainder, blocks = ctx.meta
+        dq, dk, dv = fused_cpu.native_ops().sb_backward(q, k, v, keep, own, attend_current, remainder, c,
+                                                       dout.contiguous(), *blocks)
+        return dq, dk, dv, None, None, None, None, None
+
+
+_FAKES: dict[str, bool] = {"done": False}
+
+
+def _register_fakes() -> None:
+    """Shape-only implementations of the two ops (once, eagerly), so torch.compile traces through them."""
+    if _FAKES["done"] or torch.compiler.is_compiling():
+        return
+    _FAKES["done"] = True
+
+    def forward_fake(q, k, v, keep, own, attend_current, remainder, block_q, block_k):
+        B, H, Lq = q.shape[:3]
+        return [q.new_empty((B, H, Lq, v.shape[-1])), q.new_empty((B, H, Lq, -(-k.shape[2] // block_k) + 1))]
+
+    def backward_fake(q, k, v, keep, own, attend_current, remainder, c, dout, block_q, block_k):
+        return [x.new_empty(x.shape) for x in (q, k, v)]
+
+    torch.library.register_fake("hf_attnorm_fused::sb_forward")(forward_fake)
+    torch.library.register_fake("hf_attnorm_fused::sb_backward")(backward_fake)
+
+
+def accepts(call: AttnCall) -> str | None:
+    reason = common_reason(call)
+    if reason is not None:
+        return reason
+    if call.q.device.type != "cpu":
+        return f"device {call.q.device} (CPU only)"
+    if call.q.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        return f"dtype {call.q.dtype}"
+    reason = fused_cpu.unavailable_reason(warn=True)
+    if reason is None:
+        _register_fakes()  # an eager call (which also builds the extension) comes before any compiled one
+    return reason
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def stickbreaking_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
+    """out [B, H, Lq, Dv] in the input dtype (fp16/bf16 computed in fp32); k/v are not repeated for GQA."""
+    dt = compute_dtype(call.q.dtype)
+    q = (call.q.to(dt) * call.q_factor(dt)).contiguous()
+    k, v = _last_dim_contiguous(call.k.to(dt)), _last_dim_contiguous(call.v.to(dt))
+    B, H, Lq, _ = q.shape
+    keep = call.mask.keep
+    if keep is not None:
+        keep = keep.to(q.device)
+        keep = (keep if keep.stride(-1) == 1 else keep.contiguous()).expand(B, H, Lq, k.shape[2])
+    attend_current, remainder = options(call)
+    own = own_index(call).contiguous()
+    out = _SBFn.apply(q, k, v, keep, own, attend_current, remainder, BLOCK_OVERRIDE or BLOCKS)
+    return out.to(call.q.dtype), None
+
+
+from . import register_path  # noqa: E402  (registration at import, like the normalizers)
+
+register_path("stickbreaking_cpu", stickbreaking_cpu_attention, takes=takes, accepts=accepts, priority=43,
+              auto_exclude=("cuda",))
