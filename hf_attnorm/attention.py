@@ -14,6 +14,7 @@ import torch
 
 from .kernels import attend
 from .kernels.base import AttnCall
+from .kernels.memory import memory_specs, prepend_memory
 from .masks import build_mask_info, split_float_mask
 from .normalizers.base import Ctx, ParamSpec
 from .registry import NORMALIZERS, SCALES
@@ -21,8 +22,9 @@ from .settings import AttnormSettings, resolve_settings
 
 
 def param_specs(settings: AttnormSettings) -> tuple[ParamSpec, ...]:
-    """Per-head values of the settings' normalizer and scale."""
-    return (*NORMALIZERS.get(settings.normalizer).params, *SCALES.get(settings.scale).params)
+    """Per-head values of the settings' normalizer and scale, and the learned memory key/values if used."""
+    return (*NORMALIZERS.get(settings.normalizer).params, *SCALES.get(settings.scale).params,
+            *memory_specs(settings))
 
 
 def constant_heads(settings: AttnormSettings, num_heads: int, device=None,
@@ -84,6 +86,10 @@ def make_call(
         k = torch.where(mask.dead, zero, k)
         v = torch.where(mask.dead, zero.to(v.dtype), v)
     heads = dict(heads)
+    drop = memory = 0
+    if memory_specs(settings):  # learned memory key/values: prepended here, so every path gets them (kernels/memory.py)
+        q, k, v, mask, bias, drop = prepend_memory(q, k, v, mask, bias, heads["mem_k"], heads["mem_v"])
+        memory, Lk = heads["mem_k"].shape[1], k.shape[2]
     info = dict(module_info or {})
     ctx = Ctx(settings, heads, D, mask.n, info, Lk)
     mult = sc.multiplier(mask.n, ctx)
@@ -95,7 +101,8 @@ def make_call(
         scaling = D**-0.5
     base = float(scaling) if norm.uses_base_scaling else 1.0
     return AttnCall(q, k, v, mask, settings, heads, base, mult, dropout, need_weights, info, bias=bias,
-                    softcap=None if softcap is None else float(softcap), sinks=sinks)
+                    softcap=None if softcap is None else float(softcap), sinks=sinks, memory=memory,
+                    drop_queries=drop)
 
 
 def alibi_bias(slopes: torch.Tensor, lq: int, lk: int) -> torch.Tensor:

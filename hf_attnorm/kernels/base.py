@@ -25,6 +25,9 @@ class AttnCall:
     normalizer: softcap c: s = c tanh(s / c) (Gemma2); bias: s = s + bias, float broadcastable to [B, H, Lq, Lk]
     (T5's position_bias, ALiBi, the values of a float mask); sinks: float [H], an always-visible extra key with
     logit sinks[h] and value 0 (transformers' ``s_aux``, GPT-OSS), so for softmax w_j = e^s_j / (e^sink + sum e^s).
+
+    Learned memory key/values (``kernels/memory.py``) are already part of k/v/mask: ``memory`` leading keys are
+    memory and ``drop_queries`` leading query rows are zero queries; ``attend`` drops both from what it returns.
     """
 
     q: torch.Tensor
@@ -41,6 +44,8 @@ class AttnCall:
     bias: torch.Tensor | None = None
     softcap: float | None = None
     sinks: torch.Tensor | None = None
+    memory: int = 0
+    drop_queries: int = 0
 
     @property
     def modifies_scores(self) -> bool:
