@@ -62,6 +62,7 @@ def make_call(
     if H % Hkv != 0 or v.shape[1] != Hkv or v.shape[2] != Lk or k.shape[-1] != D:
         raise ValueError(f"incompatible shapes q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
     norm, sc = NORMALIZERS.get(settings.normalizer), SCALES.get(settings.scale)
+    norm.check_heads(settings, H)
     if isinstance(attention_mask, torch.Tensor) and attention_mask.is_floating_point():
         attention_mask, mask_bias = split_float_mask(attention_mask)
         bias = _add_bias(bias, mask_bias)
