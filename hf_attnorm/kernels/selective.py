@@ -134,20 +134,28 @@ class _SelectiveFn(torch.autograd.Function):
             sel = plan.selects(keep, i0, i1, keys)
             qb, kb, vb, dob = q[:, :, i0:i1], k[:, :, :keys], v[:, :, :keys], dout[:, :, i0:i1]
             s0, pen, _ = _penalty(plan, qb[:, h], kb[:, h], sel, ctx.carries[bi])
-            s = torch.where(keep, qb @ kb.transpose(-1, -2) - pen[:, None], torch.full((), float("-inf"),
-                                                                                       dtype=q.dtype, device=q.device))
-            m = s.amax(dim=-1, keepdim=True)
-            m = torch.where(torch.isfinite(m), m, zero)
-            p = torch.exp(s - m)
-            den = p.sum(dim=-1, keepdim=True)
-            p = p / torch.where(den > 0, den, torch.ones_like(den))
-            dv[:, :, :keys] += p.transpose(-1, -2) @ dob
-            dp = dob @ vb.transpose(-1, -2)
-            delta = (dob * out[:, :, i0:i1]).sum(dim=-1, keepdim=True)
-            ds = p * (dp - delta)
-            dqb = ds @ kb
-            dk[:, :, :keys] += ds.transpose(-1, -2) @ qb
-            df = -ds.sum(dim=1)  # [B, c, keys]: the penalty enters every head's scores with sign -1
+            # head by head: each head's [B, block, keys] temporaries stay cache-resident (measured faster than all
+            # heads at once), and baddbmm folds the penalty and delta into the matmuls
+            has = keep.any(dim=-1) if plan.mask.keep is not None else None
+            delta = (dob * out[:, :, i0:i1]).sum(dim=-1)  # [B, H, c]
+            dqb = torch.empty_like(qb)
+            df = torch.zeros_like(pen)
+            neg_pen = -pen
+            for hh in range(H):
+                qh, kh, vh, doh = qb[:, hh], kb[:, hh], vb[:, hh], dob[:, hh]
+                kp = keep[:, hh] if keep.shape[1] > 1 else keep[:, 0]
+                s = torch.baddbmm(neg_pen, qh, kh.transpose(1, 2)).masked_fill_(~kp, float("-inf"))
+                # torch.softmax, not exp: its kernel stays fast where exp underflows (a large penalty), which a
+                # plain exp does not (measured 15x slower on such rows)
+                p = torch.softmax(s, dim=-1)
+                if has is not None:  # rows with no visible key: softmax gives NaN, the output is 0
+                    hk = has[:, hh] if has.shape[1] > 1 else has[:, 0]
+                    p = torch.where(hk[..., None], p, zero)
+                dv[:, hh, :keys] += p.transpose(1, 2) @ doh
+                ds = torch.baddbmm(-delta[:, hh, :, None], doh, vh.transpose(1, 2)).mul_(p)
+                dqb[:, hh] = ds @ kh
+                dk[:, hh, :keys] += ds.transpose(1, 2) @ qh
+                df.sub_(ds)  # the penalty enters every head's scores with sign -1
             gk = g[:, :keys]
             rev = torch.flip(torch.cumsum(torch.flip(df, [1]), dim=1), [1]) - df  # sum over later rows of the block
             dr = rev + gk[:, None, :]
