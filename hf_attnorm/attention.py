@@ -88,7 +88,7 @@ def make_call(
         v = torch.where(mask.dead, zero.to(v.dtype), v)
     heads = dict(heads)
     drop = memory = 0
-    if memory_specs(settings):  # learned memory key/values: prepended here, so every path gets them (kernels/memory.py)
+    if memory_specs(settings):  # learned memory key/values, prepended here for every path (kernels/memory.py)
         q, k, v, mask, bias, drop = prepend_memory(q, k, v, mask, bias, heads["mem_k"], heads["mem_v"])
         memory, Lk = heads["mem_k"].shape[1], k.shape[2]
     info = dict(module_info or {})

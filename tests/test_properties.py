@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hf_attnorm.attention import attention, constant_heads
-from hf_attnorm.kernels import paths_for as fast_paths_for
 from hf_attnorm.kernels import PATHS
+from hf_attnorm.kernels import paths_for as fast_paths_for
 from hf_attnorm.registry import NORMALIZERS, PRESETS
 from hf_attnorm.settings import resolve_settings
 

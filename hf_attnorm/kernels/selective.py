@@ -89,28 +89,34 @@ def _penalty(plan: _Plan, qh: torch.Tensor, kh: torch.Tensor, sel: torch.Tensor,
     return s0, pen, cs[:, -1]
 
 
+def _forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """(out [B, H, Lq, Dv], the carries at block starts): the blocked forward, traceable (no host sync)."""
+    B, H, lq, _ = q.shape
+    h, c = plan.head, plan.block
+    carry = q.new_zeros(B, plan.lk)
+    carries, outs = [], []
+    neg = torch.full((), float("-inf"), dtype=q.dtype, device=q.device)
+    for i0 in range(0, lq, c):
+        i1 = min(i0 + c, lq)
+        keys = plan.keys(i1)
+        keep = plan.keep(i0, i1, keys, q.device)
+        sel = plan.selects(keep, i0, i1, keys)
+        qb, kb, vb = q[:, :, i0:i1], k[:, :, :keys], v[:, :, :keys]
+        carries.append(carry[:, :keys].clone())
+        _, pen, rsum = _penalty(plan, qb[:, h], kb[:, h], sel, carry[:, :keys])
+        carry = torch.cat([carry[:, :keys] + rsum, carry[:, keys:]], dim=1)
+        mask = torch.where(keep, -pen[:, None], neg)
+        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=1.0)
+        has = keep.any(dim=-1, keepdim=True)  # rows with no visible key give 0
+        outs.append(torch.where(has, out, torch.zeros((), dtype=out.dtype, device=out.device)))
+    out = torch.cat(outs, dim=2) if outs else q.new_zeros(B, H, lq, v.shape[-1])
+    return out, carries
+
+
 class _SelectiveFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan: _Plan, q, k, v):
-        B, H, lq, _ = q.shape
-        h, c = plan.head, plan.block
-        carry = q.new_zeros(B, plan.lk)
-        carries, outs = [], []
-        neg = torch.tensor(float("-inf"), dtype=q.dtype, device=q.device)
-        for i0 in range(0, lq, c):
-            i1 = min(i0 + c, lq)
-            keys = plan.keys(i1)
-            keep = plan.keep(i0, i1, keys, q.device)
-            sel = plan.selects(keep, i0, i1, keys)
-            qb, kb, vb = q[:, :, i0:i1], k[:, :, :keys], v[:, :, :keys]
-            carries.append(carry[:, :keys].clone())
-            _, pen, rsum = _penalty(plan, qb[:, h], kb[:, h], sel, carry[:, :keys])
-            carry[:, :keys] += rsum
-            mask = torch.where(keep, -pen[:, None], neg)
-            out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=1.0)
-            has = keep.any(dim=-1, keepdim=True)  # rows with no visible key give 0
-            outs.append(torch.where(has, out, torch.zeros((), dtype=out.dtype, device=out.device)))
-        out = torch.cat(outs, dim=2) if outs else q.new_zeros(B, H, lq, v.shape[-1])
+        out, carries = _forward(plan, q, k, v)
         ctx.plan, ctx.carries = plan, carries
         ctx.save_for_backward(q, k, v, out)
         return out
@@ -181,8 +187,9 @@ def accepts(call: AttnCall) -> str | None:
         return "dropout > 0 (not implemented here)"
     if call.q.numel() == 0 or call.k.shape[2] == 0:
         return "empty inputs"
-    if torch.compiler.is_compiling():
-        return "torch.compile (the blocked loop with its saved carries is not traced; the reference is)"
+    if torch.compiler.is_compiling() and torch.is_grad_enabled() and any(
+            t.requires_grad for t in (call.q, call.k, call.v, *call.heads.values())):
+        return "a backward pass under torch.compile (the blocked backward is not traced; the reference is)"
     return None
 
 
@@ -190,7 +197,10 @@ def selective_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     """out [B, H, Lq, Dv] in the input dtype (fp16/bf16 computed in fp32)."""
     call.normalizer.check_heads(call.settings, call.q.shape[1])
     q, k, v = call.features(compute_dtype(call.q.dtype))
-    out = _SelectiveFn.apply(_Plan(call), q, k, v)
+    if torch.compiler.is_compiling():  # forward only (accepts): the blocked loop traces
+        out, _ = _forward(_Plan(call), q, k, v)
+    else:
+        out = _SelectiveFn.apply(_Plan(call), q, k, v)
     return out.to(call.q.dtype), None
 
 
