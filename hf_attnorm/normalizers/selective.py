@@ -69,7 +69,8 @@ def head_keep(keep: torch.Tensor, head: int, batch: int, lq: int, lk: int) -> to
 @register_normalizer
 class Selective(Normalizer):
     name = "selective"
-    description = "selective attention (Leviathan et al. 2024): softmax(s - F), F = earlier queries' relu'd head-0 s"
+    description = ("selective attention (Leviathan et al. 2024): softmax(s - F), F = earlier queries' relu'd scores"
+                   " of one head")
     row_sum = "one"
     options = (SELECTIVE_HEAD,)
     query_coupled = True
