@@ -20,7 +20,9 @@ triton         30        "fused" (symax, squared, stablemax, ...)      auto: CUD
 fused_cpu      40        "fused"                                       CPU, no dropout, C++ built on first use
 linear_chunked 50        "linear" (linear)                             no dropout; a mask only as key padding x
                                                                        causal (MaskInfo.padding), or one query
-chunked        90        every normalizer                              any (pure PyTorch, O(n * chunk) memory)
+selective      85        query-coupled with a selecting head           no score modifiers, no dropout
+                         (selective)
+chunked        90        every normalizer but query-coupled ones       any (pure PyTorch, O(n * chunk) memory)
 reference      100       every normalizer                              any; the only path returning weights
 ============== ========= ============================================= =========================================
 
