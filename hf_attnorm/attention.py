@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from .kernels import attend
-from .kernels.base import AttnCall
+from .kernels.base import AttnCall, alibi_bias
+from .kernels.kinds import fused_takes
 from .kernels.memory import memory_specs, prepend_memory
 from .masks import build_mask_info, split_float_mask
 from .normalizers.base import Ctx, ParamSpec
@@ -67,7 +68,10 @@ def make_call(
         attention_mask, mask_bias = split_float_mask(attention_mask)
         bias = _add_bias(bias, mask_bias)
     if alibi_slopes is not None:
-        bias = _add_bias(bias, alibi_bias(alibi_slopes, Lq, Lk))
+        alibi_slopes = _check_slopes(alibi_slopes, H)
+        # with memory keys the in-kernel positions would count them: materialised before they are prepended
+        if not _alibi_in_kernel(norm, alibi_slopes) or memory_specs(settings):
+            bias, alibi_slopes = _add_bias(bias, alibi_bias(alibi_slopes, Lq, Lk)), None
     bias = _check_bias(bias, B, H, Lq, Lk)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
@@ -76,7 +80,7 @@ def make_call(
     if sinks is not None and norm.row_sum == "free":
         raise ValueError(f"normalizer {settings.normalizer!r} weighs each key on its own (no sum over keys), so an "
                          "attention sink (s_aux) would change nothing; it is refused rather than ignored")
-    if (bias is not None or softcap is not None or sinks is not None) and norm.scoreless:
+    if (bias is not None or softcap is not None or sinks is not None or alibi_slopes is not None) and norm.scoreless:
         raise ValueError(f"normalizer {settings.normalizer!r} has no score matrix, so it cannot apply a score bias, "
                          "soft-cap or attention sinks")
     mask = build_mask_info(attention_mask, B, H, Lq, Lk, causal, q.device)
@@ -102,17 +106,23 @@ def make_call(
         scaling = D**-0.5
     base = float(scaling) if norm.uses_base_scaling else 1.0
     return AttnCall(q, k, v, mask, settings, heads, base, mult, dropout, need_weights, info, bias=bias,
-                    softcap=None if softcap is None else float(softcap), sinks=sinks, memory=memory,
-                    drop_queries=drop)
+                    softcap=None if softcap is None else float(softcap), sinks=sinks, alibi_slopes=alibi_slopes,
+                    memory=memory, drop_queries=drop)
 
 
-def alibi_bias(slopes: torch.Tensor, lq: int, lk: int) -> torch.Tensor:
-    """ALiBi (Press et al.): bias [1, H, Lq, Lk] = -slopes[h] * |pos_i - j| with query i at key position
-    i + Lk - Lq (the last query is the last key, as in cached decoding). For causal attention this is the paper's
-    -m (i - j); BLOOM's m * j differs from it by a per-row constant, which softmax ignores."""
-    pos_q = torch.arange(lq, device=slopes.device, dtype=torch.float32) + (lk - lq)
-    dist = (pos_q[:, None] - torch.arange(lk, device=slopes.device, dtype=torch.float32)[None, :]).abs()
-    return -slopes.to(torch.float32).view(1, -1, 1, 1) * dist
+def _check_slopes(slopes: torch.Tensor, H: int) -> torch.Tensor:
+    if not isinstance(slopes, torch.Tensor) or not slopes.is_floating_point() or slopes.numel() != H:
+        raise ValueError(f"alibi_slopes must be a float tensor of {H} values (one per head), got "
+                         + (f"{slopes.dtype} of shape {list(slopes.shape)}" if isinstance(slopes, torch.Tensor)
+                            else type(slopes).__name__))
+    return slopes.reshape(H)
+
+
+def _alibi_in_kernel(norm, slopes: torch.Tensor) -> bool:
+    """Slopes stay unmaterialised (``AttnCall.alibi_slopes``) for normalizers the fused kernels run, which
+    compute -m |i - j| in place; every other path adds ``AttnCall.score_bias()``. Slopes that need a gradient are
+    materialised (the kernels give none for them)."""
+    return fused_takes(norm, "fused") is None and not (slopes.requires_grad and torch.is_grad_enabled())
 
 
 def _add_bias(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:

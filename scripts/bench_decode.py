@@ -12,6 +12,14 @@ seconds and the median of the per-repeat ratios to the sdpa run next to it (1.00
 prefill: one forward pass over the prompt (no cache). generate: ``generate(max_new_tokens=N)`` including its own
 prefill. decode per token: (generate(N) - generate(1)) / (N - 1), the cost of one cached step. A benchmark, not a
 test.
+
+    python scripts/bench_decode.py --curve 512 1024 2048 4096 8192 --out bench/decode
+
+``--curve``: instead, the time of one decode step (a forward of one token on a dynamic cache holding L keys) against
+the context length L, for sdpa and each of ``--curve_implementations`` (``linear_exact``: linear forced onto its
+exact O(Lk) one-query path, i.e. without the recurrent state): each implementation prefills its own cache, then
+``--steps`` single-token forwards are timed one by one (median), interleaved by repeat. Writes curve.json, curve.md
+and curve.png (when matplotlib is installed).
 """
 
 from __future__ import annotations
@@ -48,6 +56,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4, help="decoder layers")
     p.add_argument("--heads", type=int, default=8, help="query heads")
     p.add_argument("--kv_heads", type=int, default=2, help="key/value heads (GQA)")
+    p.add_argument("--curve", nargs="+", type=int, default=None,
+                   help="context lengths for the decode-step curve (replaces the prefill/generate table)")
+    p.add_argument("--curve_implementations", nargs="+", default=["softmax", "linear", "linear_exact"],
+                   help="implementations on the curve besides sdpa (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=16, help="curve: timed decode steps per length and repeat")
     p.add_argument("--out", type=Path, default=Path("bench/decode"),
                    help="output directory: decode.json and decode.md are written there")
     return p.parse_args(argv)
@@ -64,11 +77,20 @@ def build(args: argparse.Namespace, max_len: int) -> torch.nn.Module:
     return model.eval()
 
 
+#: pseudo-implementation: ``linear`` forced onto its exact O(Lk) path (no recurrent state), for before/after rows
+EXACT = {"linear_exact": ("linear", "linear_chunked")}
+
+
 def switch(model: torch.nn.Module, impl: str) -> None:
-    if impl == "sdpa":
+    """Switch the model to ``impl`` (and force a path for the pseudo-implementations of ``EXACT``)."""
+    from hf_attnorm.kernels import set_forced_path
+
+    name, forced = EXACT.get(impl, (impl, "auto"))
+    set_forced_path(forced)
+    if name == "sdpa":
         model.set_attn_implementation("sdpa")
     else:
-        hf_attnorm.apply(model, impl)
+        hf_attnorm.apply(model, name)
 
 
 def timed(fn) -> float:
@@ -86,14 +108,98 @@ def measure(model, impl: str, ids: torch.Tensor, new_tokens: int) -> dict[str, f
     prefill = timed(lambda: model(ids, use_cache=False))
     path = LAST_CALL.path
     gen = timed(lambda: model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False))
+    decode_path = LAST_CALL.path
     first = timed(lambda: model.generate(ids, max_new_tokens=1, do_sample=False))  # generate's own prefill
     return {"prefill": prefill, "generate": gen, "decode_per_token": max(gen - first, 0.0) / max(new_tokens - 1, 1),
-            "path": path or "sdpa"}
+            "path": path or "sdpa", "decode_path": decode_path or "sdpa"}
+
+
+def decode_steps(model, impl: str, ids: torch.Tensor, steps: int) -> tuple[float, str]:
+    """Median seconds of one cached decode step after a prefill of ``ids`` [1, L], and the path it took."""
+    from transformers import DynamicCache
+
+    from hf_attnorm.hf.forward import LAST_CALL
+    from hf_attnorm.kernels import set_forced_path
+
+    switch(model, impl)
+    try:
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            out = model(ids, past_key_values=cache, use_cache=True)
+            tok = out.logits[:, -1:].argmax(-1)
+            times = []
+            LAST_CALL.path = ""
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                out = model(tok, past_key_values=cache, use_cache=True)
+                times.append(time.perf_counter() - t0)
+                tok = out.logits[:, -1:].argmax(-1)
+    finally:
+        set_forced_path("auto")
+    return statistics.median(times), LAST_CALL.path or "sdpa"
+
+
+def curve(args: argparse.Namespace) -> None:
+    impls = ["sdpa", *[i for i in args.curve_implementations if i != "sdpa"]]
+    model = build(args, max(args.curve) + args.steps + 8)
+    rows = []
+    for n in args.curve:
+        ids = torch.randint(1, 1000, (1, n), generator=torch.Generator().manual_seed(n))
+        for impl in impls:  # warm-up
+            decode_steps(model, impl, ids[:, :64], 2)
+        runs: dict[str, list[float]] = {i: [] for i in impls}
+        paths = {}
+        for _ in range(args.repeats):
+            for impl in impls:
+                t, paths[impl] = decode_steps(model, impl, ids, args.steps)
+                runs[impl].append(t)
+        sdpa = runs["sdpa"]
+        for impl in impls:
+            ratio = statistics.median(t / b for t, b in zip(runs[impl], sdpa))
+            rows.append({"implementation": impl, "path": paths[impl], "context": n,
+                         "step_ms": 1000 * statistics.median(runs[impl]), "ratio_to_sdpa": ratio})
+            print(f"L={n} {impl} [{paths[impl]}]: {rows[-1]['step_ms']:.2f} ms/step ({ratio:.2f}x sdpa)", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"threads": args.threads, "repeats": args.repeats, "steps": args.steps, "torch": torch.__version__,
+            "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads},
+            "load_average_at_start": os.getloadavg()[0],
+            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
+    (args.out / "curve.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    lines = ["| context L | " + " | ".join(f"{i} ms/step (x sdpa)" for i in impls) + " |",
+             "|---|" + "---|" * len(impls)]
+    for n in args.curve:
+        cells = [next(r for r in rows if r["implementation"] == i and r["context"] == n) for i in impls]
+        lines.append(f"| {n} | " + " | ".join(f"{c['step_ms']:.2f} ({c['ratio_to_sdpa']:.2f}x)" for c in cells) + " |")
+    (args.out / "curve.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for impl in impls:
+        pts = [(r["context"], r["step_ms"]) for r in rows if r["implementation"] == impl]
+        ax.plot(*zip(*pts), marker="o", label=impl)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("cached keys L")
+    ax.set_ylabel("ms per decode step (4 layers, 1 thread)")
+    ax.set_title("one decode step vs context length")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(args.out / "curve.png", dpi=100)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    load = os.getloadavg()[0]
+    if args.curve:
+        curve(args)
+        return
     impls = [i for i in args.implementations if i != "sdpa"]
     model = build(args, max(args.prompts) + args.new_tokens + 8)
     rows = []
@@ -113,7 +219,8 @@ def main(argv: list[str] | None = None) -> None:
             mine = runs[impl]
             # the sdpa run measured just before each of this implementation's runs
             base = [runs["sdpa"][rep * len(impls) + impls.index(impl)] for rep in range(args.repeats)]
-            row = {"implementation": impl, "prompt": n, "new_tokens": args.new_tokens, "path": mine[-1]["path"]}
+            row = {"implementation": impl, "prompt": n, "new_tokens": args.new_tokens, "path": mine[-1]["path"],
+                   "decode_path": mine[-1]["decode_path"]}
             for key in ("prefill", "generate", "decode_per_token"):
                 row[f"{key}_s"] = statistics.median(r[key] for r in mine)
                 row[f"sdpa_{key}_s"] = statistics.median(r[key] for r in base)
@@ -123,12 +230,13 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"threads": args.threads, "repeats": args.repeats, "torch": torch.__version__,
             "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads},
-            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
+            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "load_average_at_start": load}
     (args.out / "decode.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = ["| implementation | path | prompt | prefill s | prefill / sdpa | generate s | generate / sdpa | "
-             "decode ms/token | decode / sdpa |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| implementation | path (prefill / decode) | prompt | prefill s | prefill / sdpa | generate s | "
+             "generate / sdpa | decode ms/token | decode / sdpa |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['implementation']} | {r['path']} | {r['prompt']} | {r['prefill_s']:.3f} | "
+        lines.append(f"| {r['implementation']} | {r['path']} / {r['decode_path']} | {r['prompt']} | "
+                     f"{r['prefill_s']:.3f} | "
                      f"{r['prefill_ratio']:.2f}x | {r['generate_s']:.3f} | {r['generate_ratio']:.2f}x | "
                      f"{1000 * r['decode_per_token_s']:.2f} | {r['decode_per_token_ratio']:.2f}x |")
     (args.out / "decode.md").write_text("\n".join(lines) + "\n")

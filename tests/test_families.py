@@ -51,6 +51,12 @@ FREE = {p for p in PRESETS if NORMALIZERS.get(resolve_settings(p, {}).normalizer
 ERRORS: dict[str, dict[str, float]] = {}
 
 
+def _paths_take(path: str, impl: str) -> bool:
+    from hf_attnorm.kernels import PATHS
+
+    return PATHS[path].takes(NORMALIZERS.get(resolve_settings(impl, {}).normalizer)) is None
+
+
 def _record(family: str, check: str, err: float) -> None:
     row = ERRORS.setdefault(family, {})
     row[check] = max(row.get(check, 0.0), float(err))
@@ -390,3 +396,44 @@ def test_torch_compile_fullgraph_with_score_modifiers_and_padding(family, impl):
     for key in ("relative_attention_bias", "sinks"):
         if any(key in n for n, _ in model.named_parameters()):
             assert any(key in n and g.abs().sum() > 0 for n, g in grads.items()), key
+
+
+#: a preset whose normalizer runs on the fused C++ kernels (the first such preset, generic over the registry)
+FUSED_IMPL = next(p for p in PRESETS if p not in FREE and _paths_take("fused_cpu", p))
+#: families passing a soft-cap or a position bias (the fused kernels apply both; s_aux families go to chunked)
+BIAS_CAP_FAMILIES = [n for n in KEYWORD_FAMILIES if {"softcap", "position_bias"} & set(FAMILIES[n].keywords)]
+
+
+@pytest.mark.parametrize("family", BIAS_CAP_FAMILIES)
+def test_score_modifier_families_take_the_fused_path(family):
+    """Gemma2's soft-cap and T5's learned position bias run on fused_cpu for a fused-map normalizer (no longer
+    declined to chunked), equal to the reference path, forward and every parameter gradient (the relative bias's
+    included)."""
+    from hf_attnorm.kernels import fused_cpu, set_forced_path
+
+    if fused_cpu.unavailable_reason():
+        pytest.skip(fused_cpu.unavailable_reason())
+    model = build(family, FUSED_IMPL)  # eval mode: no attention dropout (which fused paths decline); grads flow
+    x, live = inputs(family)
+    runs = {}
+    try:
+        for path in ("reference", "auto"):
+            set_forced_path(path)
+            model.zero_grad()
+            LAST_CALL.path = ""
+            out = output(model(**x))
+            ran = LAST_CALL.path
+            out.float().pow(2).mean().backward()
+            runs[path] = (out.detach(), ran, {n: p.grad.clone() for n, p in model.named_parameters()
+                                              if p.grad is not None})
+    finally:
+        set_forced_path()
+    (ref, _, gref), (got, ran, ggot) = runs["reference"], runs["auto"]
+    assert ran == "fused_cpu", ran
+    sel = (lambda t: t[live]) if live is not None else (lambda t: t)
+    torch.testing.assert_close(sel(got), sel(ref), atol=1e-5, rtol=1e-4)
+    assert gref.keys() == ggot.keys()
+    for n in gref:
+        torch.testing.assert_close(ggot[n], gref[n], atol=1e-5, rtol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
+    bias_params = [n for n in ggot if "relative_attention_bias" in n]
+    assert all(ggot[n].abs().sum() > 0 for n in bias_params)

@@ -79,9 +79,9 @@ if not INTERPRETED:
             attend(_call(name), path="triton")
 
     @pytest.mark.slow
-    @pytest.mark.parametrize("kind_name, dtype, masked", [
-        ("symax", "*fp16", True), ("softpick", "*bf16", False), ("entmax15", "*fp32", False)])
-    def test_kernels_compile_for_a_gpu_target(kind_name, dtype, masked):
+    @pytest.mark.parametrize("kind_name, dtype, masked, mods", [
+        ("symax", "*fp16", True, True), ("softpick", "*bf16", False, False), ("entmax15", "*fp32", False, True)])
+    def test_kernels_compile_for_a_gpu_target(kind_name, dtype, masked, mods):
         """The interpreter does not check what the compiler does (types across branches, dot shapes): compile the
         kernels to PTX for sm_80 (Triton's bundled ptxas; no GPU or driver needed). A subset (every kernel of
         every kind compiled once by hand: docs/triton.md); ~15 s per kernel."""
@@ -92,7 +92,8 @@ if not INTERPRETED:
         kind = ta.kind_id(kind_name)
         consts = dict(KIND=kind, NORMALISED=kind_name in ta.NORMALISED, CAUSAL=not masked, HAS_MASK=masked,
                       PREC="ieee" if masked else "tf32", UPCAST=False, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64,
-                      BLOCK_DV=64, STEPS=ta.THRESHOLD_STEPS)
+                      BLOCK_DV=64, STEPS=ta.THRESHOLD_STEPS, HAS_BIAS=mods, HAS_ALIBI=mods, HAS_CAP=mods,
+                      HAS_DBIAS=mods, DB_BM=False, DB_BN=masked)  # with mods: every score modifier, dbias
         fns = [kern._fwd_kernel, kern._bwd_dq_kernel, kern._bwd_dkdv_kernel]
         fns += [kern._threshold_kernel] if kind_name in ta.THRESHOLD else []
         for fn in fns:
@@ -105,6 +106,10 @@ if not INTERPRETED:
                     sig[arg] = dtype
                 elif arg in ("KEEP", "TABLE"):
                     sig[arg] = "*u8"
+                elif arg == "CAP":
+                    sig[arg] = "fp32"
+                elif arg == "QOFF":
+                    sig[arg] = "i32"
                 elif arg.isupper() and arg not in ("H", "HKV", "GROUPS", "LQ", "LK", "DH", "DV"):
                     sig[arg] = "*fp32"
                 else:
@@ -191,6 +196,15 @@ def _cache_mask(B, Lq, Lk, pad):
     return keep[:, None]
 
 
+def _bias(shape, grad=True, seed=7):
+    """A score bias (a leaf with a gradient when ``grad``: T5's is learned)."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).requires_grad_(grad)
+
+
+def _slopes(H):
+    return 2.0 ** -torch.arange(1, H + 1, dtype=torch.float64)  # powers of 2, as ALiBi's
+
+
 #: id -> (B, H, Hkv, Lq, Lk, D, Dv, attention kwargs factory, normalizer/scale options)
 SCENARIOS = {
     "mask-gqa": (2, 4, 2, 17, 33, 16, 16, lambda: {"attention_mask": _keep(2, 17, 33, 1)}, {}),
@@ -199,6 +213,13 @@ SCENARIOS = {
     "log_n-cache-prefill": (2, 2, 1, 17, 40, 16, 16, lambda: {"attention_mask": _cache_mask(2, 17, 40, [0, 26])},
                             {"scale": "log_n"}),
     "ssmax-causal": (1, 3, 3, 17, 17, 16, 16, lambda: {"causal": True}, {"scale": "ssmax"}),
+    # score modifiers: bias (learned, shared over the batch) + ALiBi + soft-cap; a decode step with a frozen one
+    "mods-mask-gqa": (2, 4, 2, 17, 33, 16, 16, lambda: {"attention_mask": _keep(2, 17, 33, 1),
+                                                        "bias": _bias((1, 4, 17, 33)), "alibi_slopes": _slopes(4),
+                                                        "softcap": 3.0}, {}),
+    "mods-cache-decode": (2, 2, 1, 1, 33, 16, 16, lambda: {"attention_mask": _cache_mask(2, 1, 33, [0, 5]),
+                                                           "bias": _bias((2, 1, 1, 33), grad=False),
+                                                           "alibi_slopes": _slopes(2), "softcap": 2.0}, {}),
 }
 SLOW_SCENARIOS = {
     "causal-LqLk": (1, 2, 1, 33, 33, 16, 16, lambda: {"causal": True}, {}),
@@ -206,6 +227,11 @@ SLOW_SCENARIOS = {
                                {}),
     "causal-64-multiblock-gqa4": (1, 4, 1, 64, 64, 16, 16, lambda: {"causal": True}, {}),
     "bidirectional-nomask": (2, 2, 1, 17, 64, 16, 16, lambda: {}, {}),
+    "bias-B1QK-causal": (2, 2, 1, 17, 17, 16, 16, lambda: {"causal": True, "bias": _bias((2, 1, 17, 17))}, {}),
+    "bias-BHQ1-softcap-mask": (2, 4, 2, 17, 33, 16, 16, lambda: {"attention_mask": _keep(2, 17, 33, 2),
+                                                                 "bias": _bias((2, 4, 17, 1)), "softcap": 1.5}, {}),
+    "bias-B11K-alibi-causal-Lq<Lk": (2, 2, 2, 17, 40, 16, 16, lambda: {"causal": True, "bias": _bias((2, 1, 1, 40)),
+                                                                       "alibi_slopes": _slopes(2)}, {}),
 }
 #: extra option settings per normalizer (constant eta = 0: a zero denominator on fully masked rows; constant bias)
 OPTION_CASES = {"symax": {"eta": 0.0, "eta_learnable": False}, "sigmoid": {"sigmoid_bias": -2.0}}
@@ -234,11 +260,22 @@ def _heads(name: str, H: int, opts: dict, head_dim: int = 16) -> dict[str, torch
 
 def _run(name, q, k, v, up, heads, path, dtype, kwargs, opts):
     leaves = {"q": q, "k": k, "v": v}
+    kwargs = dict(kwargs)
+    bias = kwargs.pop("bias", None)
+    if bias is not None and bias.requires_grad:  # differentiated like q, k, v
+        leaves["bias"] = bias.detach()
+    elif bias is not None:
+        kwargs["bias"] = bias.to(dtype)
     leaves = {n: t.to(dtype).requires_grad_(True) for n, t in leaves.items()}
+    if "bias" in leaves:
+        kwargs["bias"] = leaves["bias"]
     hl = {n: t.to(torch.float64 if dtype == torch.float64 else torch.float32).requires_grad_(True)
           for n, t in heads.items()}
-    out, _ = attention(leaves["q"], leaves["k"], leaves["v"], name, heads=hl, path=path, **kwargs, **opts)
-    assert out.dtype == dtype
+    settings = resolve_settings(name, opts)
+    call = make_call(leaves["q"], leaves["k"], leaves["v"], settings,
+                     {**constant_heads(settings, q.shape[1], None, q.shape[-1]), **hl}, **kwargs)
+    out, _, ran = attend(call, path)
+    assert ran == path and out.dtype == dtype
     tensors = [*leaves.values(), *hl.values()]
     grads = torch.autograd.grad((out * up.to(dtype)).sum(), tensors, allow_unused=True)
     res = {"out": out.detach()}

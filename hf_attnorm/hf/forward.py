@@ -16,6 +16,7 @@ from ..attention import make_call
 from ..kernels import attend
 from ..registry import NORMALIZERS, AttnormError
 from .families import IGNORED_KEYWORDS, IMPLEMENTED_KEYWORDS
+from .recurrent import step_handle
 from .state import state_of
 
 try:  # transformers' collector of requested outputs (private; looked up once, not per call)
@@ -81,7 +82,13 @@ def hf_attention_forward(
         dropout if module.training else 0.0, _weights_requested(kwargs), state.module_info,
         bias=kwargs.get("position_bias"), softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"),
     )
+    # linear attention: a decode step on a cache layer holding a recurrent state of its keys (hf/recurrent.py)
+    handle = step_handle(module, key, value)
+    if handle is not None:
+        call.recurrent = handle.state_for(query, key)
     out, weights, path = attend(call)
+    if handle is not None:
+        handle.after(call, path)
     LAST_CALL.path = path
     return out.transpose(1, 2).contiguous(), weights
 

@@ -17,6 +17,7 @@ from ..attention import param_specs
 from ..registry import NORMALIZERS, SCALES, AttnormError
 from ..settings import AttnormSettings, resolve_settings
 from .families import interface_keywords, module_info, num_heads_of, unsupported_keywords
+from .recurrent import attach, detach, supports
 
 logger = logging.getLogger("hf_attnorm")
 
@@ -146,6 +147,7 @@ def install(module: nn.Module, settings: AttnormSettings) -> AttnormState:
             if prev is not None and spec.name in state._parameters and same:
                 state._parameters[spec.name] = prev  # keep the learned value (and the optimizer's reference)
     module.attnorm = state
+    (attach if supports(module) else detach)(module)  # linear attention: the cache's recurrent state
     return state
 
 
@@ -182,6 +184,7 @@ def check_module(module: nn.Module, settings: AttnormSettings) -> None:
 def uninstall(module: nn.Module) -> None:
     if isinstance(module._modules.get("attnorm"), AttnormState):
         del module._modules["attnorm"]
+    detach(module)
 
 
 def state_of(module: nn.Module, implementation: str) -> nn.Module:

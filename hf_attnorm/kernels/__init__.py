@@ -18,6 +18,10 @@ sdpa_sinkcol   20        "softmax" with a sink (softmax_n, sink)       any; auto
 triton         30        "fused" (symax, squared, stablemax, ...)      auto: CUDA; forced: CPU under
                                                                        TRITON_INTERPRET=1. No dropout, no fp64
 fused_cpu      40        "fused"                                       CPU, no dropout, C++ built on first use
+linear_recurrent
+               45        "linear" with query/key_features (linear)     one query with ``AttnCall.recurrent`` set
+                                                                       (a cache's state, hf/recurrent.py); no
+                                                                       dropout, no grad
 linear_chunked 50        "linear" (linear)                             no dropout; a mask only as key padding x
                                                                        causal (MaskInfo.padding), or one query
 selective      85        query-coupled with a selecting head           no score modifiers, no dropout
@@ -26,9 +30,13 @@ chunked        90        every normalizer but query-coupled ones       any (pure
 reference      100       every normalizer                              any; the only path returning weights
 ============== ========= ============================================= =========================================
 
-Score modifiers on the call (``AttnCall.softcap``/``bias``/``sinks``) are part of each ``accepts``: reference,
-chunked and decode apply all three; sdpa a bias (in its float mask; a bias that needs a gradient leaves the sink
-rewrite) and sinks, not a soft-cap; sdpa_sinkcol sinks only; triton, fused_cpu and linear_chunked none.
+Score modifiers on the call (``AttnCall.softcap``/``bias``/``alibi_slopes``/``sinks``) are part of each
+``accepts``: reference, chunked and decode apply all of them (ALiBi slopes through ``AttnCall.score_bias()``); sdpa
+a bias (in its float mask; a bias that needs a gradient leaves the sink rewrite) and sinks, not a soft-cap;
+sdpa_sinkcol sinks only; triton and fused_cpu a soft-cap, a bias (read through its broadcast strides, with its
+gradient) and ALiBi slopes in the kernel, not sinks; linear_recurrent and linear_chunked none. ``make_call``
+leaves ALiBi slopes unmaterialised only for the normalizers the fused kernels take (the softmax family gets the bias
+tensor).
 
 The rule: needs-weights (``output_attentions``) -> the reference; otherwise the first path by priority whose
 ``auto_exclude`` does not hold the call's device and whose ``takes`` and ``accepts`` say None. ``explain(call)``

@@ -25,6 +25,8 @@ class AttnCall:
     normalizer: softcap c: s = c tanh(s / c) (Gemma2); bias: s = s + bias, float broadcastable to [B, H, Lq, Lk]
     (T5's position_bias, ALiBi, the values of a float mask); sinks: float [H], an always-visible extra key with
     logit sinks[h] and value 0 (transformers' ``s_aux``, GPT-OSS), so for softmax w_j = e^s_j / (e^sink + sum e^s).
+    alibi_slopes: float [H], ALiBi's bias -slopes[h] |(Lk - Lq + i) - j| added with ``bias``, left unmaterialised
+    for the kernels that compute it in place (fused_cpu, triton); the other paths add ``score_bias()``.
 
     Learned memory key/values (``kernels/memory.py``) are already part of k/v/mask: ``memory`` leading keys are
     memory and ``drop_queries`` leading query rows are zero queries; ``attend`` drops both from what it returns.
@@ -44,13 +46,26 @@ class AttnCall:
     bias: torch.Tensor | None = None
     softcap: float | None = None
     sinks: torch.Tensor | None = None
+    alibi_slopes: torch.Tensor | None = None
+    #: a recurrent state of the cached keys (``linear_recurrent.LinearState``), set by the transformers integration
+    #: on decode steps when a cache holds one; None for every other call
+    recurrent: object | None = None
     memory: int = 0
     drop_queries: int = 0
 
     @property
     def modifies_scores(self) -> bool:
         """Any score modifier present (paths that only form plain scores must decline)."""
-        return self.bias is not None or self.softcap is not None or self.sinks is not None
+        return (self.bias is not None or self.softcap is not None or self.sinks is not None
+                or self.alibi_slopes is not None)
+
+    def score_bias(self) -> torch.Tensor | None:
+        """The whole additive score bias, broadcastable to [B, H, Lq, Lk]: ``bias`` plus the materialised ALiBi
+        bias [1, H, Lq, Lk] when slopes are carried (for the paths that add a bias tensor)."""
+        if self.alibi_slopes is None:
+            return self.bias
+        alibi = alibi_bias(self.alibi_slopes, self.q.shape[2], self.k.shape[2])
+        return alibi if self.bias is None else self.bias + alibi
 
     @property
     def normalizer(self) -> Normalizer:
@@ -101,8 +116,30 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def score_mod_reason(call: AttnCall) -> str | None:
     """Why a path that applies no score modifier (soft-cap, bias, sinks) cannot take ``call``, or None."""
     present = [name for name, v in (("softcap", call.softcap), ("a score bias", call.bias),
-                                    ("attention sinks (s_aux)", call.sinks)) if v is not None]
+                                    ("ALiBi slopes", call.alibi_slopes), ("attention sinks (s_aux)", call.sinks))
+               if v is not None]
     return f"this path does not apply {', '.join(present)}" if present else None
+
+
+def alibi_bias(slopes: torch.Tensor, lq: int, lk: int) -> torch.Tensor:
+    """ALiBi (Press et al.): bias [1, H, Lq, Lk] = -slopes[h] * |pos_i - j| with query i at key position
+    i + Lk - Lq (the last query is the last key, as in cached decoding). For causal attention this is the paper's
+    -m (i - j); BLOOM's m * j differs from it by a per-row constant, which softmax ignores."""
+    dt = torch.promote_types(slopes.dtype, torch.float32)
+    pos_q = torch.arange(lq, device=slopes.device, dtype=dt) + (lk - lq)
+    dist = (pos_q[:, None] - torch.arange(lk, device=slopes.device, dtype=dt)[None, :]).abs()
+    return -slopes.to(dt).view(1, -1, 1, 1) * dist
+
+
+def compact_bias(bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bias [B|1, H|1, Lq|1, Lk|1] in ``dtype`` with its expanded (stride-0) dims back to size 1 and a contiguous
+    last dim, so that neither the cast nor the copy is ever of size B x H x Lq x Lk when the bias is smaller (the
+    kernels read size-1 dims with stride 0). Differentiable: the gradient flows back to the caller's bias."""
+    for d in range(4):
+        if bias.shape[d] > 1 and bias.stride(d) == 0:
+            bias = bias.narrow(d, 0, 1)
+    bias = bias.to(dtype)
+    return bias if bias.shape[3] == 1 or bias.stride(3) == 1 else bias.contiguous()
 
 
 def modify_scores(scores: torch.Tensor, softcap: float | None, bias: torch.Tensor | None) -> torch.Tensor:

@@ -169,14 +169,15 @@ def chunked_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     names = list(call.heads)
     plan = _Plan(call, names)
     heads = [call.heads[n] for n in names]
+    bias = call.score_bias()
     if torch.compiler.is_compiling():
         # dynamo cannot trace the recomputing backward (torch.autograd.grad inside it): a compiled graph
         # differentiates the chunks directly, keeping their weights for backward as eager attention does
         lq = q.shape[2]
         out = torch.cat([plan.chunk_out(q[:, :, i0:i0 + plan.chunk], k, v, heads, i0, min(i0 + plan.chunk, lq),
-                                        call.bias, call.sinks) for i0 in range(0, lq, plan.chunk)], dim=2)
+                                        bias, call.sinks) for i0 in range(0, lq, plan.chunk)], dim=2)
         return out.to(call.q.dtype), None
-    out = _ChunkedFn.apply(plan, q, k, v, call.bias, call.sinks, *heads)
+    out = _ChunkedFn.apply(plan, q, k, v, bias, call.sinks, *heads)
     return out.to(call.q.dtype), None
 
 

@@ -47,7 +47,8 @@ def decode_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     Hkv, Lk = k.shape[1], k.shape[2]
     G = H // Hkv
     scores = (q.reshape(B, Hkv, G, D) @ k.transpose(-1, -2)).reshape(B, H, 1, Lk)
-    scores = modify_scores(scores, call.softcap, call.bias)  # bias [B|1, H|1, 1|Lq, Lk] broadcasts onto the row
+    # bias [B|1, H|1, 1|Lq, Lk] broadcasts onto the row
+    scores = modify_scores(scores, call.softcap, call.score_bias())
     w = normalize(norm, scores, call.mask.dense(scores.device), ctx, call.sinks)
     out = w.reshape(B, Hkv, G, Lk) @ call.v.to(dt)
     return out.reshape(B, H, 1, call.v.shape[-1]).to(call.q.dtype), None

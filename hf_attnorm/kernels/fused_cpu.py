@@ -8,6 +8,10 @@ The extension is compiled on first use with ``torch.utils.cpp_extension.load`` (
 ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; about a minute once). Without a C++ compiler, or
 with ``HF_ATTNORM_NO_NATIVE=1``, this path declines every call after a one-time warning and the dispatcher uses
 the pure-PyTorch ``chunked`` path (same math, O(n * chunk) memory, slower).
+
+Score modifiers run in the kernel on each score tile: soft-cap, an additive bias read through its broadcast strides
+(never expanded to [B, H, Lq, Lk]; its gradient is reduced to its own shape in the kernel) and ALiBi slopes
+(-m_h |i - j|, never materialised). Attention sinks (``s_aux``) are declined (the chunked path applies them).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Any
 import torch
 
 from ..normalizers.base import Normalizer
-from .base import AttnCall, compute_dtype, score_mod_reason
+from .base import AttnCall, compact_bias, compute_dtype
 from .kinds import FUSED_KINDS, THRESHOLD, fused_takes, kind_id
 
 logger = logging.getLogger("hf_attnorm")
@@ -136,15 +140,17 @@ def build_error_summary(exc: BaseException, max_lines: int = 12) -> str:
 def _register_fakes() -> None:
     """Shape-only implementations of the two ops, so torch.compile traces through them (no graph break)."""
 
-    def forward_fake(kind, q, k, v, keep, causal, c, block_q, block_k):
+    def forward_fake(kind, q, k, v, keep, causal, c, bias, slopes, cap, block_q, block_k):
         B, H, Lq = q.shape[:3]
         out = q.new_empty((B, H, Lq, v.shape[-1]))
         u = q.new_empty((B, H, Lq, v.shape[-1])) if kind in _THRESHOLD_KINDS else q.new_empty((0,))
         return [out, q.new_empty((B, H, Lq)), q.new_empty((B, H, Lq)), u]
 
-    def backward_fake(kind, q, k, v, keep, causal, c, out, r1, r2, u, dout, block_q, block_k):
+    def backward_fake(kind, q, k, v, keep, causal, c, bias, slopes, cap, bias_grad, out, r1, r2, u, dout, block_q,
+                      block_k):
         # contiguous like the C++ at::empty(x.sizes()) (empty_like would keep a transposed input's strides)
-        return [x.new_empty(x.shape) for x in (q, k, v, c)]
+        dbias = q.new_empty(bias.shape) if bias_grad else q.new_empty((0,))
+        return [*(x.new_empty(x.shape) for x in (q, k, v, c)), dbias]
 
     # called once per process: native_ops() caches the loaded ops (or the failure) under its lock
     torch.library.register_fake("hf_attnorm_fused::forward")(forward_fake)
@@ -168,24 +174,27 @@ def unavailable_reason(warn: bool = False) -> str | None:
 
 
 class _FusedAttention(torch.autograd.Function):
-    """out = fused(q, k, v; c) with gradients for q, k, v and the per-row constant c."""
+    """out = fused(q, k, v; c, bias) with gradients for q, k, v, the per-row constant c and the score bias (in
+    its own broadcast shape). slopes (ALiBi) and cap (soft-cap, 0 for none) are constants."""
 
     @staticmethod
-    def forward(ctx, q, k, v, c, keep, causal: bool, kind: int, blocks: tuple[int, int]):
+    def forward(ctx, q, k, v, c, bias, keep, slopes, cap: float, causal: bool, kind: int, blocks: tuple[int, int]):
         ops = _state["ops"]
-        out, r1, r2, u = ops.forward(kind, q, k, v, keep, causal, c, *blocks)
-        ctx.save_for_backward(q, k, v, c, keep, out, r1, r2, u)
-        ctx.meta = (causal, kind, blocks)
+        out, r1, r2, u = ops.forward(kind, q, k, v, keep, causal, c, bias, slopes, cap, *blocks)
+        ctx.save_for_backward(q, k, v, c, bias, keep, slopes, out, r1, r2, u)
+        ctx.meta = (causal, kind, blocks, cap)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        q, k, v, c, keep, out, r1, r2, u = ctx.saved_tensors
-        causal, kind, blocks = ctx.meta
-        dq, dk, dv, dc = _state["ops"].backward(kind, q, k, v, keep, causal, c, out, r1, r2, u,
-                                                dout.contiguous(), *blocks)
-        return dq, dk, dv, (dc if ctx.needs_input_grad[3] else None), None, None, None, None
+        q, k, v, c, bias, keep, slopes, out, r1, r2, u = ctx.saved_tensors
+        causal, kind, blocks, cap = ctx.meta
+        bias_grad = bias is not None and ctx.needs_input_grad[4]
+        dq, dk, dv, dc, dbias = _state["ops"].backward(kind, q, k, v, keep, causal, c, bias, slopes, cap, bias_grad,
+                                                       out, r1, r2, u, dout.contiguous(), *blocks)
+        return (dq, dk, dv, (dc if ctx.needs_input_grad[3] else None), (dbias if bias_grad else None),
+                None, None, None, None, None, None)
 
 
 def row_constant(call: AttnCall, dtype: torch.dtype) -> torch.Tensor:
@@ -209,9 +218,8 @@ def takes(norm: Normalizer) -> str | None:
 
 def accepts(call: AttnCall) -> str | None:
     """None when this path can run the call, else the reason it cannot (builds the extension on first use)."""
-    reason = score_mod_reason(call)  # the C++ kernel takes no soft-cap, bias or sinks: the chunked path does
-    if reason is not None:
-        return reason
+    if call.sinks is not None:  # the chunked path applies them
+        return "this path does not apply attention sinks (s_aux)"
     if call.q.device.type != "cpu":
         return f"device {call.q.device} (CPU only)"
     if call.q.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
@@ -247,7 +255,10 @@ def fused_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     else:
         blocks = (BLOCKS["block_q"], BLOCKS["block_k"])
     c = row_constant(call, dt)
-    out = _FusedAttention.apply(q, k, v, c, keep, causal, kind_id(kind), blocks)
+    bias = None if call.bias is None else compact_bias(call.bias, dt)
+    slopes = None if call.alibi_slopes is None else call.alibi_slopes.detach().to(dt).contiguous()
+    cap = 0.0 if call.softcap is None else float(call.softcap)
+    out = _FusedAttention.apply(q, k, v, c, bias, keep, slopes, cap, causal, kind_id(kind), blocks)
     return out.to(call.q.dtype), None
 
 

@@ -14,7 +14,7 @@ from .base import AttnCall, compute_dtype, modify_scores, normalize, repeat_kv
 def reference_scores(call: AttnCall) -> torch.Tensor:
     """Scaled scores [B, H, Lq, Lk] in the compute dtype, soft-capped and biased when the call says so."""
     q, k, _ = call.features(compute_dtype(call.q.dtype))
-    return modify_scores(q @ k.transpose(-1, -2), call.softcap, call.bias)
+    return modify_scores(q @ k.transpose(-1, -2), call.softcap, call.score_bias())
 
 
 def reference_weights(call: AttnCall) -> torch.Tensor:

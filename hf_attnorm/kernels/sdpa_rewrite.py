@@ -78,6 +78,8 @@ def _common(call: AttnCall) -> str | None:
         return "empty inputs"  # SDPA's CPU kernel crashes (SIGFPE) on zero keys
     if call.softcap is not None:
         return "SDPA cannot soft-cap the scores (tanh) before its softmax"
+    if call.alibi_slopes is not None:  # make_call materialises them for the softmax family: not reached there
+        return "unmaterialised ALiBi slopes (SDPA takes a bias tensor)"
     if not call.q.dtype.is_floating_point:
         return f"dtype {call.q.dtype}"
     return None

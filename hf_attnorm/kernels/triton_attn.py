@@ -26,6 +26,10 @@ Masks: none; causal (upper-left, key j visible to query i iff j <= i: MaskInfo's
 or the boolean keep-mask (any pattern: padding, fully masked rows, cache offsets, per head) read blockwise, with a
 block table (one byte per [query block, key block]) so blocks without a visible key are skipped.
 
+Score modifiers (``_mods``, wherever a score block is formed): soft-cap c tanh(s / c), a bias read through its
+broadcast strides (gradient: block sums of ds added atomically into the bias's own shape), ALiBi from the slopes
+(-m_h |Lk - Lq + i - j|); constexpr flags leave the unmodified kernels as they were. Sinks are declined.
+
 Dispatch: automatic on CUDA tensors. Forced (``path="triton"``), CPU tensors run too while Triton's interpreter is on
 (``TRITON_INTERPRET=1``): that is how the tests run these kernels without a GPU. Triton is imported and the kernels
 are jitted on first use (per interpreter mode), so importing this module needs no triton.
@@ -45,7 +49,7 @@ from typing import Any
 import torch
 
 from ..normalizers.base import Normalizer
-from .base import AttnCall, score_mod_reason
+from .base import AttnCall, compact_bias
 from .kinds import FUSED_KINDS, NORMALISED, THRESHOLD, constant_name, fused_takes, kind_id
 
 # imported on first use (``_load_triton``): the plain package needs no triton, and triton fixes compiled vs
@@ -184,9 +188,43 @@ def _slopes(s, r, keep, shift, KIND: tl.constexpr):
     return a, da, db
 
 
+def _tanh(x):
+    """tanh in fp32 (Cephes tanhf: odd polynomial below 0.625, else from exp; triton 3.9 has no tl.tanh)."""
+    ax = tl.abs(x)
+    z = x * x
+    p = -5.70498872745e-3 * z + 2.06390887954e-2
+    p = p * z - 5.37397155531e-2
+    p = p * z + 1.33314422036e-1
+    p = p * z - 3.33332819422e-1
+    e = tl.exp(-2.0 * ax)
+    big = (1.0 - e) / (1.0 + e)
+    return tl.where(ax < 0.625, p * z * x + x, tl.where(x < 0, -big, big))
+
+
+def _mods(s, b, h, offs_m, offs_n, m_valid, n_valid, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF,
+          HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr):
+    """Score modifiers on a block s [BM, BN] (fp32): CAP tanh(s / CAP), + BIAS (strides 0 on its broadcast dims),
+    - SLOPES[h] |QOFF + i - j| (ALiBi). Returns (s, capd) with capd = 1 - tanh^2 (1.0 without a cap)."""
+    capd = 1.0
+    if HAS_CAP:
+        t = _tanh(s / CAP)
+        s = CAP * t
+        capd = 1.0 - t * t
+    if HAS_BIAS:
+        s += tl.load(BIAS + b * sbb + h * sbh + offs_m[:, None] * sbm + offs_n[None, :] * sbn,
+                     mask=m_valid[:, None] & n_valid[None, :], other=0.0).to(tl.float32)
+    if HAS_ALIBI:
+        slope = tl.load(SLOPES + h)
+        s -= slope * tl.abs((offs_m[:, None] + QOFF - offs_n[None, :]).to(tl.float32))
+    return s, capd
+
+
 def _score_block(q, kt_ptrs, keep_ptrs, offs_m, offs_n, m_valid, d_valid, c, LK,
-                 CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """Scores s [BM, BN] = c_i (q_i . k_j) in fp32, the keep block, and k^T [BD, BN] (input dtype).
+                 CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+                 b, h, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF,
+                 HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr):
+    """Scores s [BM, BN] = c_i (q_i . k_j) in fp32 with the score modifiers (``_mods``), the keep block, k^T
+    [BD, BN] (input dtype) and the cap's derivative capd (``_mods``).
 
     q: [BM, BD] in the input dtype (fp16/bf16 products are exact in the fp32 accumulator, so the score dot runs on
     the inputs as they are; UPCAST: both in fp32 instead, for bf16 under the interpreter, whose bf16 dot is wrong
@@ -196,12 +234,14 @@ def _score_block(q, kt_ptrs, keep_ptrs, offs_m, offs_n, m_valid, d_valid, c, LK,
     if UPCAST:
         kt = kt.to(tl.float32)
     s = tl.dot(q, kt, input_precision=PREC) * c[:, None]
+    s, capd = _mods(s, b, h, offs_m, offs_n, m_valid, n_valid, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF,
+                    HAS_BIAS, HAS_ALIBI, HAS_CAP)
     keep = m_valid[:, None] & n_valid[None, :]
     if CAUSAL:
         keep = keep & (offs_n[None, :] <= offs_m[:, None])
     if HAS_MASK:
         keep = keep & (tl.load(keep_ptrs, mask=keep, other=0) != 0)
-    return s, keep, kt
+    return s, keep, kt, capd
 
 
 def _threshold_kernel(
@@ -209,6 +249,8 @@ def _threshold_kernel(
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, scb, sch, scm,
     smb, smh, smm, smn, stb, sth, stm, stn,
     H, GROUPS, LQ, LK, DH,
+    BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF,
+    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr,
     KIND: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
     STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -248,8 +290,9 @@ def _threshold_kernel(
         if HAS_MASK:
             live = tl.load(t_ptr + (start_n // BLOCK_N) * stn)
         if live != 0:
-            s, keep, kt = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m,
-                                       start_n + offs_n0, m_valid, d_valid, c, LK, CAUSAL, HAS_MASK, PREC, UPCAST)
+            s, keep, kt, capd = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m,
+                                       start_n + offs_n0, m_valid, d_valid, c, LK, CAUSAL, HAS_MASK, PREC, UPCAST,
+                b, h, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP)
             if KIND == K_ENTMAX15:
                 s = s * 0.5
             zmax = tl.maximum(zmax, tl.max(tl.where(keep, s, -float("inf")), 1))
@@ -267,9 +310,10 @@ def _threshold_kernel(
                 if HAS_MASK:
                     live = tl.load(t_ptr + (start_n // BLOCK_N) * stn)
                 if live != 0:
-                    s, keep, kt = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m,
+                    s, keep, kt, capd = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m,
                                                start_n + offs_n0, m_valid, d_valid, c, LK, CAUSAL, HAS_MASK, PREC,
-                                               UPCAST)
+                                               UPCAST,
+                        b, h, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP)
                     if KIND == K_ENTMAX15:
                         s = s * 0.5
                     t = tl.where(keep, tl.maximum(s - tau[:, None], 0.0), 0.0)
@@ -297,6 +341,8 @@ def _fwd_kernel(
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, scb, sch, scm,
     smb, smh, smm, smn, stb, sth, stm, stn,
     H, GROUPS, LQ, LK, DH, DV,
+    BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF,
+    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr,
     KIND: tl.constexpr, NORMALISED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
@@ -340,8 +386,9 @@ def _fwd_kernel(
             live = tl.load(t_ptr + (start_n // BLOCK_N) * stn)
         if live != 0:
             offs_n = start_n + offs_n0
-            s, keep, kt = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m, offs_n,
-                                       m_valid, d_valid, c, LK, CAUSAL, HAS_MASK, PREC, UPCAST)
+            s, keep, kt, capd = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m, offs_n,
+                                       m_valid, d_valid, c, LK, CAUSAL, HAS_MASK, PREC, UPCAST,
+                b, h, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP)
             if KIND == K_SOFTPICK:
                 new = tl.maximum(shift, tl.max(tl.where(keep, s, 0.0), 1))
                 alpha = tl.exp(shift - new)
@@ -369,6 +416,9 @@ def _bwd_dq_kernel(
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, scb, sch, scm,
     smb, smh, smm, smn, stb, sth, stm, stn,
     H, GROUPS, LQ, LK, DH, DV,
+    BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, DBIAS, sdb, sdh, sdm, sdn,
+    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr, HAS_DBIAS: tl.constexpr,
+    DB_BM: tl.constexpr, DB_BN: tl.constexpr,
     KIND: tl.constexpr, NORMALISED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
@@ -376,6 +426,9 @@ def _bwd_dq_kernel(
     """One program per (query block, batch x head): DQ [B, H, Lq, D], DC and DR [B, H, Lq] (fp32).
 
     DELTA [B, H, Lq]: written here for the dk/dv kernel (normalised and sparse kinds). DO: fp32 contiguous.
+    DBIAS (HAS_DBIAS): fp32 in the bias's own shape (strides 0 on its broadcast dims); dS w.r.t. the modified scores
+    is summed over the block's broadcast dims (DB_BM: over queries, DB_BN: over keys) and added atomically, since
+    programs of other batches / heads / query blocks may share the entries.
     """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -425,8 +478,9 @@ def _bwd_dq_kernel(
                 live = tl.load(t_ptr + (start_n // BLOCK_N) * stn)
             if live != 0:
                 offs_n = start_n + offs_n0
-                s, keep, kt = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m, offs_n,
-                                           m_valid, d_valid, c, LK, CAUSAL, HAS_MASK, PREC, UPCAST)
+                s, keep, kt, capd = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m, offs_n,
+                                           m_valid, d_valid, c, LK, CAUSAL, HAS_MASK, PREC, UPCAST,
+                    b, h, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP)
                 vt = tl.load(vt_ptrs + start_n * svn, mask=dv_valid[:, None] & (offs_n[None, :] < LK),
                              other=0.0).to(tl.float32)
                 dp = tl.dot(do, vt, input_precision=PREC)
@@ -446,8 +500,9 @@ def _bwd_dq_kernel(
             live = tl.load(t_ptr + (start_n // BLOCK_N) * stn)
         if live != 0:
             offs_n = start_n + offs_n0
-            s, keep, kt = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m, offs_n,
-                                       m_valid, d_valid, c, LK, CAUSAL, HAS_MASK, PREC, UPCAST)
+            s, keep, kt, capd = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m, offs_n,
+                                       m_valid, d_valid, c, LK, CAUSAL, HAS_MASK, PREC, UPCAST,
+                b, h, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP)
             vt = tl.load(vt_ptrs + start_n * svn, mask=dv_valid[:, None] & (offs_n[None, :] < LK),
                          other=0.0).to(tl.float32)
             dp = tl.dot(do, vt, input_precision=PREC)
@@ -462,6 +517,20 @@ def _bwd_dq_kernel(
                 dr += tl.sum(ds, 1)
             if KIND == K_RELU_LEN:  # relu_len: r multiplies relu(s)
                 dr += tl.sum(tl.where(keep, tl.maximum(s, 0.0), 0.0) * dp, 1)
+            if HAS_DBIAS:
+                ds = tl.where(keep, ds, 0.0)
+                db_ptr = DBIAS + b * sdb + h * sdh
+                if DB_BM and DB_BN:
+                    tl.atomic_add(db_ptr, tl.sum(tl.sum(ds, 1), 0))
+                elif DB_BM:
+                    tl.atomic_add(db_ptr + offs_n * sdn, tl.sum(ds, 0), mask=offs_n < LK)
+                elif DB_BN:
+                    tl.atomic_add(db_ptr + offs_m * sdm, tl.sum(ds, 1), mask=m_valid)
+                else:
+                    tl.atomic_add(db_ptr + offs_m[:, None] * sdm + offs_n[None, :] * sdn, ds,
+                                  mask=m_valid[:, None] & (offs_n[None, :] < LK))
+            if HAS_CAP:
+                ds = ds * capd  # w.r.t. the capped score -> w.r.t. c q k^T
             acc += tl.dot(ds, tl.trans(kt).to(tl.float32), input_precision=PREC)
     if KIND == K_SYMAX:  # symax: r is added to the denominator
         dr = -delta * inv
@@ -475,6 +544,8 @@ def _bwd_dkdv_kernel(
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, scb, sch, scm,
     smb, smh, smm, smn, stb, sth, stm, stn,
     H, HKV, GROUPS, LQ, LK, DH, DV,
+    BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF,
+    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr,
     KIND: tl.constexpr, NORMALISED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
@@ -530,6 +601,8 @@ def _bwd_dkdv_kernel(
                 do = tl.load(DO + row[:, None] * DV + offs_dv[None, :], mask=m_valid[:, None] & dv_valid[None, :],
                              other=0.0)
                 s = tl.dot(q, tl.trans(k), input_precision=PREC) * c[:, None]
+                s, capd = _mods(s, b, h, offs_m, offs_n, m_valid, n_valid, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP,
+                                QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP)
                 keep = m_valid[:, None] & n_valid[None, :]
                 if CAUSAL:
                     keep = keep & (offs_n[None, :] <= offs_m[:, None])
@@ -547,15 +620,17 @@ def _bwd_dkdv_kernel(
                     w = a
                     ds = da * dp
                 dv += tl.dot(tl.trans(w), do, input_precision=PREC)
+                if HAS_CAP:
+                    ds = ds * capd
                 dk += tl.dot(tl.trans(ds * c[:, None]), q.to(tl.float32), input_precision=PREC)
     out_row = pid_bk.to(tl.int64) * LK + offs_n
     tl.store(DK + out_row[:, None] * DH + offs_d[None, :], dk, mask=n_valid[:, None] & d_valid[None, :])
     tl.store(DV_OUT + out_row[:, None] * DV + offs_dv[None, :], dv, mask=n_valid[:, None] & dv_valid[None, :])
 
 
-_JIT_FUNCTIONS = ("_entry", "_slopes", "_score_block", "_threshold_kernel", "_fwd_kernel", "_bwd_dq_kernel",
-                  "_bwd_dkdv_kernel")
-_HELPERS = ("_entry", "_slopes", "_score_block")
+_JIT_FUNCTIONS = ("_entry", "_slopes", "_tanh", "_mods", "_score_block", "_threshold_kernel", "_fwd_kernel",
+                  "_bwd_dq_kernel", "_bwd_dkdv_kernel")
+_HELPERS = ("_entry", "_slopes", "_tanh", "_mods", "_score_block")
 _COMPILED: dict[bool, types.SimpleNamespace] = {}
 
 
@@ -649,6 +724,26 @@ class _Plan:
         self.prec = "tf32" if (q.is_cuda and torch.backends.cuda.matmul.allow_tf32) else "ieee"
         # triton 3.9's interpreter computes tl.dot on bf16 operands wrongly: upcast there (GPUs use bf16 as is)
         self.upcast = q.dtype == torch.bfloat16 and bool(triton.knobs.runtime.interpret)
+        # score modifiers (the bias itself is a differentiable input of _TritonAttention)
+        self.cap = call.softcap
+        self.slopes = (None if call.alibi_slopes is None
+                       else call.alibi_slopes.detach().to(device=q.device, dtype=torch.float32).contiguous())
+
+    def mods(self, kernel: Any, bias: torch.Tensor | None, dbias: torch.Tensor | None = None) -> dict[str, Any]:
+        """The score-modifier arguments of ``kernel`` (by name; absent ones point at a dummy tensor)."""
+        dummy = self.keep
+        bs = _strides4(bias) if bias is not None else [0, 0, 0, 0]
+        kw: dict[str, Any] = dict(
+            BIAS=dummy if bias is None else bias, SLOPES=dummy if self.slopes is None else self.slopes,
+            sbb=bs[0], sbh=bs[1], sbm=bs[2], sbn=bs[3], CAP=1.0 if self.cap is None else self.cap,
+            QOFF=self.LK - self.LQ, HAS_BIAS=bias is not None, HAS_ALIBI=self.slopes is not None,
+            HAS_CAP=self.cap is not None)
+        if "DBIAS" in kernel.arg_names:
+            ds = _strides4(dbias) if dbias is not None else [0, 0, 0, 0]
+            kw.update(DBIAS=dummy if dbias is None else dbias, sdb=ds[0], sdh=ds[1], sdm=ds[2], sdn=ds[3],
+                      HAS_DBIAS=dbias is not None, DB_BM=dbias is not None and dbias.shape[2] == 1,
+                      DB_BN=dbias is not None and dbias.shape[3] == 1)
+        return kw
 
     def common(self, q, k, v, c) -> list:
         return [*_strides4(q), *_strides4(k), *_strides4(v), c.stride(0), c.stride(1), c.stride(2),
@@ -670,10 +765,11 @@ def _grid_q(p: _Plan) -> tuple[int, int]:
 
 
 class _TritonAttention(torch.autograd.Function):
-    """(q, k, v, c, r) -> out [B, H, Lq, Dv] fp32; c, r: fp32 [B, H, Lq] (score scale, normalizer row value)."""
+    """(q, k, v, c, r, bias) -> out [B, H, Lq, Dv] fp32; c, r: fp32 [B, H, Lq] (score scale, normalizer row
+    value); bias: fp32 [B|1, H|1, Lq|1, Lk|1] or None (its gradient comes back in that shape)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, c, r, plan: _Plan):
+    def forward(ctx, q, k, v, c, r, bias, plan: _Plan):
         kern = _compiled()
         dev = q.device
         rows = (plan.B, plan.H, plan.LQ)
@@ -687,16 +783,18 @@ class _TritonAttention(torch.autograd.Function):
             # threshold kernel takes no V strides
             kern._threshold_kernel[grid](
                 q, k, c, plan.keep, plan.table, shift, *common[:8], *common[12:], plan.H, plan.groups, plan.LQ,
-                plan.LK, plan.DH, STEPS=THRESHOLD_STEPS, **_only(cst, kern._threshold_kernel))
+                plan.LK, plan.DH, STEPS=THRESHOLD_STEPS, **_only(cst, kern._threshold_kernel),
+                **plan.mods(kern._threshold_kernel, bias))
         kern._fwd_kernel[grid](q, k, v, c, r, plan.keep, plan.table, shift, out, den, shift, *common,
-                               plan.H, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, **cst)
-        ctx.save_for_backward(q, k, v, c, r, den, shift)
+                               plan.H, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, **cst,
+                               **plan.mods(kern._fwd_kernel, bias))
+        ctx.save_for_backward(q, k, v, c, r, bias, den, shift)
         ctx.plan = plan
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, c, r, den, shift = ctx.saved_tensors
+        q, k, v, c, r, bias, den, shift = ctx.saved_tensors
         plan: _Plan = ctx.plan
         kern = _compiled()
         dev = q.device
@@ -708,15 +806,18 @@ class _TritonAttention(torch.autograd.Function):
         dq = torch.empty(plan.B, plan.H, plan.LQ, plan.DH, dtype=torch.float32, device=dev)
         dc = torch.empty_like(den)
         dr = torch.empty_like(den)
+        dbias = torch.zeros(bias.shape, dtype=torch.float32, device=dev) if ctx.needs_input_grad[5] else None
         kern._bwd_dq_kernel[grid](q, k, v, c, r, plan.keep, plan.table, shift, den, delta, do, dq, dc, dr, *common,
-                                  plan.H, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, **cst)
+                                  plan.H, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, **cst,
+                                  **plan.mods(kern._bwd_dq_kernel, bias, dbias))
         dk = torch.empty(plan.B, plan.HKV, plan.LK, plan.DH, dtype=torch.float32, device=dev)
         dv = torch.empty(plan.B, plan.HKV, plan.LK, plan.DV, dtype=torch.float32, device=dev)
         kern._bwd_dkdv_kernel[(_cdiv(plan.LK, plan.bn), plan.B * plan.HKV)](
             q, k, v, c, r, plan.keep, plan.table, shift, den, delta, do, dk, dv, *common,
-            plan.H, plan.HKV, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, **cst)
+            plan.H, plan.HKV, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, **cst,
+            **plan.mods(kern._bwd_dkdv_kernel, bias))
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dc if ctx.needs_input_grad[3] else None,
-                dr if ctx.needs_input_grad[4] else None, None)
+                dr if ctx.needs_input_grad[4] else None, dbias, None)
 
 
 def _row_values(call: AttnCall, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -753,9 +854,8 @@ def accepts(call: AttnCall) -> str | None:
     tensors without Triton's interpreter, triton missing (one-time warning on CUDA) or imported before
     ``TRITON_INTERPRET`` changed (one-time warning)."""
     q, k, v = call.q, call.k, call.v
-    reason = score_mod_reason(call)  # the Triton kernels take no soft-cap, bias or sinks: the chunked path does
-    if reason is not None:
-        return reason
+    if call.sinks is not None:  # the chunked path applies them
+        return "the Triton kernels do not apply attention sinks (s_aux)"
     if call.need_weights or call.dropout > 0:
         return "the Triton kernels never form the weights (no output_attentions, no dropout on weights)"
     if not (q.is_cuda or (q.device.type == "cpu" and interpreter_requested())):
@@ -784,7 +884,8 @@ def triton_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():  # launch on q's GPU
         plan = _Plan(call)
         c, r = _row_values(call)
-        out = _TritonAttention.apply(q, k, v, c, r, plan)
+        bias = None if call.bias is None else compact_bias(call.bias.to(q.device), torch.float32)
+        out = _TritonAttention.apply(q, k, v, c, r, bias, plan)
     return out.to(q.dtype), None
 
 

@@ -4,7 +4,9 @@ feature map phi = elu + 1.
 The length-aware scale multiplies q before the feature map (the model's 1/sqrt(d) is not applied: the linear
 transformer has none). Besides the materialised reference, ``linear_attention`` computes the same output in O(n)
 time and memory: chunks of ``chunk`` queries attend to their own chunk quadratically and to everything before it
-through a running state sum_j phi(k_j) v_j^T, so no n x n tensor exists.
+through a running state sum_j phi(k_j) v_j^T, so no n x n tensor exists. Decoding keeps that state across calls
+(the paper's RNN form, arXiv:2006.16236 section 3.4): ``query_features`` and ``key_features`` are the two sides of
+``feature_map`` for kernels/linear_recurrent.py, which adds one key per step to a state kept on the cache.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ def elu_feature(x: torch.Tensor) -> torch.Tensor:
 @register_normalizer
 class Linear(Normalizer):
     name = "linear"
-    description = "linear attention, phi = elu+1, causal via running sums (O(n))"
+    description = ("linear attention, phi = elu+1, causal via running sums (O(n)); decode from a recurrent state "
+                   "(O(1) per token)")
     row_sum = "one"
     uses_base_scaling = False
     scoreless = True
@@ -36,11 +39,20 @@ class Linear(Normalizer):
         # per-query constant or phi(k) by a per-head constant: dividing by the (detached) maxima keeps every
         # product away from underflow (elu + 1 = e^x for x < 0), so large negative scores still give rows that
         # sum to 1 instead of 0/0.
-        fq, fk = elu_feature(q), elu_feature(k)
-        tiny = torch.finfo(fq.dtype).tiny
-        fq = fq / fq.detach().amax(dim=-1, keepdim=True).clamp_min(tiny)
-        fk = fk / fk.detach().amax(dim=(-2, -1), keepdim=True).clamp_min(tiny)
-        return fq, fk
+        fk = elu_feature(k)
+        fk = fk / fk.detach().amax(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(fk.dtype).tiny)
+        return self.query_features(q, ctx), fk
+
+    def query_features(self, q: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+        """phi(q) [..., D] divided by its own (detached) maximum per query: the query side of ``feature_map``."""
+        fq = elu_feature(q)
+        return fq / fq.detach().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(fq.dtype).tiny)
+
+    def key_features(self, k: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+        """phi(k) [..., D] without ``feature_map``'s division by the per-(batch, head) maximum (a constant that
+        cancels in the weights): what a recurrent state accumulates key by key (kernels/linear_recurrent.py keeps
+        its own running maximum instead, so adding a key never changes the scale of the keys already summed)."""
+        return elu_feature(k)
 
     def reference(self, scores: torch.Tensor, keep: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         a = masked_fill_zero(scores, keep)  # phi > 0, so scores > 0 on visible keys

@@ -16,6 +16,11 @@
 // uses kv head h / (H / Hkv)); keep: optional bool mask broadcast to [B, H, Lq, Lk] (strides may be 0); causal:
 // query i sees keys j <= i (upper-left, as SDPA's is_causal); c [B, H, Lq]: per-row constant of the map
 // (symax: eta, sigmoid: bias, relu_len: 1/n, the others: n). q is already multiplied by every scale factor.
+// Score modifiers (optional), applied to each score tile right after Q K^T, before the map: soft-cap
+// s = cap tanh(s / cap), then an additive bias [B|1, H|1, Lq|1, Lk|1] read through its strides (broadcast dims
+// never materialised), then ALiBi -slope_h |(Lk - Lq + i) - j|. The backward pass applies the same to the
+// recomputed tiles, adds dS (w.r.t. the modified scores) into dbias, reduced over the broadcast dims, and
+// multiplies dS by the cap's derivative 1 - tanh^2 before dQ and dK.
 // Matmuls go to the BLAS inside libtorch_cpu (MKL sgemm_ in the x86 wheels), as SDPA's CPU flash kernel does.
 
 #include <ATen/ATen.h>
@@ -134,6 +139,14 @@ struct Problem {
   const bool* keep;  // nullptr: no mask
   int64_t msb, msh, msl;
   bool causal;
+  // score modifiers: bias (nullptr: none; strides 0 on broadcast dims; bsk 0: one value per row), ALiBi slopes [H]
+  // (nullptr: none), soft-cap (0: none); dbias (backward, nullptr: not needed) has the bias's shape, contiguous
+  const T *bias, *slopes;
+  int64_t bsb, bsh, bsl, bsk, qoff;
+  T cap;
+  T* dbias;
+  int64_t dsb, dsh, dsl, dsk;
+  bool mods() const { return bias != nullptr || slopes != nullptr || cap != T(0); }
 
   const T* qrow(int64_t b, int64_t h, int64_t i) const { return q + b * qsb + h * qsh + i * qsl; }
   const T* krow(int64_t b, int64_t g, int64_t j) const { return k + b * ksb + g * ksh + j * ksl; }
@@ -163,7 +176,9 @@ struct Problem {
 template <typename T>
 Problem<T> make_problem(int64_t kind, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const std::optional<at::Tensor>& keep, bool causal, const at::Tensor& c, int64_t block_q,
-                        int64_t block_k) {
+                        int64_t block_k, const std::optional<at::Tensor>& bias = std::nullopt,
+                        const std::optional<at::Tensor>& slopes = std::nullopt, double cap = 0.0,
+                        at::Tensor* dbias = nullptr) {
   Problem<T> p;
   p.kind = kind;
   p.B = q.size(0);
@@ -191,6 +206,21 @@ Problem<T> make_problem(int64_t kind, const at::Tensor& q, const at::Tensor& k, 
   } else {
     p.keep = nullptr;
     p.msb = p.msh = p.msl = 0;
+  }
+  // a size-1 dim is read with stride 0 (broadcast)
+  auto bstride = [](const at::Tensor& x, int64_t d) { return x.size(d) == 1 ? int64_t(0) : x.stride(d); };
+  p.bias = bias.has_value() ? bias->data_ptr<T>() : nullptr;
+  p.bsb = p.bsh = p.bsl = p.bsk = 0;
+  if (bias.has_value()) {
+    p.bsb = bstride(*bias, 0), p.bsh = bstride(*bias, 1), p.bsl = bstride(*bias, 2), p.bsk = bstride(*bias, 3);
+  }
+  p.slopes = slopes.has_value() ? slopes->data_ptr<T>() : nullptr;
+  p.qoff = p.Lk - p.Lq;
+  p.cap = static_cast<T>(cap);
+  p.dbias = dbias != nullptr ? dbias->data_ptr<T>() : nullptr;
+  p.dsb = p.dsh = p.dsl = p.dsk = 0;
+  if (dbias != nullptr) {
+    p.dsb = bstride(*dbias, 0), p.dsh = bstride(*dbias, 1), p.dsl = bstride(*dbias, 2), p.dsk = bstride(*dbias, 3);
   }
   return p;
 }
@@ -221,6 +251,24 @@ void check_inputs(int64_t kind, const at::Tensor& q, const at::Tensor& k, const 
   }
 }
 
+void check_mods(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& bias,
+                const std::optional<at::Tensor>& slopes, double cap) {
+  TORCH_CHECK(cap >= 0.0, "fused_cpu: softcap must be > 0 (0: none), got ", cap);
+  if (bias.has_value()) {
+    const at::Tensor& x = *bias;
+    const int64_t full[4] = {q.size(0), q.size(1), q.size(2), k.size(2)};
+    bool ok = x.dim() == 4 && x.scalar_type() == q.scalar_type();
+    for (int d = 0; ok && d < 4; ++d) ok = x.size(d) == 1 || x.size(d) == full[d];
+    TORCH_CHECK(ok && (x.size(3) == 1 || x.stride(3) == 1),
+                "fused_cpu: bias must have q's dtype, shape [B|1, H|1, Lq|1, Lk|1] and a contiguous last dim");
+  }
+  if (slopes.has_value()) {
+    TORCH_CHECK(slopes->dim() == 1 && slopes->size(0) == q.size(1) && slopes->is_contiguous() &&
+                    slopes->scalar_type() == q.scalar_type(),
+                "fused_cpu: ALiBi slopes must be contiguous [H] in q's dtype");
+  }
+}
+
 // Runs fn(item, thread) for item in [0, n) on all intra-op threads, handing items out dynamically (causal query
 // blocks differ in cost, so a static split would leave threads idle).
 template <typename F>
@@ -231,6 +279,87 @@ void dynamic_for(int64_t n, int64_t nthreads, const F& fn) {
       for (int64_t item = next.fetch_add(1); item < n; item = next.fetch_add(1)) fn(item, t);
     }
   });
+}
+
+// ------------------------------------------------------------------------------------------------ score modifiers
+
+// tanh that GCC vectorises (Cephes tanhf: odd polynomial below 0.625, else from vexp; ~2 ulp)
+inline float vtanh(float x) {
+  const float ax = std::abs(x), z = x * x;
+  float p = -5.70498872745e-3f;
+  p = p * z + 2.06390887954e-2f;
+  p = p * z - 5.37397155531e-2f;
+  p = p * z + 1.33314422036e-1f;
+  p = p * z - 3.33332819422e-1f;
+  const float e = vexp(-2.0f * ax);
+  const float big = (1.0f - e) / (1.0f + e);
+  return ax < 0.625f ? p * z * x + x : (x < 0.0f ? -big : big);
+}
+inline double vtanh(double x) { return std::tanh(x); }
+
+// Scores S[r * ld + j] of queries i0 + r (r < m) and keys j0 + j (j < nb) -> the modified scores (see the top);
+// capd (optional, [m, nb]) receives 1 - tanh^2 for the backward pass.
+template <typename T>
+void modify_tile(const Problem<T>& p, T* S, int64_t ld, int64_t b, int64_t h, int64_t i0, int64_t m, int64_t j0,
+                 int64_t nb, T* capd) {
+  const T cap = p.cap, inv = cap != T(0) ? T(1) / cap : T(0);
+  const T slope = p.slopes != nullptr ? p.slopes[h] : T(0);
+  for (int64_t r = 0; r < m; ++r) {
+    T* __restrict s = S + r * ld;
+    if (cap != T(0)) {
+      T* __restrict cd = capd != nullptr ? capd + r * nb : nullptr;
+      if (cd != nullptr) {
+#pragma omp simd
+        for (int64_t j = 0; j < nb; ++j) {
+          const T t = vtanh(s[j] * inv);
+          s[j] = cap * t;
+          cd[j] = T(1) - t * t;
+        }
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < nb; ++j) s[j] = cap * vtanh(s[j] * inv);
+      }
+    }
+    if (p.bias != nullptr) {
+      const T* __restrict br = p.bias + b * p.bsb + h * p.bsh + (i0 + r) * p.bsl;
+      if (p.bsk == 0) {
+        const T x = br[0];
+#pragma omp simd
+        for (int64_t j = 0; j < nb; ++j) s[j] += x;
+      } else {
+        br += j0;  // last dim contiguous (checked)
+#pragma omp simd
+        for (int64_t j = 0; j < nb; ++j) s[j] += br[j];
+      }
+    }
+    if (p.slopes != nullptr) {
+      const T pos = static_cast<T>(p.qoff + i0 + r - j0);  // query position relative to key j0
+#pragma omp simd
+      for (int64_t j = 0; j < nb; ++j) s[j] -= slope * std::abs(pos - static_cast<T>(j));
+    }
+  }
+}
+
+// dbias += dS of one tile ([m, nb], w.r.t. the modified scores), summed over the bias's broadcast dims. Tiles of
+// different work items can meet in one dbias entry (bias shared across batch or heads): ``lock`` serialises them.
+template <typename T>
+void add_dbias(const Problem<T>& p, const T* dS, int64_t b, int64_t h, int64_t i0, int64_t m, int64_t j0,
+               int64_t nb, std::mutex& lock) {
+  std::lock_guard<std::mutex> guard(lock);
+  for (int64_t r = 0; r < m; ++r) {
+    T* __restrict dr = p.dbias + b * p.dsb + h * p.dsh + (i0 + r) * p.dsl;
+    const T* __restrict g = dS + r * nb;
+    if (p.dsk == 0) {
+      T acc = 0;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t j = 0; j < nb; ++j) acc += g[j];
+      dr[0] += acc;
+    } else {
+      dr += j0;
+#pragma omp simd
+      for (int64_t j = 0; j < nb; ++j) dr[j] += g[j];
+    }
+  }
 }
 
 // ------------------------------------------------------------------------------------------------ forward: tiles
@@ -342,6 +471,7 @@ void forward_tiles(const Problem<T>& p, T* out, T* r1, T* r2) {
       const int st = p.tile(b, h, i0, m, j0, nb);
       if (st == 0) continue;
       mm_abt<T>(m, nb, p.D, qi, p.qsl, p.krow(b, g, j0), p.ksl, T(0), S.data(), nb);
+      if (p.mods()) modify_tile(p, S.data(), nb, b, h, i0, m, j0, nb, static_cast<T*>(nullptr));
       for (int64_t r = 0; r < m; ++r) {
         const bool* kr = st == 2 && p.keep ? p.mrow(b, h, i0 + r) + j0 : nullptr;
         fwd_tile_row<T, KIND>(kr, st == 1 ? nb : p.key_end(i0 + r) - j0, S.data() + r * nb, nb, crow[r], den[r],
@@ -446,6 +576,7 @@ void forward_threshold(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
     T* S = buf.S.data();
     T* Hb = buf.Hb.data();
     mm_abt<T>(m, L, p.D, p.qrow(b, h, i0), p.qsl, p.krow(b, g, 0), p.ksl, T(0), S, L);
+    if (p.mods()) modify_tile(p, S, L, b, h, i0, m, 0, L, static_cast<T*>(nullptr));
     for (int64_t r = 0; r < m; ++r) {
       const int64_t i = i0 + r, lim = std::min(L, p.key_end(i));
       const bool* kr = p.keep ? p.mrow(b, h, i) : nullptr;
@@ -636,7 +767,8 @@ inline T bwd_tile_row(const bool* kr, int64_t lim, T* s, T* dp, int64_t nb, cons
 template <typename T, int64_t KIND>
 bool sparse_tile(const Problem<T>& p, int st, int64_t b, int64_t h, int64_t g, int64_t i0, int64_t m, int64_t j0,
                  int64_t nb, const T* S, int32_t* E, T* dQb, T* dK, T* dV, const T* dout, const T* r1,
-                 const T* delta, T* dq, std::mutex* lock) {
+                 const T* delta, T* dq, std::mutex* lock, const T* capd) {
+  if (p.dbias != nullptr) return false;  // the dense tile forms dS for dbias
   constexpr bool ENTMAX = KIND == ENTMAX15;
   const T half = ENTMAX ? T(0.5) : T(1);
   const int64_t bh = b * p.H + h;
@@ -665,7 +797,7 @@ bool sparse_tile(const Problem<T>& p, int st, int64_t b, int64_t h, int64_t g, i
     T dpv = 0;
 #pragma omp simd reduction(+ : dpv)
     for (int64_t d = 0; d < p.Dv; ++d) dpv += go[d] * vj[d];
-    const T ds = live * hh * (dpv - delta[row]);
+    const T ds = live * hh * (dpv - delta[row]) * (capd != nullptr ? capd[E[e]] : T(1));
     T* dvj = dV + j * p.Dv;
 #pragma omp simd
     for (int64_t d = 0; d < p.Dv; ++d) dvj[d] += pp * go[d];
@@ -729,8 +861,11 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
   const bool per_head = nthreads == 1 || BG % nthreads == 0 || BG >= 4 * nthreads;
   const int64_t nitems = per_head ? BG : BG * nkb;
   std::vector<std::mutex> locks(per_head ? 0 : BH * nqb);
+  // dbias: one lock per (batch, head, query block, key block) region of the bias (broadcast dims collapsed)
+  const int64_t nlh = p.dsh ? p.H : 1, nlq = p.dsl ? nqb : 1, nlk = p.dsk ? nkb : 1;
+  std::vector<std::mutex> dlocks(p.dbias != nullptr ? (p.dsb ? p.B : 1) * nlh * nlq * nlk : 0);
   struct Buffers {
-    std::vector<T> S, dP, dK, dV, dQ;
+    std::vector<T> S, dP, dK, dV, dQ, Cd;
     std::vector<int32_t> E;
   };
   std::vector<Buffers> bufs(nthreads);
@@ -743,6 +878,7 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
       buf.dV.resize(p.BK * p.Dv);
       buf.dQ.resize(p.BQ * p.D);
       buf.E.resize(p.BQ * p.BK);
+      if (p.cap != T(0)) buf.Cd.resize(p.BQ * p.BK);
     }
     const int64_t bg = per_head ? item : item % BG, b = bg / p.Hkv, g = bg % p.Hkv;
     const int64_t kb_begin = per_head ? 0 : item / BG, kb_end = per_head ? nkb : kb_begin + 1;
@@ -761,10 +897,12 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
           const T* qi = p.qrow(b, h, i0);
           const T* doi = dout + (bh * p.Lq + i0) * p.Dv;
           mm_abt<T>(m, nb, p.D, qi, p.qsl, kj, p.ksl, T(0), buf.S.data(), nb);
+          T* capd = p.cap != T(0) ? buf.Cd.data() : nullptr;
+          if (p.mods()) modify_tile(p, buf.S.data(), nb, b, h, i0, m, j0, nb, capd);
           if constexpr (KIND == ENTMAX15 || KIND == SPARSEMAX) {
             if (sparse_tile<T, KIND>(p, st, b, h, g, i0, m, j0, nb, buf.S.data(), buf.E.data(), buf.dQ.data(),
                                      buf.dK.data(), buf.dV.data(), dout, r1, delta.data(), dq,
-                                     per_head ? nullptr : &locks[bh * nqb + qb])) {
+                                     per_head ? nullptr : &locks[bh * nqb + qb], capd)) {
               continue;
             }
           }
@@ -777,6 +915,14 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
             const bool* kr = st == 2 && p.keep ? p.mrow(b, h, i0 + r) + j0 : nullptr;
             dcrow[r] = bwd_tile_row<T, KIND>(kr, st == 1 ? nb : p.key_end(i0 + r) - j0, buf.S.data() + r * nb,
                                              buf.dP.data() + r * nb, nb, rc);
+          }
+          if (p.dbias != nullptr) {
+            const int64_t lb = p.dsb ? b : 0, lh = p.dsh ? h : 0, lq = p.dsl ? qb : 0, lk = p.dsk ? kb : 0;
+            add_dbias(p, buf.dP.data(), b, h, i0, m, j0, nb, dlocks[((lb * nlh + lh) * nlq + lq) * nlk + lk]);
+          }
+          if (capd != nullptr) {  // dS w.r.t. the capped score -> w.r.t. q k^T
+#pragma omp simd
+            for (int64_t x = 0; x < m * nb; ++x) buf.dP[x] *= capd[x];
           }
           mm_atb<T>(nb, p.Dv, m, buf.S.data(), nb, doi, p.Dv, T(1), buf.dV.data(), p.Dv);
           mm_atb<T>(nb, p.D, m, buf.dP.data(), nb, qi, p.qsl, T(1), buf.dK.data(), p.D);
@@ -818,8 +964,10 @@ void dispatch_kind(int64_t kind, const F& f) {
 
 std::vector<at::Tensor> fused_forward(int64_t kind, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       const std::optional<at::Tensor>& keep, bool causal, const at::Tensor& c,
-                                      int64_t block_q, int64_t block_k) {
+                                      const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& slopes,
+                                      double cap, int64_t block_q, int64_t block_k) {
   check_inputs(kind, q, k, v, keep, c, block_q, block_k);
+  check_mods(q, k, bias, slopes, cap);
   TORCH_CHECK(block_q <= MAX_BQ, "fused_cpu: block_q must be <= ", MAX_BQ);
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Dv = v.size(3);
   auto out = at::empty({B, H, Lq, Dv}, q.options());
@@ -827,7 +975,7 @@ std::vector<at::Tensor> fused_forward(int64_t kind, const at::Tensor& q, const a
   auto r2 = at::empty({B, H, Lq}, q.options());
   auto u = is_threshold(kind) ? at::empty({B, H, Lq, Dv}, q.options()) : at::empty({0}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "hf_attnorm_fused_forward", [&] {
-    auto p = make_problem<scalar_t>(kind, q, k, v, keep, causal, c, block_q, block_k);
+    auto p = make_problem<scalar_t>(kind, q, k, v, keep, causal, c, block_q, block_k, bias, slopes, cap);
     dispatch_kind(kind, [&](auto kc) {
       constexpr int64_t K = decltype(kc)::value;
       if constexpr (K == ENTMAX15 || K == SPARSEMAX) {
@@ -843,10 +991,14 @@ std::vector<at::Tensor> fused_forward(int64_t kind, const at::Tensor& q, const a
 
 std::vector<at::Tensor> fused_backward(int64_t kind, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                        const std::optional<at::Tensor>& keep, bool causal, const at::Tensor& c,
+                                       const std::optional<at::Tensor>& bias,
+                                       const std::optional<at::Tensor>& slopes, double cap, bool bias_grad,
                                        const at::Tensor& out, const at::Tensor& r1, const at::Tensor& r2,
                                        const at::Tensor& u, const at::Tensor& dout, int64_t block_q,
                                        int64_t block_k) {
   check_inputs(kind, q, k, v, keep, c, block_q, block_k);
+  check_mods(q, k, bias, slopes, cap);
+  TORCH_CHECK(!bias_grad || bias.has_value(), "fused_cpu: bias_grad without a bias");
   TORCH_CHECK(block_q <= MAX_BQ, "fused_cpu: block_q must be <= ", MAX_BQ);
   TORCH_CHECK(out.is_contiguous() && dout.is_contiguous() && r1.is_contiguous() && r2.is_contiguous(),
               "fused_cpu: out, dout, r1, r2 must be contiguous");
@@ -856,8 +1008,11 @@ std::vector<at::Tensor> fused_backward(int64_t kind, const at::Tensor& q, const 
   auto dk = at::empty(k.sizes(), k.options());
   auto dv = at::empty(v.sizes(), v.options());
   auto dc = at::empty(c.sizes(), c.options());
+  // dbias has the bias's (broadcast) shape, contiguous; empty when not needed
+  auto dbias = bias_grad ? at::zeros(bias->sizes(), q.options()) : at::empty({0}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "hf_attnorm_fused_backward", [&] {
-    auto p = make_problem<scalar_t>(kind, q, k, v, keep, causal, c, block_q, block_k);
+    auto p = make_problem<scalar_t>(kind, q, k, v, keep, causal, c, block_q, block_k, bias, slopes, cap,
+                                    bias_grad ? &dbias : nullptr);
     dispatch_kind(kind, [&](auto kc) {
       constexpr int64_t K = decltype(kc)::value;
       backward<scalar_t, K>(p, dout.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), r1.data_ptr<scalar_t>(),
@@ -866,7 +1021,7 @@ std::vector<at::Tensor> fused_backward(int64_t kind, const at::Tensor& q, const 
                             dc.data_ptr<scalar_t>());
     });
   });
-  return {dq, dk, dv, dc};
+  return {dq, dk, dv, dc, dbias};
 }
 
 }  // namespace
@@ -874,11 +1029,12 @@ std::vector<at::Tensor> fused_backward(int64_t kind, const at::Tensor& q, const 
 TORCH_LIBRARY(hf_attnorm_fused, m) {
   m.def("blas_available() -> bool", &blas_available);
   m.def(
-      "forward(int kind, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor c, int block_q, "
-      "int block_k) -> Tensor[]");
+      "forward(int kind, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor c, Tensor? bias, "
+      "Tensor? slopes, float cap, int block_q, int block_k) -> Tensor[]");
   m.def(
-      "backward(int kind, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor c, Tensor out, "
-      "Tensor r1, Tensor r2, Tensor u, Tensor dout, int block_q, int block_k) -> Tensor[]");
+      "backward(int kind, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor c, Tensor? bias, "
+      "Tensor? slopes, float cap, bool bias_grad, Tensor out, Tensor r1, Tensor r2, Tensor u, Tensor dout, "
+      "int block_q, int block_k) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(hf_attnorm_fused, CPU, m) {
