@@ -11,7 +11,7 @@ from conftest import tiny
 from hf_attnorm.attention import constant_heads, make_call
 from hf_attnorm.hf.forward import LAST_CALL
 from hf_attnorm.kernels import attend
-from hf_attnorm.kernels.base import repeat_kv
+from hf_attnorm.kernels.base import alibi_bias, repeat_kv
 from hf_attnorm.registry import AttnormError
 from hf_attnorm.settings import resolve_settings
 
@@ -164,3 +164,25 @@ def test_any_normalizer_in_a_model_trains_saves_and_reloads_exactly(tmp_path):
     assert torch.equal(a.sequences, b.sequences)
     for sa, sb in zip(a.scores, b.scores):
         torch.testing.assert_close(sa, sb, atol=1e-5, rtol=0)
+
+
+def test_alibi_skips_the_memory_keys():
+    """ALiBi distances count the real keys only (the memory has no position): materialised before the prepend, even
+    for normalizers whose fused kernels compute ALiBi in place."""
+    B, H, L = 1, 2, 11
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(B, H, L, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    slopes = torch.tensor([0.5, 0.25], dtype=torch.float64)
+    for name in ("softmax", "symax"):
+        settings = resolve_settings(name, {"num_mem_kv": M})
+        heads = {n: t.double() for n, t in constant_heads(settings, H, None, 8).items()}
+        call = make_call(q, k, v, settings, heads, None, True, alibi_slopes=slopes)
+        ours, _, ran = attend(call)
+        kk = torch.cat([heads["mem_k"][None], k], 2)
+        vv = torch.cat([heads["mem_v"][None], v], 2)
+        keep = torch.cat([torch.ones(L, M, dtype=torch.bool), torch.ones(L, L, dtype=torch.bool).tril()], -1)
+        bias = torch.nn.functional.pad(alibi_bias(slopes, L, L), (M, 0))
+        plain = settings.replace(num_mem_kv=0)
+        rest = {n: t for n, t in heads.items() if n not in ("mem_k", "mem_v")}
+        want, _, _ = attend(make_call(q, kk, vv, plain, rest, keep[None, None], False, bias=bias), "reference")
+        torch.testing.assert_close(ours, want, atol=1e-10, rtol=0, msg=f"{name} on {ran}")
