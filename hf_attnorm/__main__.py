@@ -6,7 +6,7 @@ import argparse
 
 import hf_attnorm
 from hf_attnorm.registry import NORMALIZERS, PRESETS, SCALES
-from hf_attnorm.settings import OPTIONS, resolve_settings
+from hf_attnorm.settings import GLOBAL_OPTIONS, OPTIONS, resolve_settings
 
 
 def _cell(text: object) -> str:
@@ -21,6 +21,7 @@ def markdown_tables() -> str:
     lines += ["", "| option | used by | default | meaning |", "|---|---|---|---|"]
     for name, opt in OPTIONS.items():
         users = [n for n, obj in (*NORMALIZERS.items(), *SCALES.items()) if name in obj.options]
+        users = users or (["every normalizer"] if name in GLOBAL_OPTIONS else [])
         lines.append(f"| `{name}` | {', '.join(users)} | `{opt.default!r}` | {_cell(opt.help)} |")
     return "\n".join(lines)
 

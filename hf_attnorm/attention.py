@@ -15,6 +15,7 @@ import torch
 from .kernels import attend
 from .kernels.base import AttnCall, alibi_bias
 from .kernels.kinds import fused_takes
+from .kernels.memory import memory_specs, prepend_memory
 from .masks import build_mask_info, split_float_mask
 from .normalizers.base import Ctx, ParamSpec
 from .registry import NORMALIZERS, SCALES
@@ -22,8 +23,9 @@ from .settings import AttnormSettings, resolve_settings
 
 
 def param_specs(settings: AttnormSettings) -> tuple[ParamSpec, ...]:
-    """Per-head values of the settings' normalizer and scale."""
-    return (*NORMALIZERS.get(settings.normalizer).params, *SCALES.get(settings.scale).params)
+    """Per-head values of the settings' normalizer and scale, and the learned memory key/values if used."""
+    return (*NORMALIZERS.get(settings.normalizer).params, *SCALES.get(settings.scale).params,
+            *memory_specs(settings))
 
 
 def constant_heads(settings: AttnormSettings, num_heads: int, device=None,
@@ -61,12 +63,14 @@ def make_call(
     if H % Hkv != 0 or v.shape[1] != Hkv or v.shape[2] != Lk or k.shape[-1] != D:
         raise ValueError(f"incompatible shapes q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
     norm, sc = NORMALIZERS.get(settings.normalizer), SCALES.get(settings.scale)
+    norm.check_heads(settings, H)
     if isinstance(attention_mask, torch.Tensor) and attention_mask.is_floating_point():
         attention_mask, mask_bias = split_float_mask(attention_mask)
         bias = _add_bias(bias, mask_bias)
     if alibi_slopes is not None:
         alibi_slopes = _check_slopes(alibi_slopes, H)
-        if not _alibi_in_kernel(norm, alibi_slopes):
+        # with memory keys the in-kernel positions would count them: materialised before they are prepended
+        if not _alibi_in_kernel(norm, alibi_slopes) or memory_specs(settings):
             bias, alibi_slopes = _add_bias(bias, alibi_bias(alibi_slopes, Lq, Lk)), None
     bias = _check_bias(bias, B, H, Lq, Lk)
     if softcap is not None and not softcap > 0:
@@ -87,6 +91,10 @@ def make_call(
         k = torch.where(mask.dead, zero, k)
         v = torch.where(mask.dead, zero.to(v.dtype), v)
     heads = dict(heads)
+    drop = memory = 0
+    if memory_specs(settings):  # learned memory key/values, prepended here for every path (kernels/memory.py)
+        q, k, v, mask, bias, drop = prepend_memory(q, k, v, mask, bias, heads["mem_k"], heads["mem_v"])
+        memory, Lk = heads["mem_k"].shape[1], k.shape[2]
     info = dict(module_info or {})
     ctx = Ctx(settings, heads, D, mask.n, info, Lk)
     mult = sc.multiplier(mask.n, ctx)
@@ -98,7 +106,8 @@ def make_call(
         scaling = D**-0.5
     base = float(scaling) if norm.uses_base_scaling else 1.0
     return AttnCall(q, k, v, mask, settings, heads, base, mult, dropout, need_weights, info, bias=bias,
-                    softcap=None if softcap is None else float(softcap), sinks=sinks, alibi_slopes=alibi_slopes)
+                    softcap=None if softcap is None else float(softcap), sinks=sinks, alibi_slopes=alibi_slopes,
+                    memory=memory, drop_queries=drop)
 
 
 def _check_slopes(slopes: torch.Tensor, H: int) -> torch.Tensor:

@@ -48,6 +48,8 @@ class MaskInfo:
     _padding: tuple | None = None
     _padding_done: bool = False
     _additive: dict = dataclasses.field(default_factory=dict)
+    #: MaskInfos derived from this one (e.g. with memory key columns prepended), built once per mask
+    derived: dict = dataclasses.field(default_factory=dict)
 
     @property
     def kind(self) -> str:
@@ -179,13 +181,15 @@ _LAST: list = [None, -1, None, None]
 
 
 def build_mask_info(
-    attention_mask: object, batch: int, heads: int, lq: int, lk: int, causal: bool, device: torch.device
+    attention_mask: object, batch: int, heads: int, lq: int, lk: int, causal: bool, device: torch.device,
+    remember: bool = True,
 ) -> MaskInfo:
     """Normalise ``attention_mask`` for a call with q [B, H, Lq, D] and k [B, Hkv, Lk, D].
 
     Accepted: None; bool/int/additive-float tensors of shape [B|1, 1|H, Lq, Lk] (the 4-D masks transformers
     builds), [B|1, Lq, Lk], or [B, Lk] (a padding mask over keys, combined with causality when ``causal``).
-    The same mask tensor (unchanged) with the same sizes gives the same MaskInfo back (layers of one forward).
+    The same mask tensor (unchanged) with the same sizes gives the same MaskInfo back (layers of one forward);
+    ``remember=False`` (a mask derived from another, which caches it itself) leaves that memory alone.
     """
     if attention_mask is None:
         key = (lq, lk, causal and lq > 1, device)
@@ -208,7 +212,7 @@ def build_mask_info(
             f"attention_mask of type {type(attention_mask).__name__} is not supported by hf_attnorm; expected None "
             "or a tensor (bool, 0/1 integer or additive float) of shape [B, 1, Lq, Lk], [B, Lq, Lk] or [B, Lk]"
         )
-    if _no_cache() or attention_mask.is_inference():
+    if not remember or _no_cache() or attention_mask.is_inference():
         # (inference-mode tensors have no version counter, so an in-place change could not be noticed)
         return _build(attention_mask, batch, heads, lq, lk, causal, device)
     sizes = (batch, heads, lq, lk, causal, device)

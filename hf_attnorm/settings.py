@@ -85,6 +85,9 @@ class Option:
 
 
 OPTIONS: Registry[Option] = Registry("option")
+#: options every normalizer and scale accepts (a generic step such as learned memory key/values owns them); left out
+#: of ``to_dict`` at their default, so settings and checkpoints that do not use them are unchanged
+GLOBAL_OPTIONS: list[str] = []
 
 
 def declare_option(
@@ -96,9 +99,13 @@ def declare_option(
     optional: bool = False,
     choices: tuple[Any, ...] | None = None,
     check: Callable[[Any], str | None] | None = None,
+    everywhere: bool = False,
 ) -> str:
-    """Declare an option (once, in the file of the component that owns it) and return its name."""
+    """Declare an option (once, in the file of the component that owns it) and return its name. ``everywhere``:
+    accepted with every normalizer and scale (``GLOBAL_OPTIONS``)."""
     OPTIONS.add(name, Option(name, kind, default, help, optional, choices, check))
+    if everywhere:
+        GLOBAL_OPTIONS.append(name)
     return name
 
 
@@ -223,8 +230,9 @@ class AttnormSettings:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"implementation": self.implementation, "normalizer": self.normalizer, "scale": self.scale,
-                **dict(sorted(self.options.items()))}
+        opts = {k: v for k, v in sorted(self.options.items())
+                if not (k in GLOBAL_OPTIONS and v == OPTIONS.get(k).default)}
+        return {"implementation": self.implementation, "normalizer": self.normalizer, "scale": self.scale, **opts}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> AttnormSettings:
@@ -246,7 +254,7 @@ def settings_core(d: Mapping[str, Any] | None) -> dict[str, Any] | None:
 
 def option_names(normalizer: str, scale: str) -> tuple[str, ...]:
     norm, sc = NORMALIZERS.get(normalizer), SCALES.get(scale)
-    names = tuple(dict.fromkeys((*norm.options, *sc.options)))
+    names = tuple(dict.fromkeys((*norm.options, *sc.options, *GLOBAL_OPTIONS)))
     return names
 
 
@@ -286,7 +294,8 @@ def resolve_settings(implementation: str, overrides: Mapping[str, Any] | None = 
     options: dict[str, Any] = {}
     for name in allowed:
         opt = OPTIONS.get(name)
-        owner = f"normalizer {normalizer!r}" if name in NORMALIZERS.get(normalizer).options else f"scale {scale!r}"
+        owner = (f"normalizer {normalizer!r}" if name in NORMALIZERS.get(normalizer).options
+                 else f"scale {scale!r}" if name in SCALES.get(scale).options else "every normalizer")
         options[name] = opt.coerce(merged.get(name, opt.default), owner)
     settings = AttnormSettings(implementation, normalizer, scale, options)
     NORMALIZERS.get(normalizer).validate(settings)

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hf_attnorm.attention import attention, constant_heads
+from hf_attnorm.kernels import PATHS
 from hf_attnorm.kernels import paths_for as fast_paths_for
 from hf_attnorm.registry import NORMALIZERS, PRESETS
 from hf_attnorm.settings import resolve_settings
@@ -112,7 +113,16 @@ def check_case(impl, case) -> list[str]:
     """Check one case on every path; returns the paths that ran it."""
     B, H, Hkv, Lq, Lk, D, causal, masked, scale, seed = case
     q, k, v, mask = make(*case)
-    kind = NORMALIZERS.get(resolve_settings(impl).normalizer).row_sum
+    resolved = resolve_settings(impl)
+    norm = NORMALIZERS.get(resolved.normalizer)
+    kind = norm.row_sum
+    # learned memory key/values: their values have q/k's head dim (so no ones column can be appended to v), and the
+    # real keys' weights sum to at most 1 (the memory takes the rest): checked on the returned weights instead
+    memory = resolved.options.get("num_mem_kv", 0) > 0
+    if memory:
+        _, w = attention(q, k, v, impl, attention_mask=mask, causal=causal, need_weights=True,
+                         module_info={"max_positions": 4})
+        assert w.shape == (B, H, Lq, Lk) and (w.sum(-1) <= 1 + 1e-6).all() and (w >= 0).all(), impl
     ran = []
     for path in paths_for(impl):
         out = run(q, k, v, impl, path, attention_mask=mask, causal=causal)
@@ -133,7 +143,7 @@ def check_case(impl, case) -> list[str]:
                     torch.testing.assert_close(out2, out, atol=1e-10, rtol=0, msg=where)
         # row sums through a ones column of v: the same check on every path, weights not needed
         ones = torch.ones_like(v[..., :1])
-        sums = run(q, k, torch.cat([v, ones], -1), impl, path, attention_mask=mask, causal=causal)
+        sums = None if memory else run(q, k, torch.cat([v, ones], -1), impl, path, attention_mask=mask, causal=causal)
         if sums is not None:  # (a path may decline a value width that differs from the key width)
             sums = sums[..., -1]
             live = torch.ones_like(sums, dtype=torch.bool) if mask is None else mask.any(-1).expand_as(sums)
@@ -147,9 +157,10 @@ def check_case(impl, case) -> list[str]:
             solo = run(q[1:2], k[1:2], v[1:2], impl, path, causal=causal,
                        attention_mask=None if mask is None else mask[1:2])
             torch.testing.assert_close(solo[0], out[1], atol=1e-9, rtol=1e-9, msg=where)
-        # without causality, permuting keys together with their values (and mask columns) changes nothing (unless
-        # the normalizer declares that its weights depend on the key order: stick-breaking)
-        if not causal and not NORMALIZERS.get(resolve_settings(impl).normalizer).key_order:
+        # without causality, permuting keys together with their values (and mask columns) changes nothing, unless
+        # the normalizer declares that its weights depend on the key order (stick-breaking) or couples the queries
+        # (selective: its penalty follows query order, BOS and each query's own key)
+        if not causal and not norm.key_order and not norm.query_coupled:
             perm = torch.randperm(Lk, generator=torch.Generator().manual_seed(seed))
             outp = run(q, k[:, :, perm], v[:, :, perm], impl, path, causal=False,
                        attention_mask=None if mask is None else mask[..., perm])
@@ -171,7 +182,10 @@ ADVERSARIAL = [
 @pytest.mark.parametrize("case", ADVERSARIAL, ids=[f"adv{i}" for i in range(len(ADVERSARIAL))])
 def test_adversarial_cases(impl, case):
     ran = check_case(impl, case)
-    assert "reference" in ran and "chunked" in ran, ran
+    # the reference and the fast path taking every case of this normalizer (chunked; selective's own path)
+    fallback = "chunked" if PATHS["chunked"].takes(NORMALIZERS.get(resolve_settings(impl).normalizer)) is None \
+        else paths_for(impl)[-1]
+    assert "reference" in ran and fallback in ran, ran
 
 
 def test_all_false_mask_gives_zeros_and_finite_gradients_on_every_path():

@@ -9,7 +9,7 @@ import torch
 from conftest import model_output, tiny
 
 from hf_attnorm.hf.forward import LAST_CALL
-from hf_attnorm.registry import PRESETS
+from hf_attnorm.registry import NORMALIZERS, PRESETS
 from hf_attnorm.settings import resolve_settings
 
 IMPLS = list(PRESETS)
@@ -98,6 +98,8 @@ def test_torch_compile_with_padding_mask_matches_eager_and_trains(impl):
 def test_static_cache_generation_compiles_and_matches_eager(impl):
     """model.forward compiled with fullgraph=True generates the same tokens as eager with a static cache and a
     padding mask (prefill with a 4-D mask, then one-query decode steps)."""
+    if NORMALIZERS.get(resolve_settings(impl).normalizer).query_coupled:
+        pytest.skip("a normalizer coupling the queries refuses cached steps (tests/test_models.py checks the error)")
     torch._dynamo.reset()
     x, mask = _padded(2)
     model = tiny("llama", "causal_lm", implementation=impl)

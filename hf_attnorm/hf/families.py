@@ -192,8 +192,12 @@ def module_info(module: nn.Module) -> dict[str, Any]:
     max_pos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
     return {"max_positions": max_pos, "family": type(module).__name__,
             "layer_idx": getattr(module, "layer_idx", None), "num_heads": num_heads_of(module),
-            "head_dim": getattr(module, "head_dim", None) or getattr(module, "attention_head_size", None),
+            "head_dim": next((getattr(module, a) for a in HEAD_DIM_ATTRS if getattr(module, a, None)), None),
             "rope": rope_parameters(cfg)}
+
+
+#: attributes naming an attention module's q/k head dimension (T5's key_value_proj_dim, wav2vec2-conformer's head_size)
+HEAD_DIM_ATTRS = ("head_dim", "attention_head_size", "key_value_proj_dim", "head_size")
 
 
 

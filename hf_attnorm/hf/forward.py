@@ -14,7 +14,7 @@ from torch import nn
 
 from ..attention import make_call
 from ..kernels import attend
-from ..registry import AttnormError
+from ..registry import NORMALIZERS, AttnormError
 from .families import IGNORED_KEYWORDS, IMPLEMENTED_KEYWORDS
 from .recurrent import step_handle
 from .state import state_of
@@ -71,6 +71,12 @@ def hf_attention_forward(
         raise AttnormError(f"{type(module).__name__}: sliding_window={window} with {key.shape[2]} keys but no "
                            "mask; hf_attnorm would attend beyond the window. Build the model's masks with "
                            "transformers' mask functions (sdpa_mask).")
+    if causal and key.shape[2] > query.shape[2] and NORMALIZERS.get(state.settings.normalizer).query_coupled:
+        raise AttnormError(
+            f"normalizer {state.settings.normalizer!r} couples the queries of a call (each query's weights depend on "
+            f"every earlier query), so a step with cached keys ({query.shape[2]} queries, {key.shape[2]} keys) cannot "
+            "be computed: the cache holds keys and values, not the earlier queries. Run it without a KV cache "
+            "(model.generate(..., use_cache=False)); each step then recomputes the whole sequence exactly.")
     call = make_call(
         query, key, value, state.settings, state(query.device), attention_mask, causal, scaling,
         dropout if module.training else 0.0, _weights_requested(kwargs), state.module_info,

@@ -40,6 +40,7 @@ class AttnormState(nn.Module):
         self.num_heads = num_heads
         self.module_info = dict(module_info)
         SCALES.get(settings.scale).prepare(settings, self.module_info)
+        NORMALIZERS.get(settings.normalizer).check_heads(settings, num_heads)  # refused at load/set time
         self._specs = param_specs(settings)
         #: device -> the non-learnable per-head values [H] (fp32), built once per device rather than every call
         self._constants: dict[torch.device, dict[str, torch.Tensor]] = {}

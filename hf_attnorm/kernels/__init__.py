@@ -24,7 +24,9 @@ linear_recurrent
                                                                        dropout, no grad
 linear_chunked 50        "linear" (linear)                             no dropout; a mask only as key padding x
                                                                        causal (MaskInfo.padding), or one query
-chunked        90        every normalizer                              any (pure PyTorch, O(n * chunk) memory)
+selective      85        query-coupled with a selecting head           no score modifiers, no dropout
+                         (selective)
+chunked        90        every normalizer but query-coupled ones       any (pure PyTorch, O(n * chunk) memory)
 reference      100       every normalizer                              any; the only path returning weights
 ============== ========= ============================================= =========================================
 
@@ -198,11 +200,14 @@ def attend(call: AttnCall, path: str | None = None) -> tuple[torch.Tensor, torch
     """Run one call. Returns (out [B, H, Lq, Dv], weights or None, name of the path that ran)."""
     name = choose(call, path)
     out, w = PATHS[name].kernel(call)
+    if call.drop_queries or call.memory:  # learned memory key/values (kernels/memory.py): the caller's shapes
+        out = out[:, :, call.drop_queries:]
+        w = None if w is None else w[:, :, call.drop_queries:, call.memory:]
     return out, w, name
 
 
 # every other module of this package registers its path(s) with register_path when imported
 for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-    if _info.name not in ("base", "reference", "kinds"):
+    if _info.name not in ("base", "reference", "kinds", "memory"):
         importlib.import_module(f"{__name__}.{_info.name}")
 set_forced_path()

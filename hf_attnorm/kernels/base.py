@@ -27,6 +27,9 @@ class AttnCall:
     logit sinks[h] and value 0 (transformers' ``s_aux``, GPT-OSS), so for softmax w_j = e^s_j / (e^sink + sum e^s).
     alibi_slopes: float [H], ALiBi's bias -slopes[h] |(Lk - Lq + i) - j| added with ``bias``, left unmaterialised
     for the kernels that compute it in place (fused_cpu, triton); the other paths add ``score_bias()``.
+
+    Learned memory key/values (``kernels/memory.py``) are already part of k/v/mask: ``memory`` leading keys are
+    memory and ``drop_queries`` leading query rows are zero queries; ``attend`` drops both from what it returns.
     """
 
     q: torch.Tensor
@@ -47,6 +50,8 @@ class AttnCall:
     #: a recurrent state of the cached keys (``linear_recurrent.LinearState``), set by the transformers integration
     #: on decode steps when a cache holds one; None for every other call
     recurrent: object | None = None
+    memory: int = 0
+    drop_queries: int = 0
 
     @property
     def modifies_scores(self) -> bool:

@@ -181,7 +181,9 @@ def chunked_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     return out.to(call.q.dtype), None
 
 
-def _any(norm: Normalizer) -> None:
+def _any(norm: Normalizer) -> str | None:
+    if norm.query_coupled:
+        return f"normalizer {norm.name!r} couples the queries of a call, which this path splits into chunks"
     return None
 
 

@@ -20,6 +20,8 @@ def takes(norm: Normalizer) -> str | None:
         return f"normalizer {norm.name!r} has a faster {norm.kernel_family} path for one query"
     if type(norm).feature_map is not Normalizer.feature_map:
         return f"normalizer {norm.name!r} has a feature map"
+    if norm.query_coupled:
+        return f"normalizer {norm.name!r} couples the queries of a call (one query would lose the others)"
     if norm.sparse:
         return f"normalizer {norm.name!r} is sparse: its reference sorts each row, slower than the fused kernel"
     return None

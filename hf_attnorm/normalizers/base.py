@@ -124,6 +124,10 @@ class Normalizer:
     #: True when the weights depend on the order of the keys, not only on which keys are visible (stick-breaking
     #: scans them from the last visible one backwards): permuting keys with a non-causal call changes the output
     key_order: ClassVar[bool] = False
+    #: True when a query's weights depend on the other queries of the call (selective attention's penalty sums the
+    #: earlier queries' scores): paths that split the queries (chunked, decode) decline it, and a cached decoding
+    #: step (whose earlier queries are gone) is refused by the transformers integration
+    query_coupled: ClassVar[bool] = False
 
     # ---- what the kernels need to know (hf_attnorm.kernels reads these; no kernel switches on a name) ----
     #: "softmax": exp(s) over the visible keys plus at most one always-visible sink logit (``sink_logit``), exact
@@ -145,6 +149,9 @@ class Normalizer:
 
     def validate(self, settings: AttnormSettings) -> None:
         """Cross-option checks (single options are range-checked where declared)."""
+
+    def check_heads(self, settings: AttnormSettings, num_heads: int) -> None:
+        """Checks against the number of query heads (load/set time and every ``make_call``); raise AttnormError."""
 
     def transform_qk(self, q: torch.Tensor, k: torch.Tensor, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """Before scaling. q: [B, H, Lq, D], k: [B, H, Lk, D]."""

@@ -1,0 +1,106 @@
+"""Learned memory key/values (x-transformers' ``num_mem_kv``): M learned keys and values per head, prepended to the
+keys and values of every call, with any normalizer on top.
+
+Option ``num_mem_kv`` (default 0 = off) is accepted with every normalizer and scale
+(``attn_implementation="symax", attnorm={"num_mem_kv": 4}``); the preset ``memkv`` is softmax with 4 of them. The
+values are per-head parameters ``mem_k`` [H, M, D] and ``mem_v`` [H, M, D] (``ParamSpec`` shapes), initialised
+N(0, mem_kv_init^2) (x-transformers: ``torch.randn``, std 1) and learnable unless ``mem_kv_learnable=false``.
+
+Semantics (what every path computes, since the step runs in ``make_call`` before any kernel):
+
+* per query head (x-transformers keeps one per kv head; here GQA calls repeat k/v to the query heads, so a
+  memory slot may differ between the query heads of a group);
+* the memory keys come first, are never position-encoded (RoPE was applied to k before the attention function) and
+  take no score bias (T5/ALiBi bias 0); they are visible to every query that sees at least one real key: not
+  causal-masked, not padded, while a query with no visible key (a padded row) stays at exactly 0;
+* they count in n (the visible keys a length-aware scale reads): n = M + the real visible keys;
+* the KV cache holds only the real keys (the memory is prepended inside the attention function), so cached decoding
+  is exact; the weights returned for ``output_attentions`` cover the real keys only ([B, H, Lq, Lk], as the model
+  expects), so their rows sum to 1 minus the memory's share.
+
+How: k' = [mem_k, k], v' = [mem_v, v]; with an explicit keep-mask, M leading columns equal to "the row sees some
+key"; with the structured causal pattern (no mask, several queries), M zero queries are prepended too, so query
+i + M sees keys j' <= i + M (the memory and keys 0..i) in the upper-left causal convention every path implements,
+and their output rows are dropped by ``attend`` (``AttnCall.drop_queries``). Zero queries select nothing from a
+selective head and cost M extra rows (M << L).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..masks import MaskInfo, build_mask_info
+from ..normalizers.base import ParamSpec
+from ..registry import PRESETS, Preset
+from ..settings import AttnormSettings, declare_option, nonnegative
+from .base import repeat_kv
+
+NUM_MEM_KV = declare_option("num_mem_kv", int, 0, "learned memory key/values per head prepended to every row's keys "
+                            "(x-transformers num_mem_kv; 0 = off), with any normalizer", check=nonnegative,
+                            everywhere=True)
+MEM_KV_INIT = declare_option("mem_kv_init", float, 1.0, "memory key/values: std of their normal initialisation "
+                             "(x-transformers: 1)", check=nonnegative, everywhere=True)
+MEM_KV_LEARNABLE = declare_option("mem_kv_learnable", bool, True, "memory key/values: learn them (else constants)",
+                                  everywhere=True)
+
+MEM_K = ParamSpec("mem_k", MEM_KV_INIT, MEM_KV_LEARNABLE, "learned memory keys [H, num_mem_kv, head_dim]",
+                  shape=(NUM_MEM_KV, "head_dim"), init="normal")
+MEM_V = ParamSpec("mem_v", MEM_KV_INIT, MEM_KV_LEARNABLE, "learned memory values [H, num_mem_kv, head_dim]",
+                  shape=(NUM_MEM_KV, "head_dim"), init="normal")
+
+PRESETS.add("memkv", Preset("memkv", "softmax with 4 learned memory key/values per head (x-transformers "
+                            "num_mem_kv)", {"normalizer": "softmax", "scale": "standard", NUM_MEM_KV: 4}))
+
+
+def memory_specs(settings: AttnormSettings) -> tuple[ParamSpec, ...]:
+    """The memory's per-head values when the settings use it (num_mem_kv > 0), else ()."""
+    return (MEM_K, MEM_V) if settings.options.get(NUM_MEM_KV, 0) > 0 else ()
+
+
+def _no_memo() -> bool:
+    # as masks._no_cache: nothing may persist across a traced graph or out of inference_mode
+    return torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
+
+
+def prepend_memory(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskInfo, bias: torch.Tensor | None,
+    mem_k: torch.Tensor, mem_v: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, MaskInfo, torch.Tensor | None, int]:
+    """q [B, H, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv], mem_k / mem_v [H, M, D] -> (q', k' [B, H, M + Lk, D],
+    v' [B, H, M + Lk, Dv], mask', bias', drop): the call with the memory keys first (see the module docstring);
+    ``drop`` leading query rows (zero queries) are to be dropped from the output."""
+    B, H, Lq, D = q.shape
+    M = mem_k.shape[1]
+    if mem_k.shape[0] != H or mem_k.shape[2] != D:
+        raise ValueError(f"memory keys mem_k have shape {list(mem_k.shape)}; this call needs [H={H}, M, D={D}]")
+    if mem_v.shape[:2] != mem_k.shape[:2] or mem_v.shape[2] != v.shape[-1]:
+        raise ValueError(f"memory values mem_v have shape {list(mem_v.shape)} but the values have head dimension "
+                         f"{v.shape[-1]}: num_mem_kv needs [H={H}, M={M}, Dv={v.shape[-1]}] (memory values are "
+                         "made with head_dim, so modules whose value head dim differs from q/k's are not supported)")
+    groups = H // k.shape[1]
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+    k = torch.cat([mem_k.to(k.dtype)[None].expand(B, H, M, D), k], dim=2)
+    v = torch.cat([mem_v.to(v.dtype)[None].expand(B, H, M, v.shape[-1]), v], dim=2)
+    Lk = k.shape[2]
+    drop = 0
+    key = ("memory", M, B, H)
+    derived = mask.derived.get(key)
+    if mask.keep is None:
+        if mask.causal:  # structured causal pattern: M zero queries keep it upper-left (module docstring)
+            drop = M
+            q = torch.cat([q.new_zeros(B, H, M, D), q], dim=2)
+        if derived is None:
+            derived = build_mask_info(None, B, H, Lq + drop, Lk, mask.causal, q.device)
+    elif derived is None:
+        keep = mask.keep
+        b, h = max(keep.shape[0], mask.has_keys.shape[0]), max(keep.shape[1], mask.has_keys.shape[1])
+        cols = mask.has_keys[..., None].expand(b, h, Lq, M)
+        derived = build_mask_info(torch.cat([cols, keep.expand(b, h, Lq, Lk - M)], dim=-1), B, H, Lq, Lk,
+                                  mask.causal, q.device, remember=False)
+    if not _no_memo():
+        mask.derived[key] = derived
+    if bias is not None:  # no bias on the memory columns (nor on the zero queries' rows)
+        if bias.shape[3] == 1:
+            bias = bias.expand(*bias.shape[:3], Lk - M)
+        bias = torch.nn.functional.pad(bias, (M, 0, drop if bias.shape[2] > 1 else 0, 0))
+    return q, k, v, derived, bias, drop

@@ -1,0 +1,96 @@
+"""selective: softmax over scores minus a selection penalty accumulated over earlier queries (Leviathan, Kalman,
+Matias, "Selective Attention Improves Transformer", arXiv 2410.02703, section 3 and its code listing).
+
+With S = the scores of one head (the paper: head 0; option ``selective_head``), already scaled:
+
+    R_kj = relu(S_kj) for visible (k, j), 0 for j = BOS and for j = k (a query never masks itself, nor BOS)
+    F_ij = sum_{k < i} R_kj                       (exclusive: the paper's roll(cumsum(R, -2), 1, -2), row 0 = 0)
+    w_i  = softmax_j(s_ij - F_ij)  over the visible keys, for EVERY head (one F shared by the heads)
+
+A query k "selects" key j (reduces its attention from every later query) by a positive score. Parameter-free.
+Choices where the paper is silent (documented in docs/kernels.md):
+
+* the gradient flows through F (the paper and x-transformers' ``selective_attn`` do not detach it);
+* GQA: the selecting head is a query head (its key is its kv head's);
+* "self": query i is at key position i + Lk - Lq (the last query is the last key, as in cached decoding);
+* padding: a key no query sees is dead; BOS is the first live key of each sequence (key 0 without padding, the first
+  real token with left padding); a query whose own key is dead (a padded position) selects nothing, and masked
+  entries select nothing, so padding changes no live position's output;
+* the accumulation runs over the queries of the call in order, for any mask (a bidirectional call is defined the
+  same way: earlier queries penalise keys for later ones). Decoding from a KV cache would need the earlier queries'
+  relu(S) for every key, which the cache does not hold: ``query_coupled`` makes the transformers integration refuse
+  a cached step (Lk > Lq) with a clear error; generate with ``use_cache=False``.
+
+scores: [B, H, Lq, Lk]; keep broadcastable to it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..registry import AttnormError, register_normalizer
+from ..settings import AttnormSettings, declare_option, nonnegative
+from .base import Ctx, Normalizer, masked_max, safe_divide
+from .softmax import masked_exp
+
+SELECTIVE_HEAD = declare_option("selective_head", int, 0, "selective: the query head whose scores select "
+                                "(the paper: 0)", check=nonnegative)
+
+
+def selection_parts(keep_sel: torch.Tensor, lq: int, lk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """keep_sel: bool [b, Lq | 1, Lk] (the selecting head's visibility) -> (live [b, Lk]: keys some query sees,
+    selects [b, Lq, Lk]: bool, where relu(S) may select: visible, not BOS, not the query's own key, and the query's
+    own key live)."""
+    live = keep_sel.any(dim=-2)  # [b, Lk]
+    bos = live.to(torch.int8).argmax(dim=-1)  # first live key (0 when none)
+    j = torch.arange(lk, device=keep_sel.device)
+    own = torch.arange(lq, device=keep_sel.device) + (lk - lq)  # query i's own key position
+    own_live = torch.where((own >= 0) & (own < lk), live[:, own.clamp(0, lk - 1)], True)  # [b, Lq]
+    selects = keep_sel & (j != bos[:, None])[:, None, :] & (j[None, :] != own[:, None])[None] & own_live[..., None]
+    return live, selects
+
+
+def selection_penalty(s_sel: torch.Tensor, keep_sel: torch.Tensor) -> torch.Tensor:
+    """F [B, Lq, Lk] from the selecting head's scores s_sel [B, Lq, Lk] and its visibility keep_sel
+    [b, Lq | 1, Lk]: F_ij = sum_{k < i} relu(S_kj) over the selecting entries (module docstring)."""
+    lq, lk = s_sel.shape[-2:]
+    _, selects = selection_parts(keep_sel, lq, lk)
+    r = torch.where(selects, F.relu(s_sel), torch.zeros((), dtype=s_sel.dtype, device=s_sel.device))
+    return F.pad(torch.cumsum(r, dim=-2)[:, :-1], (0, 0, 1, 0))  # exclusive: row i sums rows k < i
+
+
+def head_keep(keep: torch.Tensor, head: int, batch: int, lq: int, lk: int) -> torch.Tensor:
+    """The selecting head's visibility [b, Lq | 1, Lk] from a keep-mask broadcastable to [B, H, Lq, Lk]."""
+    k = keep[:, head] if keep.shape[1] > 1 else keep[:, 0]
+    return k.expand(k.shape[0], k.shape[1], lk)
+
+
+@register_normalizer
+class Selective(Normalizer):
+    name = "selective"
+    description = ("selective attention (Leviathan et al. 2024): softmax(s - F), F = earlier queries' relu'd scores"
+                   " of one head")
+    row_sum = "one"
+    options = (SELECTIVE_HEAD,)
+    query_coupled = True
+
+    def selecting_head(self, settings: AttnormSettings) -> int:
+        """The query head whose scores select (kernels/selective.py reads this)."""
+        return int(settings.selective_head)
+
+    def check_heads(self, settings: AttnormSettings, num_heads: int) -> None:
+        if settings.selective_head >= num_heads:
+            raise AttnormError(f"attnorm option 'selective_head' (used by normalizer 'selective') is "
+                               f"{settings.selective_head} but the attention has {num_heads} query heads; "
+                               f"allowed: 0..{num_heads - 1}")
+
+    def reference(self, scores: torch.Tensor, keep: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+        B, H, Lq, Lk = scores.shape
+        self.check_heads(ctx.settings, H)
+        h = self.selecting_head(ctx.settings)
+        keep = keep.to(scores.device)
+        pen = selection_penalty(scores[:, h], head_keep(keep, h, B, Lq, Lk))
+        z = scores - pen[:, None]
+        e = masked_exp(z, keep, masked_max(z, keep))
+        return safe_divide(e, e.sum(dim=-1, keepdim=True))

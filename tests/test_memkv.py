@@ -1,0 +1,188 @@
+"""Learned memory key/values (``num_mem_kv``, ``hf_attnorm/kernels/memory.py``): every path against a direct
+computation (the memory concatenated by hand, run through the reference without memory), forward and every gradient
+including the memory's; with any normalizer; in models (parameters, training, save/reload, cached decoding)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny
+
+from hf_attnorm.attention import constant_heads, make_call
+from hf_attnorm.hf.forward import LAST_CALL
+from hf_attnorm.kernels import attend
+from hf_attnorm.kernels.base import alibi_bias, repeat_kv
+from hf_attnorm.registry import AttnormError
+from hf_attnorm.settings import resolve_settings
+
+M = 3
+
+
+def direct(q, k, v, mem_k, mem_v, settings, mask, causal, heads):
+    """The memory prepended by hand: visible to every query that sees a key, then the reference without memory."""
+    B, H, Lq, D = q.shape
+    Lk = k.shape[2]
+    kk = torch.cat([mem_k[None].expand(B, H, M, D), repeat_kv(k, H // k.shape[1])], 2)
+    vv = torch.cat([mem_v[None].expand(B, H, M, v.shape[-1]), repeat_kv(v, H // v.shape[1])], 2)
+    if mask is None:
+        keep = torch.ones(1, 1, Lq, Lk, dtype=torch.bool)
+        if causal and Lq > 1:
+            keep = keep.tril()
+    else:
+        keep = mask
+    has = keep.any(-1, keepdim=True)
+    keep = torch.cat([has.expand(*keep.shape[:3], M), keep.expand(*keep.shape[:3], Lk)], -1)
+    plain = settings.replace(num_mem_kv=0)
+    call = make_call(q, kk, vv, plain, heads, keep, False)
+    return attend(call, "reference")[0]
+
+
+CASES = [  # (B, H, Hkv, Lq, Lk, causal, padded)
+    (2, 4, 2, 13, 13, True, False),  # causal, no mask: the zero-query rewrite; GQA
+    (2, 2, 1, 17, 17, True, True),  # causal + padding, fully masked rows
+    (1, 2, 2, 11, 11, False, False),
+    (2, 2, 2, 1, 9, True, False),  # one query: a decode step
+    (2, 2, 2, 5, 12, False, True),  # cache-like shapes with padding
+]
+NORMS = [("softmax", "standard"), ("softmax", "ssmax"), ("sink", "standard"), ("symax", "standard"),
+         ("entmax15", "standard"), ("linear", "standard"), ("selective", "standard")]
+
+
+def _padding(B, Lq, Lk, causal):
+    keep = torch.ones(B, 1, Lq, Lk, dtype=torch.bool)
+    keep[0, :, :, :3] = False
+    keep[0, :, :2] = False
+    if causal:
+        keep &= torch.ones(Lq, Lk, dtype=torch.bool).tril(Lk - Lq)
+    return keep
+
+
+@pytest.mark.parametrize("norm,scale", NORMS, ids=[f"{n}+{s}" for n, s in NORMS])
+@pytest.mark.parametrize("case", CASES, ids=[f"c{i}" for i in range(len(CASES))])
+def test_every_path_matches_the_direct_computation(norm, scale, case):
+    B, H, Hkv, Lq, Lk, causal, padded = case
+    settings = resolve_settings(norm, {"scale": scale, "num_mem_kv": M, "mem_kv_init": 0.7})
+    g = torch.Generator().manual_seed(Lq)
+    q, k, v = (torch.randn(*s, generator=g, dtype=torch.float64)
+               for s in ((B, H, Lq, 8), (B, Hkv, Lk, 8), (B, Hkv, Lk, 8)))
+    mask = _padding(B, Lq, Lk, causal) if padded else None
+    heads0 = {n: t.double() for n, t in constant_heads(settings, H, None, 8).items()}
+    assert heads0["mem_k"].shape == (H, M, 8) and heads0["mem_k"].std() > 0.3
+    gout = torch.randn(B, H, Lq, 8, generator=g, dtype=torch.float64)
+    info = {"max_positions": 4}
+
+    def grads_of(fn):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        hl = {n: t.clone().requires_grad_(True) for n, t in heads0.items()}
+        out = fn(*leaves, hl)
+        gr = torch.autograd.grad(out, [*leaves, *hl.values()], gout, allow_unused=True)
+        return [out, *[torch.zeros(()) if t is None else t for t in gr]]
+
+    def ours(path):
+        def fn(q_, k_, v_, hl):
+            call = make_call(q_, k_, v_, settings, hl, mask, causal, module_info=info)
+            out, _, ran = attend(call, path)
+            assert path is None or ran == path
+            return out
+        return fn
+
+    def by_hand(q_, k_, v_, hl):
+        rest = {n: t for n, t in hl.items() if n not in ("mem_k", "mem_v")}
+        return direct(q_, k_, v_, hl["mem_k"], hl["mem_v"], settings, mask, causal, rest)
+
+    want = grads_of(by_hand)
+    # scales read n: the memory counts as visible keys, which the direct computation's mask says too
+    ran = []
+    for path in (None, "reference", "chunked", "decode", "fused_cpu", "sdpa", "linear_chunked", "selective"):
+        try:
+            got = grads_of(ours(path))
+        except ValueError as e:
+            if "cannot run this call" in str(e):
+                continue  # the path does not take this normalizer / shape
+            raise
+        ran.append(path)
+        for label, a, b in zip(("out", "dq", "dk", "dv", *heads0), got, want):
+            # (per-head gradients through a scale pass n, which is fp32: fp32 agreement there)
+            tol = dict(atol=1e-10, rtol=1e-9) if label in ("out", "dq", "dk", "dv", "mem_k", "mem_v") else \
+                dict(atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(a, b, **tol, msg=lambda m, p=path, lb=label: f"{p} {lb}: {m}")
+    assert len(ran) >= 3, ran  # the rule's choice, the reference and at least one forced fast path
+    if padded:
+        assert (want[0][0, :, :2] == 0).all()  # fully masked rows stay 0: the memory does not open them
+
+
+def test_auto_rule_keeps_the_fast_paths():
+    q = torch.randn(1, 2, 16, 8)
+    for name, path in (("memkv", "sdpa"), ("symax", "fused_cpu")):
+        settings = resolve_settings(name, {"num_mem_kv": 2})
+        call = make_call(q, q, q, settings, constant_heads(settings, 2, None, 8), None, True)
+        assert call.drop_queries == 2 and call.memory == 2 and call.k.shape[2] == 18
+        out, _, ran = attend(call)
+        assert ran == path and out.shape == (1, 2, 16, 8)
+
+
+def test_options_are_validated_and_default_settings_are_unchanged():
+    with pytest.raises(AttnormError, match="num_mem_kv"):
+        resolve_settings("symax", {"num_mem_kv": -1})
+    with pytest.raises(AttnormError, match="num_mem_kv"):
+        resolve_settings("symax", {"num_mem_kv": 1.5})
+    assert "num_mem_kv" not in resolve_settings("symax").to_dict()  # existing configs and checkpoints: unchanged
+    s = resolve_settings("symax", {"num_mem_kv": 2})
+    assert s.to_dict()["num_mem_kv"] == 2 and resolve_settings("symax", s.to_dict()) == s
+
+
+def test_any_normalizer_in_a_model_trains_saves_and_reloads_exactly(tmp_path):
+    model = tiny("llama", "causal_lm", implementation="symax", attnorm={"num_mem_kv": 2})
+    cfg = model.config
+    params = {n: p for n, p in model.named_parameters() if n.endswith(("attnorm.mem_k", "attnorm.mem_v"))}
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    assert len(params) == 2 * cfg.num_hidden_layers
+    assert all(p.shape == (cfg.num_attention_heads, 2, head_dim) for p in params.values())
+    x = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    model.train()
+    model(x, labels=x).loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in params.values())
+    with torch.no_grad():
+        for p in params.values():
+            p.add_(0.1 * p.grad)
+    model.eval()
+    LAST_CALL.path = ""
+    with torch.no_grad():
+        logits = model(x).logits
+    assert LAST_CALL.path == "fused_cpu"
+    model.save_pretrained(tmp_path / "m")
+    again = type(model).from_pretrained(tmp_path / "m")
+    reloaded = dict(again.named_parameters())
+    for n, p in params.items():
+        assert torch.equal(reloaded[n], p), n
+    with torch.no_grad():
+        torch.testing.assert_close(again(x).logits, logits, atol=0, rtol=0)
+        # cached decoding: the memory is not in the cache, and every step sees it
+        gen = dict(max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True)
+        a = again.generate(x, use_cache=True, **gen)
+        b = again.generate(x, use_cache=False, **gen)
+    assert torch.equal(a.sequences, b.sequences)
+    for sa, sb in zip(a.scores, b.scores):
+        torch.testing.assert_close(sa, sb, atol=1e-5, rtol=0)
+
+
+def test_alibi_skips_the_memory_keys():
+    """ALiBi distances count the real keys only (the memory has no position): materialised before the prepend, even
+    for normalizers whose fused kernels compute ALiBi in place."""
+    B, H, L = 1, 2, 11
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(B, H, L, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    slopes = torch.tensor([0.5, 0.25], dtype=torch.float64)
+    for name in ("softmax", "symax"):
+        settings = resolve_settings(name, {"num_mem_kv": M})
+        heads = {n: t.double() for n, t in constant_heads(settings, H, None, 8).items()}
+        call = make_call(q, k, v, settings, heads, None, True, alibi_slopes=slopes)
+        ours, _, ran = attend(call)
+        kk = torch.cat([heads["mem_k"][None], k], 2)
+        vv = torch.cat([heads["mem_v"][None], v], 2)
+        keep = torch.cat([torch.ones(L, M, dtype=torch.bool), torch.ones(L, L, dtype=torch.bool).tril()], -1)
+        bias = torch.nn.functional.pad(alibi_bias(slopes, L, L), (M, 0))
+        plain = settings.replace(num_mem_kv=0)
+        rest = {n: t for n, t in heads.items() if n not in ("mem_k", "mem_v")}
+        want, _, _ = attend(make_call(q, kk, vv, plain, rest, keep[None, None], False, bias=bias), "reference")
+        torch.testing.assert_close(ours, want, atol=1e-10, rtol=0, msg=f"{name} on {ran}")
