@@ -295,7 +295,10 @@ def test_chunked_spans_several_chunks():
     old = chunked_mod.CHUNK_OVERRIDE
     chunked_mod.CHUNK_OVERRIDE = 16
     try:
-        for name in NORMALIZERS:
+        takes = PATHS["chunked"].takes  # query-coupled normalizers (selective) are declined by chunked
+        names = [name for name in NORMALIZERS if takes(NORMALIZERS.get(name)) is None]
+        assert len(names) >= len(NORMALIZERS) - 2, names
+        for name in names:
             _compare("chunked", name, CASES[4])
             _compare("chunked", name, CASES[7])
     finally:
