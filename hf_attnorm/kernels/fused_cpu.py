@@ -136,10 +136,10 @@ def build_error_summary(exc: BaseException, max_lines: int = 12) -> str:
 def _register_fakes() -> None:
     """Shape-only implementations of the two ops, so torch.compile traces through them (no graph break)."""
 
-    def forward_fake(kind, q, k, v, keep, causal, c, block_q, block_k):
+    def forward_fake(kind, q, k, v, keep, causal, c, block_q, block_k, need_u=True):
         B, H, Lq = q.shape[:3]
         out = q.new_empty((B, H, Lq, v.shape[-1]))
-        u = q.new_empty((B, H, Lq, v.shape[-1])) if kind in _THRESHOLD_KINDS else q.new_empty((0,))
+        u = q.new_empty((B, H, Lq, v.shape[-1])) if kind in _THRESHOLD_KINDS and need_u else q.new_empty((0,))
         return [out, q.new_empty((B, H, Lq)), q.new_empty((B, H, Lq)), u]
 
     def backward_fake(kind, q, k, v, keep, causal, c, out, r1, r2, u, dout, block_q, block_k):
@@ -171,9 +171,10 @@ class _FusedAttention(torch.autograd.Function):
     """out = fused(q, k, v; c) with gradients for q, k, v and the per-row constant c."""
 
     @staticmethod
-    def forward(ctx, q, k, v, c, keep, causal: bool, kind: int, blocks: tuple[int, int]):
+    def forward(ctx, q, k, v, c, keep, causal: bool, kind: int, blocks: tuple[int, int], need_grad: bool):
         ops = _state["ops"]
-        out, r1, r2, u = ops.forward(kind, q, k, v, keep, causal, c, *blocks)
+        # need_grad False (inference): the threshold maps skip U, which only the backward pass reads
+        out, r1, r2, u = ops.forward(kind, q, k, v, keep, causal, c, *blocks, need_grad)
         ctx.save_for_backward(q, k, v, c, keep, out, r1, r2, u)
         ctx.meta = (causal, kind, blocks)
         return out
@@ -185,7 +186,7 @@ class _FusedAttention(torch.autograd.Function):
         causal, kind, blocks = ctx.meta
         dq, dk, dv, dc = _state["ops"].backward(kind, q, k, v, keep, causal, c, out, r1, r2, u,
                                                 dout.contiguous(), *blocks)
-        return dq, dk, dv, (dc if ctx.needs_input_grad[3] else None), None, None, None, None
+        return dq, dk, dv, (dc if ctx.needs_input_grad[3] else None), None, None, None, None, None
 
 
 def row_constant(call: AttnCall, dtype: torch.dtype) -> torch.Tensor:
@@ -247,7 +248,8 @@ def fused_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     else:
         blocks = (BLOCKS["block_q"], BLOCKS["block_k"])
     c = row_constant(call, dt)
-    out = _FusedAttention.apply(q, k, v, c, keep, causal, kind_id(kind), blocks)
+    need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, c))
+    out = _FusedAttention.apply(q, k, v, c, keep, causal, kind_id(kind), blocks, need_grad)
     return out.to(call.q.dtype), None
 
 
