@@ -127,8 +127,8 @@ def inputs(args, n: int, heads: int, dtype: torch.dtype, seed: int = 0, requires
     return [t.requires_grad_(requires_grad) for t in (q, k, v)]
 
 
-def learnable_heads(settings, heads: int, dtype=torch.float32) -> dict[str, torch.Tensor]:
-    return {n: t.to(dtype).requires_grad_(True) for n, t in constant_heads(settings, heads).items()}
+def learnable_heads(settings, heads: int, dtype=torch.float32, head_dim: int = 64) -> dict[str, torch.Tensor]:
+    return {n: t.to(dtype).requires_grad_(True) for n, t in constant_heads(settings, heads, head_dim=head_dim).items()}
 
 
 def run_once(q, k, v, settings, heads, causal: bool, path: str | None, backward: bool):
@@ -184,7 +184,8 @@ def max_error(args, settings, path: str) -> float:
     for p, dt in ((path, dtype), ("reference", torch.float64)):
         q, k, v = inputs(args, args.error_length, args.heads, torch.float32, seed=1)
         q, k, v = (t.detach().to(dtype).to(dt).requires_grad_(True) for t in (q, k, v))
-        heads = learnable_heads(settings, args.heads, torch.float64 if dt == torch.float64 else torch.float32)
+        heads = learnable_heads(settings, args.heads, torch.float64 if dt == torch.float64 else torch.float32,
+                                args.head_dim)
         call = make_call(q, k, v, settings, heads, None, causal, None, module_info={"max_positions": 2048})
         out, _, _ = attend(call, p)
         g = torch.Generator().manual_seed(5)
@@ -227,7 +228,7 @@ def memory_child(spec: str) -> None:
     n = args.memory_length
     heads = args.memory_heads or args.heads
     q, k, v = inputs(args, n, heads, DTYPES[args.dtype])
-    hv = learnable_heads(settings, heads)
+    hv = learnable_heads(settings, heads, head_dim=args.head_dim)
     if cfg["path"] != "reference":  # build / load the native kernels before the baseline
         small = inputs(args, 8, heads, DTYPES[args.dtype])
         run_once(*small, settings, hv, not args.no_causal, cfg["path"], True)
@@ -284,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     for row, overrides in row_list:
         settings = settings_for(row, overrides)
         probe_q = inputs(args, 16, args.heads, dtype)
-        probe = make_call(*probe_q, settings, learnable_heads(settings, args.heads), None, causal, None,
+        probe_heads = learnable_heads(settings, args.heads, head_dim=args.head_dim)
+        probe = make_call(*probe_q, settings, probe_heads, None, causal, None,
                           module_info={"max_positions": 2048})
         fast = next((name for name, why in explain(probe) if why == "runs"), "reference")
         err = max_error(args, settings, fast) if fast != "reference" else 0.0
@@ -294,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                 if path == "reference" and n > args.max_reference_length:
                     continue
                 q, k, v = inputs(args, n, args.heads, dtype)
-                hv = learnable_heads(settings, args.heads)
+                hv = learnable_heads(settings, args.heads, head_dim=args.head_dim)
                 reps = args.reference_repeats if path == "reference" else args.repeats
                 warm = 0 if path == "reference" else args.warmup
                 case = (q, k, v, settings, hv, causal, path)
@@ -323,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         for row, overrides in row_list:
             settings = settings_for(row, overrides)
             fast = candidate_paths(make_call(*inputs(args, 4, args.heads, dtype), settings,
-                                             learnable_heads(settings, args.heads), None, causal, None))
+                                             learnable_heads(settings, args.heads, head_dim=args.head_dim), None,
+                                             causal, None))
             fast_res = measure_memory(args, argv, row, overrides, "auto") if fast else {}
             entry = {"row": row, "path": fast_res.get("path", "reference"), **fast_res}
             if row in args.memory_reference:

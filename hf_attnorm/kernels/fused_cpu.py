@@ -139,7 +139,9 @@ def _register_fakes() -> None:
     def forward_fake(kind, q, k, v, keep, causal, c, block_q, block_k, need_u=True):
         B, H, Lq = q.shape[:3]
         out = q.new_empty((B, H, Lq, v.shape[-1]))
-        u = q.new_empty((B, H, Lq, v.shape[-1])) if kind in _THRESHOLD_KINDS and need_u else q.new_empty((0,))
+        dv = v.shape[-1]
+        width = 2 * dv + 2 if kind == kind_id("entmax_alpha") else dv  # alpha-entmax: [U | W | Z | H]
+        u = q.new_empty((B, H, Lq, width)) if kind in _THRESHOLD_KINDS and need_u else q.new_empty((0,))
         return [out, q.new_empty((B, H, Lq)), q.new_empty((B, H, Lq)), u]
 
     def backward_fake(kind, q, k, v, keep, causal, c, out, r1, r2, u, dout, block_q, block_k):

@@ -58,6 +58,10 @@ tl: Any = None
 K_SYMAX, K_SQUARED, K_STABLEMAX = kind_id("symax"), kind_id("squared"), kind_id("stablemax")
 K_SOFTPICK, K_SIGMOID, K_RELU_LEN = kind_id("softpick"), kind_id("sigmoid"), kind_id("relu_len")
 K_ENTMAX15, K_SPARSEMAX = kind_id("entmax15"), kind_id("sparsemax")
+# alpha-entmax (per-row power 1/(alpha-1), d alpha): the C++ kernel has it, the Triton kernels not yet (takes declines)
+K_ENTMAX_ALPHA = kind_id("entmax_alpha")
+#: maps of the shared table without Triton device code: takes() declines them with this reason
+NOT_IN_TRITON: dict[str, str] = {"entmax_alpha": "the Triton kernels have no alpha-entmax map yet (fused_cpu has)"}
 #: constant name -> id, for every map of the shared table
 KIND_CONSTANTS: dict[str, int] = {f"K_{constant_name(name)}": globals()[f"K_{constant_name(name)}"]
                                   for name in FUSED_KINDS}
@@ -745,7 +749,8 @@ def _warn_once(key: str, message: str) -> None:
 
 def takes(norm: Normalizer) -> str | None:
     """The normalizers with a fused map and no q/k transform (``kinds.fused_takes``)."""
-    return fused_takes(norm, "Triton")
+    reason = fused_takes(norm, "Triton")
+    return reason if reason is not None else NOT_IN_TRITON.get(norm.fused_kind)
 
 
 def accepts(call: AttnCall) -> str | None:

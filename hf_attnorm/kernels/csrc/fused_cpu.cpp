@@ -42,11 +42,14 @@ enum Kind : int64_t {
   RELU_LEN = 5,
   ENTMAX15 = 6,
   SPARSEMAX = 7,
+  ENTMAX_ALPHA = 8,
 };
-constexpr int64_t NUM_KINDS = 8;
+constexpr int64_t NUM_KINDS = 9;
 
 inline bool is_normalised(int64_t kind) { return kind <= SOFTPICK; }
-inline bool is_threshold(int64_t kind) { return kind == ENTMAX15 || kind == SPARSEMAX; }
+inline bool is_threshold(int64_t kind) { return kind == ENTMAX15 || kind == SPARSEMAX || kind == ENTMAX_ALPHA; }
+// alpha-entmax's U holds [U (Dv) | W = sum p ln p v (Dv) | Z | H] per row (see forward_alpha)
+inline int64_t u_width(int64_t kind, int64_t Dv) { return kind == ENTMAX_ALPHA ? 2 * Dv + 2 : Dv; }
 
 // ------------------------------------------------------------------------------------------------ elementwise math
 
@@ -581,6 +584,140 @@ void forward_threshold(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
   });
 }
 
+// alpha-entmax (kind ENTMAX_ALPHA, alpha_i = c_i > 1 per row): p_j = [x_j - tau]_+^(1/(alpha-1)) / Z with
+// x = (alpha - 1)(s - max s), candidates x > -1 as above. tau by Newton on h(t) = ||[x - t]_+||_P, P = 1/(alpha-1):
+// for alpha <= 2 (P >= 1) h is a monotone norm of convex functions, so convex and decreasing, and Newton from
+// t = -1 never overshoots (for P = 2 this is the entmax-1.5 step above); for alpha > 2 bisection. The weights are
+// renormalised by Z = sum_j [x_j - tau]_+^P (1 up to rounding), like the reference. Rows are accumulated entry by
+// entry over their support; U gets g = p^(2 - alpha), W gets p ln p (the alpha gradient), then Z and the entropy
+// H = sum p ln p (see backward).
+template <typename T>
+double alpha_threshold(T* y, int32_t* idx, int64_t& n, double alpha) {
+  const double P = 1.0 / (alpha - 1.0);
+  double t = -1.0;
+  if (alpha <= 2.0) {
+    for (int it = 0; it < 100; ++it) {
+      double S = 0, D1 = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        const double d = static_cast<double>(y[j]) - t;
+        const double dp = std::pow(d, P - 1.0);
+        S += dp * d;
+        D1 += dp;
+      }
+      if (S <= 1.0 || D1 <= 0.0) break;  // at (rounding of) the root
+      const double step = (S - std::pow(S, 1.0 - 1.0 / P)) / D1;
+      if (!(t + step > t) || step < 1e-13) break;
+      t += step;
+      int64_t w = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        if (static_cast<double>(y[j]) - t > 0.0) {
+          y[w] = y[j];
+          idx[w++] = idx[j];
+        }
+      }
+      n = w;
+    }
+    return t;
+  }
+  double lo = -1.0, width = 1.0 - std::pow(1.0 / static_cast<double>(std::max<int64_t>(n, 1)), alpha - 1.0);
+  for (int it = 0; it < 60; ++it) {
+    width /= 2;
+    const double mid = lo + width;
+    double S = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const double d = static_cast<double>(y[j]) - mid;
+      S += d > 0.0 ? std::pow(d, P) : 0.0;
+    }
+    if (S >= 1.0) lo = mid;
+  }
+  return lo;
+}
+
+template <typename T>
+void forward_alpha(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
+  const T ninf = -std::numeric_limits<T>::infinity();
+  const int64_t nqb = (p.Lq + p.BQ - 1) / p.BQ;
+  const int64_t nthreads = at::get_num_threads();
+  const int64_t BH = p.B * p.H, UW = u_width(ENTMAX_ALPHA, p.Dv);
+  struct Buffers {
+    std::vector<T> S, cand, w;
+    std::vector<int32_t> cidx;
+  };
+  std::vector<Buffers> bufs(nthreads);
+  dynamic_for(BH * nqb, nthreads, [&](int64_t item, int64_t t) {
+    const int64_t qb = nqb - 1 - item / BH, bh = item % BH, b = bh / p.H, h = bh % p.H, g = h / p.G;
+    const int64_t i0 = qb * p.BQ, m = std::min(p.BQ, p.Lq - i0);
+    const int64_t L = p.causal ? std::min(p.Lk, i0 + m) : p.Lk;
+    std::fill(out + (bh * p.Lq + i0) * p.Dv, out + (bh * p.Lq + i0 + m) * p.Dv, T(0));
+    if (uout != nullptr) std::fill(uout + (bh * p.Lq + i0) * UW, uout + (bh * p.Lq + i0 + m) * UW, T(0));
+    for (int64_t r = 0; r < m; ++r) r1[bh * p.Lq + i0 + r] = r2[bh * p.Lq + i0 + r] = T(0);
+    if (L == 0) return;
+    Buffers& buf = bufs[t];
+    if (buf.S.empty()) {
+      buf.S.resize(p.BQ * p.Lk);
+      buf.cand.resize(p.Lk);
+      buf.w.resize(p.Lk);
+      buf.cidx.resize(p.Lk);
+    }
+    T* S = buf.S.data();
+    mm_abt<T>(m, L, p.D, p.qrow(b, h, i0), p.qsl, p.krow(b, g, 0), p.ksl, T(0), S, L);
+    for (int64_t r = 0; r < m; ++r) {
+      const int64_t i = i0 + r, row = bh * p.Lq + i, lim = std::min(L, p.key_end(i));
+      const bool* kr = p.keep ? p.mrow(b, h, i) : nullptr;
+      const T* srow = S + r * L;
+      const T alpha = p.c[row], am1 = alpha - T(1);
+      T zmax = ninf;
+      for (int64_t j = 0; j < lim; ++j) zmax = (kr == nullptr || kr[j]) ? std::max(zmax, srow[j] * am1) : zmax;
+      if (zmax == ninf) continue;  // no visible key: zeros
+      T* cv = buf.cand.data();
+      int32_t* ci = buf.cidx.data();
+      int64_t nc = 0;
+      for (int64_t j = 0; j < lim; ++j) {
+        const T y = srow[j] * am1 - zmax;
+        if (y > T(-1) && (kr == nullptr || kr[j])) {
+          cv[nc] = y;
+          ci[nc++] = static_cast<int32_t>(j);
+        }
+      }
+      const double tau = alpha_threshold<T>(cv, ci, nc, static_cast<double>(alpha));
+      const double P = 1.0 / (static_cast<double>(alpha) - 1.0);
+      double Z = 0;
+      for (int64_t e = 0; e < nc; ++e) {
+        const double d = static_cast<double>(cv[e]) - tau;
+        const double wj = d > 0.0 ? std::pow(d, P) : 0.0;
+        buf.w[e] = static_cast<T>(wj);
+        Z += wj;
+      }
+      const T invz = Z > 0.0 ? static_cast<T>(1.0 / Z) : T(0);
+      T* o = out + row * p.Dv;
+      T* u = uout != nullptr ? uout + row * UW : nullptr;
+      T G = 0, Hs = 0;
+      for (int64_t e = 0; e < nc; ++e) {
+        if (!(buf.w[e] > T(0))) continue;
+        const T pj = buf.w[e] * invz;
+        const T* vj = p.vrow(b, g, ci[e]);
+#pragma omp simd
+        for (int64_t d = 0; d < p.Dv; ++d) o[d] += pj * vj[d];
+        if (u == nullptr) continue;
+        const T gj = std::pow(pj, T(2) - alpha), lj = pj * std::log(pj);
+        G += gj;
+        Hs += lj;
+#pragma omp simd
+        for (int64_t d = 0; d < p.Dv; ++d) {
+          u[d] += gj * vj[d];
+          u[p.Dv + d] += lj * vj[d];
+        }
+      }
+      r1[row] = static_cast<T>(tau) + zmax;  // unshifted: p = [(alpha - 1) s - tau]_+^P / Z
+      r2[row] = G;
+      if (u != nullptr) {
+        u[2 * p.Dv] = static_cast<T>(Z);
+        u[2 * p.Dv + 1] = Hs;
+      }
+    }
+  });
+}
+
 // ------------------------------------------------------------------------------------------------ backward
 
 template <typename T>
@@ -592,7 +729,7 @@ struct RowC {
 // P = 1, or softpick's 0/1). Their gradient there is exactly 0, but dS = f'(s) (dP - delta) / D would be rounding
 // noise amplified by f'/D (2/s for squared): the row's c holds n, and such rows get dS = 0.
 inline bool constant_on_single_key(int64_t kind) {
-  return kind == SQUARED || kind == STABLEMAX || kind == SOFTPICK || kind == ENTMAX15 || kind == SPARSEMAX;
+  return kind == SQUARED || kind == STABLEMAX || kind == SOFTPICK || is_threshold(kind);
 }
 
 // d/ds of one entry: P and dS from the score x and g = dO_i . v_j (branch-free, see the forward)
@@ -633,6 +770,12 @@ inline void dmap(T x, T g, const RowC<T>& rc, T& pp, T& ds) {
     const T r = std::max(x * T(0.5) - rc.tau, T(0));
     pp = r * r;
     ds = r * (g - delta);
+  }
+  if constexpr (KIND == ENTMAX_ALPHA) {  // p = r^P / Z, r = [(alpha-1) s - tau]_+, dS = p^(2-alpha) (g - delta)
+    const T r = std::max((rc.c - T(1)) * x - rc.tau, T(0));
+    const T pr = r > T(0) ? std::pow(r, T(1) / (rc.c - T(1))) * invd : T(0);
+    pp = pr;
+    ds = pr > T(0) ? std::pow(pr, T(2) - rc.c) * (g - delta) : T(0);
   }
   if constexpr (KIND == SPARSEMAX) {
     const T r = x - rc.tau;
@@ -678,13 +821,15 @@ inline T bwd_tile_row(const bool* kr, int64_t lim, T* s, T* dp, int64_t nb, cons
 template <typename T, int64_t KIND>
 bool sparse_tile(const Problem<T>& p, int st, int64_t b, int64_t h, int64_t g, int64_t i0, int64_t m, int64_t j0,
                  int64_t nb, const T* S, int32_t* E, T* dQb, T* dK, T* dV, const T* dout, const T* r1,
-                 const T* delta, T* dq, std::mutex* lock) {
-  constexpr bool ENTMAX = KIND == ENTMAX15;
-  const T half = ENTMAX ? T(0.5) : T(1);
+                 const T* delta, const T* invd, T* dq, std::mutex* lock) {
+  constexpr bool ENTMAX = KIND == ENTMAX15, ALPHA = KIND == ENTMAX_ALPHA;
   const int64_t bh = b * p.H + h;
+  // the score factor of the map: 1/2 (entmax-1.5), 1 (sparsemax), alpha_i - 1 (alpha-entmax)
+  auto factor = [&](int64_t row) { return ALPHA ? p.c[row] - T(1) : (ENTMAX ? T(0.5) : T(1)); };
   int64_t ns = 0;
   for (int64_t r = 0; r < m; ++r) {
     const T tau = r1[bh * p.Lq + i0 + r];
+    const T half = factor(bh * p.Lq + i0 + r);
     const int64_t lim = st == 1 ? nb : std::max<int64_t>(0, std::min(nb, p.key_end(i0 + r) - j0));
     const bool* kr = st == 2 && p.keep ? p.mrow(b, h, i0 + r) + j0 : nullptr;
     const T* srow = S + r * nb;
@@ -699,8 +844,15 @@ bool sparse_tile(const Problem<T>& p, int st, int64_t b, int64_t h, int64_t g, i
   std::fill(dQb, dQb + m * p.D, T(0));
   for (int64_t e = 0; e < ns; ++e) {
     const int64_t r = E[e] / nb, j = E[e] % nb, row = bh * p.Lq + i0 + r;
-    const T rr = half * S[E[e]] - r1[row];
-    const T pp = ENTMAX ? rr * rr : rr, hh = ENTMAX ? rr : T(1);
+    const T rr = factor(row) * S[E[e]] - r1[row];
+    T pp, hh;
+    if constexpr (ALPHA) {
+      pp = std::pow(rr, T(1) / (p.c[row] - T(1))) * invd[row];
+      hh = std::pow(pp, T(2) - p.c[row]);
+    } else {
+      pp = ENTMAX ? rr * rr : rr;
+      hh = ENTMAX ? rr : T(1);
+    }
     const T live = p.c[row] == T(1) ? T(0) : T(1);  // single visible key: constant weights (see RowC)
     const T* go = dout + row * p.Dv;
     const T* vj = p.vrow(b, g, j0 + j);
@@ -744,10 +896,23 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
   at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* go = dout + i * p.Dv;
-      const T* x = is_threshold(KIND) ? uout + i * p.Dv : out + i * p.Dv;
+      const T* x = is_threshold(KIND) ? uout + i * u_width(KIND, p.Dv) : out + i * p.Dv;
       T dot = 0;
       for (int64_t d = 0; d < p.Dv; ++d) dot += go[d] * x[d];
-      if (is_normalised(KIND)) {
+      if (KIND == ENTMAX_ALPHA) {
+        // d alpha_i = sum_j dp_j [(p_j - pt_j) / (alpha-1)^2 - (p_j ln p_j - pt_j H) / (alpha-1)], pt = g / G
+        // (Correia et al. 2019), with dp_j = dO_i . v_j: in terms of the row sums out, U, W, Z, H of the forward
+        const T* o = out + i * p.Dv;
+        T dot_o = 0, dot_w = 0;
+        for (int64_t d = 0; d < p.Dv; ++d) {
+          dot_o += go[d] * o[d];
+          dot_w += go[d] * x[p.Dv + d];
+        }
+        const T z = x[2 * p.Dv], ent = x[2 * p.Dv + 1], am1 = p.c[i] - T(1);
+        invd[i] = z != T(0) ? T(1) / z : T(0);
+        delta[i] = r2[i] != T(0) ? dot / r2[i] : T(0);
+        dc[i] = (dot_o - delta[i]) / (am1 * am1) - (dot_w - delta[i] * ent) / am1;
+      } else if (is_normalised(KIND)) {
         invd[i] = r1[i] != T(0) ? T(1) / r1[i] : T(0);
         delta[i] = dot;
         dc[i] = KIND == SYMAX ? -dot * invd[i] : T(0);  // d out_i / d eta = -out_i / D_i
@@ -803,9 +968,9 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
           const T* qi = p.qrow(b, h, i0);
           const T* doi = dout + (bh * p.Lq + i0) * p.Dv;
           mm_abt<T>(m, nb, p.D, qi, p.qsl, kj, p.ksl, T(0), buf.S.data(), nb);
-          if constexpr (KIND == ENTMAX15 || KIND == SPARSEMAX) {
+          if constexpr (KIND == ENTMAX15 || KIND == SPARSEMAX || KIND == ENTMAX_ALPHA) {
             if (sparse_tile<T, KIND>(p, st, b, h, g, i0, m, j0, nb, buf.S.data(), buf.E.data(), buf.dQ.data(),
-                                     buf.dK.data(), buf.dV.data(), dout, r1, delta.data(), dq,
+                                     buf.dK.data(), buf.dV.data(), dout, r1, delta.data(), invd.data(), dq,
                                      per_head ? nullptr : &locks[bh * nqb + qb])) {
               continue;
             }
@@ -854,6 +1019,7 @@ void dispatch_kind(int64_t kind, const F& f) {
     case RELU_LEN: f(std::integral_constant<int64_t, RELU_LEN>{}); break;
     case ENTMAX15: f(std::integral_constant<int64_t, ENTMAX15>{}); break;
     case SPARSEMAX: f(std::integral_constant<int64_t, SPARSEMAX>{}); break;
+    case ENTMAX_ALPHA: f(std::integral_constant<int64_t, ENTMAX_ALPHA>{}); break;
     default: TORCH_CHECK(false, "fused_cpu: unknown kind ", kind);
   }
 }
@@ -868,12 +1034,16 @@ std::vector<at::Tensor> fused_forward(int64_t kind, const at::Tensor& q, const a
   auto r1 = at::empty({B, H, Lq}, q.options());
   auto r2 = at::empty({B, H, Lq}, q.options());
   // U (threshold maps) only feeds the backward pass: need_u false (inference) skips it and returns it empty
-  auto u = is_threshold(kind) && need_u ? at::empty({B, H, Lq, Dv}, q.options()) : at::empty({0}, q.options());
+  auto u = is_threshold(kind) && need_u ? at::empty({B, H, Lq, u_width(kind, Dv)}, q.options())
+                                        : at::empty({0}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "hf_attnorm_fused_forward", [&] {
     auto p = make_problem<scalar_t>(kind, q, k, v, keep, causal, c, block_q, block_k);
     dispatch_kind(kind, [&](auto kc) {
       constexpr int64_t K = decltype(kc)::value;
-      if constexpr (K == ENTMAX15 || K == SPARSEMAX) {
+      if constexpr (K == ENTMAX_ALPHA) {
+        forward_alpha<scalar_t>(p, out.data_ptr<scalar_t>(), r1.data_ptr<scalar_t>(), r2.data_ptr<scalar_t>(),
+                                need_u ? u.data_ptr<scalar_t>() : nullptr);
+      } else if constexpr (K == ENTMAX15 || K == SPARSEMAX) {
         forward_threshold<scalar_t, K>(p, out.data_ptr<scalar_t>(), r1.data_ptr<scalar_t>(),
                                        r2.data_ptr<scalar_t>(), need_u ? u.data_ptr<scalar_t>() : nullptr);
       } else {
@@ -894,7 +1064,9 @@ std::vector<at::Tensor> fused_backward(int64_t kind, const at::Tensor& q, const 
   TORCH_CHECK(out.is_contiguous() && dout.is_contiguous() && r1.is_contiguous() && r2.is_contiguous(),
               "fused_cpu: out, dout, r1, r2 must be contiguous");
   TORCH_CHECK(dout.sizes() == out.sizes() && dout.scalar_type() == q.scalar_type(), "fused_cpu: bad dout");
-  TORCH_CHECK(!is_threshold(kind) || (u.is_contiguous() && u.sizes() == out.sizes()), "fused_cpu: bad u");
+  TORCH_CHECK(!is_threshold(kind) || (u.is_contiguous() && u.dim() == 4 && u.size(3) == u_width(kind, v.size(3)) &&
+                                      u.size(2) == out.size(2)),
+              "fused_cpu: bad u");
   auto dq = at::empty(q.sizes(), q.options());
   auto dk = at::empty(k.sizes(), k.options());
   auto dv = at::empty(v.sizes(), v.options());
