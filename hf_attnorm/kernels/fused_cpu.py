@@ -26,7 +26,7 @@ import torch
 
 from ..normalizers.base import Normalizer
 from .base import AttnCall, compute_dtype, score_mod_reason
-from .kinds import FUSED_KINDS, THRESHOLD, fused_takes, kind_id
+from .kinds import FUSED_KINDS, THRESHOLD, WIDE, fused_takes, kind_id
 
 logger = logging.getLogger("hf_attnorm")
 
@@ -140,7 +140,7 @@ def _register_fakes() -> None:
         B, H, Lq = q.shape[:3]
         out = q.new_empty((B, H, Lq, v.shape[-1]))
         dv = v.shape[-1]
-        width = 2 * dv + 2 if kind == kind_id("entmax_alpha") else dv  # alpha-entmax: [U | W | Z | H]
+        width = 2 * dv + 3 if kind == kind_id("entmax_alpha") else dv  # alpha-entmax: [U | A | Z | H | M]
         u = q.new_empty((B, H, Lq, width)) if kind in _THRESHOLD_KINDS and need_u else q.new_empty((0,))
         return [out, q.new_empty((B, H, Lq)), q.new_empty((B, H, Lq)), u]
 
@@ -229,7 +229,7 @@ def accepts(call: AttnCall) -> str | None:
 def fused_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     """out [B, H, Lq, Dv] in the input dtype (fp16/bf16 computed in fp32), for calls ``accepts`` takes."""
     kind = call.normalizer.fused_kind
-    dt = compute_dtype(call.q.dtype)
+    dt = torch.float64 if kind in WIDE else compute_dtype(call.q.dtype)
     q = (call.q.to(dt) * call.q_factor(dt)).contiguous()
     k = _last_dim_contiguous(call.k.to(dt))
     v = _last_dim_contiguous(call.v.to(dt))

@@ -20,6 +20,10 @@ FUSED_KINDS: dict[str, int] = {
 NORMALISED: frozenset[str] = frozenset({"symax", "squared", "stablemax", "softpick"})
 #: maps with a per-row threshold found by a search over the row (C++ ``is_threshold``)
 THRESHOLD: frozenset[str] = frozenset({"entmax15", "sparsemax", "entmax_alpha"})
+#: maps the C++ kernel computes in float64 whatever the input dtype: alpha-entmax's weights are r^(1/(alpha-1)),
+#: which amplifies fp32 rounding of r by 1/(alpha-1); gradients of values that aggregate dq over every row (ASEntmax's
+#: delta, gamma) then drifted 5-20x past the fp32 reference's own error
+WIDE: frozenset[str] = frozenset({"entmax_alpha"})
 
 
 def kind_id(name: str) -> int:

@@ -48,8 +48,8 @@ constexpr int64_t NUM_KINDS = 9;
 
 inline bool is_normalised(int64_t kind) { return kind <= SOFTPICK; }
 inline bool is_threshold(int64_t kind) { return kind == ENTMAX15 || kind == SPARSEMAX || kind == ENTMAX_ALPHA; }
-// alpha-entmax's U holds [U (Dv) | W = sum p ln p v (Dv) | Z | H] per row (see forward_alpha)
-inline int64_t u_width(int64_t kind, int64_t Dv) { return kind == ENTMAX_ALPHA ? 2 * Dv + 2 : Dv; }
+// alpha-entmax's U holds [U (Dv) | A = sum_j (d p_j / d alpha) v_j (Dv) | Z | H | M] per row (see forward_alpha)
+inline int64_t u_width(int64_t kind, int64_t Dv) { return kind == ENTMAX_ALPHA ? 2 * Dv + 3 : Dv; }
 
 // ------------------------------------------------------------------------------------------------ elementwise math
 
@@ -589,7 +589,7 @@ void forward_threshold(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
 // for alpha <= 2 (P >= 1) h is a monotone norm of convex functions, so convex and decreasing, and Newton from
 // t = -1 never overshoots (for P = 2 this is the entmax-1.5 step above); for alpha > 2 bisection. The weights are
 // renormalised by Z = sum_j [x_j - tau]_+^P (1 up to rounding), like the reference. Rows are accumulated entry by
-// entry over their support; U gets g = p^(2 - alpha), W gets p ln p (the alpha gradient), then Z and the entropy
+// entry over their support; U gets g = p^(2 - alpha), A the alpha-derivative of each weight, then Z and the entropy
 // H = sum p ln p (see backward).
 template <typename T>
 double alpha_threshold(T* y, int32_t* idx, int64_t& n, double alpha) {
@@ -666,24 +666,28 @@ void forward_alpha(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
       const bool* kr = p.keep ? p.mrow(b, h, i) : nullptr;
       const T* srow = S + r * L;
       const T alpha = p.c[row], am1 = alpha - T(1);
+      // shifted before scaling, x = (s - max s)(alpha - 1), as the reference: (alpha - 1) s - (alpha - 1) max s would
+      // round (alpha - 1) s first and lose the small differences that P = 1/(alpha-1) then amplifies
       T zmax = ninf;
-      for (int64_t j = 0; j < lim; ++j) zmax = (kr == nullptr || kr[j]) ? std::max(zmax, srow[j] * am1) : zmax;
+      for (int64_t j = 0; j < lim; ++j) zmax = (kr == nullptr || kr[j]) ? std::max(zmax, srow[j]) : zmax;
       if (zmax == ninf) continue;  // no visible key: zeros
       T* cv = buf.cand.data();
       int32_t* ci = buf.cidx.data();
       int64_t nc = 0;
       for (int64_t j = 0; j < lim; ++j) {
-        const T y = srow[j] * am1 - zmax;
+        const T y = (srow[j] - zmax) * am1;
         if (y > T(-1) && (kr == nullptr || kr[j])) {
           cv[nc] = y;
           ci[nc++] = static_cast<int32_t>(j);
         }
       }
-      const double tau = alpha_threshold<T>(cv, ci, nc, static_cast<double>(alpha));
+      // tau rounded to T here, so that the backward pass, which recomputes r = (s - M)(alpha - 1) - tau in T from
+      // the stored M = max s and tau, gets bit-identical r (P = 1/(alpha-1) amplifies any difference)
+      const T tau = static_cast<T>(alpha_threshold<T>(cv, ci, nc, static_cast<double>(alpha)));
       const double P = 1.0 / (static_cast<double>(alpha) - 1.0);
       double Z = 0;
       for (int64_t e = 0; e < nc; ++e) {
-        const double d = static_cast<double>(cv[e]) - tau;
+        const double d = static_cast<double>(cv[e] - tau);
         const double wj = d > 0.0 ? std::pow(d, P) : 0.0;
         buf.w[e] = static_cast<T>(wj);
         Z += wj;
@@ -691,28 +695,41 @@ void forward_alpha(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
       const T invz = Z > 0.0 ? static_cast<T>(1.0 / Z) : T(0);
       T* o = out + row * p.Dv;
       T* u = uout != nullptr ? uout + row * UW : nullptr;
-      T G = 0, Hs = 0;
+      double G = 0, Hs = 0;
       for (int64_t e = 0; e < nc; ++e) {
         if (!(buf.w[e] > T(0))) continue;
         const T pj = buf.w[e] * invz;
+        buf.w[e] = pj;
         const T* vj = p.vrow(b, g, ci[e]);
 #pragma omp simd
         for (int64_t d = 0; d < p.Dv; ++d) o[d] += pj * vj[d];
         if (u == nullptr) continue;
-        const T gj = std::pow(pj, T(2) - alpha), lj = pj * std::log(pj);
-        G += gj;
-        Hs += lj;
+        G += std::pow(static_cast<double>(pj), 2.0 - alpha);
+        Hs += static_cast<double>(pj) * std::log(static_cast<double>(pj));
+      }
+      if (u != nullptr && G > 0.0) {
+        // U = sum g_j v_j and A = sum a_j v_j with a_j the alpha-derivative coefficient of p_j, formed per entry
+        // (in double) so that d alpha_i = dO_i . A_i has no cancellation between row sums
+        const double am1d = static_cast<double>(am1);
+        for (int64_t e = 0; e < nc; ++e) {
+          if (!(buf.w[e] > T(0))) continue;
+          const double pj = buf.w[e], gj = std::pow(pj, 2.0 - alpha), pt = gj / G;
+          const T aj = static_cast<T>((pj - pt) / (am1d * am1d) - (pj * std::log(pj) - pt * Hs) / am1d);
+          const T gt = static_cast<T>(gj);
+          const T* vj = p.vrow(b, g, ci[e]);
 #pragma omp simd
-        for (int64_t d = 0; d < p.Dv; ++d) {
-          u[d] += gj * vj[d];
-          u[p.Dv + d] += lj * vj[d];
+          for (int64_t d = 0; d < p.Dv; ++d) {
+            u[d] += gt * vj[d];
+            u[p.Dv + d] += aj * vj[d];
+          }
         }
       }
-      r1[row] = static_cast<T>(tau) + zmax;  // unshifted: p = [(alpha - 1) s - tau]_+^P / Z
-      r2[row] = G;
+      r1[row] = tau;  // shifted: p = [(s - M)(alpha - 1) - tau]_+^P / Z, M = max s in U
+      r2[row] = static_cast<T>(G);
       if (u != nullptr) {
         u[2 * p.Dv] = static_cast<T>(Z);
-        u[2 * p.Dv + 1] = Hs;
+        u[2 * p.Dv + 1] = static_cast<T>(Hs);
+        u[2 * p.Dv + 2] = zmax;
       }
     }
   });
@@ -772,7 +789,7 @@ inline void dmap(T x, T g, const RowC<T>& rc, T& pp, T& ds) {
     ds = r * (g - delta);
   }
   if constexpr (KIND == ENTMAX_ALPHA) {  // p = r^P / Z, r = [(alpha-1) s - tau]_+, dS = p^(2-alpha) (g - delta)
-    const T r = std::max((rc.c - T(1)) * x - rc.tau, T(0));
+    const T r = std::max((x - rc.m) * (rc.c - T(1)) - rc.tau, T(0));  // rc.m: M, as in the forward
     const T pr = r > T(0) ? std::pow(r, T(1) / (rc.c - T(1))) * invd : T(0);
     pp = pr;
     ds = pr > T(0) ? std::pow(pr, T(2) - rc.c) * (g - delta) : T(0);
@@ -821,20 +838,21 @@ inline T bwd_tile_row(const bool* kr, int64_t lim, T* s, T* dp, int64_t nb, cons
 template <typename T, int64_t KIND>
 bool sparse_tile(const Problem<T>& p, int st, int64_t b, int64_t h, int64_t g, int64_t i0, int64_t m, int64_t j0,
                  int64_t nb, const T* S, int32_t* E, T* dQb, T* dK, T* dV, const T* dout, const T* r1,
-                 const T* delta, const T* invd, T* dq, std::mutex* lock) {
+                 const T* delta, const T* invd, const T* shift, T* dq, std::mutex* lock) {
   constexpr bool ENTMAX = KIND == ENTMAX15, ALPHA = KIND == ENTMAX_ALPHA;
   const int64_t bh = b * p.H + h;
   // the score factor of the map: 1/2 (entmax-1.5), 1 (sparsemax), alpha_i - 1 (alpha-entmax)
   auto factor = [&](int64_t row) { return ALPHA ? p.c[row] - T(1) : (ENTMAX ? T(0.5) : T(1)); };
   int64_t ns = 0;
   for (int64_t r = 0; r < m; ++r) {
-    const T tau = r1[bh * p.Lq + i0 + r];
+    const T tau = r1[bh * p.Lq + i0 + r], sh = shift[bh * p.Lq + i0 + r];
     const T half = factor(bh * p.Lq + i0 + r);
     const int64_t lim = st == 1 ? nb : std::max<int64_t>(0, std::min(nb, p.key_end(i0 + r) - j0));
     const bool* kr = st == 2 && p.keep ? p.mrow(b, h, i0 + r) + j0 : nullptr;
     const T* srow = S + r * nb;
     for (int64_t j = 0; j < lim; ++j) {
-      if (half * srow[j] - tau > T(0) && (kr == nullptr || kr[j])) {
+      const T y = ALPHA ? (srow[j] - sh) * half : half * srow[j];
+      if (y - tau > T(0) && (kr == nullptr || kr[j])) {
         if ((ns + 1) * SPARSE_RATIO > m * nb) return false;
         E[ns++] = static_cast<int32_t>(r * nb + j);
       }
@@ -844,7 +862,7 @@ bool sparse_tile(const Problem<T>& p, int st, int64_t b, int64_t h, int64_t g, i
   std::fill(dQb, dQb + m * p.D, T(0));
   for (int64_t e = 0; e < ns; ++e) {
     const int64_t r = E[e] / nb, j = E[e] % nb, row = bh * p.Lq + i0 + r;
-    const T rr = factor(row) * S[E[e]] - r1[row];
+    const T rr = (ALPHA ? (S[E[e]] - shift[row]) * factor(row) : factor(row) * S[E[e]]) - r1[row];
     T pp, hh;
     if constexpr (ALPHA) {
       pp = std::pow(rr, T(1) / (p.c[row] - T(1))) * invd[row];
@@ -892,7 +910,7 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
               T* dk, T* dv, T* dc) {
   const int64_t BH = p.B * p.H, rows = BH * p.Lq;
   // per-row constants: delta_i = dO_i . out_i (or dO_i . U_i / Hs_i), 1 / D_i
-  std::vector<T> delta(rows), invd(rows);
+  std::vector<T> delta(rows), invd(rows), shift(rows, T(0));  // shift: alpha-entmax's M
   at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* go = dout + i * p.Dv;
@@ -901,17 +919,14 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
       for (int64_t d = 0; d < p.Dv; ++d) dot += go[d] * x[d];
       if (KIND == ENTMAX_ALPHA) {
         // d alpha_i = sum_j dp_j [(p_j - pt_j) / (alpha-1)^2 - (p_j ln p_j - pt_j H) / (alpha-1)], pt = g / G
-        // (Correia et al. 2019), with dp_j = dO_i . v_j: in terms of the row sums out, U, W, Z, H of the forward
-        const T* o = out + i * p.Dv;
-        T dot_o = 0, dot_w = 0;
-        for (int64_t d = 0; d < p.Dv; ++d) {
-          dot_o += go[d] * o[d];
-          dot_w += go[d] * x[p.Dv + d];
-        }
-        const T z = x[2 * p.Dv], ent = x[2 * p.Dv + 1], am1 = p.c[i] - T(1);
+        // (Correia et al. 2019), with dp_j = dO_i . v_j: = dO_i . A_i, A formed per entry in the forward
+        T dot_a = 0;
+        for (int64_t d = 0; d < p.Dv; ++d) dot_a += go[d] * x[p.Dv + d];
+        const T z = x[2 * p.Dv];
+        shift[i] = x[2 * p.Dv + 2];
         invd[i] = z != T(0) ? T(1) / z : T(0);
         delta[i] = r2[i] != T(0) ? dot / r2[i] : T(0);
-        dc[i] = (dot_o - delta[i]) / (am1 * am1) - (dot_w - delta[i] * ent) / am1;
+        dc[i] = dot_a;
       } else if (is_normalised(KIND)) {
         invd[i] = r1[i] != T(0) ? T(1) / r1[i] : T(0);
         delta[i] = dot;
@@ -970,7 +985,7 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
           mm_abt<T>(m, nb, p.D, qi, p.qsl, kj, p.ksl, T(0), buf.S.data(), nb);
           if constexpr (KIND == ENTMAX15 || KIND == SPARSEMAX || KIND == ENTMAX_ALPHA) {
             if (sparse_tile<T, KIND>(p, st, b, h, g, i0, m, j0, nb, buf.S.data(), buf.E.data(), buf.dQ.data(),
-                                     buf.dK.data(), buf.dV.data(), dout, r1, delta.data(), invd.data(), dq,
+                                     buf.dK.data(), buf.dV.data(), dout, r1, delta.data(), invd.data(), shift.data(), dq,
                                      per_head ? nullptr : &locks[bh * nqb + qb])) {
               continue;
             }
@@ -980,7 +995,8 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
           for (int64_t r = 0; r < m; ++r) {
             const int64_t row = bh * p.Lq + i0 + r;
             const T live = constant_on_single_key(KIND) && p.c[row] == T(1) ? T(0) : T(1);
-            RowC<T> rc{invd[row], delta[row], p.c[row], r2[row], vexp(-r2[row]), r1[row], live};
+            RowC<T> rc{invd[row], delta[row], p.c[row], KIND == ENTMAX_ALPHA ? shift[row] : r2[row], vexp(-r2[row]),
+                       r1[row], live};
             const bool* kr = st == 2 && p.keep ? p.mrow(b, h, i0 + r) + j0 : nullptr;
             dcrow[r] = bwd_tile_row<T, KIND>(kr, st == 1 ? nb : p.key_end(i0 + r) - j0, buf.S.data() + r * nb,
                                              buf.dP.data() + r * nb, nb, rc);
