@@ -366,84 +366,47 @@ void forward_tiles(const Problem<T>& p, T* out, T* r1, T* r2) {
 
 // ------------------------------------------------------------------------------------------------ forward: thresholds
 
-// tau with sum_j [y_j - tau]_+^POW = 1 (POW 2: entmax-1.5, 1: sparsemax); y (n entries, with their key indices
-// idx) are the candidates: values y_j - max in (-1, 0], every other visible key is below -1 and so outside the
-// support (the top key alone reaches 1 at tau = -1).
-// Newton's method from t = -1 approaches tau* from below (the map is convex and decreasing) and never overshoots, so
-// every candidate at or below the current t is out of the support for good: each step drops them (y and idx are
-// compacted in place, so the passes shrink: about half the work of re-scanning all candidates) and sums the rest
-// with a branch-free vectorised loop. Each step also tries the closed form on the current set, which is exact once
-// the set is the support (checked: every member must stay above the candidate tau). Sums in double: the closed form
-// subtracts nearly equal quantities (s1^2 vs cnt (s2 - 1)) on long dense rows.
+// tau with sum_j [y_j - tau]_+^POW = 1 (POW 2: entmax-1.5, 1: sparsemax); y has max 0, invisible keys -inf.
+// Newton from tau = -1 approaches tau* from below (the map is convex and decreasing) and never overshoots; each
+// step also tries the closed form on the current support {y > t}, which is exact once that support is the true one
+// (checked: every support element must stay >= the candidate tau).
 template <typename T, bool ENTMAX>
-T find_threshold(T* y, int32_t* idx, int64_t& n) {
+T find_threshold(const T* y, int64_t L) {
+  // sums in double: the closed form subtracts nearly equal quantities (s1^2 vs cnt (s2 - 1)) on long dense rows
   double t = -1.0;
   for (int it = 0; it < 200; ++it) {
-    // (every accumulator in double and a plain select for the min: mixing float and double reductions, or
-    // std::min, kept GCC from vectorising this loop)
-    double s1 = 0, s2 = 0, ymin = std::numeric_limits<double>::infinity();
+    double cnt = 0, s1 = 0, s2 = 0;
+    T ymin = std::numeric_limits<T>::infinity();
     const T tt = static_cast<T>(t);
-#pragma omp simd reduction(+ : s1, s2) reduction(min : ymin)
-    for (int64_t j = 0; j < n; ++j) {
-      const double dd = static_cast<double>(y[j] - tt);
+#pragma omp simd reduction(+ : cnt, s1, s2) reduction(min : ymin)
+    for (int64_t j = 0; j < L; ++j) {
+      const T d = y[j] - tt;
+      const bool in = d > T(0);
+      const double dd = in ? static_cast<double>(d) : 0.0;
+      cnt += in ? 1.0 : 0.0;
       s1 += dd;
       s2 += dd * dd;
-      ymin = dd < ymin ? dd : ymin;
+      ymin = std::min(ymin, in ? d : std::numeric_limits<T>::infinity());
     }
-    const double cnt = static_cast<double>(n);
-    if (n == 0) return tt;  // unreachable for t < 0 = max y; kept for safety
+    if (cnt == 0.0) return tt;  // unreachable for t < 0 = max y; kept for safety
     double u, step;
     if constexpr (ENTMAX) {
       // smaller root of cnt u^2 - 2 s1 u + s2 - 1 = 0, in the form without cancellation
       const double disc = s1 * s1 - cnt * (s2 - 1.0);
       u = disc >= 0.0 ? (s2 - 1.0) / (s1 + std::sqrt(disc)) : std::numeric_limits<double>::infinity();
-      // Newton on sqrt(f) = ||[y - t]_+||_2, which is convex and decreasing as well (a monotone norm of convex
-      // functions), so from below it never overshoots either; far from tau* it is nearly linear where f is
-      // quadratic, so it takes far fewer steps on dense rows (f's own Newton step only halves the distance there)
+      // Newton on sqrt(f) = ||[y - t]_+||_2: convex and decreasing as well (a monotone norm of convex functions), so
+      // from below it never overshoots either, and far from tau* it is nearly linear where f is quadratic (f's own
+      // Newton step only halves the distance there): fewer passes on dense rows
       step = (s2 - std::sqrt(s2)) / s1;
     } else {
       u = (s1 - 1.0) / cnt;
       step = u;
     }
-    if (u <= ymin) return static_cast<T>(t + u);
+    if (u <= static_cast<double>(ymin)) return static_cast<T>(t + u);
     if (!(t + step > t)) return tt;  // no progress left at this precision
     t += step;
-    // drop the candidates now at or below the lower bound t
-    const T tn = static_cast<T>(t);
-    int64_t w = 0;
-    for (int64_t j = 0; j < n; ++j) {
-      if (y[j] - tn > T(0)) {
-        y[w] = y[j];
-        idx[w++] = idx[j];
-      }
-    }
-    n = w;
   }
   return static_cast<T>(t);
-}
-
-// Dense rows of a threshold map, in place: s_j <- [half s_j - tau]_+^POW over the visible keys j < lim, 0 elsewhere
-// (one vectorised pass over the row buffer); h (if not nullptr) <- the Jacobian factor sqrt(p) or [p > 0].
-template <typename T, bool ENTMAX>
-void map_threshold_row(T* __restrict s, T* __restrict hrow, int64_t lim, int64_t L, const bool* __restrict kr,
-                       T half, T tau) {
-  if (kr != nullptr) {
-#pragma omp simd
-    for (int64_t j = 0; j < lim; ++j) {
-      const T d = kr[j] ? std::max(half * s[j] - tau, T(0)) : T(0);
-      s[j] = ENTMAX ? d * d : d;
-      if (hrow != nullptr) hrow[j] = ENTMAX ? d : (d > T(0) ? T(1) : T(0));
-    }
-  } else {
-#pragma omp simd
-    for (int64_t j = 0; j < lim; ++j) {
-      const T d = std::max(half * s[j] - tau, T(0));
-      s[j] = ENTMAX ? d * d : d;
-      if (hrow != nullptr) hrow[j] = ENTMAX ? d : (d > T(0) ? T(1) : T(0));
-    }
-  }
-  std::fill(s + lim, s + L, T(0));
-  if (hrow != nullptr) std::fill(hrow + lim, hrow + L, T(0));
 }
 
 // uout nullptr: U is not wanted (no backward pass will run, e.g. inference): its buffer and matmul are skipped
@@ -520,35 +483,39 @@ void forward_threshold(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
             ci[nc++] = static_cast<int32_t>(j);
           }
         }
-        tau = find_threshold<T, ENTMAX>(cv, ci, nc);
-        int64_t ns = 0;
+        tau = find_threshold<T, ENTMAX>(cv, nc);
+        if (!sparse) {
+          std::fill(srow, srow + L, T(0));
+          if (want_u) std::fill(hrow, hrow + L, T(0));
+        }
         for (int64_t e = 0; e < nc; ++e) {
           const T d = cv[e] - tau;
-          ns += d > T(0) ? 1 : 0;
-          hs += ENTMAX ? std::max(d, T(0)) : (d > T(0) ? T(1) : T(0));
-        }
-        const T tau_shifted = tau;
-        tau += zmax;  // stored unshifted: p = [half * s - tau]_+^POW
-        if (sparse && cnt + ns > cap) {  // too many for entry-by-entry: map the rows done so far in place
-          sparse = false;
-          for (int64_t rr = 0; rr < r; ++rr) {
-            const int64_t ir = i0 + rr;
-            map_threshold_row<T, ENTMAX>(S + rr * L, want_u ? Hb + rr * L : nullptr, std::min(L, p.key_end(ir)), L,
-                                         p.keep ? p.mrow(b, h, ir) : nullptr, half, r1[bh * p.Lq + ir]);
-          }
-        }
-        if (sparse) {
-          for (int64_t e = 0; e < nc; ++e) {
-            const T d = cv[e] - tau_shifted;
-            if (d > T(0)) {
-              buf.pv[cnt] = ENTMAX ? d * d : d;
-              buf.hv[cnt] = ENTMAX ? d : T(1);
+          if (d > T(0)) {
+            const T pj = ENTMAX ? d * d : d, hj = ENTMAX ? d : T(1);
+            hs += hj;
+            if (sparse && cnt == cap) {  // too many for entry-by-entry: densify the rows done so far
+              sparse = false;
+              for (int64_t rr = 0; rr <= r; ++rr) {
+                std::fill(S + rr * L, S + (rr + 1) * L, T(0));
+                if (want_u) std::fill(Hb + rr * L, Hb + (rr + 1) * L, T(0));
+                const int64_t end = rr < r ? support[rr + 1] : cnt;
+                for (int64_t x = support[rr]; x < end; ++x) {
+                  S[rr * L + buf.ix[x]] = buf.pv[x];
+                  if (want_u) Hb[rr * L + buf.ix[x]] = buf.hv[x];
+                }
+              }
+            }
+            if (sparse) {
+              buf.pv[cnt] = pj;
+              buf.hv[cnt] = hj;
               buf.ix[cnt++] = ci[e];
+            } else {
+              srow[ci[e]] = pj;
+              if (want_u) hrow[ci[e]] = hj;
             }
           }
-        } else {
-          map_threshold_row<T, ENTMAX>(srow, hrow, lim, L, kr, half, tau);
         }
+        tau += zmax;  // stored unshifted: p = [half * s - tau]_+^POW
       } else if (!sparse) {
         std::fill(srow, srow + L, T(0));
         if (want_u) std::fill(hrow, hrow + L, T(0));
@@ -562,19 +529,20 @@ void forward_threshold(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
       if (want_u) std::fill(urow, urow + m * p.Dv, T(0));
       for (int64_t r = 0; r < m; ++r) {
         T* o = orow + r * p.Dv;
+        T* u = want_u ? urow + r * p.Dv : nullptr;
         for (int64_t e = support[r]; e < support[r + 1]; ++e) {
-          const T pj = buf.pv[e];
+          const T pj = buf.pv[e], hj = buf.hv[e];
           const T* vj = p.vrow(b, g, buf.ix[e]);
+          if (want_u) {
 #pragma omp simd
-          for (int64_t d = 0; d < p.Dv; ++d) o[d] += pj * vj[d];
-        }
-        if (!want_u) continue;
-        T* u = urow + r * p.Dv;
-        for (int64_t e = support[r]; e < support[r + 1]; ++e) {
-          const T hj = buf.hv[e];
-          const T* vj = p.vrow(b, g, buf.ix[e]);
+            for (int64_t d = 0; d < p.Dv; ++d) {
+              o[d] += pj * vj[d];
+              u[d] += hj * vj[d];
+            }
+          } else {
 #pragma omp simd
-          for (int64_t d = 0; d < p.Dv; ++d) u[d] += hj * vj[d];
+            for (int64_t d = 0; d < p.Dv; ++d) o[d] += pj * vj[d];
+          }
         }
       }
     } else {
