@@ -185,8 +185,8 @@ def test_one_query_decode_path_applies_modifiers(impl):
         if a is not None:
             torch.testing.assert_close(b, a, atol=1e-9, rtol=1e-7)
     settings = resolve_settings(impl, _options(impl))
-    call = make_call(q, k, v, settings, constant_heads(settings, H), keep, bias=bias, softcap=3.0, sinks=sinks,
-                     alibi_slopes=alibi)
+    heads = constant_heads(settings, H, head_dim=q.shape[-1])
+    call = make_call(q, k, v, settings, heads, keep, bias=bias, softcap=3.0, sinks=sinks, alibi_slopes=alibi)
     assert choose(call) == "decode"
     assert explain(call)[-1] == ("decode", "runs")
 
