@@ -102,6 +102,9 @@ def make_call(
     if head_factor is not None:
         hf = head_factor.view(1, -1, 1)
         mult = hf if mult is None else mult * hf
+    query_factor = norm.query_multiplier(q, ctx)  # [B, H, Lq] from the raw query (ASEntmax)
+    if query_factor is not None:
+        mult = query_factor if mult is None else mult * query_factor
     if scaling is None:
         scaling = D**-0.5
     base = float(scaling) if norm.uses_base_scaling else 1.0

@@ -71,13 +71,14 @@ def memory_child(name: str, mod: str, n: int, h: int, softcap: float) -> None:
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, n, 64, generator=g).requires_grad_() for _ in range(3))
     settings = resolve_settings(name, {})
-    small = make_call(q[:, :, :64], k[:, :, :64], v[:, :, :64], settings, constant_heads(settings, h), None, True,
+    heads = constant_heads(settings, h, head_dim=64)
+    small = make_call(q[:, :, :64], k[:, :, :64], v[:, :, :64], settings, heads, None, True,
                       **mod_kwargs(mod, h, 64, softcap))
     attend(small, "fused_cpu")[0].sum().backward()
     kw = mod_kwargs(mod, h, n, softcap)
     q.grad = k.grad = v.grad = None
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    out, _, ran = attend(make_call(q, k, v, settings, constant_heads(settings, h), None, True, **kw), "fused_cpu")
+    out, _, ran = attend(make_call(q, k, v, settings, heads, None, True, **kw), "fused_cpu")
     out.pow(2).mean().backward()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps({"normalizer": name, "modifier": mod, "path": ran, "extra_mb": round((peak - base) / 1024, 1)}))
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
 
         for name in args.normalizers:
             settings = resolve_settings(name, {})
-            heads = constant_heads(settings, H)
+            heads = constant_heads(settings, H, head_dim=D)
             for mod in MODS:
                 kw = {"alibi": dict(alibi_slopes=m), "softcap": dict(softcap=args.softcap),
                       "bias": dict(bias=alibi), "none": {}}[mod]  # the bias row reuses the timed alibi tensor

@@ -56,7 +56,8 @@ def _probe_reason(path: str, name: str) -> str | None:
     """Why ``path`` declines a plain small fp32 CPU call of ``name`` (None when it runs it)."""
     q = torch.randn(1, 2, 3, 4)
     settings = resolve_settings(name)
-    call = make_call(q, q, q, settings, constant_heads(settings, 2), None, True, None, module_info=MODULE_INFO)
+    call = make_call(q, q, q, settings, constant_heads(settings, 2, head_dim=4), None, True, None,
+                     module_info=MODULE_INFO)
     return PATHS[path].check(call)
 
 
@@ -136,12 +137,13 @@ BIG_CASES = [
 ]
 
 
-def _heads(settings, H: int, seed: int) -> dict[str, torch.Tensor]:
-    """Per-head values perturbed away from their (often equal) initial values, so head indexing is tested."""
+def _heads(settings, H: int, seed: int, head_dim: int) -> dict[str, torch.Tensor]:
+    """Per-head values ([H] or [H, ...]) perturbed away from their (often equal) initial values, so head indexing
+    is tested."""
     g = torch.Generator().manual_seed(seed + 1000)
-    heads = constant_heads(settings, H)
-    return {n: (t + 0.3 * torch.randn(H, generator=g)).abs() if n in ("cosine_temperature", "ssmax_s")
-            else t + 0.3 * torch.randn(H, generator=g) for n, t in heads.items()}
+    heads = constant_heads(settings, H, head_dim=head_dim)
+    return {n: (t + 0.3 * torch.randn(t.shape, generator=g)).abs() if n in ("cosine_temperature", "ssmax_s")
+            else t + 0.3 * torch.randn(t.shape, generator=g) for n, t in heads.items()}
 
 
 def _settings(name: str, scale: str | None):
@@ -172,7 +174,8 @@ def _compare(path, name, case, dtype=torch.float32, scale=None, seed=0, perturb=
     settings = name if isinstance(name, AttnormSettings) else _settings(name, scale)
     name = settings.normalizer
     q, k, v, mask = case.tensors(seed)
-    heads = _heads(settings, case.H, seed) if perturb else constant_heads(settings, case.H)
+    heads = (_heads(settings, case.H, seed, case.D) if perturb
+             else constant_heads(settings, case.H, head_dim=case.D))
     gout = torch.randn(case.B, case.H, case.Lq, case.D, generator=torch.Generator().manual_seed(seed + 7),
                        dtype=torch.float64)
     # every run sees the same (rounded) inputs
@@ -295,10 +298,7 @@ def test_chunked_spans_several_chunks():
     old = chunked_mod.CHUNK_OVERRIDE
     chunked_mod.CHUNK_OVERRIDE = 16
     try:
-        takes = PATHS["chunked"].takes  # query-coupled normalizers (selective) are declined by chunked
-        names = [name for name in NORMALIZERS if takes(NORMALIZERS.get(name)) is None]
-        assert len(names) >= len(NORMALIZERS) - 2, names
-        for name in names:
+        for name in declared_normalizers("chunked") or NORMALIZERS:  # chunked declines query-coupled ones
             _compare("chunked", name, CASES[4])
             _compare("chunked", name, CASES[7])
     finally:
@@ -321,7 +321,7 @@ def test_decode_path_matches_reference(name):
         res = {}
         for path in ("reference", "decode"):
             leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-            heads = {n: t.requires_grad_(True) for n, t in constant_heads(settings, 6).items()}
+            heads = {n: t.requires_grad_(True) for n, t in constant_heads(settings, 6, head_dim=8).items()}
             call = make_call(*leaves, settings, heads, mask, True, None, module_info=MODULE_INFO)
             out, _, ran = attend(call, path)
             assert ran == path
@@ -329,7 +329,8 @@ def test_decode_path_matches_reference(name):
             res[path] = [out.detach(), *[t.grad for t in leaves], *[t.grad for t in heads.values()]]
         for a, b in zip(res["reference"], res["decode"]):
             torch.testing.assert_close(b, a, atol=1e-10, rtol=1e-9)
-        assert choose(make_call(q, k, v, settings, constant_heads(settings, 6), mask, True, None)) == "decode"
+        assert choose(make_call(q, k, v, settings, constant_heads(settings, 6, head_dim=8), mask, True,
+                                None)) == "decode"
     assert PATHS["decode"].check(_call(name)) is not None  # several queries
 
 
@@ -339,7 +340,8 @@ def test_decode_path_matches_reference(name):
 def _call(name, need_weights=False, dropout=0.0, dtype=torch.float32, mask=None, **opts):
     q = torch.randn(1, 2, 9, 8, dtype=dtype)
     settings = resolve_settings(name, opts)
-    return make_call(q, q, q, settings, constant_heads(settings, 2), mask, True, None, dropout, need_weights,
+    heads = constant_heads(settings, 2, head_dim=8)
+    return make_call(q, q, q, settings, heads, mask, True, None, dropout, need_weights,
                      MODULE_INFO)
 
 
@@ -570,7 +572,7 @@ name, path, n, heads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[
 settings = resolve_settings(name)
 def run(n):
     q, k, v = (torch.randn(1, heads, n, 64, requires_grad=True) for _ in range(3))
-    hv = {key: t.requires_grad_(True) for key, t in constant_heads(settings, heads).items()}
+    hv = {key: t.requires_grad_(True) for key, t in constant_heads(settings, heads, head_dim=64).items()}
     out, _, ran = attend(make_call(q, k, v, settings, hv, None, True, None), path)
     out.pow(2).mean().backward()
     return ran

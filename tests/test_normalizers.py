@@ -31,7 +31,7 @@ def _inputs(B=2, H=3, Lq=7, Lk=9, D=5, dtype=torch.float64, seed=0):
 
 def _weights(name, q, k, keep, **opts):
     settings = resolve_settings(name, opts)
-    call = make_call(q, k, k, settings, constant_heads(settings, q.shape[1]), keep, False, None)
+    call = make_call(q, k, k, settings, constant_heads(settings, q.shape[1], head_dim=q.shape[-1]), keep, False, None)
     return reference_weights(call)
 
 
@@ -74,7 +74,7 @@ def test_gradcheck_float64(name):
     keep = torch.ones_like(keep)
     keep[0, 0, 1, 3:] = False
     settings = resolve_settings(name)
-    heads = {n: t.double().requires_grad_(True) for n, t in constant_heads(settings, 2).items()}
+    heads = {n: t.double().requires_grad_(True) for n, t in constant_heads(settings, 2, head_dim=3).items()}
     # stay away from kinks (|s| at 0, relu at 0, stablemax at 0) where finite differences are not derivatives
     q = (q + 0.1 * torch.sign(q)).requires_grad_(True)
     k = k.requires_grad_(True)

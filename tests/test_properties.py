@@ -250,7 +250,7 @@ def _per_head_knob(impl: str, name: str, opts: dict | None = None):
     """Changing one head's value changes that head's output only."""
     q, k, v = _qkv()
     settings = resolve_settings(impl, opts or {})
-    heads = constant_heads(settings, 3)
+    heads = constant_heads(settings, 3, head_dim=4)
     heads = {n: t.double() for n, t in heads.items()}
     base, _ = attention(q, k, v, settings, heads=heads, causal=True)
     bumped = dict(heads)

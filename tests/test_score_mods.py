@@ -185,8 +185,8 @@ def test_one_query_decode_path_applies_modifiers(impl):
         if a is not None:
             torch.testing.assert_close(b, a, atol=1e-9, rtol=1e-7)
     settings = resolve_settings(impl, _options(impl))
-    call = make_call(q, k, v, settings, constant_heads(settings, H), keep, bias=bias, softcap=3.0, sinks=sinks,
-                     alibi_slopes=alibi)
+    heads = constant_heads(settings, H, head_dim=q.shape[-1])
+    call = make_call(q, k, v, settings, heads, keep, bias=bias, softcap=3.0, sinks=sinks, alibi_slopes=alibi)
     assert choose(call) == "decode"
     assert explain(call)[-1] == ("decode", "runs")
 
@@ -290,6 +290,26 @@ def test_fused_cpu_applies_modifiers_like_the_reference(name, layout, small_fuse
             torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8, msg=lambda m, i=i, cid=cid: f"{cid}[{i}]: {m}")
         if layout == "padding-gqa":
             assert (got[0][0, :, 3] == 0).all(), cid
+
+
+@pytest.mark.parametrize("name", FUSED)
+def test_fused_cpu_modifiers_without_a_backward_pass(name, small_fused_blocks):
+    """Under torch.no_grad the threshold maps skip their backward-only output U (need_u): with every modifier the
+    forward still equals the reference, and the fused path ran."""
+    lq, lk, make = LAYOUTS["padding-gqa"]
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(FB, FH, lq, FD, generator=g, dtype=torch.float64) * 1.5
+    k, v = (torch.randn(FB, FHKV, lk, FD, generator=g, dtype=torch.float64) for _ in range(2))
+    settings = resolve_settings(name)
+    heads = constant_heads(settings, FH, None, FD)
+    for cid, mods in _mod_cases(lq, lk).items():
+        kw = dict(bias=mods.get("bias"), softcap=mods.get("softcap"), alibi_slopes=mods.get("alibi_slopes"), **make())
+        ref, _, _ = attend(make_call(q, k, v, settings, heads, **kw), "reference")
+        with torch.no_grad():
+            got, _, ran = attend(make_call(q, k, v, settings, heads, **kw), "fused_cpu")
+        assert ran == "fused_cpu"
+        torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-8, msg=lambda m, cid=cid: f"{cid}: {m}")
+        assert (got[0, :, 3] == 0).all(), cid
 
 
 def test_fused_cpu_modifiers_in_fp32_and_the_key_block_split(small_fused_blocks):

@@ -69,7 +69,7 @@ if not INTERPRETED:
     def _call(name: str, device: str = "cpu", **kw):
         q = torch.randn(1, 2, 5, 16, device=device)
         settings = resolve_settings(name)
-        return make_call(q, q, q, settings, constant_heads(settings, 2, q.device), None, True, None, **kw)
+        return make_call(q, q, q, settings, constant_heads(settings, 2, q.device, q.shape[-1]), None, True, None, **kw)
 
     @pytest.mark.parametrize("name", NAMES)
     def test_cpu_calls_are_declined_without_the_interpreter(name, monkeypatch):
@@ -135,13 +135,13 @@ def test_calls_the_kernels_cannot_take_are_declined_with_the_reason():
              ("symax", {"dropout": 0.1}, "dropout")]
     for name, kw, why in cases:
         settings = resolve_settings(name)
-        call = make_call(q, q, q, settings, constant_heads(settings, 2), None, True, None, **kw)
+        call = make_call(q, q, q, settings, constant_heads(settings, 2, head_dim=q.shape[-1]), None, True, None, **kw)
         with pytest.raises(ValueError, match=f"cannot run this call.*{why}"):
             attend(call, path="triton")
     if INTERPRETED:  # only the interpreter gets as far as the dtype on a CPU
         settings = resolve_settings("symax")
-        call = make_call(q.double(), q.double(), q.double(), settings, constant_heads(settings, 2), None, True,
-                         None)
+        heads = constant_heads(settings, 2, head_dim=q.shape[-1])
+        call = make_call(q.double(), q.double(), q.double(), settings, heads, None, True, None)
         with pytest.raises(ValueError, match="dtype torch.float64: the Triton kernels take"):
             attend(call, path="triton")
 
@@ -348,7 +348,7 @@ if INTERPRETED:  # the kernel tests proper: only where the interpreter was on be
     def test_forced_call_runs_on_cpu_but_auto_mode_leaves_cpu_to_the_cpu_paths():
         q = torch.randn(1, 2, 17, 16)
         settings = resolve_settings("squared")
-        call = make_call(q, q, q, settings, constant_heads(settings, 2), None, True, None)
+        call = make_call(q, q, q, settings, constant_heads(settings, 2, head_dim=q.shape[-1]), None, True, None)
         out, w, path = attend(call, path="triton")
         assert path == "triton" and w is None and out.shape == (1, 2, 17, 16)
         ref, _, _ = attend(call, path="reference")

@@ -30,7 +30,7 @@ import torch
 
 from ..normalizers.base import Normalizer
 from .base import AttnCall, compact_bias, compute_dtype
-from .kinds import FUSED_KINDS, THRESHOLD, fused_takes, kind_id
+from .kinds import FUSED_KINDS, THRESHOLD, WIDE, fused_takes, kind_id
 
 logger = logging.getLogger("hf_attnorm")
 
@@ -142,10 +142,12 @@ def build_error_summary(exc: BaseException, max_lines: int = 12) -> str:
 def _register_fakes() -> None:
     """Shape-only implementations of the two ops, so torch.compile traces through them (no graph break)."""
 
-    def forward_fake(kind, q, k, v, keep, causal, c, bias, slopes, cap, block_q, block_k):
+    def forward_fake(kind, q, k, v, keep, causal, c, bias, slopes, cap, block_q, block_k, need_u=True):
         B, H, Lq = q.shape[:3]
         out = q.new_empty((B, H, Lq, v.shape[-1]))
-        u = q.new_empty((B, H, Lq, v.shape[-1])) if kind in _THRESHOLD_KINDS else q.new_empty((0,))
+        dv = v.shape[-1]
+        width = 2 * dv + 3 if kind == kind_id("entmax_alpha") else dv  # alpha-entmax: [U | A | Z | H | M]
+        u = q.new_empty((B, H, Lq, width)) if kind in _THRESHOLD_KINDS and need_u else q.new_empty((0,))
         return [out, q.new_empty((B, H, Lq)), q.new_empty((B, H, Lq)), u]
 
     def backward_fake(kind, q, k, v, keep, causal, c, bias, slopes, cap, bias_grad, out, r1, r2, u, dout, block_q,
@@ -180,9 +182,11 @@ class _FusedAttention(torch.autograd.Function):
     its own broadcast shape). slopes (ALiBi) and cap (soft-cap, 0 for none) are constants."""
 
     @staticmethod
-    def forward(ctx, q, k, v, c, bias, keep, slopes, cap: float, causal: bool, kind: int, blocks: tuple[int, int]):
+    def forward(ctx, q, k, v, c, bias, keep, slopes, cap: float, causal: bool, kind: int, blocks: tuple[int, int],
+                need_grad: bool):
         ops = _state["ops"]
-        out, r1, r2, u = ops.forward(kind, q, k, v, keep, causal, c, bias, slopes, cap, *blocks)
+        # need_grad False (inference): the threshold maps skip U, which only the backward pass reads
+        out, r1, r2, u = ops.forward(kind, q, k, v, keep, causal, c, bias, slopes, cap, *blocks, need_grad)
         ctx.save_for_backward(q, k, v, c, bias, keep, slopes, out, r1, r2, u)
         ctx.meta = (causal, kind, blocks, cap)
         return out
@@ -196,7 +200,7 @@ class _FusedAttention(torch.autograd.Function):
         dq, dk, dv, dc, dbias = _state["ops"].backward(kind, q, k, v, keep, causal, c, bias, slopes, cap, bias_grad,
                                                        out, r1, r2, u, dout.contiguous(), *blocks)
         return (dq, dk, dv, (dc if ctx.needs_input_grad[3] else None), (dbias if bias_grad else None),
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
 def row_constant(call: AttnCall, dtype: torch.dtype) -> torch.Tensor:
@@ -236,7 +240,7 @@ def accepts(call: AttnCall) -> str | None:
 def fused_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     """out [B, H, Lq, Dv] in the input dtype (fp16/bf16 computed in fp32), for calls ``accepts`` takes."""
     kind = call.normalizer.fused_kind
-    dt = compute_dtype(call.q.dtype)
+    dt = torch.float64 if kind in WIDE else compute_dtype(call.q.dtype)
     q = (call.q.to(dt) * call.q_factor(dt)).contiguous()
     k = _last_dim_contiguous(call.k.to(dt))
     v = _last_dim_contiguous(call.v.to(dt))
@@ -260,7 +264,8 @@ def fused_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     bias = None if call.bias is None else compact_bias(call.bias, dt)
     slopes = None if call.alibi_slopes is None else call.alibi_slopes.detach().to(dt).contiguous()
     cap = 0.0 if call.softcap is None else float(call.softcap)
-    out = _FusedAttention.apply(q, k, v, c, bias, keep, slopes, cap, causal, kind_id(kind), blocks)
+    need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, c, bias))
+    out = _FusedAttention.apply(q, k, v, c, bias, keep, slopes, cap, causal, kind_id(kind), blocks, need_grad)
     return out.to(call.q.dtype), None
 
 

@@ -14,13 +14,17 @@ from ..normalizers.base import Normalizer
 #: map name -> kernel id (the C++ enum value and the Triton KIND); ids are positions, never reuse one
 FUSED_KINDS: dict[str, int] = {
     "symax": 0, "squared": 1, "stablemax": 2, "softpick": 3, "sigmoid": 4, "relu_len": 5,
-    "entmax15": 6, "sparsemax": 7,
+    "entmax15": 6, "sparsemax": 7, "entmax_alpha": 8,
     "power": 9, "softplus": 10,
 }
 #: maps whose rows are divided by a denominator accumulated with them (C++ ``is_normalised``)
 NORMALISED: frozenset[str] = frozenset({"symax", "squared", "stablemax", "softpick", "power", "softplus"})
 #: maps with a per-row threshold found by a search over the row (C++ ``is_threshold``)
-THRESHOLD: frozenset[str] = frozenset({"entmax15", "sparsemax"})
+THRESHOLD: frozenset[str] = frozenset({"entmax15", "sparsemax", "entmax_alpha"})
+#: maps the C++ kernel computes in float64 whatever the input dtype: alpha-entmax's weights are r^(1/(alpha-1)),
+#: which amplifies fp32 rounding of r by 1/(alpha-1); gradients of values that aggregate dq over every row (ASEntmax's
+#: delta, gamma) then drifted 5-20x past the fp32 reference's own error
+WIDE: frozenset[str] = frozenset({"entmax_alpha"})
 
 
 def kind_id(name: str) -> int:

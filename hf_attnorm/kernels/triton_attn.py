@@ -66,6 +66,10 @@ K_POWER, K_SOFTPLUS = kind_id("power"), kind_id("softplus")
 #: power: |s| below the smallest normal fp32 counts as 0 (weight 0); the log-domain "minus infinity" of its shift
 TINY = 1.1754943508222875e-38
 POW_NEG = -1e30
+# alpha-entmax (per-row power 1/(alpha-1), d alpha): the C++ kernel has it, the Triton kernels not yet (takes declines)
+K_ENTMAX_ALPHA = kind_id("entmax_alpha")
+#: maps of the shared table without Triton device code: takes() declines them with this reason
+NOT_IN_TRITON: dict[str, str] = {"entmax_alpha": "the Triton kernels have no alpha-entmax map yet (fused_cpu has)"}
 #: constant name -> id, for every map of the shared table
 KIND_CONSTANTS: dict[str, int] = {f"K_{constant_name(name)}": globals()[f"K_{constant_name(name)}"]
                                   for name in FUSED_KINDS}
@@ -910,7 +914,8 @@ def _warn_once(key: str, message: str) -> None:
 
 def takes(norm: Normalizer) -> str | None:
     """The normalizers with a fused map and no q/k transform (``kinds.fused_takes``)."""
-    return fused_takes(norm, "Triton")
+    reason = fused_takes(norm, "Triton")
+    return reason if reason is not None else NOT_IN_TRITON.get(norm.fused_kind)
 
 
 def accepts(call: AttnCall) -> str | None:

@@ -8,6 +8,7 @@ Pipeline for one attention call (see ``hf_attnorm.attention``)::
     q, k   = normalizer.transform_qk(q, k, ctx)           # e.g. cosine: l2-normalise
     q      = q * base * multiplier[b, h, i]               # base = model scaling (1 if not uses_base_scaling);
                                                           # multiplier = length-aware scale x per-head factors
+                                                          # x per-query factors (query_multiplier, from raw q)
     q, k   = normalizer.feature_map(q, k, ctx)            # e.g. linear attention: elu + 1
     s      = q @ k^T                                      # [B, H, Lq, Lk]
     w      = normalizer.reference(s, keep, ctx)           # [B, H, Lq, Lk], exactly 0 where keep is False
@@ -159,6 +160,12 @@ class Normalizer:
 
     def head_multiplier(self, ctx: Ctx) -> torch.Tensor | None:
         """Per-head factor multiplied into q with the scale ([H]) or None."""
+        return None
+
+    def query_multiplier(self, q: torch.Tensor, ctx: Ctx) -> torch.Tensor | None:
+        """Per-query factor multiplied into q with the scale (so every path, the fused kernels included, gets it
+        through q, and autograd carries its gradient): [B, H, Lq] computed from the call's raw q [B, H, Lq, D]
+        (before ``transform_qk`` and any scaling; ASEntmax's delta + softplus(w . q) (ln n)^gamma), or None."""
         return None
 
     def feature_map(self, q: torch.Tensor, k: torch.Tensor, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,13 +47,16 @@ enum Kind : int64_t {
   RELU_LEN = 5,
   ENTMAX15 = 6,
   SPARSEMAX = 7,
+  ENTMAX_ALPHA = 8,
   POWER = 9,
   SOFTPLUS = 10,
 };
 constexpr int64_t NUM_KINDS = 11;
 
 inline bool is_normalised(int64_t kind) { return kind <= SOFTPICK || kind == POWER || kind == SOFTPLUS; }
-inline bool is_threshold(int64_t kind) { return kind == ENTMAX15 || kind == SPARSEMAX; }
+inline bool is_threshold(int64_t kind) { return kind == ENTMAX15 || kind == SPARSEMAX || kind == ENTMAX_ALPHA; }
+// alpha-entmax's U holds [U (Dv) | A = sum_j (d p_j / d alpha) v_j (Dv) | Z | H | M] per row (see forward_alpha)
+inline int64_t u_width(int64_t kind, int64_t Dv) { return kind == ENTMAX_ALPHA ? 2 * Dv + 3 : Dv; }
 
 // ------------------------------------------------------------------------------------------------ elementwise math
 
@@ -655,7 +658,10 @@ T find_threshold(const T* y, int64_t L) {
       // smaller root of cnt u^2 - 2 s1 u + s2 - 1 = 0, in the form without cancellation
       const double disc = s1 * s1 - cnt * (s2 - 1.0);
       u = disc >= 0.0 ? (s2 - 1.0) / (s1 + std::sqrt(disc)) : std::numeric_limits<double>::infinity();
-      step = (s2 - 1.0) / (2.0 * s1);
+      // Newton on sqrt(f) = ||[y - t]_+||_2: convex and decreasing as well (a monotone norm of convex functions), so
+      // from below it never overshoots either, and far from tau* it is nearly linear where f is quadratic (f's own
+      // Newton step only halves the distance there): fewer passes on dense rows
+      step = (s2 - std::sqrt(s2)) / s1;
     } else {
       u = (s1 - 1.0) / cnt;
       step = u;
@@ -667,6 +673,7 @@ T find_threshold(const T* y, int64_t L) {
   return static_cast<T>(t);
 }
 
+// uout nullptr: U is not wanted (no backward pass will run, e.g. inference): its buffer and matmul are skipped
 template <typename T, int64_t KIND>
 void forward_threshold(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
   constexpr bool ENTMAX = KIND == ENTMAX15;
@@ -685,17 +692,18 @@ void forward_threshold(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
     const int64_t i0 = qb * p.BQ, m = std::min(p.BQ, p.Lq - i0);
     const int64_t L = p.causal ? std::min(p.Lk, i0 + m) : p.Lk;
     T* orow = out + (bh * p.Lq + i0) * p.Dv;
-    T* urow = uout + (bh * p.Lq + i0) * p.Dv;
+    T* urow = uout != nullptr ? uout + (bh * p.Lq + i0) * p.Dv : nullptr;
+    const bool want_u = urow != nullptr;
     if (L == 0) {
       std::fill(orow, orow + m * p.Dv, T(0));
-      std::fill(urow, urow + m * p.Dv, T(0));
+      if (want_u) std::fill(urow, urow + m * p.Dv, T(0));
       for (int64_t r = 0; r < m; ++r) r1[bh * p.Lq + i0 + r] = r2[bh * p.Lq + i0 + r] = T(0);
       return;
     }
     Buffers& buf = bufs[t];
     if (buf.S.empty()) {
       buf.S.resize(p.BQ * p.Lk);
-      buf.Hb.resize(p.BQ * p.Lk);
+      if (want_u) buf.Hb.resize(p.BQ * p.Lk);
       buf.cand.resize(p.Lk);
       buf.cidx.resize(p.Lk);
       const size_t cap = p.BQ * p.Lk / SPARSE_RATIO + 1;
@@ -715,7 +723,7 @@ void forward_threshold(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
       const int64_t i = i0 + r, lim = std::min(L, p.key_end(i));
       const bool* kr = p.keep ? p.mrow(b, h, i) : nullptr;
       T* srow = S + r * L;
-      T* hrow = Hb + r * L;
+      T* hrow = want_u ? Hb + r * L : nullptr;
       T zmax = ninf;
       if (kr != nullptr) {
 #pragma omp simd reduction(max : zmax)
@@ -743,7 +751,7 @@ void forward_threshold(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
         tau = find_threshold<T, ENTMAX>(cv, nc);
         if (!sparse) {
           std::fill(srow, srow + L, T(0));
-          std::fill(hrow, hrow + L, T(0));
+          if (want_u) std::fill(hrow, hrow + L, T(0));
         }
         for (int64_t e = 0; e < nc; ++e) {
           const T d = cv[e] - tau;
@@ -754,11 +762,11 @@ void forward_threshold(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
               sparse = false;
               for (int64_t rr = 0; rr <= r; ++rr) {
                 std::fill(S + rr * L, S + (rr + 1) * L, T(0));
-                std::fill(Hb + rr * L, Hb + (rr + 1) * L, T(0));
+                if (want_u) std::fill(Hb + rr * L, Hb + (rr + 1) * L, T(0));
                 const int64_t end = rr < r ? support[rr + 1] : cnt;
                 for (int64_t x = support[rr]; x < end; ++x) {
                   S[rr * L + buf.ix[x]] = buf.pv[x];
-                  Hb[rr * L + buf.ix[x]] = buf.hv[x];
+                  if (want_u) Hb[rr * L + buf.ix[x]] = buf.hv[x];
                 }
               }
             }
@@ -768,14 +776,14 @@ void forward_threshold(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
               buf.ix[cnt++] = ci[e];
             } else {
               srow[ci[e]] = pj;
-              hrow[ci[e]] = hj;
+              if (want_u) hrow[ci[e]] = hj;
             }
           }
         }
         tau += zmax;  // stored unshifted: p = [half * s - tau]_+^POW
       } else if (!sparse) {
         std::fill(srow, srow + L, T(0));
-        std::fill(hrow, hrow + L, T(0));
+        if (want_u) std::fill(hrow, hrow + L, T(0));
       }
       support[r + 1] = cnt;
       r1[bh * p.Lq + i] = tau;
@@ -783,23 +791,182 @@ void forward_threshold(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
     }
     if (sparse) {  // out_i = sum_supp p_ij v_j, U_i = sum_supp h_ij v_j, entry by entry
       std::fill(orow, orow + m * p.Dv, T(0));
-      std::fill(urow, urow + m * p.Dv, T(0));
+      if (want_u) std::fill(urow, urow + m * p.Dv, T(0));
       for (int64_t r = 0; r < m; ++r) {
         T* o = orow + r * p.Dv;
-        T* u = urow + r * p.Dv;
+        T* u = want_u ? urow + r * p.Dv : nullptr;
         for (int64_t e = support[r]; e < support[r + 1]; ++e) {
           const T pj = buf.pv[e], hj = buf.hv[e];
           const T* vj = p.vrow(b, g, buf.ix[e]);
+          if (want_u) {
 #pragma omp simd
-          for (int64_t d = 0; d < p.Dv; ++d) {
-            o[d] += pj * vj[d];
-            u[d] += hj * vj[d];
+            for (int64_t d = 0; d < p.Dv; ++d) {
+              o[d] += pj * vj[d];
+              u[d] += hj * vj[d];
+            }
+          } else {
+#pragma omp simd
+            for (int64_t d = 0; d < p.Dv; ++d) o[d] += pj * vj[d];
           }
         }
       }
     } else {
       mm_ab<T>(m, p.Dv, L, S, L, p.vrow(b, g, 0), p.vsl, T(0), orow, p.Dv);
-      mm_ab<T>(m, p.Dv, L, Hb, L, p.vrow(b, g, 0), p.vsl, T(0), urow, p.Dv);
+      if (want_u) mm_ab<T>(m, p.Dv, L, Hb, L, p.vrow(b, g, 0), p.vsl, T(0), urow, p.Dv);
+    }
+  });
+}
+
+// alpha-entmax (kind ENTMAX_ALPHA, alpha_i = c_i > 1 per row): p_j = [x_j - tau]_+^(1/(alpha-1)) / Z with
+// x = (alpha - 1)(s - max s), candidates x > -1 as above. tau by Newton on h(t) = ||[x - t]_+||_P, P = 1/(alpha-1):
+// for alpha <= 2 (P >= 1) h is a monotone norm of convex functions, so convex and decreasing, and Newton from
+// t = -1 never overshoots (for P = 2 this is the entmax-1.5 step above); for alpha > 2 bisection. The weights are
+// renormalised by Z = sum_j [x_j - tau]_+^P (1 up to rounding), like the reference. Rows are accumulated entry by
+// entry over their support; U gets g = p^(2 - alpha), A the alpha-derivative of each weight, then Z and the entropy
+// H = sum p ln p (see backward).
+template <typename T>
+double alpha_threshold(T* y, int32_t* idx, int64_t& n, double alpha) {
+  const double P = 1.0 / (alpha - 1.0);
+  double t = -1.0;
+  if (alpha <= 2.0) {
+    for (int it = 0; it < 100; ++it) {
+      double S = 0, D1 = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        const double d = static_cast<double>(y[j]) - t;
+        const double dp = std::pow(d, P - 1.0);
+        S += dp * d;
+        D1 += dp;
+      }
+      if (S <= 1.0 || D1 <= 0.0) break;  // at (rounding of) the root
+      const double step = (S - std::pow(S, 1.0 - 1.0 / P)) / D1;
+      if (!(t + step > t) || step < 1e-13) break;
+      t += step;
+      int64_t w = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        if (static_cast<double>(y[j]) - t > 0.0) {
+          y[w] = y[j];
+          idx[w++] = idx[j];
+        }
+      }
+      n = w;
+    }
+    return t;
+  }
+  double lo = -1.0, width = 1.0 - std::pow(1.0 / static_cast<double>(std::max<int64_t>(n, 1)), alpha - 1.0);
+  for (int it = 0; it < 60; ++it) {
+    width /= 2;
+    const double mid = lo + width;
+    double S = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const double d = static_cast<double>(y[j]) - mid;
+      S += d > 0.0 ? std::pow(d, P) : 0.0;
+    }
+    if (S >= 1.0) lo = mid;
+  }
+  return lo;
+}
+
+template <typename T>
+void forward_alpha(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
+  const T ninf = -std::numeric_limits<T>::infinity();
+  const int64_t nqb = (p.Lq + p.BQ - 1) / p.BQ;
+  const int64_t nthreads = at::get_num_threads();
+  const int64_t BH = p.B * p.H, UW = u_width(ENTMAX_ALPHA, p.Dv);
+  struct Buffers {
+    std::vector<T> S, cand, w;
+    std::vector<int32_t> cidx;
+  };
+  std::vector<Buffers> bufs(nthreads);
+  dynamic_for(BH * nqb, nthreads, [&](int64_t item, int64_t t) {
+    const int64_t qb = nqb - 1 - item / BH, bh = item % BH, b = bh / p.H, h = bh % p.H, g = h / p.G;
+    const int64_t i0 = qb * p.BQ, m = std::min(p.BQ, p.Lq - i0);
+    const int64_t L = p.causal ? std::min(p.Lk, i0 + m) : p.Lk;
+    std::fill(out + (bh * p.Lq + i0) * p.Dv, out + (bh * p.Lq + i0 + m) * p.Dv, T(0));
+    if (uout != nullptr) std::fill(uout + (bh * p.Lq + i0) * UW, uout + (bh * p.Lq + i0 + m) * UW, T(0));
+    for (int64_t r = 0; r < m; ++r) r1[bh * p.Lq + i0 + r] = r2[bh * p.Lq + i0 + r] = T(0);
+    if (L == 0) return;
+    Buffers& buf = bufs[t];
+    if (buf.S.empty()) {
+      buf.S.resize(p.BQ * p.Lk);
+      buf.cand.resize(p.Lk);
+      buf.w.resize(p.Lk);
+      buf.cidx.resize(p.Lk);
+    }
+    T* S = buf.S.data();
+    mm_abt<T>(m, L, p.D, p.qrow(b, h, i0), p.qsl, p.krow(b, g, 0), p.ksl, T(0), S, L);
+    // soft-cap, bias, ALiBi as for every map: tau, M, the weights and U / A all see the modified scores, which the
+    // backward tiles recompute the same way
+    if (p.mods()) modify_tile(p, S, L, b, h, i0, m, 0, L, static_cast<T*>(nullptr));
+    for (int64_t r = 0; r < m; ++r) {
+      const int64_t i = i0 + r, row = bh * p.Lq + i, lim = std::min(L, p.key_end(i));
+      const bool* kr = p.keep ? p.mrow(b, h, i) : nullptr;
+      const T* srow = S + r * L;
+      const T alpha = p.c[row], am1 = alpha - T(1);
+      // shifted before scaling, x = (s - max s)(alpha - 1), as the reference: (alpha - 1) s - (alpha - 1) max s would
+      // round (alpha - 1) s first and lose the small differences that P = 1/(alpha-1) then amplifies
+      T zmax = ninf;
+      for (int64_t j = 0; j < lim; ++j) zmax = (kr == nullptr || kr[j]) ? std::max(zmax, srow[j]) : zmax;
+      if (zmax == ninf) continue;  // no visible key: zeros
+      T* cv = buf.cand.data();
+      int32_t* ci = buf.cidx.data();
+      int64_t nc = 0;
+      for (int64_t j = 0; j < lim; ++j) {
+        const T y = (srow[j] - zmax) * am1;
+        if (y > T(-1) && (kr == nullptr || kr[j])) {
+          cv[nc] = y;
+          ci[nc++] = static_cast<int32_t>(j);
+        }
+      }
+      // tau rounded to T here, so that the backward pass, which recomputes r = (s - M)(alpha - 1) - tau in T from
+      // the stored M = max s and tau, gets bit-identical r (P = 1/(alpha-1) amplifies any difference)
+      const T tau = static_cast<T>(alpha_threshold<T>(cv, ci, nc, static_cast<double>(alpha)));
+      const double P = 1.0 / (static_cast<double>(alpha) - 1.0);
+      double Z = 0;
+      for (int64_t e = 0; e < nc; ++e) {
+        const double d = static_cast<double>(cv[e] - tau);
+        const double wj = d > 0.0 ? std::pow(d, P) : 0.0;
+        buf.w[e] = static_cast<T>(wj);
+        Z += wj;
+      }
+      const T invz = Z > 0.0 ? static_cast<T>(1.0 / Z) : T(0);
+      T* o = out + row * p.Dv;
+      T* u = uout != nullptr ? uout + row * UW : nullptr;
+      double G = 0, Hs = 0;
+      for (int64_t e = 0; e < nc; ++e) {
+        if (!(buf.w[e] > T(0))) continue;
+        const T pj = buf.w[e] * invz;
+        buf.w[e] = pj;
+        const T* vj = p.vrow(b, g, ci[e]);
+#pragma omp simd
+        for (int64_t d = 0; d < p.Dv; ++d) o[d] += pj * vj[d];
+        if (u == nullptr) continue;
+        G += std::pow(static_cast<double>(pj), 2.0 - alpha);
+        Hs += static_cast<double>(pj) * std::log(static_cast<double>(pj));
+      }
+      if (u != nullptr && G > 0.0) {
+        // U = sum g_j v_j and A = sum a_j v_j with a_j the alpha-derivative coefficient of p_j, formed per entry
+        // (in double) so that d alpha_i = dO_i . A_i has no cancellation between row sums
+        const double am1d = static_cast<double>(am1);
+        for (int64_t e = 0; e < nc; ++e) {
+          if (!(buf.w[e] > T(0))) continue;
+          const double pj = buf.w[e], gj = std::pow(pj, 2.0 - alpha), pt = gj / G;
+          const T aj = static_cast<T>((pj - pt) / (am1d * am1d) - (pj * std::log(pj) - pt * Hs) / am1d);
+          const T gt = static_cast<T>(gj);
+          const T* vj = p.vrow(b, g, ci[e]);
+#pragma omp simd
+          for (int64_t d = 0; d < p.Dv; ++d) {
+            u[d] += gt * vj[d];
+            u[p.Dv + d] += aj * vj[d];
+          }
+        }
+      }
+      r1[row] = tau;  // shifted: p = [(s - M)(alpha - 1) - tau]_+^P / Z, M = max s in U
+      r2[row] = static_cast<T>(G);
+      if (u != nullptr) {
+        u[2 * p.Dv] = static_cast<T>(Z);
+        u[2 * p.Dv + 1] = static_cast<T>(Hs);
+        u[2 * p.Dv + 2] = zmax;
+      }
     }
   });
 }
@@ -815,8 +982,8 @@ struct RowC {
 // P = 1, or softpick's 0/1). Their gradient there is exactly 0, but dS = f'(s) (dP - delta) / D would be rounding
 // noise amplified by f'/D (2/s for squared): the row's c holds n, and such rows get dS = 0.
 inline bool constant_on_single_key(int64_t kind) {
-  return kind == SQUARED || kind == STABLEMAX || kind == SOFTPICK || kind == ENTMAX15 || kind == SPARSEMAX ||
-         kind == POWER || kind == SOFTPLUS;
+  return kind == SQUARED || kind == STABLEMAX || kind == SOFTPICK || is_threshold(kind) || kind == POWER ||
+         kind == SOFTPLUS;
 }
 
 // whether a row's c marks it as having a single visible key: c = n, except power, whose c is -p there (else +p)
@@ -864,6 +1031,12 @@ inline void dmap(T x, T g, const RowC<T>& rc, T& pp, T& ds, T& dr) {
     const T r = std::max(x * T(0.5) - rc.tau, T(0));
     pp = r * r;
     ds = r * (g - delta);
+  }
+  if constexpr (KIND == ENTMAX_ALPHA) {  // p = r^P / Z, r = [(alpha-1) s - tau]_+, dS = p^(2-alpha) (g - delta)
+    const T r = std::max((x - rc.m) * (rc.c - T(1)) - rc.tau, T(0));  // rc.m: M, as in the forward
+    const T pr = r > T(0) ? std::pow(r, T(1) / (rc.c - T(1))) * invd : T(0);
+    pp = pr;
+    ds = pr > T(0) ? std::pow(pr, T(2) - rc.c) * (g - delta) : T(0);
   }
   if constexpr (KIND == SPARSEMAX) {
     const T r = x - rc.tau;
@@ -943,19 +1116,22 @@ inline T bwd_tile_row(const bool* kr, int64_t lim, T* s, T* dp, int64_t nb, cons
 template <typename T, int64_t KIND>
 bool sparse_tile(const Problem<T>& p, int st, int64_t b, int64_t h, int64_t g, int64_t i0, int64_t m, int64_t j0,
                  int64_t nb, const T* S, int32_t* E, T* dQb, T* dK, T* dV, const T* dout, const T* r1,
-                 const T* delta, T* dq, std::mutex* lock, const T* capd) {
+                 const T* delta, const T* invd, const T* shift, T* dq, std::mutex* lock, const T* capd) {
   if (p.dbias != nullptr) return false;  // the dense tile forms dS for dbias
-  constexpr bool ENTMAX = KIND == ENTMAX15;
-  const T half = ENTMAX ? T(0.5) : T(1);
+  constexpr bool ENTMAX = KIND == ENTMAX15, ALPHA = KIND == ENTMAX_ALPHA;
   const int64_t bh = b * p.H + h;
+  // the score factor of the map: 1/2 (entmax-1.5), 1 (sparsemax), alpha_i - 1 (alpha-entmax)
+  auto factor = [&](int64_t row) { return ALPHA ? p.c[row] - T(1) : (ENTMAX ? T(0.5) : T(1)); };
   int64_t ns = 0;
   for (int64_t r = 0; r < m; ++r) {
-    const T tau = r1[bh * p.Lq + i0 + r];
+    const T tau = r1[bh * p.Lq + i0 + r], sh = shift[bh * p.Lq + i0 + r];
+    const T half = factor(bh * p.Lq + i0 + r);
     const int64_t lim = st == 1 ? nb : std::max<int64_t>(0, std::min(nb, p.key_end(i0 + r) - j0));
     const bool* kr = st == 2 && p.keep ? p.mrow(b, h, i0 + r) + j0 : nullptr;
     const T* srow = S + r * nb;
     for (int64_t j = 0; j < lim; ++j) {
-      if (half * srow[j] - tau > T(0) && (kr == nullptr || kr[j])) {
+      const T y = ALPHA ? (srow[j] - sh) * half : half * srow[j];
+      if (y - tau > T(0) && (kr == nullptr || kr[j])) {
         if ((ns + 1) * SPARSE_RATIO > m * nb) return false;
         E[ns++] = static_cast<int32_t>(r * nb + j);
       }
@@ -965,8 +1141,15 @@ bool sparse_tile(const Problem<T>& p, int st, int64_t b, int64_t h, int64_t g, i
   std::fill(dQb, dQb + m * p.D, T(0));
   for (int64_t e = 0; e < ns; ++e) {
     const int64_t r = E[e] / nb, j = E[e] % nb, row = bh * p.Lq + i0 + r;
-    const T rr = half * S[E[e]] - r1[row];
-    const T pp = ENTMAX ? rr * rr : rr, hh = ENTMAX ? rr : T(1);
+    const T rr = (ALPHA ? (S[E[e]] - shift[row]) * factor(row) : factor(row) * S[E[e]]) - r1[row];
+    T pp, hh;
+    if constexpr (ALPHA) {
+      pp = std::pow(rr, T(1) / (p.c[row] - T(1))) * invd[row];
+      hh = std::pow(pp, T(2) - p.c[row]);
+    } else {
+      pp = ENTMAX ? rr * rr : rr;
+      hh = ENTMAX ? rr : T(1);
+    }
     const T live = p.c[row] == T(1) ? T(0) : T(1);  // single visible key: constant weights (see RowC)
     const T* go = dout + row * p.Dv;
     const T* vj = p.vrow(b, g, j0 + j);
@@ -1006,14 +1189,24 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
               T* dk, T* dv, T* dc) {
   const int64_t BH = p.B * p.H, rows = BH * p.Lq;
   // per-row constants: delta_i = dO_i . out_i (or dO_i . U_i / Hs_i), 1 / D_i
-  std::vector<T> delta(rows), invd(rows);
+  std::vector<T> delta(rows), invd(rows), shift(rows, T(0));  // shift: alpha-entmax's M
   at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* go = dout + i * p.Dv;
-      const T* x = is_threshold(KIND) ? uout + i * p.Dv : out + i * p.Dv;
+      const T* x = is_threshold(KIND) ? uout + i * u_width(KIND, p.Dv) : out + i * p.Dv;
       T dot = 0;
       for (int64_t d = 0; d < p.Dv; ++d) dot += go[d] * x[d];
-      if (is_normalised(KIND)) {
+      if (KIND == ENTMAX_ALPHA) {
+        // d alpha_i = sum_j dp_j [(p_j - pt_j) / (alpha-1)^2 - (p_j ln p_j - pt_j H) / (alpha-1)], pt = g / G
+        // (Correia et al. 2019), with dp_j = dO_i . v_j: = dO_i . A_i, A formed per entry in the forward
+        T dot_a = 0;
+        for (int64_t d = 0; d < p.Dv; ++d) dot_a += go[d] * x[p.Dv + d];
+        const T z = x[2 * p.Dv];
+        shift[i] = x[2 * p.Dv + 2];
+        invd[i] = z != T(0) ? T(1) / z : T(0);
+        delta[i] = r2[i] != T(0) ? dot / r2[i] : T(0);
+        dc[i] = dot_a;
+      } else if (is_normalised(KIND)) {
         invd[i] = r1[i] != T(0) ? T(1) / r1[i] : T(0);
         delta[i] = dot;
         dc[i] = KIND == SYMAX ? -dot * invd[i] : T(0);  // d out_i / d eta = -out_i / D_i
@@ -1075,10 +1268,10 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
           mm_abt<T>(m, nb, p.D, qi, p.qsl, kj, p.ksl, T(0), buf.S.data(), nb);
           T* capd = p.cap != T(0) ? buf.Cd.data() : nullptr;
           if (p.mods()) modify_tile(p, buf.S.data(), nb, b, h, i0, m, j0, nb, capd);
-          if constexpr (KIND == ENTMAX15 || KIND == SPARSEMAX) {
+          if constexpr (KIND == ENTMAX15 || KIND == SPARSEMAX || KIND == ENTMAX_ALPHA) {
             if (sparse_tile<T, KIND>(p, st, b, h, g, i0, m, j0, nb, buf.S.data(), buf.E.data(), buf.dQ.data(),
-                                     buf.dK.data(), buf.dV.data(), dout, r1, delta.data(), dq,
-                                     per_head ? nullptr : &locks[bh * nqb + qb], capd)) {
+                                     buf.dK.data(), buf.dV.data(), dout, r1, delta.data(), invd.data(), shift.data(),
+                                     dq, per_head ? nullptr : &locks[bh * nqb + qb], capd)) {
               continue;
             }
           }
@@ -1087,7 +1280,8 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
           for (int64_t r = 0; r < m; ++r) {
             const int64_t row = bh * p.Lq + i0 + r;
             const T live = constant_on_single_key(KIND) && single_key_row(KIND, p.c[row]) ? T(0) : T(1);
-            RowC<T> rc{invd[row], delta[row], p.c[row], r2[row], vexp(-r2[row]), r1[row], live};
+            RowC<T> rc{invd[row], delta[row], p.c[row], KIND == ENTMAX_ALPHA ? shift[row] : r2[row], vexp(-r2[row]),
+                       r1[row], live};
             const bool* kr = st == 2 && p.keep ? p.mrow(b, h, i0 + r) + j0 : nullptr;
             dcrow[r] = bwd_tile_row<T, KIND>(kr, st == 1 ? nb : p.key_end(i0 + r) - j0, buf.S.data() + r * nb,
                                              buf.dP.data() + r * nb, nb, rc);
@@ -1134,6 +1328,7 @@ void dispatch_kind(int64_t kind, const F& f) {
     case RELU_LEN: f(std::integral_constant<int64_t, RELU_LEN>{}); break;
     case ENTMAX15: f(std::integral_constant<int64_t, ENTMAX15>{}); break;
     case SPARSEMAX: f(std::integral_constant<int64_t, SPARSEMAX>{}); break;
+    case ENTMAX_ALPHA: f(std::integral_constant<int64_t, ENTMAX_ALPHA>{}); break;
     case POWER: f(std::integral_constant<int64_t, POWER>{}); break;
     case SOFTPLUS: f(std::integral_constant<int64_t, SOFTPLUS>{}); break;
     default: TORCH_CHECK(false, "fused_cpu: unknown kind ", kind);
@@ -1143,7 +1338,7 @@ void dispatch_kind(int64_t kind, const F& f) {
 std::vector<at::Tensor> fused_forward(int64_t kind, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       const std::optional<at::Tensor>& keep, bool causal, const at::Tensor& c,
                                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& slopes,
-                                      double cap, int64_t block_q, int64_t block_k) {
+                                      double cap, int64_t block_q, int64_t block_k, bool need_u) {
   check_inputs(kind, q, k, v, keep, c, block_q, block_k);
   check_mods(q, k, bias, slopes, cap);
   TORCH_CHECK(block_q <= MAX_BQ, "fused_cpu: block_q must be <= ", MAX_BQ);
@@ -1151,14 +1346,19 @@ std::vector<at::Tensor> fused_forward(int64_t kind, const at::Tensor& q, const a
   auto out = at::empty({B, H, Lq, Dv}, q.options());
   auto r1 = at::empty({B, H, Lq}, q.options());
   auto r2 = at::empty({B, H, Lq}, q.options());
-  auto u = is_threshold(kind) ? at::empty({B, H, Lq, Dv}, q.options()) : at::empty({0}, q.options());
+  // U (threshold maps) only feeds the backward pass: need_u false (inference) skips it and returns it empty
+  auto u = is_threshold(kind) && need_u ? at::empty({B, H, Lq, u_width(kind, Dv)}, q.options())
+                                        : at::empty({0}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "hf_attnorm_fused_forward", [&] {
     auto p = make_problem<scalar_t>(kind, q, k, v, keep, causal, c, block_q, block_k, bias, slopes, cap);
     dispatch_kind(kind, [&](auto kc) {
       constexpr int64_t K = decltype(kc)::value;
-      if constexpr (K == ENTMAX15 || K == SPARSEMAX) {
+      if constexpr (K == ENTMAX_ALPHA) {
+        forward_alpha<scalar_t>(p, out.data_ptr<scalar_t>(), r1.data_ptr<scalar_t>(), r2.data_ptr<scalar_t>(),
+                                need_u ? u.data_ptr<scalar_t>() : nullptr);
+      } else if constexpr (K == ENTMAX15 || K == SPARSEMAX) {
         forward_threshold<scalar_t, K>(p, out.data_ptr<scalar_t>(), r1.data_ptr<scalar_t>(),
-                                       r2.data_ptr<scalar_t>(), u.data_ptr<scalar_t>());
+                                       r2.data_ptr<scalar_t>(), need_u ? u.data_ptr<scalar_t>() : nullptr);
       } else {
         forward_tiles<scalar_t, K>(p, out.data_ptr<scalar_t>(), r1.data_ptr<scalar_t>(), r2.data_ptr<scalar_t>());
       }
@@ -1181,7 +1381,9 @@ std::vector<at::Tensor> fused_backward(int64_t kind, const at::Tensor& q, const 
   TORCH_CHECK(out.is_contiguous() && dout.is_contiguous() && r1.is_contiguous() && r2.is_contiguous(),
               "fused_cpu: out, dout, r1, r2 must be contiguous");
   TORCH_CHECK(dout.sizes() == out.sizes() && dout.scalar_type() == q.scalar_type(), "fused_cpu: bad dout");
-  TORCH_CHECK(!is_threshold(kind) || (u.is_contiguous() && u.sizes() == out.sizes()), "fused_cpu: bad u");
+  TORCH_CHECK(!is_threshold(kind) || (u.is_contiguous() && u.dim() == 4 && u.size(3) == u_width(kind, v.size(3)) &&
+                                      u.size(2) == out.size(2)),
+              "fused_cpu: bad u");
   auto dq = at::empty(q.sizes(), q.options());
   auto dk = at::empty(k.sizes(), k.options());
   auto dv = at::empty(v.sizes(), v.options());
@@ -1208,7 +1410,7 @@ TORCH_LIBRARY(hf_attnorm_fused, m) {
   m.def("blas_available() -> bool", &blas_available);
   m.def(
       "forward(int kind, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor c, Tensor? bias, "
-      "Tensor? slopes, float cap, int block_q, int block_k) -> Tensor[]");
+      "Tensor? slopes, float cap, int block_q, int block_k, bool need_u=True) -> Tensor[]");
   m.def(
       "backward(int kind, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor c, Tensor? bias, "
       "Tensor? slopes, float cap, bool bias_grad, Tensor out, Tensor r1, Tensor r2, Tensor u, Tensor dout, "

@@ -1,0 +1,130 @@
+"""alpha-entmax (learnable alpha) and ASEntmax: identities with entmax15 / sparsemax / softmax, the deep-spin
+``entmax`` package as an oracle (forward and d alpha), ASEntmax against a direct transcription of its equation, the
+fused kernel's inference mode, option validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hf_attnorm.attention import attention, constant_heads, make_call
+from hf_attnorm.kernels import attend
+from hf_attnorm.kernels.fused_cpu import unavailable_reason
+from hf_attnorm.normalizers.entmax15 import entmax15
+from hf_attnorm.normalizers.entmax_alpha import entmax_alpha
+from hf_attnorm.normalizers.sparsemax import sparsemax
+from hf_attnorm.registry import AttnormError
+from hf_attnorm.settings import resolve_settings
+
+
+def _scores(seed=0, shape=(2, 3, 5, 23)):
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(*shape, generator=g, dtype=torch.float64) * 2
+    keep = torch.rand(shape[0], 1, shape[2], shape[3], generator=g) > 0.3
+    keep[0, 0, 1] = False  # a fully masked row
+    return z, keep
+
+
+def test_alpha_three_halves_is_entmax15_and_two_is_sparsemax():
+    z, keep = _scores()
+    torch.testing.assert_close(entmax_alpha(z, keep, 1.5), entmax15(z, keep), atol=1e-12, rtol=0)
+    torch.testing.assert_close(entmax_alpha(z, keep, 2.0), sparsemax(z, keep), atol=1e-12, rtol=0)
+
+
+def test_alpha_to_one_approaches_softmax():
+    z, keep = _scores()
+    soft = torch.where(keep, z, -math.inf).softmax(-1).nan_to_num()
+    errs = [(entmax_alpha(z, keep, a) - soft).abs().max().item() for a in (1.1, 1.01, 1.001)]
+    assert errs[0] > errs[1] > errs[2] and errs[2] < 3e-3, errs
+
+
+def test_against_entmax_bisect_forward_and_alpha_gradient():
+    entmax = pytest.importorskip("entmax", reason="the deep-spin `entmax` package (pip install entmax) is the oracle")
+    z, _ = _scores(1)
+    alpha = torch.tensor([1.15, 1.5, 1.8], dtype=torch.float64).view(1, 3, 1, 1)
+    grad = torch.randn(z.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    results = []
+    for fn in (lambda zz, aa: entmax_alpha(zz, torch.ones_like(zz, dtype=torch.bool), aa),
+               lambda zz, aa: entmax.entmax_bisect(zz, aa.expand(*zz.shape[:-1], 1), dim=-1, n_iter=60)):
+        zz, aa = z.clone().requires_grad_(True), alpha.clone().requires_grad_(True)
+        p = fn(zz, aa)
+        (p * grad).sum().backward()
+        results.append((p.detach(), zz.grad, aa.grad))
+    for mine, theirs in zip(*results):
+        torch.testing.assert_close(mine, theirs, atol=1e-10, rtol=1e-8)
+
+
+def _asentmax_direct(q, k, v, heads, alpha):
+    """ASEntmax straight from its equation, causal, one loop per query: theta_i = delta + softplus(w . q_i)
+    (ln n_i)^gamma, p = alpha-entmax(theta_i s_i), s = q k^T / sqrt(d), via the entmax package when present."""
+    B, H, L, D = q.shape
+    out = torch.zeros_like(q)
+    for b in range(B):
+        for h in range(H):
+            for i in range(L):
+                n = i + 1
+                beta = torch.nn.functional.softplus(heads["asentmax_w"][h] @ q[b, h, i])
+                theta = heads["asentmax_delta"][h] + beta * math.log(n) ** heads["asentmax_gamma"][h]
+                s = theta * (k[b, h, :n] @ q[b, h, i]) / math.sqrt(D)
+                p = entmax_alpha(s, torch.ones_like(s, dtype=torch.bool), float(alpha[h]))
+                out[b, h, i] = p @ v[b, h, :n]
+    return out
+
+
+@pytest.mark.parametrize("path", ["reference", "chunked", "fused_cpu"])
+def test_asentmax_matches_its_equation(path):
+    if path == "fused_cpu" and unavailable_reason() is not None:
+        pytest.skip(unavailable_reason())
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 3, 11, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    settings = resolve_settings("asentmax")
+    heads = {n: t.double() for n, t in constant_heads(settings, 3, head_dim=8).items()}
+    heads = {n: t + 0.2 * torch.randn(t.shape, generator=g, dtype=torch.float64) for n, t in heads.items()}
+    call = make_call(q, k, v, settings, heads, None, True, None)
+    out, _, ran = attend(call, path)
+    assert ran == path
+    expected = _asentmax_direct(q, k, v, heads, heads["entmax_alpha"].clamp_min(1.001))
+    torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-8)
+
+
+def test_asentmax_w_is_head_by_dim_and_learned():
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 9, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    settings = resolve_settings("asentmax")
+    heads = {n: t.double().requires_grad_(True) for n, t in constant_heads(settings, 2, head_dim=4).items()}
+    assert heads["asentmax_w"].shape == (2, 4) and heads["entmax_alpha"].shape == (2,)
+    out, _ = attention(q, k, v, settings, heads=heads, causal=True)
+    out.pow(2).sum().backward()
+    for name, t in heads.items():
+        assert t.grad is not None and t.grad.abs().sum() > 0, f"no gradient reaches {name}"
+
+
+@pytest.mark.parametrize("name", ["entmax_alpha", "entmax15", "sparsemax"])
+def test_fused_inference_mode_skips_nothing_it_returns(name):
+    """Without a backward pass the threshold maps skip their Jacobian accumulator U: same output."""
+    if unavailable_reason() is not None:
+        pytest.skip(unavailable_reason())
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 70, 16, generator=g) * 3
+    k, v = torch.randn(2, 2, 70, 16, generator=g), torch.randn(2, 2, 70, 16, generator=g)
+    mask = torch.rand(2, 1, 70, 70, generator=g) > 0.2
+    for scale in (1.0, 0.05):  # sparse rows, and near-uniform rows (the dense accumulation)
+        settings = resolve_settings(name)
+        call = make_call(q * scale, k, v, settings, constant_heads(settings, 4, head_dim=16), mask, True, None)
+        with torch.no_grad():
+            fast, _, ran = attend(call, "fused_cpu")
+        assert ran == "fused_cpu"
+        qq = (q * scale).requires_grad_(True)
+        call = make_call(qq, k, v, settings, constant_heads(settings, 4, head_dim=16), mask, True, None)
+        with_grad, _, _ = attend(call, "fused_cpu")
+        ref, _, _ = attend(call, "reference")
+        torch.testing.assert_close(fast, with_grad.detach(), atol=0, rtol=0)
+        torch.testing.assert_close(fast, ref.detach(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("value", [1.0, 0.5, float("nan"), float("inf")])
+def test_alpha_is_validated_at_set_time(value):
+    with pytest.raises(AttnormError, match="entmax_alpha.*must be (a finite number >= 1.001|finite)"):
+        resolve_settings("entmax_alpha", {"entmax_alpha": value})
