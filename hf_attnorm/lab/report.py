@@ -148,6 +148,11 @@ CLAIMS: list[dict[str, Any]] = [
      "claim": "sigmoid attention with bias b = -ln n matches softmax",
      "source": "Ramapuram et al. 2024, arXiv:2409.04431 (ICLR 2025)",
      "checks": [("lm", "first", "equal"), ("mqar", "first", "equal"), ("passkey", "first", "equal")]},
+    {"implementation": "stickbreaking",
+     "claim": "stick-breaking attention generalises past the training length (trained at 2^11 tokens, good "
+              "perplexity at 2^14 without position embeddings); here with the model's RoPE kept",
+     "source": "Tan et al. 2024, arXiv:2410.17980",
+     "checks": [("mqar", "longest", "higher"), ("passkey", "longest", "higher"), ("lm", "longest", "lower")]},
 ]
 
 
