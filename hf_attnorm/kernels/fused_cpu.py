@@ -61,7 +61,10 @@ def _cpu_fingerprint() -> str:
                 break
     except OSError:
         flags = platform.processor() + platform.machine()
-    return hashlib.sha1(f"{flags}|{torch.__version__}".encode()).hexdigest()[:10]
+    # torch's JIT rebuilds when a source file changes but does not read the headers they include: hash those into
+    # the build name, so an edited header (csrc/*.h) never links against a stale cached build
+    headers = "".join(h.read_text() for h in sorted(_SOURCE.parent.glob("*.h")))
+    return hashlib.sha1(f"{flags}|{torch.__version__}|{headers}".encode()).hexdigest()[:10]
 
 
 def _compiler() -> str | None:

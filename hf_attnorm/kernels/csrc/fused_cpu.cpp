@@ -36,6 +36,8 @@
 #include <mutex>
 #include <vector>
 
+#include "cpu_common.h"
+
 namespace {
 
 enum Kind : int64_t {
@@ -60,25 +62,7 @@ inline int64_t u_width(int64_t kind, int64_t Dv) { return kind == ENTMAX_ALPHA ?
 
 // ------------------------------------------------------------------------------------------------ elementwise math
 
-// exp that GCC vectorises (Cephes expf: range reduction by ln 2, degree-6 polynomial, ~1 ulp); clamped so that very
-// negative arguments give 0 and large ones stay finite.
-inline float vexp(float x) {
-  x = std::min(std::max(x, -88.0f), 88.0f);
-  float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float r2 = r * r;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r2 + r + 1.0f;
-  // 2^n from the exponent bits (a bit cast, not memcpy, so that loops calling vexp vectorise)
-  const float scale = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
-  return x <= -88.0f ? 0.0f : p * scale;
-}
-inline double vexp(double x) { return std::exp(x); }
+// vexp (a vectorisable expf): cpu_common.h
 
 // ln x for normal x > 0 that GCC vectorises (Cephes logf: mantissa in [sqrt(1/2), sqrt(2)), degree-8 polynomial,
 // ~1 ulp); callers select away x <= 0 and subnormal x (treated as 0 by the power map).
@@ -160,52 +144,8 @@ inline T sgn(T x) {
 
 // ------------------------------------------------------------------------------------------------ row-major gemm
 
-// The Fortran BLAS that libtorch_cpu links (MKL in the x86 wheels) exports sgemm_/dgemm_; ATen's own
-// cpublas::gemm overloads are not exported to extensions. Weak references: a torch build without them makes
-// blas_available() false and the Python side falls back to the pure-PyTorch path.
-extern "C" {
-__attribute__((weak)) void sgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k,
-                                  const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
-                                  const float* beta, float* c, const int* ldc);
-__attribute__((weak)) void dgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k,
-                                  const double* alpha, const double* a, const int* lda, const double* b,
-                                  const int* ldb, const double* beta, double* c, const int* ldc);
-}
-
+// sgemm_/dgemm_ and the row-major mm_abt / mm_ab / mm_atb wrappers: cpu_common.h
 bool blas_available() { return sgemm_ != nullptr && dgemm_ != nullptr; }
-
-// column-major C = op(A) op(B) + beta C, as BLAS
-inline void blas_gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
-                      int64_t ldb, float beta, float* c, int64_t ldc) {
-  const int im = m, in = n, ik = k, ila = lda, ilb = ldb, ilc = ldc;
-  const float one = 1.0f;
-  sgemm_(&ta, &tb, &im, &in, &ik, &one, a, &ila, b, &ilb, &beta, c, &ilc);
-}
-inline void blas_gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, const double* a, int64_t lda,
-                      const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
-  const int im = m, in = n, ik = k, ila = lda, ilb = ldb, ilc = ldc;
-  const double one = 1.0;
-  dgemm_(&ta, &tb, &im, &in, &ik, &one, a, &ila, b, &ilb, &beta, c, &ilc);
-}
-
-// row-major wrappers. C[m][n] = A[m][k] B[n][k]^T + beta C
-template <typename T>
-inline void mm_abt(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb, T beta, T* c,
-                   int64_t ldc) {
-  blas_gemm('T', 'N', n, m, k, b, ldb, a, lda, beta, c, ldc);
-}
-// C[m][n] = A[m][k] B[k][n] + beta C
-template <typename T>
-inline void mm_ab(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb, T beta, T* c,
-                  int64_t ldc) {
-  blas_gemm('N', 'N', n, m, k, b, ldb, a, lda, beta, c, ldc);
-}
-// C[m][n] = A[k][m]^T B[k][n] + beta C
-template <typename T>
-inline void mm_atb(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb, T beta, T* c,
-                   int64_t ldc) {
-  blas_gemm('N', 'T', n, m, k, b, ldb, a, lda, beta, c, ldc);
-}
 
 // ------------------------------------------------------------------------------------------------ problem
 

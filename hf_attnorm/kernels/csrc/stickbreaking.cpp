@@ -34,69 +34,16 @@
 #include <xmmintrin.h>
 #endif
 
+#include "cpu_common.h"
+
 namespace {
 
-// the BLAS that libtorch_cpu links (as in fused_cpu.cpp, which checks that it is there: blas_available())
-extern "C" {
-__attribute__((weak)) void sgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k,
-                                  const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
-                                  const float* beta, float* c, const int* ldc);
-__attribute__((weak)) void dgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k,
-                                  const double* alpha, const double* a, const int* lda, const double* b,
-                                  const int* ldb, const double* beta, double* c, const int* ldc);
-}
-
-inline void gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
-                 int64_t ldb, float beta, float* c, int64_t ldc) {
-  const int im = m, in = n, ik = k, ila = lda, ilb = ldb, ilc = ldc;
-  const float one = 1.0f;
-  sgemm_(&ta, &tb, &im, &in, &ik, &one, a, &ila, b, &ilb, &beta, c, &ilc);
-}
-inline void gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, const double* a, int64_t lda, const double* b,
-                 int64_t ldb, double beta, double* c, int64_t ldc) {
-  const int im = m, in = n, ik = k, ila = lda, ilb = ldb, ilc = ldc;
-  const double one = 1.0;
-  dgemm_(&ta, &tb, &im, &in, &ik, &one, a, &ila, b, &ilb, &beta, c, &ilc);
-}
-// row-major: C[m][n] = A[m][k] B[n][k]^T + beta C
-template <typename T>
-inline void mm_abt(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb, T beta, T* c,
-                   int64_t ldc) {
-  gemm('T', 'N', n, m, k, b, ldb, a, lda, beta, c, ldc);
-}
-// C[m][n] = A[m][k] B[k][n] + beta C
-template <typename T>
-inline void mm_ab(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb, T beta, T* c,
-                  int64_t ldc) {
-  gemm('N', 'N', n, m, k, b, ldb, a, lda, beta, c, ldc);
-}
-// C[m][n] = A[k][m]^T B[k][n] + beta C
-template <typename T>
-inline void mm_atb(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb, T beta, T* c,
-                   int64_t ldc) {
-  gemm('N', 'T', n, m, k, b, ldb, a, lda, beta, c, ldc);
-}
+// sgemm_/dgemm_, mm_abt / mm_ab / mm_atb and vexp: cpu_common.h (shared with fused_cpu.cpp)
 
 // exp and log1p that GCC vectorises (Cephes expf / logf polynomials, ~1 ulp; the same expf as fused_cpu.cpp),
 // forced inline: an out-of-line call in the scan loop stops its vectorisation (measured 5x slower)
 #define SB_INLINE inline __attribute__((always_inline))
 
-SB_INLINE float vexp(float x) {
-  x = std::min(std::max(x, -88.0f), 88.0f);
-  float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float r2 = r * r;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r2 + r + 1.0f;
-  const float scale = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
-  return x <= -88.0f ? 0.0f : p * scale;
-}
-SB_INLINE double vexp(double x) { return std::exp(x); }
 
 // log(1 + t) for 0 <= t <= 1: 1 + t lies in [1, 2], one range halving puts it in [sqrt(1/2), sqrt(2)) for the logf
 // polynomial; below 1e-4 the series t - t^2/2 (1 + t would round away t's low bits).
