@@ -67,6 +67,18 @@ def test_softmax_with_modifiers_equals_eager(path, mods):
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
 
 
+def _outputs_and_grads(q, k, v, impl, bias, sinks, paths, kw) -> list[tuple]:
+    """Per path (None = the rule's choice): (out, dq, dbias, dsinks or None) of sum(out^2), from fresh leaves."""
+    results = []
+    for path in paths:
+        qq, bb = q.clone().requires_grad_(), bias.clone().requires_grad_()
+        ss = None if sinks is None else sinks.clone().requires_grad_()
+        out, _ = attention(qq, k, v, impl, bias=bb, sinks=ss, path=path, **kw)
+        out.pow(2).sum().backward()
+        results.append((out.detach(), qq.grad, bb.grad, None if ss is None else ss.grad))
+    return results
+
+
 @pytest.mark.parametrize("impl", SCORE_PRESETS)
 def test_every_normalizer_applies_modifiers_like_the_reference(impl):
     """Forward and the gradients of q, the bias and the sinks agree between the reference and the path the rule
@@ -77,13 +89,7 @@ def test_every_normalizer_applies_modifiers_like_the_reference(impl):
         with pytest.raises(ValueError, match="sink"):
             attention(q, k, v, impl, sinks=sinks, **kw)
         sinks = None
-    results = []
-    for path in ("reference", None):
-        qq, bb = q.clone().requires_grad_(), bias.clone().requires_grad_()
-        ss = None if sinks is None else sinks.clone().requires_grad_()
-        out, _ = attention(qq, k, v, impl, bias=bb, sinks=ss, path=path, **kw)
-        out.pow(2).sum().backward()
-        results.append((out.detach(), qq.grad, bb.grad, None if ss is None else ss.grad))
+    results = _outputs_and_grads(q, k, v, impl, bias, sinks, ("reference", None), kw)
     for a, b in zip(*results):
         if a is not None:
             torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-7)
@@ -174,13 +180,7 @@ def test_one_query_decode_path_applies_modifiers(impl):
     sinks = None if impl in FREE else sinks
     alibi = 2.0 ** -torch.arange(1, H + 1, dtype=q.dtype)  # slopes (unmaterialised for the fused maps)
     kw = dict(softcap=3.0, attention_mask=keep, alibi_slopes=alibi, **_options(impl))
-    results = []
-    for path in ("reference", "decode"):
-        qq, bb = q.clone().requires_grad_(), bias.clone().requires_grad_()
-        ss = None if sinks is None else sinks.clone().requires_grad_()
-        out, _ = attention(qq, k, v, impl, bias=bb, sinks=ss, path=path, **kw)
-        out.pow(2).sum().backward()
-        results.append((out.detach(), qq.grad, bb.grad, None if ss is None else ss.grad))
+    results = _outputs_and_grads(q, k, v, impl, bias, sinks, ("reference", "decode"), kw)
     for a, b in zip(*results):
         if a is not None:
             torch.testing.assert_close(b, a, atol=1e-9, rtol=1e-7)
