@@ -65,10 +65,11 @@ if not ta.interpreter_requested():
             attend(call, path=PATH)
 
     @pytest.mark.slow
-    @pytest.mark.parametrize("masked", [False, True])
-    def test_kernels_compile_for_a_gpu_target(masked):
+    @pytest.mark.parametrize("masked, head_dim", [(True, 64), (False, 128)])
+    def test_kernels_compile_for_a_gpu_target(masked, head_dim):
         """The interpreter does not check what the compiler does: compile the three kernels to PTX for sm_80
-        (Triton's bundled ptxas; no GPU needed)."""
+        (Triton's bundled ptxas; no GPU needed) with the GPU block sizes and stages, within sm_80's shared memory
+        per block (163 KB)."""
         import warnings
 
         from triton.backends.compiler import GPUTarget
@@ -77,7 +78,9 @@ if not ta.interpreter_requested():
         from hf_attnorm.kernels import triton_selective as ts
 
         kern = ts._compiled()
-        consts = dict(HAS_MASK=masked, CAUSAL=not masked, BLOCK_M=64, BLOCK_N=32, BLOCK_D=64, BLOCK_DV=64)
+        bm, bn = ts.BLOCKS_GPU[64 if head_dim <= 64 else 128]
+        consts = dict(HAS_MASK=masked, CAUSAL=not masked, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=head_dim,
+                      BLOCK_DV=head_dim)
         pointers = {"KEEP": "*u8", "ROWSEL": "*u8", "BOS": "*i32"}
         ints = ("H", "HKV", "GROUPS", "LQ", "LK", "OFF", "DH", "DV", "H0", "NQ")
         for fn in (kern._colsum_kernel, kern._fwd_kernel, kern._bwd_kernel):
@@ -87,8 +90,9 @@ if not ta.interpreter_requested():
             src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(a),): c for a, c in cs.items()})
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                compiled = compile(src, target=GPUTarget("cuda", 80, 32))
+                compiled = compile(src, target=GPUTarget("cuda", 80, 32), options={"num_stages": ts.NUM_STAGES})
             assert ".entry" in compiled.asm["ptx"], fn.__name__
+            assert compiled.metadata.shared <= 163 * 1024, (fn.__name__, compiled.metadata.shared)
 
 else:
     from hf_attnorm.kernels import triton_selective as ts

@@ -24,6 +24,10 @@ linear_recurrent
                                                                        dropout, no grad
 linear_chunked 50        "linear" (linear)                             no dropout; a mask only as key padding x
                                                                        causal (MaskInfo.padding), or one query
+selective_triton
+               35        query-coupled with a selecting head           auto: CUDA; forced: CPU under
+                         (selective), no q/k transform                 TRITON_INTERPRET=1. No score modifiers,
+                                                                       no dropout, no fp64, not under compile
 selective      85        query-coupled with a selecting head           no score modifiers, no dropout
                          (selective)
 chunked        90        every normalizer but query-coupled ones       any (pure PyTorch, O(n * chunk) memory)

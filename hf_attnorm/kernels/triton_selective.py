@@ -29,8 +29,8 @@ all earlier queries, so TF32's rounding would grow along the sequence. Each tile
 scores (one extra dot per tile and head), and the backward's parallelism is B x ceil(Lk / BLOCK_N) programs, each
 looping over every query block and head: written for correctness, not measured on a GPU (none while writing it).
 
-Declines score modifiers (bias, soft-cap, ALiBi, sinks), dropout, q/k transforms and fp64; those run on the
-``selective`` path or the reference.
+Declines score modifiers (bias, soft-cap, ALiBi, sinks), dropout, q/k transforms, fp64 and calls under
+``torch.compile``; those run on the ``selective`` path or the reference.
 """
 
 from __future__ import annotations
@@ -46,8 +46,12 @@ from . import triton_attn as ta
 from .base import AttnCall, score_mod_reason
 from .selective import takes as selective_takes
 
-#: (BLOCK_M, BLOCK_N) on GPUs; interpreted runs use 16 x 16
-BLOCKS_GPU = (64, 32)
+#: (BLOCK_M, BLOCK_N) on GPUs for head_dim <= 64 and above; interpreted runs use 16 x 16. With one pipeline stage
+#: (``NUM_STAGES``) the sm_80 compile reports 24 / 49 / 82 KB of shared memory (column sums / forward / backward) at
+#: 64 x 32, D = 64, and 33 / 53 / 100 KB at 32 x 32, D = 128 (Triton's default stages: up to 257 KB, over sm_90's
+#: limit); larger head dims need smaller blocks still
+BLOCKS_GPU = {64: (64, 32), 128: (32, 32)}
+NUM_STAGES = 1
 #: tests set this to force block sizes
 BLOCK_OVERRIDE: tuple[int, int] | None = None
 
@@ -252,7 +256,14 @@ def _compiled() -> types.SimpleNamespace:
 def _blocks(q: torch.Tensor) -> tuple[int, int]:
     if BLOCK_OVERRIDE is not None:
         return BLOCK_OVERRIDE
-    return BLOCKS_GPU if q.is_cuda else (16, 16)
+    if not q.is_cuda:
+        return 16, 16
+    return BLOCKS_GPU[64] if q.shape[-1] <= 64 else BLOCKS_GPU[128]
+
+
+def _launch(q: torch.Tensor) -> dict[str, int]:
+    """Launch options: one pipeline stage on GPUs (shared memory, above); none for the interpreter."""
+    return {"num_stages": NUM_STAGES} if q.is_cuda else {}
 
 
 class _Meta:
@@ -302,7 +313,7 @@ class _SelTriton(torch.autograd.Function):
                      BLOCK_D=ta._pow2(D))
         cs = torch.zeros(B, nq, Lk, device=q.device, dtype=torch.float32)
         kern._colsum_kernel[(nq, nk, B)](q, k, keep, meta.rowsel, meta.bos, cs, H, Hkv, H // Hkv, Lq, Lk, Lk - Lq, D,
-                                         meta.head, nq, sb, sh, sl, **flags)
+                                         meta.head, nq, sb, sh, sl, **flags, **_launch(q))
         carry = torch.cumsum(cs, dim=1) - cs  # exclusive over blocks: the sums entering each block
         if carry0 is not None:
             carry = carry + carry0[:, None, :]
@@ -310,7 +321,8 @@ class _SelTriton(torch.autograd.Function):
         out = torch.empty(B, H, Lq, Dv, device=q.device, dtype=torch.float32)
         lse = torch.empty(B, H, Lq, device=q.device, dtype=torch.float32)
         kern._fwd_kernel[(nq, B * H)](q, k, v, keep, meta.rowsel, meta.bos, carry, out, lse, H, Hkv, H // Hkv, Lq,
-                                      Lk, Lk - Lq, D, Dv, meta.head, nq, sb, sh, sl, BLOCK_DV=ta._pow2(Dv), **flags)
+                                      Lk, Lk - Lq, D, Dv, meta.head, nq, sb, sh, sl, BLOCK_DV=ta._pow2(Dv), **flags,
+                                      **_launch(q))
         ctx.save_for_backward(q, k, v, carry, out, lse)
         ctx.meta, ctx.blocks, ctx.has_carry = meta, (bm, bn), carry0 is not None
         return out
@@ -335,7 +347,7 @@ class _SelTriton(torch.autograd.Function):
         kern._bwd_kernel[(nk, B)](q, k, v, keep, meta.rowsel, meta.bos, carry, lse, delta, dout, dq, dk, dv, dcarry,
                                   H, Hkv, H // Hkv, Lq, Lk, Lk - Lq, D, Dv, meta.head, nq, sb, sh, sl,
                                   HAS_MASK=meta.keep is not None, CAUSAL=meta.causal, BLOCK_M=bm, BLOCK_N=bn,
-                                  BLOCK_D=ta._pow2(D), BLOCK_DV=ta._pow2(Dv))
+                                  BLOCK_D=ta._pow2(D), BLOCK_DV=ta._pow2(Dv), **_launch(q))
         return dq, dk, dv, dcarry if ctx.has_carry else None, None
 
 
@@ -349,8 +361,9 @@ def takes(norm: Normalizer) -> str | None:
 
 
 def accepts(call: AttnCall) -> str | None:
-    """None, or why not: score modifiers, dropout, empty inputs, CPU tensors without the interpreter, fp64, triton
-    missing or imported before ``TRITON_INTERPRET`` changed."""
+    """None, or why not: score modifiers, dropout, empty inputs, CPU tensors without the interpreter, fp64,
+    torch.compile, a ``selective_carry`` not of shape [B, Lk], triton missing or imported before
+    ``TRITON_INTERPRET`` changed."""
     why = score_mod_reason(call)
     if why:
         return why
@@ -366,6 +379,8 @@ def accepts(call: AttnCall) -> str | None:
         return "q, k, v on different devices"
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"dtype {q.dtype}: the Triton kernels take float32, float16 and bfloat16"
+    if torch.compiler.is_compiling():  # (host-side plan and launches inside an autograd.Function: not traced)
+        return "torch.compile (the Triton selective kernels are not traced; the selective path's forward is)"
     carry = getattr(call, "selective_carry", None)
     if carry is not None and tuple(carry.shape) != (q.shape[0], k.shape[2]):
         return f"selective_carry of shape {tuple(carry.shape)}; expected [B, Lk] = {[q.shape[0], k.shape[2]]}"
