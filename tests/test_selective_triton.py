@@ -202,3 +202,35 @@ else:
             attend(_call(q, q, q, None, True, 0, dropout=0.1), path=PATH)
         with pytest.raises(ValueError, match="dtype torch.float64"):
             attend(_call(q.double(), q.double(), q.double(), None, True, 0), path=PATH)
+
+    @pytest.mark.slow
+    def test_model_with_padding_matches_reference():
+        """A whole tiny llama (GQA, causal, left padding through transformers' mask function, selecting head 1),
+        forward and the gradients of every parameter, with every attention call forced onto the Triton path."""
+        from conftest import model_output, tiny
+
+        from hf_attnorm.hf.forward import LAST_CALL
+        from hf_attnorm.kernels import set_forced_path
+
+        model = tiny("llama", "causal_lm", "selective", attnorm={"selective_head": 1})
+        ids = torch.randint(0, 97, (2, 19), generator=torch.Generator().manual_seed(0))
+        mask = torch.ones(2, 19, dtype=torch.long)
+        mask[1, :6] = 0
+        res = {}
+        try:
+            for path in ("reference", PATH):
+                set_forced_path(path)
+                model.zero_grad()
+                out = model_output(model(input_ids=ids, attention_mask=mask))
+                (out[mask.bool()] ** 2).mean().backward()
+                res[path] = (out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                            if p.grad is not None})
+        finally:
+            set_forced_path()
+        assert LAST_CALL.path == PATH
+        (o_ref, g_ref), (o_tri, g_tri) = res["reference"], res[PATH]
+        live = mask.bool()
+        torch.testing.assert_close(o_tri[live], o_ref[live], atol=2e-5, rtol=1e-4)
+        assert g_ref.keys() == g_tri.keys() and g_ref
+        for n in g_ref:
+            torch.testing.assert_close(g_tri[n], g_ref[n], atol=2e-5, rtol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
