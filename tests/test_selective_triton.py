@@ -128,6 +128,7 @@ else:
         "per-head-masks": (1, 3, 3, 19, 23, 8, _per_head, False, 1),
         "cross": (1, 2, 2, 9, 30, 16, None, False, 0),
         "causal-lq<lk": (1, 2, 1, 20, 35, 8, None, True, 1),
+        "causal-lq>lk": (1, 2, 1, 40, 20, 8, None, True, 1),  # early queries' own keys lie before key 0
         "decode": (2, 4, 2, 1, 29, 16, None, False, 2),
     }
 
