@@ -192,8 +192,11 @@ else:
         torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=0)
         for label, a, b in zip(("dq", "dk", "dv", "dcarry"), grads, want_grads):
             torch.testing.assert_close(a.double(), b, atol=5e-5, rtol=0, msg=label)
+        call.selective_carry = got_leaves[3][:1].detach()  # one row for the batch
+        out1, _, _ = attend(call, path=PATH)
+        torch.testing.assert_close(out1[0], out[0].detach())
         call.selective_carry = torch.zeros(B, Lk + 1)
-        assert "selective_carry of shape" in ts.accepts(call)
+        assert "selective_carry must be a float tensor [B=2 or 1, Lk=23]" in ts.accepts(call)
 
     def test_modifiers_and_dropout_are_declined():
         q = torch.randn(1, 2, 5, 16)

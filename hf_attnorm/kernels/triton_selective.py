@@ -362,7 +362,7 @@ def takes(norm: Normalizer) -> str | None:
 
 def accepts(call: AttnCall) -> str | None:
     """None, or why not: score modifiers, dropout, empty inputs, CPU tensors without the interpreter, fp64,
-    torch.compile, a ``selective_carry`` not of shape [B, Lk], triton missing or imported before
+    torch.compile, a ``selective_carry`` not a float [B | 1, Lk], triton missing or imported before
     ``TRITON_INTERPRET`` changed."""
     why = score_mod_reason(call)
     if why:
@@ -382,8 +382,10 @@ def accepts(call: AttnCall) -> str | None:
     if torch.compiler.is_compiling():  # (host-side plan and launches inside an autograd.Function: not traced)
         return "torch.compile (the Triton selective kernels are not traced; the selective path's forward is)"
     carry = getattr(call, "selective_carry", None)
-    if carry is not None and tuple(carry.shape) != (q.shape[0], k.shape[2]):
-        return f"selective_carry of shape {tuple(carry.shape)}; expected [B, Lk] = {[q.shape[0], k.shape[2]]}"
+    if carry is not None and (carry.dim() != 2 or carry.shape[0] not in (1, q.shape[0]) or carry.shape[1] != k.shape[2]
+                              or not carry.is_floating_point()):
+        return (f"selective_carry must be a float tensor [B={q.shape[0]} or 1, Lk={k.shape[2]}]; got {carry.dtype} "
+                f"{list(carry.shape)}")
     if not ta.triton_installed():
         return "triton is not installed (pip install triton)"
     ta._load_triton()
@@ -395,14 +397,14 @@ def accepts(call: AttnCall) -> str | None:
 
 def triton_selective_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     """out [B, H, Lq, Dv] in the input dtype (computed in fp32); k/v are not repeated for GQA. A call carrying
-    ``selective_carry`` [B, Lk] (the column sums of the earlier queries' R, a cache's state) starts from it."""
+    ``selective_carry`` [B | 1, Lk] (the column sums of the earlier queries' R, a cache's state) starts from it."""
     call.normalizer.check_heads(call.settings, call.q.shape[1])
     with torch.cuda.device(call.q.device) if call.q.is_cuda else contextlib.nullcontext():
         q = (call.q.float() * call.q_factor(torch.float32)).contiguous()  # scale (and its gradient) in torch
         k, v = call.k.float().contiguous(), call.v.float().contiguous()
         carry = getattr(call, "selective_carry", None)
         if carry is not None:
-            carry = carry.to(device=q.device, dtype=torch.float32).contiguous()
+            carry = carry.to(device=q.device, dtype=torch.float32).expand(q.shape[0], k.shape[2]).contiguous()
         out = _SelTriton.apply(q, k, v, carry, _Meta(call))
     return out.to(call.q.dtype), None
 
