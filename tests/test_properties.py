@@ -26,7 +26,8 @@ IMPLS = list(PRESETS)
 #: paths these fp64 CPU tests cannot exercise at all, and why (they have their own tests)
 NOT_HERE = {"triton": "fp64 and CPU tensors: the Triton kernels are tested in test_triton.py",
             "linear_recurrent": "needs a recurrent state kept by a cache: tested in test_recurrent.py",
-            "stickbreaking_triton": "fp64 and CPU tensors: tested in test_stickbreaking_triton.py"}
+            "stickbreaking_triton": "fp64 and CPU tensors: tested in test_stickbreaking_triton.py",
+            "selective_triton": "fp64 and CPU tensors: tested in test_selective_triton.py"}
 
 
 def paths_for(impl: str) -> list[str]:

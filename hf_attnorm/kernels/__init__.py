@@ -17,6 +17,11 @@ sdpa           10        "softmax" (softmax, cosine, softmax_n, sink)  CPU: any 
 sdpa_sinkcol   20        "softmax" with a sink (softmax_n, sink)       any; auto: not on CPU (D+1 is slow there)
 triton         30        "fused" (symax, squared, stablemax, ...)      auto: CUDA; forced: CPU under
                                                                        TRITON_INTERPRET=1. No dropout, no fp64
+selective_triton
+               35        query-coupled with a selecting head           auto: CUDA; forced: CPU under
+                         (selective), no q/k transform                 TRITON_INTERPRET=1. No score modifiers,
+                                                                       no dropout, no fp64, not under compile;
+                                                                       takes ``selective_carry``
 fused_cpu      40        "fused"                                       CPU, no dropout, C++ built on first use
 linear_recurrent
                45        "linear" with query/key_features (linear)     one query with ``AttnCall.recurrent`` set
