@@ -172,7 +172,7 @@ class SelectiveLayer(DynamicLayer):
     def __reduce_ex__(self, protocol):
         # a plain DynamicLayer without the state: unpickling needs no hf_attnorm, and a copy's tensors are new anyway
         state = {k: v for k, v in self.__dict__.items() if k not in (STATE_ATTR, WHY_ATTR)}
-        return copyreg.__newobj__, (DynamicLayer,), state
+        return copyreg._reconstructor, (DynamicLayer, object, None), state
 
 
 def supports(module: nn.Module) -> bool:

@@ -17,8 +17,8 @@ from torch import nn
 from ..attention import param_specs
 from ..registry import NORMALIZERS, SCALES, AttnormError
 from ..settings import AttnormSettings, resolve_settings
-from .families import interface_keywords, module_info, num_heads_of, unsupported_keywords
 from . import selective_cache
+from .families import interface_keywords, module_info, num_heads_of, unsupported_keywords
 from .recurrent import attach, detach, supports
 
 logger = logging.getLogger("hf_attnorm")
