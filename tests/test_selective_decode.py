@@ -200,6 +200,14 @@ def test_generate_with_cache_equals_without(model, ran):
     assert ran[layers:] == [("decode", True)] * (5 * layers)  # every decode step of every layer, with its carry
 
 
+def test_learned_memory_with_the_cache_equals_without():
+    """num_mem_kv: the memory columns lead the key axis of every call, so the state covers them too."""
+    model = tiny("llama", "causal_lm", implementation="selective", attnorm={"num_mem_kv": 2}).double()
+    x, mask = _padded(seed=9)
+    for m in (mask, None):
+        _same(_generate(model, x, True, attention_mask=m), _generate(model, x, False, attention_mask=m))
+
+
 def test_stored_sums_equal_the_reference(model, monkeypatch):
     """After a prefill and after a decode step, each layer's C equals the reference column sums over every query so
     far (recomputed from the calls the layers received, the whole sequence at once)."""

@@ -24,8 +24,10 @@ linear_recurrent
                                                                        dropout, no grad
 linear_chunked 50        "linear" (linear)                             no dropout; a mask only as key padding x
                                                                        causal (MaskInfo.padding), or one query
-selective      85        query-coupled with a selecting head           no score modifiers, no dropout
-                         (selective)
+selective      85        query-coupled with a selecting head           no score modifiers, no dropout; takes
+                         (selective)                                   ``AttnCall.selective_carry`` (a cached
+                                                                       step), as decode and reference do; every
+                                                                       other path declines a call carrying it
 chunked        90        every normalizer but query-coupled ones       any (pure PyTorch, O(n * chunk) memory)
 reference      100       every normalizer                              any; the only path returning weights
 ============== ========= ============================================= =========================================
