@@ -41,8 +41,7 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ..kernels.base import AttnCall
-from ..kernels.selective import _Plan
-from ..kernels.selective_carry import column_sums, prefix_column_sums, selecting_features
+from ..kernels.selective_carry import column_sums_and_parts, prefix_column_sums
 from ..registry import NORMALIZERS, AttnormError
 from ..settings import AttnormSettings
 
@@ -291,11 +290,9 @@ class SelectiveStep:
         if why is not None:
             _drop(layer, why)
             return
-        add = column_sums(call)
+        add, qh, kh, live = column_sums_and_parts(call)
         carry = call.selective_carry
         c = add if carry is None else carry.to(add.dtype) + add
-        with torch.no_grad():
-            qh, kh = selecting_features(call)
         B, lk = add.shape
         past = 0 if self.state is None else self.state.length
         lq = qh.shape[1]
@@ -303,7 +300,7 @@ class SelectiveStep:
         qs = qh.new_zeros(B, lk - past, qh.shape[-1])
         ok = rows >= 0  # (learned memory's zero query rows repeat positions already held)
         qs[:, rows[ok]] = qh[:, ok]
-        live = _Plan(call).live.expand(B, lk)[:, past:]
+        live = live.expand(B, lk)[:, past:]
         st = self.state
         if st is None:
             st = SelectiveState(c, qs, kh[:, past:], live, call.settings, module=weakref.ref(self.module))

@@ -45,14 +45,23 @@ def selecting_features(call: AttnCall, dtype: torch.dtype | None = None) -> tupl
     return q, call.k[:, h // call.groups].to(dt)
 
 
-@torch.no_grad()
 def column_sums(call: AttnCall) -> torch.Tensor:
     """sum over the call's queries of R, float [B, Lk] in the compute dtype (module docstring); the call must carry
     no score modifier (the transformers integration refuses those on cached steps)."""
+    return column_sums_and_parts(call)[0]
+
+
+@torch.no_grad()
+def column_sums_and_parts(call: AttnCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(column sums [B, Lk], the selecting head's q' [B, Lq, D] and k' [B, Lk, D], live keys bool [b, Lk]): what a
+    cache stores after a call, each formed once."""
     if call.modifies_scores:
         raise ValueError("selective column sums with score modifiers (bias, soft-cap, sinks) are not implemented")
-    plan = _Plan(call)
     qh, kh = selecting_features(call)
+    if qh.shape[1] == 1:
+        sums, live = _one_query_sums(call, qh, kh)
+        return sums, qh, kh, live
+    plan = _Plan(call)
     B, lq = qh.shape[:2]
     out = qh.new_zeros(B, plan.lk)
     blk = block_size(B, 1, plan.lk)
@@ -63,7 +72,26 @@ def column_sums(call: AttnCall) -> torch.Tensor:
         sel = plan.selects(plan.keep(i0, i1, keys, qh.device), i0, i1, keys)
         s = qh[:, i0:i1] @ kh[:, :keys].transpose(-1, -2)
         out[:, :keys] += torch.where(sel, F.relu(s), zero).sum(dim=1)
-    return out
+    return out, qh, kh, plan.live
+
+
+def one_query_live(call: AttnCall) -> torch.Tensor:
+    """bool [b, Lk]: the keys the one query of a call sees (its live keys: no other query sees any)."""
+    keep = call.mask.dense(call.q.device)
+    h = call.normalizer.selecting_head(call.settings)
+    return keep[:, h if keep.shape[1] > 1 else 0, 0]
+
+
+def _one_query_sums(call: AttnCall, qh: torch.Tensor, kh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(R of a one-query call [B, Lk], its live keys [b, Lk]): the general rule with Lq = 1 in fewer ops (a decode
+    step's per-token cost): the query's own key is the last, and it selects only when that key is visible."""
+    live = one_query_live(call)
+    lk = live.shape[-1]
+    bos = live.to(torch.int8).argmax(dim=-1, keepdim=True)  # [b, 1]
+    j = torch.arange(lk, device=live.device)
+    sel = live & (j != bos) & (j != lk - 1) & live[:, -1:]
+    s = (qh @ kh.transpose(-1, -2))[:, 0]
+    return torch.where(sel, F.relu(s), torch.zeros((), dtype=s.dtype, device=s.device)), live
 
 
 @torch.no_grad()

@@ -99,10 +99,15 @@ class Selective(Normalizer):
         self.check_heads(ctx.settings, H)
         h = self.selecting_head(ctx.settings)
         keep = keep.to(scores.device)
-        pen = selection_penalty(scores[:, h], head_keep(keep, h, B, Lq, Lk))
         carry = ctx.selective_carry
-        if carry is not None:  # a cached step: what the earlier calls' queries accumulated per key
-            pen = pen + check_carry(carry, B, Lk).to(pen.dtype)[:, None, :]
-        z = scores - pen[:, None]
+        if carry is not None:
+            carry = check_carry(carry, B, Lk).to(scores.dtype)
+        if Lq == 1:  # one query has no earlier query in its call (a decode step): F = the carry alone
+            z = scores if carry is None else scores - carry[:, None, None, :]
+        else:
+            pen = selection_penalty(scores[:, h], head_keep(keep, h, B, Lq, Lk))
+            if carry is not None:  # a cached step: what the earlier calls' queries accumulated per key
+                pen = pen + carry[:, None, :]
+            z = scores - pen[:, None]
         e = masked_exp(z, keep, masked_max(z, keep))
         return safe_divide(e, e.sum(dim=-1, keepdim=True))
