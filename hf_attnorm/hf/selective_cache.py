@@ -296,10 +296,13 @@ class SelectiveStep:
         B, lk = add.shape
         past = 0 if self.state is None else self.state.length
         lq = qh.shape[1]
-        rows = torch.arange(lq, device=qh.device) + (lk - lq) - past  # query row -> its key position - past
-        qs = qh.new_zeros(B, lk - past, qh.shape[-1])
-        ok = rows >= 0  # (learned memory's zero query rows repeat positions already held)
-        qs[:, rows[ok]] = qh[:, ok]
+        if lq == lk - past:  # the queries are the new positions, one each (every call without learned memory)
+            qs = qh
+        else:
+            rows = torch.arange(lq, device=qh.device) + (lk - lq) - past  # query row -> its key position - past
+            qs = qh.new_zeros(B, lk - past, qh.shape[-1])
+            ok = rows >= 0  # (learned memory's zero query rows repeat positions already held)
+            qs[:, rows[ok]] = qh[:, ok]
         live = live.expand(B, lk)[:, past:]
         st = self.state
         if st is None:

@@ -77,21 +77,28 @@ def column_sums_and_parts(call: AttnCall) -> tuple[torch.Tensor, torch.Tensor, t
 
 def one_query_live(call: AttnCall) -> torch.Tensor:
     """bool [b, Lk]: the keys the one query of a call sees (its live keys: no other query sees any)."""
-    keep = call.mask.dense(call.q.device)
+    keep = call.mask.keep
+    if keep is None:  # one query without a mask sees every key
+        return torch.ones((), dtype=torch.bool, device=call.q.device).expand(1, call.k.shape[2])
     h = call.normalizer.selecting_head(call.settings)
     return keep[:, h if keep.shape[1] > 1 else 0, 0]
 
 
 def _one_query_sums(call: AttnCall, qh: torch.Tensor, kh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(R of a one-query call [B, Lk], its live keys [b, Lk]): the general rule with Lq = 1 in fewer ops (a decode
-    step's per-token cost): the query's own key is the last, and it selects only when that key is visible."""
+    """(R of a one-query call [B, Lk], its live keys [b, Lk]): the general rule with Lq = 1 in a few in-place ops
+    (a decode step's per-token cost): R = relu(s) on the visible keys but BOS (the first visible) and the query's
+    own key (the last), and no R at all when that own key is not visible."""
+    r = F.relu_((qh @ kh.transpose(-1, -2))[:, 0])  # [B, Lk]
     live = one_query_live(call)
-    lk = live.shape[-1]
-    bos = live.to(torch.int8).argmax(dim=-1, keepdim=True)  # [b, 1]
-    j = torch.arange(lk, device=live.device)
-    sel = live & (j != bos) & (j != lk - 1) & live[:, -1:]
-    s = (qh @ kh.transpose(-1, -2))[:, 0]
-    return torch.where(sel, F.relu(s), torch.zeros((), dtype=s.dtype, device=s.device)), live
+    if call.mask.keep is None:
+        r[:, 0] = 0
+    else:
+        r.masked_fill_(~live, 0)
+        r.masked_fill_(~live[:, -1:], 0)  # the own key is padding: it selects nothing
+        bos = live.to(torch.int8).argmax(dim=-1, keepdim=True)  # [b, 1]
+        r.scatter_(1, bos.expand(r.shape[0], 1), 0)
+    r[:, -1] = 0
+    return r, live
 
 
 @torch.no_grad()
