@@ -58,23 +58,68 @@ _ADVICE = ("Generate with the default DynamicCache, or without a KV cache (model
 
 @dataclasses.dataclass(eq=False)
 class SelectiveState:
-    """c [B, L]: the column sums over every query so far; qs, ks [B, L, D]: per cached position the selecting head's
-    q' (zeros where no query was: learned memory columns) and k'; live bool [B, L]: keys some query sees; L counts
-    the keys of the calls (learned memory columns first). All in the calls' compute dtype."""
+    """Over the first ``length`` key positions of the calls (learned memory columns first), in the calls' compute
+    dtype: c [B, L], the column sums over every query so far; qs, ks [B, L, D], per position the selecting head's q'
+    (zeros where no query was: memory columns) and k'; live bool [B, L], keys some query sees. Held in buffers with
+    spare room at the end (c's is zero there), so a step appends in place, amortised O(1), instead of copying the
+    state (``view`` gives the first n positions)."""
 
-    c: torch.Tensor
-    qs: torch.Tensor
-    ks: torch.Tensor
-    live: torch.Tensor
+    cbuf: torch.Tensor
+    qbuf: torch.Tensor
+    kbuf: torch.Tensor
+    lbuf: torch.Tensor
+    length: int
     settings: AttnormSettings
     keys: weakref.ref | None = None
     values: weakref.ref | None = None
     versions: tuple[int, int] = (-1, -1)
     module: weakref.ref | None = None
 
+    @classmethod
+    def empty(cls, like_q: torch.Tensor, batch: int, settings: AttnormSettings, module: nn.Module,
+              capacity: int) -> SelectiveState:
+        d, dt, dev = like_q.shape[-1], like_q.dtype, like_q.device
+        return cls(torch.zeros(batch, capacity, dtype=dt, device=dev), like_q.new_zeros(batch, capacity, d),
+                   like_q.new_zeros(batch, capacity, d), torch.zeros(batch, capacity, dtype=torch.bool, device=dev),
+                   0, settings, module=weakref.ref(module))
+
     @property
-    def length(self) -> int:
-        return self.c.shape[1]
+    def c(self) -> torch.Tensor:
+        return self.cbuf[:, :self.length]
+
+    @property
+    def qs(self) -> torch.Tensor:
+        return self.qbuf[:, :self.length]
+
+    @property
+    def ks(self) -> torch.Tensor:
+        return self.kbuf[:, :self.length]
+
+    @property
+    def live(self) -> torch.Tensor:
+        return self.lbuf[:, :self.length]
+
+    def carry(self, new_keys: int) -> torch.Tensor:
+        """C for a call with ``new_keys`` more keys, [B, length + new_keys] (0 for those): a view of the buffer."""
+        self.reserve(self.length + new_keys)
+        return self.cbuf[:, :self.length + new_keys]
+
+    def reserve(self, n: int) -> None:
+        cap = self.cbuf.shape[1]
+        if n <= cap:
+            return
+        extra = max(n, 2 * cap, 64) - cap
+        self.cbuf = F.pad(self.cbuf, (0, extra))
+        self.qbuf, self.kbuf = F.pad(self.qbuf, (0, 0, 0, extra)), F.pad(self.kbuf, (0, 0, 0, extra))
+        self.lbuf = F.pad(self.lbuf, (0, extra))
+
+    def append(self, add: torch.Tensor, qs: torch.Tensor, ks: torch.Tensor, live: torch.Tensor) -> None:
+        """C over the call's keys += add [B, Lk]; the positions length..Lk-1 get qs, ks [B, n, D], live [B, n]."""
+        lk = add.shape[1]
+        self.reserve(lk)
+        self.cbuf[:, :lk] += add
+        self.qbuf[:, self.length:lk], self.kbuf[:, self.length:lk], self.lbuf[:, self.length:lk] = qs, ks, live
+        self.length = lk
 
     def __reduce__(self):
         # weak references cannot be pickled and a state is meaningless apart from its tensors (as hf/recurrent.py)
@@ -90,12 +135,13 @@ class SelectiveState:
                 and self.values() is v and (k._version, v._version) == self.versions)
 
     def map_batch(self, fn) -> None:
-        self.c, self.qs, self.ks, self.live = fn(self.c), fn(self.qs), fn(self.ks), fn(self.live)
+        self.cbuf, self.qbuf, self.kbuf, self.lbuf = fn(self.cbuf), fn(self.qbuf), fn(self.kbuf), fn(self.lbuf)
 
     def crop_to(self, n: int) -> None:
         """Keep positions 0..n-1: C recomputed over them (the queries after them are gone)."""
-        self.qs, self.ks, self.live = self.qs[:, :n], self.ks[:, :n], self.live[:, :n]
-        self.c = prefix_column_sums(self.qs, self.ks, self.live)
+        self.length = n
+        self.cbuf[:, n:] = 0
+        self.cbuf[:, :n] = prefix_column_sums(self.qs, self.ks, self.live)
 
 
 def _none() -> None:
@@ -273,13 +319,13 @@ class SelectiveStep:
         past = call.k.shape[2] - self.new_keys
         if why is None and st.settings != call.settings:
             why = "the cache's column sums were built with other attnorm settings"
-        if why is None and (st.length != past or st.c.shape[0] != call.q.shape[0]):
-            why = (f"the state covers {st.c.shape[0]} sequences x {st.length} keys, the call has "
+        if why is None and (st.length != past or st.cbuf.shape[0] != call.q.shape[0]):
+            why = (f"the state covers {st.cbuf.shape[0]} sequences x {st.length} keys, the call has "
                    f"{call.q.shape[0]} x {past} earlier keys")
         if why is not None:
             _drop(self.layer, why)
             raise _refuse(name, query, key, why)
-        call.selective_carry = F.pad(st.c, (0, self.new_keys))
+        call.selective_carry = st.carry(self.new_keys)
 
     def after(self, call: AttnCall) -> None:
         """C += the call's column sums; the new positions' q', k', liveness appended (a first call: built)."""
@@ -291,10 +337,11 @@ class SelectiveStep:
             _drop(layer, why)
             return
         add, qh, kh, live = column_sums_and_parts(call)
-        carry = call.selective_carry
-        c = add if carry is None else carry.to(add.dtype) + add
         B, lk = add.shape
-        past = 0 if self.state is None else self.state.length
+        st = self.state
+        if st is None:
+            st = SelectiveState.empty(qh, B, call.settings, self.module, lk + 64)
+        past = st.length
         lq = qh.shape[1]
         if lq == lk - past:  # the queries are the new positions, one each (every call without learned memory)
             qs = qh
@@ -303,13 +350,8 @@ class SelectiveStep:
             qs = qh.new_zeros(B, lk - past, qh.shape[-1])
             ok = rows >= 0  # (learned memory's zero query rows repeat positions already held)
             qs[:, rows[ok]] = qh[:, ok]
-        live = live.expand(B, lk)[:, past:]
-        st = self.state
-        if st is None:
-            st = SelectiveState(c, qs, kh[:, past:], live, call.settings, module=weakref.ref(self.module))
-        else:
-            st.c, st.qs = c, torch.cat([st.qs, qs], dim=1)
-            st.ks, st.live = torch.cat([st.ks, kh[:, past:]], dim=1), torch.cat([st.live, live], dim=1)
+        # (the carry the call read is a view of st's buffer: C += add in place)
+        st.append(add, qs, kh[:, past:], live.expand(B, lk)[:, past:])
         if type(layer) is DynamicLayer:
             layer.__class__ = SelectiveLayer
         layer.__dict__.pop(WHY_ATTR, None)
