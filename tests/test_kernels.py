@@ -46,9 +46,10 @@ def _normalizers(path: str) -> list[str]:
     return list(NORMALIZERS) if declared is None else [n for n in declared if n in NORMALIZERS]
 
 
-#: the one-query path takes none of the generic cases (they have several queries): test_decode_path_matches_reference;
-#: the recurrent step needs a cache's state (tests/test_recurrent.py)
-PAIRS = [(p, n) for p in FAST_PATHS if p not in ("decode", "linear_recurrent") for n in _normalizers(p)]
+#: the one-query paths take none of the generic cases (they have several queries): test_decode_path_matches_reference,
+#: tests/test_selective_decode.py; the recurrent step needs a cache's state (tests/test_recurrent.py)
+PAIRS = [(p, n) for p in FAST_PATHS if p not in ("decode", "selective_step", "linear_recurrent")
+         for n in _normalizers(p)]
 PAIR_IDS = [f"{p}-{n}" for p, n in PAIRS]
 
 

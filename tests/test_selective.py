@@ -147,10 +147,12 @@ def test_the_rule_picks_the_blocked_path_and_the_splitting_paths_decline():
     assert explain(call)[-1] == ("selective", "runs")
     with pytest.raises(ValueError, match="couples the queries"):
         attend(make_call(q[:, :, :1], q, q, settings, {}, None, True), "chunked")
-    # one query has no other query in its call (earlier ones arrive as AttnCall.selective_carry): decode takes it
+    # one query has no other query in its call (earlier ones arrive as AttnCall.selective_carry): the one-query
+    # paths take it (tests/test_selective_decode.py)
     one = make_call(q[:, :, -1:], q, q, settings, {}, None, True)
-    assert explain(one)[0] == ("decode", "runs")
-    torch.testing.assert_close(attend(one)[0], attend(one, "reference")[0], atol=1e-6, rtol=0)
+    assert explain(one)[0] == ("selective_step", "runs")
+    for path in ("selective_step", "decode"):
+        torch.testing.assert_close(attend(one, path)[0], attend(one, "reference")[0], atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="score bias"):  # declines modifiers: the reference applies them
         attend(make_call(q, q, q, settings, {}, None, True, bias=torch.zeros(1, 1, 5, 5)), "selective")
 

@@ -72,14 +72,14 @@ def test_split_calls_with_the_carry_equal_the_whole_call(head):
     heads = constant_heads(settings, 4, head_dim=8)
     whole, _ = attend_ref(q, k, v, mask, settings, heads)
     carry = None
-    for i0, i1, path in ((0, 5, "selective"), (5, 9, "selective"), (9, 10, "decode"), (10, 11, "decode"),
-                         (11, 13, "selective")):
+    for i0, i1, path in ((0, 5, "selective"), (5, 9, "selective"), (9, 10, "selective_step"),
+                         (10, 11, "selective_step"), (11, 13, "selective")):
         call = make_call(q[:, :, i0:i1], k[:, :, :i1], v[:, :, :i1], settings, heads,
                          _causal_pad(mask[:, :i1], i1 - i0), True)
         if carry is not None:
             call = dataclasses.replace(call, selective_carry=F.pad(carry, (0, i1 - i0)))
         assert explain(call)[-1] == (path, "runs")
-        for p in (path, "reference"):
+        for p in (path, "reference", *(("decode",) if i1 - i0 == 1 else ())):
             out, _, ran = attend(call, p)
             assert ran == p
             torch.testing.assert_close(out, whole[:, :, i0:i1], atol=TOL, rtol=0,
@@ -127,6 +127,39 @@ def test_the_carry_gradient(monkeypatch):
     assert res["selective"][4].abs().max() > 0
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "padding"])
+def test_one_query_paths_forward_and_gradients(masked):
+    """selective_step (SDPA) and decode (the normalizer's reference) on one query with a carry: GQA, padding with a
+    fully masked row (zeros, no NaN), fp64 forward and the gradients of q, k, v against the reference."""
+    settings = resolve_settings("selective", {"selective_head": 2})
+    q, k, v = _tensors(B=3, L=9, seed=4)
+    mask = None
+    if masked:
+        mask = torch.ones(3, 9, dtype=torch.bool)
+        mask[0, :3] = False
+        mask[2] = False
+    heads = constant_heads(settings, 4, head_dim=8)
+    carry = torch.rand(3, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(5)) * 2
+    carry[:, -1] = 0
+    gout = torch.randn(3, 4, 1, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    res = {}
+    for path in ("selective_step", "decode", "reference"):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q[:, :, -1:], k, v))
+        call = dataclasses.replace(make_call(qq, kk, vv, settings, heads, mask, True), selective_carry=carry)
+        out, _, ran = attend(call, path)
+        assert ran == path and torch.isfinite(out).all()
+        res[path] = (out, *torch.autograd.grad(out, (qq, kk, vv), gout))
+    for path in ("selective_step", "decode"):
+        for name, a, b in zip(("out", "dq", "dk", "dv"), res[path], res["reference"]):
+            torch.testing.assert_close(a, b, atol=TOL, rtol=0, msg=lambda m, name=name, p=path: f"{p} {name}: {m}")
+    if masked:
+        assert res["selective_step"][0][2].abs().max() == 0
+    call = make_call(q[:, :, -1:], k, v, settings, heads, mask, True)
+    assert explain(dataclasses.replace(call, selective_carry=carry))[0] == ("selective_step", "runs")
+    needs = dataclasses.replace(call, selective_carry=carry.clone().requires_grad_())
+    assert "carry requires grad" in PATHS["selective_step"].check(needs)
+
+
 def test_other_paths_decline_and_a_bad_carry_is_named():
     settings = resolve_settings("selective")
     q, k, v = _tensors(L=6)
@@ -146,7 +179,7 @@ def test_other_paths_decline_and_a_bad_carry_is_named():
 def ran(monkeypatch):
     """(path, carried) of every selective/decode/reference kernel run (LAST_CALL keeps only the last path)."""
     seen = []
-    for name in ("selective", "decode", "reference"):
+    for name in ("selective", "selective_step", "decode", "reference"):
         path = PATHS[name]
 
         def kernel(call, path=path):
@@ -197,7 +230,7 @@ def test_generate_with_cache_equals_without(model, ran):
     _same(cached, uncached)
     layers = model.config.num_hidden_layers
     assert ran[:layers] == [("selective", False)] * layers  # the prefill: the normal path, no carry
-    assert ran[layers:] == [("decode", True)] * (5 * layers)  # every decode step of every layer, with its carry
+    assert ran[layers:] == [("selective_step", True)] * (5 * layers)  # every decode step of every layer, carried
 
 
 def test_learned_memory_with_the_cache_equals_without():
@@ -249,7 +282,8 @@ def test_chunked_prefill_equals_the_whole_forward(model, ran):
         parts = [model(x[:, a:b], attention_mask=mask[:, :b], past_key_values=cache, use_cache=True).logits
                  for a, b in ((0, 6), (6, 13), (13, 14))]
     layers = model.config.num_hidden_layers
-    assert ran == [("selective", False)] * layers + [("selective", True)] * layers + [("decode", True)] * layers
+    assert ran == ([("selective", False)] * layers + [("selective", True)] * layers
+                   + [("selective_step", True)] * layers)
     live = mask.bool()
     torch.testing.assert_close(torch.cat(parts, 1)[live], whole[live], atol=TOL, rtol=0)
 
@@ -288,7 +322,7 @@ def test_beam_search_equals_without_cache(model, ran):
     x, mask = _padded(seed=4)
     kw = dict(attention_mask=mask, num_beams=3, num_return_sequences=2, max_new_tokens=5)
     _same(_generate(model, x, True, **kw), _generate(model, x, False, **kw))
-    assert ("decode", True) in ran
+    assert ("selective_step", True) in ran
 
 
 def test_batch_select_and_repeat_follow_the_cache(model):
