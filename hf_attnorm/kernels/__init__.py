@@ -15,6 +15,9 @@ path           priority  normalizers (declared family)                 accepts
 sdpa           10        "softmax" (softmax, cosine, softmax_n, sink)  CPU: any float dtype (fp16/bf16 in fp32);
                                                                        elsewhere no sink. Dropout: no sink only.
 sdpa_sinkcol   20        "softmax" with a sink (softmax_n, sink)       any; auto: not on CPU (D+1 is slow there)
+selective_step 24        query-coupled with a selecting head           one query (a decode step), no score
+                         (selective)                                   modifiers, no dropout, no carry needing
+                                                                       grad
 triton         30        "fused" (symax, squared, stablemax, ...)      auto: CUDA; forced: CPU under
                                                                        TRITON_INTERPRET=1. No dropout, no fp64
 fused_cpu      40        "fused"                                       CPU, no dropout, C++ built on first use
