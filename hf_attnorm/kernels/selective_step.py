@@ -31,13 +31,13 @@ def takes(norm: Normalizer) -> str | None:
 
 
 def accepts(call: AttnCall) -> str | None:
+    if call.dropout > 0:
+        return "dropout > 0 (not implemented here; decode steps run without it)"
     if call.q.shape[2] != 1:
         return f"{call.q.shape[2]} queries (this path is for one: a decode step)"
     why = score_mod_reason(call)
     if why:
         return why
-    if call.dropout > 0:
-        return "dropout > 0 (not implemented here; decode steps run without it)"
     if call.q.numel() == 0 or call.k.shape[2] == 0:
         return "empty inputs"
     c = call.selective_carry
