@@ -370,3 +370,20 @@ def test_a_cache_with_sums_pickles_as_a_plain_cache(model):
     assert type(copy.layers[0]) is DynamicLayer and state_of_layer(copy.layers[0]) is None
     assert torch.equal(copy.layers[0].keys, cache.layers[0].keys)
     pickle.dumps(model)
+
+
+def test_hook_follows_the_implementation():
+    """The pre-hook is installed with a query-coupled normalizer and removed when the model leaves it."""
+    import hf_attnorm
+    from hf_attnorm.hf.families import attention_modules
+    from hf_attnorm.hf.selective_cache import _pre_hook
+
+    m = tiny("llama", "causal_lm", implementation="selective")
+    mods = [mod for _, mod in attention_modules(m)]
+    assert all(_pre_hook in mod._forward_pre_hooks.values() for mod in mods)
+    hf_attnorm.apply(m, "softmax")
+    assert not any(_pre_hook in mod._forward_pre_hooks.values() for mod in mods)
+    hf_attnorm.apply(m, "selective")
+    assert all(_pre_hook in mod._forward_pre_hooks.values() for mod in mods)
+    m.set_attn_implementation("sdpa")
+    assert not any(_pre_hook in mod._forward_pre_hooks.values() for mod in mods)
