@@ -17,6 +17,7 @@ from torch import nn
 from ..attention import param_specs
 from ..registry import NORMALIZERS, SCALES, AttnormError
 from ..settings import AttnormSettings, resolve_settings
+from . import selective_cache
 from .families import interface_keywords, module_info, num_heads_of, unsupported_keywords
 from .recurrent import attach, detach, supports
 
@@ -149,6 +150,8 @@ def install(module: nn.Module, settings: AttnormSettings) -> AttnormState:
                 state._parameters[spec.name] = prev  # keep the learned value (and the optimizer's reference)
     module.attnorm = state
     (attach if supports(module) else detach)(module)  # linear attention: the cache's recurrent state
+    # selective attention: the column sums on the cache (hf/selective_cache.py)
+    (selective_cache.attach if selective_cache.supports(module) else selective_cache.detach)(module)
     return state
 
 
@@ -197,6 +200,7 @@ def uninstall(module: nn.Module) -> None:
     if isinstance(module._modules.get("attnorm"), AttnormState):
         del module._modules["attnorm"]
     detach(module)
+    selective_cache.detach(module)
 
 
 def state_of(module: nn.Module, implementation: str) -> nn.Module:

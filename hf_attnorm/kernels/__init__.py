@@ -15,6 +15,9 @@ path           priority  normalizers (declared family)                 accepts
 sdpa           10        "softmax" (softmax, cosine, softmax_n, sink)  CPU: any float dtype (fp16/bf16 in fp32);
                                                                        elsewhere no sink. Dropout: no sink only.
 sdpa_sinkcol   20        "softmax" with a sink (softmax_n, sink)       any; auto: not on CPU (D+1 is slow there)
+selective_step 24        query-coupled with a selecting head           one query (a decode step), no score
+                         (selective)                                   modifiers, no dropout, no carry needing
+                                                                       grad
 triton         30        "fused" (symax, squared, stablemax, ...)      auto: CUDA; forced: CPU under
                                                                        TRITON_INTERPRET=1. No dropout, no fp64
 selective_triton
@@ -29,8 +32,10 @@ linear_recurrent
                                                                        dropout, no grad
 linear_chunked 50        "linear" (linear)                             no dropout; a mask only as key padding x
                                                                        causal (MaskInfo.padding), or one query
-selective      85        query-coupled with a selecting head           no score modifiers, no dropout
-                         (selective)
+selective      85        query-coupled with a selecting head           no score modifiers, no dropout; takes
+                         (selective)                                   ``AttnCall.selective_carry`` (a cached
+                                                                       step), as decode and reference do; every
+                                                                       other path declines a call carrying it
 chunked        90        every normalizer but query-coupled ones       any (pure PyTorch, O(n * chunk) memory)
 reference      100       every normalizer                              any; the only path returning weights
 ============== ========= ============================================= =========================================

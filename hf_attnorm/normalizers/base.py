@@ -99,6 +99,9 @@ class Ctx:
     module_info: dict
     #: number of keys Lk of the call (an upper bound of n known from shapes alone, so no data-dependent sync)
     lk: int = 0
+    #: query-coupled normalizers (selective): what earlier calls' queries accumulated per key, [B, Lk] (0 for the
+    #: call's new keys), the call's ``AttnCall.selective_carry``; None: no earlier queries
+    selective_carry: torch.Tensor | None = None
 
     def head(self, name: str) -> torch.Tensor:
         """Per-head value as [1, H, 1, 1] for broadcasting against [B, H, Lq, Lk]."""
