@@ -387,3 +387,24 @@ def test_hook_follows_the_implementation():
     assert all(_pre_hook in mod._forward_pre_hooks.values() for mod in mods)
     m.set_attn_implementation("sdpa")
     assert not any(_pre_hook in mod._forward_pre_hooks.values() for mod in mods)
+
+
+def test_encoder_decoder_cache_is_refused_by_name_and_uncached_generation_runs():
+    """An encoder-decoder model's EncoderDecoderCache is not followed (its cross-attention would need column sums of
+    its own): a cached step is refused naming it; generation without a cache runs."""
+    import family_zoo as fz
+    from transformers import EncoderDecoderCache
+
+    model = fz.build("bart", "selective")
+    ins, _ = fz.inputs("bart", pad=False)
+    enc = model.get_encoder()(input_ids=ins["input_ids"], attention_mask=ins["attention_mask"])
+    dec = ins["decoder_input_ids"]
+    cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    out = model(encoder_outputs=enc, attention_mask=ins["attention_mask"], decoder_input_ids=dec[:, :1],
+                past_key_values=cache, use_cache=True)  # the first step has no earlier query: exact
+    with pytest.raises(AttnormError, match="EncoderDecoderCache"):
+        model(encoder_outputs=enc, attention_mask=ins["attention_mask"], decoder_input_ids=dec[:, 1:2],
+              past_key_values=out.past_key_values, use_cache=True)
+    gen = model.generate(input_ids=ins["input_ids"], attention_mask=ins["attention_mask"], max_new_tokens=3,
+                         do_sample=False, use_cache=False)
+    assert gen.shape[0] == 2

@@ -22,11 +22,12 @@ that built it. So it lives and dies with the cache, and is used only while it de
   batched decoding) apply the same batch operation to the state, whose ``crop`` (assisted decoding) recomputes C
   over the kept positions from the stored q'/k' (O(L^2 d) for one head), and whose ``reset`` drops it.
 
-Refused with a clear error at the first cached step (generate time): static, sliding-window, quantized and other
-cache layers (a StaticCache's call sees max_cache_len keys whose positions only cache_position knows), score
-modifiers (bias, soft-cap, sinks: the column-sum pass forms plain scores), masks that are not key padding x causal,
-calls under ``torch.compile`` (nothing may persist across a graph), and caches changed by anything not listed above.
-A later step's mask is trusted to keep the cached keys' visibility, as ``generate`` does.
+Refused with a clear error at the first cached step (generate time): encoder-decoder caches (the decoder's cross-
+attention would need column sums of its own), static, sliding-window, quantized and other cache layers (a
+StaticCache's call sees max_cache_len keys whose positions only cache_position knows), score modifiers (bias, soft-
+cap, sinks: the column-sum pass forms plain scores), masks that are not key padding x causal, calls under
+``torch.compile`` (nothing may persist across a graph), and caches changed by anything not listed above. A later
+step's mask is trusted to keep the cached keys' visibility, as ``generate`` does.
 """
 
 from __future__ import annotations
@@ -377,6 +378,10 @@ def step_for(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: t
     layers = getattr(cache, "layers", None)
     layer = layers[pending.layer_idx] if isinstance(layers, list) and pending.layer_idx < len(layers) else None
     if layer is None or not isinstance(layer, DynamicLayer) or type(layer) not in (DynamicLayer, SelectiveLayer):
+        if past and hasattr(cache, "cross_attention_cache"):
+            raise _refuse(name, query, key, "encoder-decoder caches (EncoderDecoderCache) are not followed: the "
+                                            "decoder's cross-attention would need column sums of its own, over the "
+                                            "encoder keys")
         if past:
             kind = type(layer).__name__ if layer is not None else "missing"
             raise _refuse(name, query, key, f"its cache layer is {kind} (static, sliding-window, quantized and other "
