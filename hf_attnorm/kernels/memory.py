@@ -162,16 +162,25 @@ class _MemoryFlash(torch.autograd.Function):
     (out', L') is exactly the real keys' part of the joint softmax's gradient (P = e^(S - L'), delta = rowsum(dO out')
     are the joint ones, as for the sink rewrite in sdpa_rewrite), and the memory's part is the same formulas on the
     M columns: dS_m = P_m (dO mem_v^T - delta), dq += scale dS_m mem_k, d mem_k = scale dS_m^T q, d mem_v = P_m^T dO
-    (summed over the batch and the query heads sharing a memory). q: [B, H, Lq, D] already multiplied by the
-    per-query factor; k/v [B, Hkv, Lk, D] (GQA native); mem_k/mem_v [Hm, M, D] with Hm = Hkv or H."""
+    (summed over the batch and the query heads sharing a memory). q: [B, H, Lq, D] (contiguous) already multiplied by
+    the per-query factor; k/v [B, Hkv, Lk, D] (GQA native); mem_k/mem_v [Hm, M, D] with Hm = Hkv or H. The memory
+    terms are batched matmuls over the query heads of each memory head ([B Hm, G Lq, *] views of q, out, dq),
+    accumulated into the flash kernel's fresh out / dq in place: no [B, H, Lq, D] temporaries."""
 
     @staticmethod
     def forward(ctx, q, k, v, mem_k, mem_v, causal: bool, scale: float):
         out, lse = _FLASH(q, k, v, 0.0, causal, scale=scale)
-        s = _memory_scores(q, mem_k, scale)
-        lse_all = torch.logaddexp(lse, torch.logsumexp(s, -1))
-        p = torch.exp(s - lse_all.unsqueeze(-1))
-        out = out * torch.exp(lse - lse_all).unsqueeze(-1) + _grouped(p, mem_v)
+        out = out.contiguous()  # (the kernel may lay it out [B, Lq, H, D]; the views below need [B, H, Lq, D])
+        B, H, Lq, D = q.shape
+        Hm = mem_k.shape[0]
+        mk = _batched(mem_k * scale, B)  # [B Hm, M, D]: the scale on the M keys, not on the scores
+        mv = _batched(mem_v, B)
+        q3 = _by_memory_head(q, Hm)  # [B Hm, G Lq, D], a view
+        s = torch.bmm(q3, mk.transpose(1, 2))  # [B Hm, G Lq, M]
+        lse_all = torch.logaddexp(lse, torch.logsumexp(s, -1).view(B, H, Lq))
+        p = torch.exp(s - lse_all.reshape(s.shape[0], -1, 1))
+        out.mul_(torch.exp(lse - lse_all).unsqueeze(-1))  # the kernel's fresh output, rescaled in place
+        _by_memory_head(out, Hm).baddbmm_(p, mv)  # + P_m mem_v, accumulated in place
         ctx.save_for_backward(q, k, v, mem_k, mem_v, out, lse_all)
         ctx.causal, ctx.scale = causal, scale
         return out
@@ -182,27 +191,27 @@ class _MemoryFlash(torch.autograd.Function):
         q, k, v, mem_k, mem_v, out, lse_all = ctx.saved_tensors
         dout = dout.contiguous()
         dq, dk, dv = _FLASH_BWD(dout, q, k, v, out, lse_all, 0.0, ctx.causal, scale=ctx.scale)
-        p = torch.exp(_memory_scores(q, mem_k, ctx.scale) - lse_all.unsqueeze(-1))  # [B, H, Lq, M]
-        delta = (dout * out).sum(-1, keepdim=True)
-        ds = p * (_grouped(dout, mem_v.transpose(1, 2)) - delta)
-        dq = dq + ctx.scale * _grouped(ds, mem_k)
-        B, H, Lq, M = p.shape
-        Hm = mem_k.shape[0]
-        g = (B, Hm, H // Hm, Lq)
-        dmem_k = ctx.scale * torch.einsum("bhglm,bhgld->hmd", ds.view(*g, M), q.view(*g, q.shape[-1]))
-        dmem_v = torch.einsum("bhglm,bhgld->hmd", p.view(*g, M), dout.view(*g, dout.shape[-1]))
+        dq = dq.contiguous()
+        B, Hm = q.shape[0], mem_k.shape[0]
+        mk, mv = _batched(mem_k * ctx.scale, B), _batched(mem_v, B)
+        q3, do3 = _by_memory_head(q, Hm), _by_memory_head(dout, Hm)
+        p = torch.exp(torch.bmm(q3, mk.transpose(1, 2)) - lse_all.reshape(B * Hm, -1, 1))  # [B Hm, G Lq, M]
+        delta = torch.linalg.vecdot(dout, out).reshape(B * Hm, -1, 1)
+        ds = p * (torch.bmm(do3, mv.transpose(1, 2)) - delta)
+        _by_memory_head(dq, Hm).baddbmm_(ds, mk)  # the flash backward's fresh dq, accumulated in place
+        dmem_k = torch.bmm(ds.transpose(1, 2), q3).view(B, Hm, *mem_k.shape[1:]).sum(0) * ctx.scale
+        dmem_v = torch.bmm(p.transpose(1, 2), do3).view(B, Hm, *mem_v.shape[1:]).sum(0)
         return dq, dk, dv, dmem_k, dmem_v, None, None
 
 
-def _grouped(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """x [B, H, Lq, a] @ m [Hm, a, c] per memory head (query head h uses m[h // (H / Hm)]) -> [B, H, Lq, c]."""
-    B, H, Lq, a = x.shape
-    Hm = m.shape[0]
-    return torch.matmul(x.view(B, Hm, H // Hm, Lq, a), m[None, :, None]).view(B, H, Lq, m.shape[-1])
+def _by_memory_head(x: torch.Tensor, Hm: int) -> torch.Tensor:
+    """[B, H, L, c] (contiguous) -> [B Hm, (H / Hm) L, c], a view: query head h uses memory head h // (H / Hm)."""
+    return x.view(x.shape[0] * Hm, -1, x.shape[-1])
 
 
-def _memory_scores(q: torch.Tensor, mem_k: torch.Tensor, scale: float) -> torch.Tensor:
-    return _grouped(q, mem_k.transpose(1, 2)) * scale
+def _batched(m: torch.Tensor, B: int) -> torch.Tensor:
+    """[Hm, M, c] -> [B Hm, M, c] (a view for B = 1; a copy of B Hm M c entries otherwise)."""
+    return m if B == 1 else m[None].expand(B, *m.shape).reshape(B * m.shape[0], *m.shape[1:])
 
 
 def memory_softmax(call: AttnCall, dtype: torch.dtype) -> torch.Tensor:
