@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .kernels import attend
-from .kernels.base import AttnCall, MemoryParts, alibi_bias
+from .kernels.base import AttnCall, alibi_bias
 from .kernels.kinds import fused_takes
 from .kernels.memory import memory_specs, prepend_memory
 from .masks import build_mask_info, split_float_mask
@@ -94,9 +94,7 @@ def make_call(
         v = torch.where(mask.dead, zero.to(v.dtype), v)
     heads = dict(heads)
     drop = memory = 0
-    parts = None
     if memory_specs(settings):  # learned memory key/values, prepended here for every path (kernels/memory.py)
-        parts = MemoryParts(q, k, v, heads["mem_k"], heads["mem_v"], mask)
         q, k, v, mask, bias, drop = prepend_memory(q, k, v, mask, bias, heads["mem_k"], heads["mem_v"])
         memory, Lk = heads["mem_k"].shape[1], k.shape[2]
     info = dict(module_info or {})
@@ -114,7 +112,7 @@ def make_call(
     base = float(scaling) if norm.uses_base_scaling else 1.0
     return AttnCall(q, k, v, mask, settings, heads, base, mult, dropout, need_weights, info, bias=bias,
                     softcap=None if softcap is None else float(softcap), sinks=sinks, alibi_slopes=alibi_slopes,
-                    memory=memory, drop_queries=drop, memory_parts=parts)
+                    memory=memory, drop_queries=drop)
 
 
 def _check_slopes(slopes: torch.Tensor, H: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ from conftest import tiny
 from hf_attnorm.attention import constant_heads, make_call
 from hf_attnorm.hf import forward, persistence
 from hf_attnorm.hf.forward import LAST_CALL
-from hf_attnorm.kernels import attend, memory
+from hf_attnorm.kernels import attend
 from hf_attnorm.kernels.base import alibi_bias, repeat_kv
 from hf_attnorm.registry import AttnormError
 from hf_attnorm.settings import resolve_settings
@@ -249,53 +249,3 @@ def test_alibi_skips_the_memory_keys():
         rest = {n: t for n, t in heads.items() if n not in ("mem_k", "mem_v")}
         want, _, _ = attend(make_call(q, kk, vv, plain, rest, keep[None, None], False, bias=bias), "reference")
         torch.testing.assert_close(ours, want, atol=1e-10, rtol=0, msg=f"{name} on {ran}")
-
-
-@pytest.mark.parametrize("per", ["kv", "query"])
-@pytest.mark.parametrize("causal,Lq,Lk", [(True, 13, 13), (False, 7, 11), (True, 1, 9)], ids=["causal", "full", "one"])
-def test_softmax_computes_the_memory_apart_on_unrepeated_keys(per, causal, Lq, Lk, monkeypatch):
-    """sdpa with memory and no padding: SDPA's flash kernel on the real keys plus the memory's M columns merged by
-    log-sum-exp (memory.memory_softmax): k/v reach it with Hkv heads, per kv head and per query head alike, and no
-    zero queries; forward and every gradient (q, k, v, mem_k, mem_v, a learned scale) as the direct computation."""
-    B, H, Hkv, D = 2, 4, 2, 8
-    settings = resolve_settings("softmax", {"scale": "ssmax", "num_mem_kv": M, "mem_kv_heads": per})
-    g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((B, H, Lq, D), (B, Hkv, Lk, D),
-                                                                           (B, Hkv, Lk, D)))
-    heads0 = {n: t.double() + 0.1 for n, t in constant_heads(settings, H, None, D, kv_heads=Hkv).items()}
-    gout = torch.randn(B, H, Lq, D, generator=g, dtype=torch.float64)
-    seen = []
-    apply = memory._MemoryFlash.apply
-
-    def spy(q_, k_, v_, *rest):
-        seen.append((q_.shape, k_.shape, v_.shape))
-        return apply(q_, k_, v_, *rest)
-
-    monkeypatch.setattr(memory._MemoryFlash, "apply", spy)
-
-    def grads(fn):
-        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        hl = {n: t.clone().requires_grad_(True) for n, t in heads0.items()}
-        out = fn(*leaves, hl)
-        return [out, *torch.autograd.grad(out, [*leaves, *hl.values()], gout)]
-
-    def ours(q_, k_, v_, hl):
-        out, _, ran = attend(make_call(q_, k_, v_, settings, hl, None, causal, module_info={"max_positions": 4}))
-        assert ran == "sdpa"
-        return out
-
-    def by_hand(q_, k_, v_, hl):
-        rest = {n: t for n, t in hl.items() if n not in ("mem_k", "mem_v")}
-        return direct(q_, k_, v_, hl["mem_k"], hl["mem_v"], settings, None, causal, rest)
-
-    got, want = grads(ours), grads(by_hand)
-    assert seen == [((B, H, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, D))]
-    for label, a, b in zip(("out", "dq", "dk", "dv", *heads0), got, want):
-        tol = dict(atol=1e-6, rtol=1e-6) if label == "ssmax_s" else dict(atol=1e-10, rtol=1e-9)  # (n is fp32)
-        torch.testing.assert_close(a, b, **tol, msg=lambda m, lb=label: f"{lb}: {m}")
-    # fp32 in, fp32 out; the padded call goes to the prepended form (the memory columns carry its dead rows)
-    h32 = {n: t.float() for n, t in heads0.items()}
-    call = make_call(q.float(), k.float(), v.float(), settings, h32, None, causal)
-    assert attend(call)[0].dtype == torch.float32 and len(seen) == 2
-    assert memory.apart_reason(make_call(q, k, v, settings, heads0, _padding(B, Lq, Lk, causal), causal)) \
-        == "an explicit mask (the prepended memory columns carry its dead rows)"

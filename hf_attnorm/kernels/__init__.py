@@ -201,8 +201,7 @@ def attend(call: AttnCall, path: str | None = None) -> tuple[torch.Tensor, torch
     name = choose(call, path)
     out, w = PATHS[name].kernel(call)
     if call.drop_queries or call.memory:  # learned memory key/values (kernels/memory.py): the caller's shapes
-        if out.shape[2] == call.q.shape[2]:  # (a path that computed the memory apart returns the caller's rows)
-            out = out[:, :, call.drop_queries:]
+        out = out[:, :, call.drop_queries:]
         w = None if w is None else w[:, :, call.drop_queries:, call.memory:]
     return out, w, name
 

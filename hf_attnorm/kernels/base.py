@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
 
 import torch
 
@@ -11,18 +10,6 @@ from ..masks import MaskInfo
 from ..normalizers.base import Ctx, Normalizer
 from ..registry import NORMALIZERS
 from ..settings import AttnormSettings
-
-
-class MemoryParts(NamedTuple):
-    """A call with learned memory key/values before they were prepended: q [B, H, Lq, D], k/v [B, Hkv, Lk, D]
-    (never repeated), mem_k/mem_v [Hkv or H, M, D] and the mask without memory columns."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    mem_k: torch.Tensor
-    mem_v: torch.Tensor
-    mask: MaskInfo
 
 
 @dataclasses.dataclass
@@ -65,10 +52,6 @@ class AttnCall:
     recurrent: object | None = None
     memory: int = 0
     drop_queries: int = 0
-    #: with memory: the call before the prepend (``MemoryParts``), for paths that compute the memory keys apart
-    #: (``kernels/memory.py``: SDPA's flash kernel on the real keys, merged by log-sum-exp); they return the caller's
-    #: Lq rows, which ``attend`` recognises by the shape
-    memory_parts: MemoryParts | None = None
 
     @property
     def modifies_scores(self) -> bool:

@@ -41,10 +41,10 @@ import dataclasses
 import torch
 
 from ..masks import MaskInfo, build_mask_info
-from ..normalizers.base import Normalizer, ParamSpec
+from ..normalizers.base import ParamSpec
 from ..registry import PRESETS, Preset
 from ..settings import AttnormSettings, declare_option, nonnegative
-from .base import AttnCall, repeat_kv
+from .base import repeat_kv
 
 NUM_MEM_KV = declare_option("num_mem_kv", int, 0, "learned memory key/values per head prepended to every row's keys "
                             "(x-transformers num_mem_kv; 0 = off), with any normalizer", check=nonnegative,
@@ -129,101 +129,3 @@ def prepend_memory(
             bias = bias.expand(*bias.shape[:3], Lk - M)
         bias = torch.nn.functional.pad(bias, (M, 0, drop if bias.shape[2] > 1 else 0, 0))
     return q, k, v, derived, bias, drop
-
-
-# ------------------------------------------------------------------------------ softmax: the memory computed apart
-
-_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_FLASH_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-
-
-def apart_reason(call: AttnCall) -> str | None:
-    """Why the softmax family's ``sdpa`` path cannot compute this call's memory apart (``memory_softmax``), or None.
-    Needs: memory, the structured mask (no padding: causal or full), no score modifier, q/k untransformed (no
-    cosine) and real keys; the caller (``sdpa_rewrite``) checks SDPA's CPU flash kernel applies and no sink."""
-    parts = call.memory_parts
-    if parts is None:
-        return "no learned memory key/values"
-    if parts.mask.keep is not None:
-        return "an explicit mask (the prepended memory columns carry its dead rows)"
-    if call.modifies_scores:
-        return "a score modifier (the memory keys take none)"
-    if type(call.normalizer).transform_qk is not Normalizer.transform_qk:
-        return "a q/k transform (applied to the prepended memory keys)"
-    if parts.k.shape[2] == 0:
-        return "no real keys"
-    return None
-
-
-class _MemoryFlash(torch.autograd.Function):
-    """softmax over [memory, real keys] without concatenating them: SDPA's CPU flash kernel on the real keys gives
-    out and its row log-sum-exp L; the memory scores S_m = scale q mem_k^T [B, H, Lq, M] are merged exactly:
-    L' = logaddexp(L, lse(S_m)), out' = out e^(L - L') + e^(S_m - L') mem_v. Backward: the flash backward fed with
-    (out', L') is exactly the real keys' part of the joint softmax's gradient (P = e^(S - L'), delta = rowsum(dO out')
-    are the joint ones, as for the sink rewrite in sdpa_rewrite), and the memory's part is the same formulas on the
-    M columns: dS_m = P_m (dO mem_v^T - delta), dq += scale dS_m mem_k, d mem_k = scale dS_m^T q, d mem_v = P_m^T dO
-    (summed over the batch and the query heads sharing a memory). q: [B, H, Lq, D] (contiguous) already multiplied by
-    the per-query factor; k/v [B, Hkv, Lk, D] (GQA native); mem_k/mem_v [Hm, M, D] with Hm = Hkv or H. The memory
-    terms are batched matmuls over the query heads of each memory head ([B Hm, G Lq, *] views of q, out, dq),
-    accumulated into the flash kernel's fresh out / dq in place: no [B, H, Lq, D] temporaries."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, mem_k, mem_v, causal: bool, scale: float):
-        out, lse = _FLASH(q, k, v, 0.0, causal, scale=scale)
-        out = out.contiguous()  # (the kernel may lay it out [B, Lq, H, D]; the views below need [B, H, Lq, D])
-        B, H, Lq, D = q.shape
-        Hm = mem_k.shape[0]
-        mk = _batched(mem_k * scale, B)  # [B Hm, M, D]: the scale on the M keys, not on the scores
-        mv = _batched(mem_v, B)
-        q3 = _by_memory_head(q, Hm)  # [B Hm, G Lq, D], a view
-        s = torch.bmm(q3, mk.transpose(1, 2))  # [B Hm, G Lq, M]
-        lse_all = torch.logaddexp(lse, torch.logsumexp(s, -1).view(B, H, Lq))
-        p = torch.exp(s - lse_all.reshape(s.shape[0], -1, 1))
-        out.mul_(torch.exp(lse - lse_all).unsqueeze(-1))  # the kernel's fresh output, rescaled in place
-        _by_memory_head(out, Hm).baddbmm_(p, mv)  # + P_m mem_v, accumulated in place
-        ctx.save_for_backward(q, k, v, mem_k, mem_v, out, lse_all)
-        ctx.causal, ctx.scale = causal, scale
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout):
-        q, k, v, mem_k, mem_v, out, lse_all = ctx.saved_tensors
-        dout = dout.contiguous()
-        dq, dk, dv = _FLASH_BWD(dout, q, k, v, out, lse_all, 0.0, ctx.causal, scale=ctx.scale)
-        dq = dq.contiguous()
-        B, Hm = q.shape[0], mem_k.shape[0]
-        mk, mv = _batched(mem_k * ctx.scale, B), _batched(mem_v, B)
-        q3, do3 = _by_memory_head(q, Hm), _by_memory_head(dout, Hm)
-        p = torch.exp(torch.bmm(q3, mk.transpose(1, 2)) - lse_all.reshape(B * Hm, -1, 1))  # [B Hm, G Lq, M]
-        delta = torch.linalg.vecdot(dout, out).reshape(B * Hm, -1, 1)
-        ds = p * (torch.bmm(do3, mv.transpose(1, 2)) - delta)
-        _by_memory_head(dq, Hm).baddbmm_(ds, mk)  # the flash backward's fresh dq, accumulated in place
-        dmem_k = torch.bmm(ds.transpose(1, 2), q3).view(B, Hm, *mem_k.shape[1:]).sum(0) * ctx.scale
-        dmem_v = torch.bmm(p.transpose(1, 2), do3).view(B, Hm, *mem_v.shape[1:]).sum(0)
-        return dq, dk, dv, dmem_k, dmem_v, None, None
-
-
-def _by_memory_head(x: torch.Tensor, Hm: int) -> torch.Tensor:
-    """[B, H, L, c] (contiguous) -> [B Hm, (H / Hm) L, c], a view: query head h uses memory head h // (H / Hm)."""
-    return x.view(x.shape[0] * Hm, -1, x.shape[-1])
-
-
-def _batched(m: torch.Tensor, B: int) -> torch.Tensor:
-    """[Hm, M, c] -> [B Hm, M, c] (a view for B = 1; a copy of B Hm M c entries otherwise)."""
-    return m if B == 1 else m[None].expand(B, *m.shape).reshape(B * m.shape[0], *m.shape[1:])
-
-
-def memory_softmax(call: AttnCall, dtype: torch.dtype) -> torch.Tensor:
-    """The softmax family (no transform, no sink) with memory computed apart (``_MemoryFlash``): out [B, H, Lq, D]
-    for the caller's Lq rows (no zero queries), in ``dtype`` (fp32/fp64; the caller casts back). k/v are the
-    un-repeated ones of ``call.memory_parts`` for memory per kv head and per query head alike."""
-    parts = call.memory_parts
-    q = parts.q.to(dtype)
-    factor = call.q_factor(dtype)  # rows of the prepended call: the zero queries' rows are dropped
-    if isinstance(factor, float):
-        scale = factor
-    else:
-        q, scale = q * factor[:, :, call.drop_queries:], 1.0
-    return _MemoryFlash.apply(q.contiguous(), parts.k.to(dtype), parts.v.to(dtype), parts.mem_k.to(dtype),
-                              parts.mem_v.to(dtype), bool(parts.mask.causal), scale)

@@ -13,9 +13,6 @@
   (with a causal call and no mask, a prepended zero query keeps the upper-left causal pattern aligned; its row is
   dropped). It is exact but on CPU D+1 falls off SDPA's fast kernel (several times slower), so the rule uses it
   only on other devices.
-* learned memory key/values (``num_mem_kv``) without padding, modifiers or sinks, on the CPU flash kernel: the
-  memory keys are computed apart and merged by log-sum-exp (``memory.memory_softmax``), so SDPA runs on the real
-  keys, un-repeated, with its own causal pattern; otherwise on the prepended call like any other.
 
 Fully masked rows give 0 with finite gradients; fp16/bf16 on CPU are computed in fp32.
 """
@@ -26,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from ..normalizers.base import Normalizer
-from . import memory
 from .base import AttnCall, compute_dtype
 
 
@@ -193,9 +189,6 @@ def sdpa_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
         keep, causal = call.mask.dense(call.q.device), False
     if _uses_flash_cpu(call):
         dt = compute_dtype(call.q.dtype)
-        if call.memory_parts is not None and not _has_sink(call) and memory.apart_reason(call) is None:
-            # learned memory key/values merged by log-sum-exp: no concatenated k/v, no zero queries
-            return memory.memory_softmax(call, dt).to(call.q.dtype), None
         lam = sink_logit(call, dt) if _has_sink(call) else None
         q, k, v, scale = _prepare(call, dt)
         if lam is None and keep is None and call.bias is None:  # plain SDPA picks this flash kernel, less work
