@@ -321,7 +321,7 @@ def _threshold_kernel(
     ROWMAX for the other kernels (shifted before scaling, as the reference: (alpha - 1) s would be rounded first and
     P amplifies that), tau in [-1, 0]. For alpha <= 2 the step is Newton's on h(tau) = mass^(1/P) (= ||[x - tau]_+||_P,
     convex and decreasing for P >= 1, so from below it never overshoots; nearly linear where mass is a high power,
-    i.e. near-uniform rows and alpha -> 1), for alpha > 2 on mass itself (safeguarded by the bracket).
+    i.e. near-uniform rows and alpha -> 1); for alpha > 2 bisection (about 26 passes to fp32 precision).
     """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -402,10 +402,12 @@ def _threshold_kernel(
             lo_t = tl.where(f >= 0, tau, lo_t)
             hi_t = tl.where(f >= 0, hi_t, tau)
             if KIND == K_ENTMAX_ALPHA:
-                # h = mass^(1/P): tau + (h - 1) / -h' = tau + (mass - mass^(1 - 1/P)) / slope; alpha > 2: f / (P slope)
+                # h = mass^(1/P): tau + (h - 1) / -h' = tau + (mass - mass^(1 - 1/P)) / slope. alpha > 2: bisection
+                # (-2 is outside the bracket), as the C++ kernel: there the slope is infinite at the support's edge,
+                # so Newton's steps on mass shrink to nothing away from the root and stop the search early
                 mpow = tl.exp(tl.log(tl.where(mass > 0, mass, 1.0)) * (1.0 - am1))
-                step = tl.where(pw >= 1.0, mass - mpow, f / pw)
-                newton = tau + step / tl.where(slope > 0, slope, 1.0)
+                newton = tl.where(pw >= 1.0, tau + (mass - mpow) / tl.where(slope > 0, slope, 1.0), -2.0)
+                newton = tl.where(tl.abs(f) <= 1e-7, tau, newton)  # at the root (one candidate: tau = -1): stay
             else:
                 newton = tau + f / tl.where(slope > 0, slope, 1.0)
             ok = (slope > 0) & (newton >= lo_t) & (newton <= hi_t)
@@ -457,13 +459,13 @@ def _fwd_kernel(
     den = tl.zeros([BLOCK_M], tl.float32)
     if ((KIND == K_SPARSEMAX) | (KIND == K_ENTMAX15) | (KIND == K_ENTMAX_ALPHA)):
         shift = tl.load(SHIFT_IN + row, mask=m_valid, other=0.0)  # the sparse threshold tau
-    if KIND == K_ENTMAX_ALPHA:
-        mrow = tl.load(ROWMAX + row, mask=m_valid, other=0.0)
     elif (KIND == K_POWER) | (KIND == K_SOFTPLUS):
         # power: running max of p ln|s| over visible s != 0; softplus: min(0, running max of visible s)
         shift = tl.full([BLOCK_M], POW_NEG, tl.float32)
     else:
         shift = tl.zeros([BLOCK_M], tl.float32)  # softpick: running max of (0, visible scores)
+    if KIND == K_ENTMAX_ALPHA:
+        mrow = tl.load(ROWMAX + row, mask=m_valid, other=0.0)
     hi = LK
     if CAUSAL:
         hi = tl.minimum(LK, (pid_m + 1) * BLOCK_M)
@@ -921,8 +923,10 @@ class _TritonAttention(torch.autograd.Function):
         out = torch.empty(*rows, plan.DV, dtype=torch.float32, device=dev)
         den = torch.empty(rows, dtype=torch.float32, device=dev)
         shift = torch.zeros(rows, dtype=torch.float32, device=dev)
-        # alpha-entmax's row max M of the scores (written by the threshold kernel); other maps never read it
-        rowmax = torch.zeros(rows, dtype=torch.float32, device=dev) if plan.kind == K_ENTMAX_ALPHA else shift
+        # alpha-entmax's row max M of the scores (written by the threshold kernel); other maps never read it and get
+        # c, which no kernel writes (Triton's interpreter copies each pointer argument back after a kernel, so a
+        # dummy aliasing an output would overwrite it)
+        rowmax = torch.zeros(rows, dtype=torch.float32, device=dev) if plan.kind == K_ENTMAX_ALPHA else c
         common = plan.common(q, k, v, c)
         cst = plan.consts()
         grid = _grid_q(plan)
