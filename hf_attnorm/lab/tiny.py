@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from ..settings import option_names, resolve_settings
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
@@ -51,7 +53,6 @@ def tiny_llama(implementation: str, options: dict[str, Any] | None, vocab_size: 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import hf_attnorm  # noqa: F401  (registers the implementations)
-    from hf_attnorm.settings import option_names, resolve_settings
 
     options = dict(options or {})
     if train_length is not None and "train_length" not in options:
