@@ -24,7 +24,7 @@ from .base import AttnCall, compute_dtype, score_mod_reason
 from .selective import takes
 
 #: (block_q, block_k): queries per parallel work item, keys per tile (the BLAS inner size)
-BLOCKS = (64, 256)
+BLOCKS = (128, 256)
 #: tests set this to small blocks so that odd lengths cross block edges
 BLOCK_OVERRIDE: tuple[int, int] | None = None
 
