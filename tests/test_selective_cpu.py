@@ -232,3 +232,22 @@ def test_deterministic_with_several_threads(monkeypatch):
         torch.set_num_threads(threads)
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_compiles_with_fullgraph_forward_and_backward():
+    """The ops' fake implementations let dynamo trace the path, backward included, with eager's results."""
+    q, k, v = _leaves((1, 2, 11, 8), (1, 2, 11, 8), (1, 2, 11, 8), dtype=torch.float32, seed=6)
+    mask = torch.ones(1, 1, 11, 11, dtype=torch.bool).tril()
+    mask[..., :2] = False
+
+    def fn(q_, k_, v_):
+        return attention(q_, k_, v_, "selective", attention_mask=mask, path=PATH)[0]
+
+    res = []
+    for f in (fn, torch.compile(fn, fullgraph=True)):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = f(*leaves)
+        res.append([out, *torch.autograd.grad(out.pow(2).sum(), leaves)])
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)

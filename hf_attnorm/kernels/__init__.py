@@ -18,6 +18,9 @@ sdpa_sinkcol   20        "softmax" with a sink (softmax_n, sink)       any; auto
 triton         30        "fused" (symax, squared, stablemax, ...)      auto: CUDA; forced: CPU under
                                                                        TRITON_INTERPRET=1. No dropout, no fp64
 fused_cpu      40        "fused"                                       CPU, no dropout, C++ built on first use
+selective_cpu  44        query-coupled with a selecting head           CPU, no score modifiers, no dropout, a
+                         (selective)                                   ``selective_carry`` only as [B | 1, Lk];
+                                                                       C++ built on first use
 linear_recurrent
                45        "linear" with query/key_features (linear)     one query with ``AttnCall.recurrent`` set
                                                                        (a cache's state, hf/recurrent.py); no

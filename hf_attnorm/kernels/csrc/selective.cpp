@@ -200,9 +200,14 @@ Sel<T> make_sel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   p.bos = bos.data_ptr<int64_t>();
   p.selrow = selrow.data_ptr<bool>();
   p.kend.resize(p.B * p.nqb);
-  at::parallel_for(0, p.B * p.nqb, 1, [&](int64_t begin, int64_t end) {
+  // a mask is scanned (from each row's end) in parallel; without one each block's end is a formula
+  const auto ends = [&](int64_t begin, int64_t end) {
     for (int64_t it = begin; it < end; ++it) p.kend[it] = p.block_end(it / p.nqb, it % p.nqb);
-  });
+  };
+  if (p.keep)
+    at::parallel_for(0, p.B * p.nqb, 1, ends);
+  else
+    ends(0, p.B * p.nqb);
   return p;
 }
 
