@@ -8,7 +8,7 @@ of relu(S) (one head's Q K^T) and a prefix over the blocks gives the carry enter
 query block), key tile by key tile, the penalty tile F = carry + the exclusive cumsum of the block's rows comes from
 the selecting head's scores (formed once, reused as that head's own scores) and every head runs a flash-style online
 softmax of s - F. The backward mirrors it (csrc/selective.cpp explains the two passes). Memory: q, k, v, out, the row
-logsumexp [B, H, Lq] and the carries at block starts [B, Lq / block_q, Lk]; no [Lq, Lk] tensor.
+logsumexp [B, H, Lq] and each query block's column sums [B, Lq / block_q, Lk]; no [Lq, Lk] tensor.
 
 Which entries select (BOS, the query's own key, padding) is decided here exactly as ``selection_parts`` does, and
 passed to the kernel as the first live key per batch row and whether each query may select.
@@ -32,19 +32,19 @@ BLOCK_OVERRIDE: tuple[int, int] | None = None
 class _SelFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, carry0, keep, causal: bool, head: int, bos, selrow, blocks: tuple[int, int]):
-        out, lse, carries = fused_cpu.native_ops().sel_forward(q, k, v, keep, causal, head, bos, selrow, carry0,
+        out, lse, colsums = fused_cpu.native_ops().sel_forward(q, k, v, keep, causal, head, bos, selrow, carry0,
                                                                *blocks)
-        ctx.save_for_backward(q, k, v, keep, bos, selrow, carries, out, lse)
+        ctx.save_for_backward(q, k, v, keep, bos, selrow, carry0, colsums, out, lse)
         ctx.meta = (causal, head, blocks)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        q, k, v, keep, bos, selrow, carries, out, lse = ctx.saved_tensors
+        q, k, v, keep, bos, selrow, carry0, colsums, out, lse = ctx.saved_tensors
         causal, head, blocks = ctx.meta
-        dq, dk, dv, dcarry = fused_cpu.native_ops().sel_backward(q, k, v, keep, causal, head, bos, selrow, carries,
-                                                                 out, lse, dout.contiguous(), *blocks)
+        dq, dk, dv, dcarry = fused_cpu.native_ops().sel_backward(q, k, v, keep, causal, head, bos, selrow, carry0,
+                                                                 colsums, out, lse, dout.contiguous(), *blocks)
         return dq, dk, dv, (dcarry if ctx.needs_input_grad[3] else None), None, None, None, None, None, None
 
 
@@ -62,7 +62,7 @@ def _register_fakes() -> None:
         return [q.new_empty((B, H, Lq, v.shape[-1])), q.new_empty((B, H, Lq)),
                 q.new_empty((B, -(-Lq // block_q), k.shape[2]))]
 
-    def backward_fake(q, k, v, keep, causal, head, bos, selrow, carries, out, lse, dout, block_q, block_k):
+    def backward_fake(q, k, v, keep, causal, head, bos, selrow, carry0, colsums, out, lse, dout, block_q, block_k):
         return [*(x.new_empty(x.shape) for x in (q, k, v)), q.new_empty((q.shape[0], k.shape[2]))]
 
     torch.library.register_fake("hf_attnorm_fused::sel_forward")(forward_fake)

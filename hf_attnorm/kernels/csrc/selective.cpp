@@ -7,9 +7,10 @@
 // F of a query block [i0, i1) and a key tile is carry_j + the exclusive cumsum of R over the block's rows, where
 // carry_j = sum_{k < i0} R_kj: each column is independent, so a block's F is formed tile by tile from its own scores.
 //
-// Forward, two parallel passes:
-//   1. per (b, query block): the column sums of R over the block's rows (one head's Q K^T), then a prefix over the
-//      blocks gives carries [B, nqb, Lk] (saved for the backward: O(n^2 / block_q) numbers);
+// Forward, two parallel passes (in one parallel region, the second starting when the first is done):
+//   1. per (b, query block): the column sums of R over the block's rows (one head's Q K^T), colsums [B, nqb, Lk]
+//      (saved for the backward: O(n^2 / block_q) numbers); a block's carry is carry0 + the sum of the column sums
+//      of the blocks before it, formed tile by tile where it is used (in block order, the same in the backward);
 //   2. per (b, query block), every head: key tiles from the diagonal back, the F tile from the selecting head's
 //      scores (formed once, reused as that head's own scores), then per head a flash-style online softmax of
 //      s - F (row max and sum, O += P V by BLAS). Saves the row logsumexp lse [B, H, Lq].
@@ -19,9 +20,10 @@
 //      dV += P^T dO, dQ += dS K, dK += dS^T Q, dF = -sum_h dS; the selecting head comes last, so that the penalty's
 //      in-block part dR_kj = sum_{i > k in block} dF_ij joins its dS before its dQ/dK matmuls (where R selects and
 //      S > 0). Writes the column sums of dF per block.
-//   B. the gradient leaving each block's carry, g = sum over later blocks of those column sums (a reverse prefix),
-//      reaches the selecting head's scores of every row of the block where R selects and S > 0: per block one more
-//      Q K^T of that head and dQ += G K, dK += G^T Q (G = g on those entries). d carry0 = sum of all column sums.
+//   B. (after every item of A) the gradient leaving each block's carry, g = the sum of those column sums over the
+//      later blocks, reaches the selecting head's scores of every row of the block where R selects and S > 0: per
+//      block one more Q K^T of that head and dQ += G K, dK += G^T Q (G = g on those entries). d carry0 = the sum of
+//      all column sums.
 //
 // Shapes: q [B, H, Lq, D] contiguous (already scaled); k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv] (last dim contiguous;
 // head h uses kv head h / (H / Hkv)); keep: optional bool [B, H, Lq, Lk] (strides may be 0, last dim contiguous);
@@ -39,6 +41,7 @@
 #include <cstdint>
 #include <limits>
 #include <numeric>
+#include <thread>
 #include <vector>
 
 #if defined(__SSE__)
@@ -49,18 +52,26 @@
 
 namespace {
 
-// run fn(item) for items [0, n) on torch's threads, handed out dynamically, with denormals flushed meanwhile (the
-// weights of heavily penalised keys run into the subnormal range, which slows the BLAS calls; see stickbreaking.cpp)
-template <typename F>
-void sel_run_items(int64_t n, const F& fn) {
-  std::atomic<int64_t> next{0};
-  const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+// run fn1(item) for items [0, n1), then, once all of them are done, fn2(item) for items [0, n2), on torch's threads
+// in one parallel region (items handed out dynamically; one region rather than two: on a loaded machine each region's
+// start and end waits for every thread to be scheduled). Denormals are flushed meanwhile: the weights of heavily
+// penalised keys run into the subnormal range, which slows the BLAS calls (see stickbreaking.cpp). No deadlock when
+// the region gets fewer threads than asked: a thread waits only for items that running threads have taken.
+template <typename F1, typename F2>
+void sel_run_phases(int64_t n1, const F1& fn1, int64_t n2, const F2& fn2) {
+  std::atomic<int64_t> next1{0}, done1{0}, next2{0};
+  const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), std::max(n1, n2)));
   at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
 #if defined(__SSE__)
     const unsigned int csr = _mm_getcsr();
     _mm_setcsr(csr | 0x8040u);  // FTZ | DAZ
 #endif
-    for (int64_t it = next.fetch_add(1); it < n; it = next.fetch_add(1)) fn(it);
+    for (int64_t it = next1.fetch_add(1); it < n1; it = next1.fetch_add(1)) {
+      fn1(it);
+      done1.fetch_add(1, std::memory_order_release);
+    }
+    while (done1.load(std::memory_order_acquire) < n1) std::this_thread::yield();
+    for (int64_t it = next2.fetch_add(1); it < n2; it = next2.fetch_add(1)) fn2(it);
 #if defined(__SSE__)
     _mm_setcsr(csr);
 #endif
@@ -116,6 +127,20 @@ struct Sel {
       for (int64_t jj = 0; jj < nb; ++jj) ma[r * nb + jj] = row[jj] ? T(0) : ninf;
     }
     return true;
+  }
+
+  // the carry entering query block qb on keys [j0, j0 + nb): carry0 + the column sums of the blocks before it,
+  // summed in block order (the forward and the backward form the same numbers)
+  void carry_tile(const T* carry0, const T* colsums, int64_t b, int64_t qb, int64_t j0, int64_t nb, T* run) const {
+    if (carry0)
+      std::copy(carry0 + b * Lk + j0, carry0 + b * Lk + j0 + nb, run);
+    else
+      std::fill(run, run + nb, T(0));
+    for (int64_t c = 0; c < qb; ++c) {
+      const T* cs = colsums + (b * nqb + c) * Lk + j0;
+#pragma omp simd
+      for (int64_t jj = 0; jj < nb; ++jj) run[jj] += cs[jj];
+    }
   }
 
   // Walk the rows of the selecting head's score tile s [m][nb]: before row r is added, run holds the column sums of
@@ -211,31 +236,25 @@ Sel<T> make_sel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   return p;
 }
 
-// pass 1: carries [B, nqb, Lk], carries[b][qb] = carry0 + column sums of R over the rows of blocks < qb
+// pass 1, item (b, qb < nqb - 1): colsums[b][qb] = the column sums of R over the rows of block qb (the last block's
+// are not needed)
 template <typename T>
-void carries_impl(const Sel<T>& p, const T* carry0, T* carries) {
-  const int64_t BQ = p.BQ, BK = p.BK, Lk = p.Lk;
-  // block qb's column sums go to slot qb + 1 (the last block's are not needed)
-  sel_run_items(p.B * (p.nqb - 1), [&](int64_t it) {
+auto colsum_items(const Sel<T>& p, T* colsums) {
+  return [&p, colsums](int64_t it) {
+    const int64_t BQ = p.BQ, BK = p.BK, Lk = p.Lk;
     const int64_t b = it / (p.nqb - 1), qb = it % (p.nqb - 1);
     const int64_t i0 = qb * BQ, m = std::min(BQ, p.Lq - i0), ke = p.kend[b * p.nqb + qb];
     thread_local std::vector<T> buf;
     buf.resize(2 * BQ * BK);
     T *s = buf.data(), *ma = s + BQ * BK;
-    T* run = carries + (b * p.nqb + qb + 1) * Lk;
+    T* run = colsums + (b * p.nqb + qb) * Lk;
     for (int64_t j0 = 0; j0 < ke; j0 += BK) {
       const int64_t nb = std::min(BK, ke - j0);
       mm_abt<T>(m, nb, p.D, p.qrow(b, p.hs, i0), p.D, p.krow(b, p.hs / p.G, j0), p.ksl, T(0), s, nb);
       const bool masked = p.mask_tile(b, p.hs, i0, m, j0, nb, ma);
       p.penalty_tile(b, i0, m, j0, nb, s, masked ? ma : nullptr, run + j0, nullptr, nullptr);
     }
-  });
-  for (int64_t b = 0; b < p.B; ++b) {
-    T* c = carries + b * p.nqb * Lk;
-    if (carry0) std::copy(carry0 + b * Lk, carry0 + (b + 1) * Lk, c);
-    for (int64_t qb = 1; qb < p.nqb; ++qb)
-      for (int64_t j = 0; j < Lk; ++j) c[qb * Lk + j] += c[(qb - 1) * Lk + j];
-  }
+  };
 }
 
 // z = s - f (+ ma) into z (which may be s), returning the max
@@ -260,16 +279,16 @@ inline T shifted_max(const T* s, const T* __restrict f, const T* __restrict ma, 
   return mx;
 }
 
-// pass 2: out [B, H, Lq, Dv], lse [B, H, Lq] (+inf on rows that see no key)
+// pass 1 (colsum_items), then pass 2: out [B, H, Lq, Dv], lse [B, H, Lq] (+inf on rows that see no key)
 template <typename T>
-void forward_impl(const Sel<T>& p, const T* carries, T* out, T* lse) {
+void forward_impl(const Sel<T>& p, const T* carry0, T* colsums, T* out, T* lse) {
   const int64_t BQ = p.BQ, BK = p.BK, H = p.H, Dv = p.Dv;
   const T ninf = -std::numeric_limits<T>::infinity();
   // largest blocks (most keys) first
   std::vector<int64_t> order(p.B * p.nqb);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) { return p.kend[a] > p.kend[c]; });
-  sel_run_items(p.B * p.nqb, [&](int64_t it) {
+  const auto item = [&](int64_t it) {
     const int64_t bq = order[it], b = bq / p.nqb, qb = bq % p.nqb;
     const int64_t i0 = qb * BQ, m = std::min(BQ, p.Lq - i0), ke = p.kend[bq];
     thread_local std::vector<T> buf;
@@ -279,13 +298,12 @@ void forward_impl(const Sel<T>& p, const T* carries, T* out, T* lse) {
     std::fill(acc, acc + H * BQ * Dv, T(0));
     std::fill(rmax, rmax + H * BQ, ninf);
     std::fill(rsum, rsum + H * BQ, T(0));
-    const T* carry = carries + bq * p.Lk;
     const bool shared_mask = p.keep == nullptr || p.msh == 0;
     for (int64_t j0 = ((ke + BK - 1) / BK - 1) * BK; j0 >= 0; j0 -= BK) {  // from the diagonal back
       const int64_t nb = std::min(BK, ke - j0);
       mm_abt<T>(m, nb, p.D, p.qrow(b, p.hs, i0), p.D, p.krow(b, p.hs / p.G, j0), p.ksl, T(0), ssel, nb);
       const bool masked = p.mask_tile(b, p.hs, i0, m, j0, nb, mas);
-      std::copy(carry + j0, carry + j0 + nb, run);
+      p.carry_tile(carry0, colsums, b, qb, j0, nb, run);
       p.penalty_tile(b, i0, m, j0, nb, ssel, masked ? mas : nullptr, run, f, nullptr);
       for (int64_t h = 0; h < H; ++h) {
         const int64_t g = h / p.G;
@@ -339,7 +357,8 @@ void forward_impl(const Sel<T>& p, const T* carries, T* out, T* lse) {
           lse[(b * H + h) * p.Lq + i0 + r] = std::numeric_limits<T>::infinity();
         }
       }
-  });
+  };
+  sel_run_phases(p.B * (p.nqb - 1), colsum_items(p, colsums), p.B * p.nqb, item);
 }
 
 // the query blocks of each part (per batch row): longest first to the least loaded part (deterministic)
@@ -358,14 +377,15 @@ std::vector<std::vector<int64_t>> assign_parts(const Sel<T>& p, int64_t b, int64
   return lists;
 }
 
-// pass A. dq [B, H, Lq, D] (accumulated), dk/dv [B, parts, Hkv, Lk, *], dfcol [B, nqb, Lk]: column sums of dF
+using Lists = std::vector<std::vector<std::vector<int64_t>>>;  // [b][part] -> query blocks
+
+// pass A, item (b, part). dq [B, H, Lq, D] (accumulated), dk/dv [B, parts, Hkv, Lk, *], dfcol [B, nqb, Lk]: the
+// column sums of dF per block
 template <typename T>
-void backward_impl(const Sel<T>& p, const T* carries, const T* out, const T* lse, const T* dout, T* dq, T* dk, T* dv,
-                   T* dfcol, int64_t parts) {
+void backward_impl(const Sel<T>& p, const Lists& lists, const T* carry0, const T* colsums, const T* out, const T* lse,
+                   const T* dout, T* dq, T* dk, T* dv, T* dfcol, int64_t parts, int64_t it) {
   const int64_t BQ = p.BQ, BK = p.BK, H = p.H, D = p.D, Dv = p.Dv, Lk = p.Lk;
-  std::vector<std::vector<std::vector<int64_t>>> lists(p.B);
-  for (int64_t b = 0; b < p.B; ++b) lists[b] = assign_parts(p, b, parts);
-  sel_run_items(p.B * parts, [&](int64_t it) {
+  {
     const int64_t b = it / parts, part = it % parts;
     T* dkp = dk + (b * parts + part) * p.Hkv * Lk * D;
     T* dvp = dv + (b * parts + part) * p.Hkv * Lk * Dv;
@@ -386,12 +406,11 @@ void backward_impl(const Sel<T>& p, const T* carries, const T* out, const T* lse
           for (int64_t d = 0; d < Dv; ++d) s += o[d] * g[d];
           delta[h * BQ + r] = s;
         }
-      const T* carry = carries + (b * p.nqb + qb) * Lk;
       for (int64_t j0 = 0; j0 < ke; j0 += BK) {
         const int64_t nb = std::min(BK, ke - j0);
         mm_abt<T>(m, nb, D, p.qrow(b, p.hs, i0), D, p.krow(b, p.hs / p.G, j0), p.ksl, T(0), ssel, nb);
         const bool masked = p.mask_tile(b, p.hs, i0, m, j0, nb, mas);
-        std::copy(carry + j0, carry + j0 + nb, run);
+        p.carry_tile(carry0, colsums, b, qb, j0, nb, run);
         p.penalty_tile(b, i0, m, j0, nb, ssel, masked ? mas : nullptr, run, f, sm);
         std::fill(df, df + m * nb, T(0));
         for (int64_t hi = 0; hi < H; ++hi) {
@@ -456,28 +475,32 @@ void backward_impl(const Sel<T>& p, const T* carries, const T* out, const T* lse
         }
       }
     }
-  });
+  }
 }
 
-// pass B: dfcol [B, nqb, Lk] holds the carries' gradients g_out per block (see sel_backward); dq, dk as above
+// pass B, item (b, part), after every pass-A item: the gradient of the carry leaving each block, g = the column sums
+// of dF of the later blocks (summed from the last), reaches the selecting head's scores where R selects and S > 0
 template <typename T>
-void carry_grad_impl(const Sel<T>& p, const T* gout, T* dq, T* dk, int64_t parts) {
+void carry_grad_impl(const Sel<T>& p, const Lists& lists, const T* dfcol, T* dq, T* dk, int64_t parts, int64_t it) {
   const int64_t BQ = p.BQ, BK = p.BK, D = p.D, Lk = p.Lk, hs = p.hs, gs = p.hs / p.G;
-  std::vector<std::vector<std::vector<int64_t>>> lists(p.B);
-  for (int64_t b = 0; b < p.B; ++b) lists[b] = assign_parts(p, b, parts);
-  sel_run_items(p.B * parts, [&](int64_t it) {
+  {
     const int64_t b = it / parts, part = it % parts;
     T* dkp = dk + ((b * parts + part) * p.Hkv + gs) * Lk * D;
     thread_local std::vector<T> buf;
-    buf.resize(3 * BQ * BK + BK);
-    T *s = buf.data(), *mas = s + BQ * BK, *sm = mas + BQ * BK, *run = sm + BQ * BK;
+    buf.resize(3 * BQ * BK + 2 * BK);
+    T *s = buf.data(), *mas = s + BQ * BK, *sm = mas + BQ * BK, *run = sm + BQ * BK, *g = run + BK;
     for (int64_t qb : lists[b][part]) {
       const int64_t i0 = qb * BQ, m = std::min(BQ, p.Lq - i0), ke = p.kend[b * p.nqb + qb];
-      const T* g = gout + (b * p.nqb + qb) * Lk;
       for (int64_t j0 = 0; j0 < ke; j0 += BK) {
         const int64_t nb = std::min(BK, ke - j0);
+        std::fill(g, g + nb, T(0));
+        for (int64_t c = p.nqb - 1; c > qb; --c) {
+          const T* cs = dfcol + (b * p.nqb + c) * Lk + j0;
+#pragma omp simd
+          for (int64_t jj = 0; jj < nb; ++jj) g[jj] += cs[jj];
+        }
         bool any = false;
-        for (int64_t jj = 0; jj < nb; ++jj) any = any || g[j0 + jj] != T(0);
+        for (int64_t jj = 0; jj < nb; ++jj) any = any || g[jj] != T(0);
         if (!any) continue;
         mm_abt<T>(m, nb, D, p.qrow(b, hs, i0), D, p.krow(b, gs, j0), p.ksl, T(0), s, nb);
         const bool masked = p.mask_tile(b, hs, i0, m, j0, nb, mas);
@@ -486,13 +509,13 @@ void carry_grad_impl(const Sel<T>& p, const T* gout, T* dq, T* dk, int64_t parts
         for (int64_t r = 0; r < m; ++r) {
           T* smr = sm + r * nb;
 #pragma omp simd
-          for (int64_t jj = 0; jj < nb; ++jj) smr[jj] *= g[j0 + jj];
+          for (int64_t jj = 0; jj < nb; ++jj) smr[jj] *= g[jj];
         }
         mm_ab<T>(m, D, nb, sm, nb, p.krow(b, gs, j0), p.ksl, T(1), dq + ((b * p.H + hs) * p.Lq + i0) * D, D);
         mm_atb<T>(nb, D, m, sm, nb, p.qrow(b, hs, i0), D, T(1), dkp + j0 * D, D);
       }
     }
-  });
+  }
 }
 
 std::vector<at::Tensor> sel_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -503,28 +526,29 @@ std::vector<at::Tensor> sel_forward(const at::Tensor& q, const at::Tensor& k, co
   const int64_t nqb = (Lq + block_q - 1) / block_q;
   auto out = at::empty({B, H, Lq, v.size(3)}, q.options());
   auto lse = at::empty({B, H, Lq}, q.options());
-  auto carries = at::zeros({B, nqb, Lk}, q.options());
+  auto colsums = at::zeros({B, nqb, Lk}, q.options());
   if (carry0.has_value())
     TORCH_CHECK(carry0->is_contiguous() && carry0->size(0) == B && carry0->size(1) == Lk &&
                     carry0->scalar_type() == q.scalar_type(),
                 "selective: carry0 must be contiguous [B, Lk] in q's dtype");
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "sel_forward", [&] {
     auto p = make_sel<scalar_t>(q, k, v, keep, causal, head, bos, selrow, block_q, block_k);
-    carries_impl<scalar_t>(p, carry0.has_value() ? carry0->data_ptr<scalar_t>() : nullptr,
-                           carries.data_ptr<scalar_t>());
-    forward_impl<scalar_t>(p, carries.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>());
+    forward_impl<scalar_t>(p, carry0.has_value() ? carry0->data_ptr<scalar_t>() : nullptr,
+                           colsums.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>());
   });
-  return {out, lse, carries};
+  return {out, lse, colsums};
 }
 
 // -> dq, dk, dv, dcarry0 [B, Lk] (the gradient of the carried-in column sums)
 std::vector<at::Tensor> sel_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      const std::optional<at::Tensor>& keep, bool causal, int64_t head,
-                                     const at::Tensor& bos, const at::Tensor& selrow, const at::Tensor& carries,
+                                     const at::Tensor& bos, const at::Tensor& selrow,
+                                     const std::optional<at::Tensor>& carry0, const at::Tensor& colsums,
                                      const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dout,
                                      int64_t block_q, int64_t block_k) {
-  TORCH_CHECK(dout.is_contiguous() && out.is_contiguous() && lse.is_contiguous() && carries.is_contiguous(),
-              "selective: out, lse, carries and dout must be contiguous");
+  TORCH_CHECK(dout.is_contiguous() && out.is_contiguous() && lse.is_contiguous() && colsums.is_contiguous(),
+              "selective: out, lse, colsums and dout must be contiguous");
+  TORCH_CHECK(!carry0.has_value() || carry0->is_contiguous(), "selective: carry0 must be contiguous");
   const int64_t B = q.size(0), Hkv = k.size(1), Lk = k.size(2), D = q.size(3), Dv = v.size(3);
   const int64_t nqb = (q.size(2) + block_q - 1) / block_q;
   const int64_t nthreads = at::get_num_threads();
@@ -536,24 +560,25 @@ std::vector<at::Tensor> sel_backward(const at::Tensor& q, const at::Tensor& k, c
   auto dcarry = at::zeros({B, Lk}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "sel_backward", [&] {
     auto p = make_sel<scalar_t>(q, k, v, keep, causal, head, bos, selrow, block_q, block_k);
-    backward_impl<scalar_t>(p, carries.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
-                            dout.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(), dkp.data_ptr<scalar_t>(),
-                            dvp.data_ptr<scalar_t>(), dfcol.data_ptr<scalar_t>(), parts);
-    // g_out of block qb = sum of the column sums of the later blocks (in place); d carry0 = the sum of all
-    scalar_t* g = dfcol.data_ptr<scalar_t>();
+    Lists lists(B);
+    for (int64_t b = 0; b < B; ++b) lists[b] = assign_parts(p, b, parts);
+    const scalar_t* c0 = carry0.has_value() ? carry0->data_ptr<scalar_t>() : nullptr;
+    scalar_t *dqp = dq.data_ptr<scalar_t>(), *dkpp = dkp.data_ptr<scalar_t>(), *g = dfcol.data_ptr<scalar_t>();
+    sel_run_phases(
+        B * parts,
+        [&](int64_t it) {
+          backward_impl<scalar_t>(p, lists, c0, colsums.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                                  lse.data_ptr<scalar_t>(), dout.data_ptr<scalar_t>(), dqp, dkpp,
+                                  dvp.data_ptr<scalar_t>(), g, parts, it);
+        },
+        B * parts, [&](int64_t it) { carry_grad_impl<scalar_t>(p, lists, g, dqp, dkpp, parts, it); });
+    // d carry0 = the column sums of dF over every block
     scalar_t* dc = dcarry.data_ptr<scalar_t>();
-    for (int64_t b = 0; b < B; ++b) {
-      scalar_t* acc = dc + b * Lk;
-      for (int64_t qb = nqb - 1; qb >= 0; --qb) {
-        scalar_t* row = g + (b * nqb + qb) * Lk;
-        for (int64_t j = 0; j < Lk; ++j) {
-          const scalar_t x = row[j];
-          row[j] = acc[j];
-          acc[j] += x;
-        }
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t qb = 0; qb < nqb; ++qb) {
+        const scalar_t* row = g + (b * nqb + qb) * Lk;
+        for (int64_t j = 0; j < Lk; ++j) dc[b * Lk + j] += row[j];
       }
-    }
-    carry_grad_impl<scalar_t>(p, g, dq.data_ptr<scalar_t>(), dkp.data_ptr<scalar_t>(), parts);
   });
   auto dk = parts == 1 ? dkp.squeeze(1) : dkp.sum(1);
   auto dv = parts == 1 ? dvp.squeeze(1) : dvp.sum(1);
@@ -568,7 +593,7 @@ TORCH_LIBRARY_FRAGMENT(hf_attnorm_fused, m) {
       "Tensor? carry0, int block_q, int block_k) -> Tensor[]");
   m.def(
       "sel_backward(Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, int head, Tensor bos, Tensor selrow, "
-      "Tensor carries, Tensor out, Tensor lse, Tensor dout, int block_q, int block_k) -> Tensor[]");
+      "Tensor? carry0, Tensor colsums, Tensor out, Tensor lse, Tensor dout, int block_q, int block_k) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(hf_attnorm_fused, CPU, m) {
