@@ -251,3 +251,21 @@ def test_compiles_with_fullgraph_forward_and_backward():
         res.append([out, *torch.autograd.grad(out.pow(2).sum(), leaves)])
     for a, b in zip(*res):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_learnable_per_head_scale_reaches_its_gradient():
+    """A per-row multiplier (ssmax's learnable s_h ln n) scales q before the kernel; a plain float scale is applied
+    in the kernel's matmuls instead: both give the reference's output and gradients, the per-head value's too."""
+    settings = resolve_settings("selective", {"scale": "ssmax"})
+    heads = constant_heads(settings, 2)
+    q, k, v = _leaves((1, 2, 13, 8), (1, 2, 13, 8), (1, 2, 13, 8), seed=3)
+    res = []
+    for path in ("reference", PATH):
+        hl = {n: (t.double() * 1.3).requires_grad_(True) for n, t in heads.items()}
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out, _, ran = attend(make_call(*leaves, settings, hl, None, True), path)
+        assert ran == path
+        res.append([out, *torch.autograd.grad(out.pow(2).sum(), leaves + list(hl.values()))])
+    assert res[1][-1].abs().min() > 0
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)

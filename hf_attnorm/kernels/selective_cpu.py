@@ -31,21 +31,23 @@ BLOCK_OVERRIDE: tuple[int, int] | None = None
 
 class _SelFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, carry0, keep, causal: bool, head: int, bos, selrow, blocks: tuple[int, int]):
-        out, lse, colsums = fused_cpu.native_ops().sel_forward(q, k, v, keep, causal, head, bos, selrow, carry0,
-                                                               *blocks)
+    def forward(ctx, q, k, v, carry0, keep, causal: bool, head: int, scale: float, bos, selrow,
+                blocks: tuple[int, int]):
+        out, lse, colsums = fused_cpu.native_ops().sel_forward(q, k, v, keep, causal, head, scale, bos, selrow,
+                                                               carry0, *blocks)
         ctx.save_for_backward(q, k, v, keep, bos, selrow, carry0, colsums, out, lse)
-        ctx.meta = (causal, head, blocks)
+        ctx.meta = (causal, head, scale, blocks)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, keep, bos, selrow, carry0, colsums, out, lse = ctx.saved_tensors
-        causal, head, blocks = ctx.meta
-        dq, dk, dv, dcarry = fused_cpu.native_ops().sel_backward(q, k, v, keep, causal, head, bos, selrow, carry0,
-                                                                 colsums, out, lse, dout.contiguous(), *blocks)
-        return dq, dk, dv, (dcarry if ctx.needs_input_grad[3] else None), None, None, None, None, None, None
+        causal, head, scale, blocks = ctx.meta
+        dq, dk, dv, dcarry = fused_cpu.native_ops().sel_backward(q, k, v, keep, causal, head, scale, bos, selrow,
+                                                                 carry0, colsums, out, lse, dout.contiguous(),
+                                                                 *blocks)
+        return dq, dk, dv, (dcarry if ctx.needs_input_grad[3] else None), None, None, None, None, None, None, None
 
 
 _FAKES: dict[str, bool] = {"done": False}
@@ -57,12 +59,13 @@ def _register_fakes() -> None:
         return
     _FAKES["done"] = True
 
-    def forward_fake(q, k, v, keep, causal, head, bos, selrow, carry0, block_q, block_k):
+    def forward_fake(q, k, v, keep, causal, head, scale, bos, selrow, carry0, block_q, block_k):
         B, H, Lq = q.shape[:3]
         return [q.new_empty((B, H, Lq, v.shape[-1])), q.new_empty((B, H, Lq)),
                 q.new_empty((B, -(-Lq // block_q), k.shape[2]))]
 
-    def backward_fake(q, k, v, keep, causal, head, bos, selrow, carry0, colsums, out, lse, dout, block_q, block_k):
+    def backward_fake(q, k, v, keep, causal, head, scale, bos, selrow, carry0, colsums, out, lse, dout, block_q,
+                      block_k):
         return [*(x.new_empty(x.shape) for x in (q, k, v)), q.new_empty((q.shape[0], k.shape[2]))]
 
     torch.library.register_fake("hf_attnorm_fused::sel_forward")(forward_fake)
@@ -139,7 +142,10 @@ def selective_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     norm.check_heads(call.settings, call.q.shape[1])
     head = norm.selecting_head(call.settings)
     dt = compute_dtype(call.q.dtype)
-    q = (call.q.to(dt) * call.q_factor(dt)).contiguous()
+    # a plain float scale goes to the kernel (a factor on its matmuls: no scaled copy of q, no extra pass)
+    factor = call.q_factor(dt)
+    scale = float(factor) if isinstance(factor, float) else 1.0
+    q = (call.q.to(dt) if isinstance(factor, float) else call.q.to(dt) * factor).contiguous()
     k, v = _last_dim_contiguous(call.k.to(dt)), _last_dim_contiguous(call.v.to(dt))
     B, H, Lq, _ = q.shape
     keep = call.mask.keep
@@ -151,7 +157,7 @@ def selective_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     carry = getattr(call, "selective_carry", None)
     if carry is not None:
         carry = carry.to(dt).expand(B, k.shape[2]).contiguous()
-    out = _SelFn.apply(q, k, v, carry, keep, causal, head, bos, selrow, BLOCK_OVERRIDE or BLOCKS)
+    out = _SelFn.apply(q, k, v, carry, keep, causal, head, scale, bos, selrow, BLOCK_OVERRIDE or BLOCKS)
     return out.to(call.q.dtype), None
 
 

@@ -52,15 +52,16 @@
 
 namespace {
 
-// run fn1(item) for items [0, n1), then, once all of them are done, fn2(item) for items [0, n2), on torch's threads
-// in one parallel region (items handed out dynamically; one region rather than two: on a loaded machine each region's
+// run fn1(item) for items [0, n1), then, once all of them are done, fn2(item) for items [0, n2), then likewise fn3,
+// on torch's threads in one parallel region (items handed out dynamically; one region rather than two: on a loaded machine each region's
 // start and end waits for every thread to be scheduled). Denormals are flushed meanwhile: the weights of heavily
 // penalised keys run into the subnormal range, which slows the BLAS calls (see stickbreaking.cpp). No deadlock when
 // the region gets fewer threads than asked: a thread waits only for items that running threads have taken.
-template <typename F1, typename F2>
-void sel_run_phases(int64_t n1, const F1& fn1, int64_t n2, const F2& fn2) {
-  std::atomic<int64_t> next1{0}, done1{0}, next2{0};
-  const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), std::max(n1, n2)));
+template <typename F1, typename F2, typename F3>
+void sel_run_phases(int64_t n1, const F1& fn1, int64_t n2, const F2& fn2, int64_t n3, const F3& fn3) {
+  std::atomic<int64_t> next1{0}, done1{0}, next2{0}, done2{0}, next3{0};
+  const int64_t most = std::max(n1, std::max(n2, n3));
+  const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), most));
   at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
 #if defined(__SSE__)
     const unsigned int csr = _mm_getcsr();
@@ -71,16 +72,53 @@ void sel_run_phases(int64_t n1, const F1& fn1, int64_t n2, const F2& fn2) {
       done1.fetch_add(1, std::memory_order_release);
     }
     while (done1.load(std::memory_order_acquire) < n1) std::this_thread::yield();
-    for (int64_t it = next2.fetch_add(1); it < n2; it = next2.fetch_add(1)) fn2(it);
+    for (int64_t it = next2.fetch_add(1); it < n2; it = next2.fetch_add(1)) {
+      fn2(it);
+      done2.fetch_add(1, std::memory_order_release);
+    }
+    if (n3 > 0) {
+      while (done2.load(std::memory_order_acquire) < n2) std::this_thread::yield();
+      for (int64_t it = next3.fetch_add(1); it < n3; it = next3.fetch_add(1)) fn3(it);
+    }
 #if defined(__SSE__)
     _mm_setcsr(csr);
 #endif
   });
 }
 
+// BLAS with a factor on the product (the call's scale, so that q needs no scaled copy: one pass and one parallel
+// region less per call, which on a loaded machine costs as much as a short attention call). sgemm_/dgemm_: cpu_common.h
+inline void sel_gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+                     const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  const int im = m, in = n, ik = k, ila = lda, ilb = ldb, ilc = ldc;
+  sgemm_(&ta, &tb, &im, &in, &ik, &alpha, a, &ila, b, &ilb, &beta, c, &ilc);
+}
+inline void sel_gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, double alpha, const double* a, int64_t lda,
+                     const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
+  const int im = m, in = n, ik = k, ila = lda, ilb = ldb, ilc = ldc;
+  dgemm_(&ta, &tb, &im, &in, &ik, &alpha, a, &ila, b, &ilb, &beta, c, &ilc);
+}
+// row-major, as cpu_common.h's mm_abt (C = alpha A B^T + beta C), mm_ab (alpha A B) and mm_atb (alpha A^T B)
+template <typename T>
+inline void smm_abt(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb, T beta, T* c,
+                    int64_t ldc, T alpha = T(1)) {
+  sel_gemm('T', 'N', n, m, k, alpha, b, ldb, a, lda, beta, c, ldc);
+}
+template <typename T>
+inline void smm_ab(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb, T beta, T* c,
+                   int64_t ldc, T alpha = T(1)) {
+  sel_gemm('N', 'N', n, m, k, alpha, b, ldb, a, lda, beta, c, ldc);
+}
+template <typename T>
+inline void smm_atb(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb, T beta, T* c,
+                    int64_t ldc, T alpha = T(1)) {
+  sel_gemm('N', 'T', n, m, k, alpha, b, ldb, a, lda, beta, c, ldc);
+}
+
 template <typename T>
 struct Sel {
   int64_t B, H, Hkv, G, Lq, Lk, D, Dv, BQ, BK, nqb, hs;
+  T scale;  // scores are scale * q k^T
   const T *q, *k, *v;
   int64_t ksb, ksh, ksl, vsb, vsh, vsl;
   const bool* keep;
@@ -175,9 +213,10 @@ struct Sel {
 
 template <typename T>
 Sel<T> make_sel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& keep,
-                bool causal, int64_t head, const at::Tensor& bos, const at::Tensor& selrow, int64_t block_q,
-                int64_t block_k) {
+                bool causal, int64_t head, double scale, const at::Tensor& bos, const at::Tensor& selrow,
+                int64_t block_q, int64_t block_k) {
   Sel<T> p;
+  p.scale = static_cast<T>(scale);
   p.B = q.size(0);
   p.H = q.size(1);
   p.Lq = q.size(2);
@@ -248,9 +287,10 @@ auto colsum_items(const Sel<T>& p, T* colsums) {
     buf.resize(2 * BQ * BK);
     T *s = buf.data(), *ma = s + BQ * BK;
     T* run = colsums + (b * p.nqb + qb) * Lk;
+    std::fill(run, run + Lk, T(0));
     for (int64_t j0 = 0; j0 < ke; j0 += BK) {
       const int64_t nb = std::min(BK, ke - j0);
-      mm_abt<T>(m, nb, p.D, p.qrow(b, p.hs, i0), p.D, p.krow(b, p.hs / p.G, j0), p.ksl, T(0), s, nb);
+      smm_abt<T>(m, nb, p.D, p.qrow(b, p.hs, i0), p.D, p.krow(b, p.hs / p.G, j0), p.ksl, T(0), s, nb, p.scale);
       const bool masked = p.mask_tile(b, p.hs, i0, m, j0, nb, ma);
       p.penalty_tile(b, i0, m, j0, nb, s, masked ? ma : nullptr, run + j0, nullptr, nullptr);
     }
@@ -301,7 +341,7 @@ void forward_impl(const Sel<T>& p, const T* carry0, T* colsums, T* out, T* lse) 
     const bool shared_mask = p.keep == nullptr || p.msh == 0;
     for (int64_t j0 = ((ke + BK - 1) / BK - 1) * BK; j0 >= 0; j0 -= BK) {  // from the diagonal back
       const int64_t nb = std::min(BK, ke - j0);
-      mm_abt<T>(m, nb, p.D, p.qrow(b, p.hs, i0), p.D, p.krow(b, p.hs / p.G, j0), p.ksl, T(0), ssel, nb);
+      smm_abt<T>(m, nb, p.D, p.qrow(b, p.hs, i0), p.D, p.krow(b, p.hs / p.G, j0), p.ksl, T(0), ssel, nb, p.scale);
       const bool masked = p.mask_tile(b, p.hs, i0, m, j0, nb, mas);
       p.carry_tile(carry0, colsums, b, qb, j0, nb, run);
       p.penalty_tile(b, i0, m, j0, nb, ssel, masked ? mas : nullptr, run, f, nullptr);
@@ -309,7 +349,7 @@ void forward_impl(const Sel<T>& p, const T* carry0, T* colsums, T* out, T* lse) 
         const int64_t g = h / p.G;
         const T* s = ssel;
         if (h != p.hs) {
-          mm_abt<T>(m, nb, p.D, p.qrow(b, h, i0), p.D, p.krow(b, g, j0), p.ksl, T(0), z, nb);
+          smm_abt<T>(m, nb, p.D, p.qrow(b, h, i0), p.D, p.krow(b, g, j0), p.ksl, T(0), z, nb, p.scale);
           s = z;
         }
         const T* ma = masked ? mas : nullptr;
@@ -340,7 +380,7 @@ void forward_impl(const Sel<T>& p, const T* carry0, T* colsums, T* out, T* lse) 
           }
           rsum[h * BQ + r] += sum;
         }
-        mm_ab<T>(m, Dv, nb, z, nb, p.vrow(b, g, j0), p.vsl, T(1), o, Dv);
+        smm_ab<T>(m, Dv, nb, z, nb, p.vrow(b, g, j0), p.vsl, T(1), o, Dv);
       }
     }
     for (int64_t h = 0; h < H; ++h)
@@ -358,7 +398,9 @@ void forward_impl(const Sel<T>& p, const T* carry0, T* colsums, T* out, T* lse) 
         }
       }
   };
-  sel_run_phases(p.B * (p.nqb - 1), colsum_items(p, colsums), p.B * p.nqb, item);
+  for (int64_t b = 0; b < p.B; ++b)  // the last block's slot (never read; zero rather than undefined)
+    std::fill(colsums + (b * p.nqb + p.nqb - 1) * p.Lk, colsums + (b * p.nqb + p.nqb) * p.Lk, T(0));
+  sel_run_phases(p.B * (p.nqb - 1), colsum_items(p, colsums), p.B * p.nqb, item, 0, [](int64_t) {});
 }
 
 // the query blocks of each part (per batch row): longest first to the least loaded part (deterministic)
@@ -394,9 +436,17 @@ void backward_impl(const Sel<T>& p, const Lists& lists, const T* carry0, const T
     T *ssel = buf.data(), *f = ssel + BQ * BK, *pt = f + BQ * BK, *dp = pt + BQ * BK, *df = dp + BQ * BK;
     T *sm = df + BQ * BK, *mah = sm + BQ * BK, *mas = mah + BQ * BK, *run = mas + BQ * BK, *delta = run + BK;
     const bool shared_mask = p.keep == nullptr || p.msh == 0;
+    // the buffers this item owns start at zero (filled here, in the parallel region, not by at::zeros)
+    std::fill(dkp, dkp + p.Hkv * Lk * D, T(0));
+    std::fill(dvp, dvp + p.Hkv * Lk * Dv, T(0));
     for (int64_t qb : lists[b][part]) {
       const int64_t i0 = qb * BQ, m = std::min(BQ, p.Lq - i0), ke = p.kend[b * p.nqb + qb];
       T* dfc = dfcol + (b * p.nqb + qb) * Lk;
+      std::fill(dfc, dfc + Lk, T(0));
+      for (int64_t h = 0; h < H; ++h) {
+        T* dqr = dq + ((b * H + h) * p.Lq + i0) * D;
+        std::fill(dqr, dqr + m * D, T(0));
+      }
       if (ke == 0) continue;
       for (int64_t h = 0; h < H; ++h)
         for (int64_t r = 0; r < m; ++r) {
@@ -408,7 +458,7 @@ void backward_impl(const Sel<T>& p, const Lists& lists, const T* carry0, const T
         }
       for (int64_t j0 = 0; j0 < ke; j0 += BK) {
         const int64_t nb = std::min(BK, ke - j0);
-        mm_abt<T>(m, nb, D, p.qrow(b, p.hs, i0), D, p.krow(b, p.hs / p.G, j0), p.ksl, T(0), ssel, nb);
+        smm_abt<T>(m, nb, D, p.qrow(b, p.hs, i0), D, p.krow(b, p.hs / p.G, j0), p.ksl, T(0), ssel, nb, p.scale);
         const bool masked = p.mask_tile(b, p.hs, i0, m, j0, nb, mas);
         p.carry_tile(carry0, colsums, b, qb, j0, nb, run);
         p.penalty_tile(b, i0, m, j0, nb, ssel, masked ? mas : nullptr, run, f, sm);
@@ -418,13 +468,13 @@ void backward_impl(const Sel<T>& p, const Lists& lists, const T* carry0, const T
           const int64_t g = h / p.G;
           const T* s = ssel;
           if (h != p.hs) {
-            mm_abt<T>(m, nb, D, p.qrow(b, h, i0), D, p.krow(b, g, j0), p.ksl, T(0), pt, nb);
+            smm_abt<T>(m, nb, D, p.qrow(b, h, i0), D, p.krow(b, g, j0), p.ksl, T(0), pt, nb, p.scale);
             s = pt;
           }
           const T* ma = masked ? mas : nullptr;
           if (!shared_mask && h != p.hs) ma = p.mask_tile(b, h, i0, m, j0, nb, mah) ? mah : nullptr;
           const T* dor = dout + ((b * H + h) * p.Lq + i0) * Dv;
-          mm_abt<T>(m, nb, Dv, dor, Dv, p.vrow(b, g, j0), p.vsl, T(0), dp, nb);
+          smm_abt<T>(m, nb, Dv, dor, Dv, p.vrow(b, g, j0), p.vsl, T(0), dp, nb);
           for (int64_t r = 0; r < m; ++r) {
             const T l = lse[(b * H + h) * p.Lq + i0 + r], dl = delta[h * BQ + r];
             const T* sr = s + r * nb;
@@ -469,9 +519,9 @@ void backward_impl(const Sel<T>& p, const Lists& lists, const T* carry0, const T
             std::copy(run, run + nb, dfc + j0);
           }
           T* dqr = dq + ((b * H + h) * p.Lq + i0) * D;
-          mm_ab<T>(m, D, nb, dp, nb, p.krow(b, g, j0), p.ksl, T(1), dqr, D);
-          mm_atb<T>(nb, D, m, dp, nb, p.qrow(b, h, i0), D, T(1), dkp + (g * Lk + j0) * D, D);
-          mm_atb<T>(nb, Dv, m, pt, nb, dor, Dv, T(1), dvp + (g * Lk + j0) * Dv, Dv);
+          smm_ab<T>(m, D, nb, dp, nb, p.krow(b, g, j0), p.ksl, T(1), dqr, D, p.scale);
+          smm_atb<T>(nb, D, m, dp, nb, p.qrow(b, h, i0), D, T(1), dkp + (g * Lk + j0) * D, D, p.scale);
+          smm_atb<T>(nb, Dv, m, pt, nb, dor, Dv, T(1), dvp + (g * Lk + j0) * Dv, Dv);
         }
       }
     }
@@ -502,7 +552,7 @@ void carry_grad_impl(const Sel<T>& p, const Lists& lists, const T* dfcol, T* dq,
         bool any = false;
         for (int64_t jj = 0; jj < nb; ++jj) any = any || g[jj] != T(0);
         if (!any) continue;
-        mm_abt<T>(m, nb, D, p.qrow(b, hs, i0), D, p.krow(b, gs, j0), p.ksl, T(0), s, nb);
+        smm_abt<T>(m, nb, D, p.qrow(b, hs, i0), D, p.krow(b, gs, j0), p.ksl, T(0), s, nb, p.scale);
         const bool masked = p.mask_tile(b, hs, i0, m, j0, nb, mas);
         std::fill(run, run + nb, T(0));
         p.penalty_tile(b, i0, m, j0, nb, s, masked ? mas : nullptr, run, nullptr, sm);
@@ -511,28 +561,41 @@ void carry_grad_impl(const Sel<T>& p, const Lists& lists, const T* dfcol, T* dq,
 #pragma omp simd
           for (int64_t jj = 0; jj < nb; ++jj) smr[jj] *= g[jj];
         }
-        mm_ab<T>(m, D, nb, sm, nb, p.krow(b, gs, j0), p.ksl, T(1), dq + ((b * p.H + hs) * p.Lq + i0) * D, D);
-        mm_atb<T>(nb, D, m, sm, nb, p.qrow(b, hs, i0), D, T(1), dkp + j0 * D, D);
+        T* dqr = dq + ((b * p.H + hs) * p.Lq + i0) * D;
+        smm_ab<T>(m, D, nb, sm, nb, p.krow(b, gs, j0), p.ksl, T(1), dqr, D, p.scale);
+        smm_atb<T>(nb, D, m, sm, nb, p.qrow(b, hs, i0), D, T(1), dkp + j0 * D, D, p.scale);
       }
     }
   }
 }
 
+// dst[b][g] = sum over parts of src[b][part][g] (blocks of size w), in part order
+template <typename T>
+void sum_parts(const T* src, T* dst, int64_t b, int64_t g, int64_t Hkv, int64_t parts, int64_t w) {
+  T* o = dst + (b * Hkv + g) * w;
+  std::copy(src + (b * parts * Hkv + g) * w, src + (b * parts * Hkv + g + 1) * w, o);
+  for (int64_t part = 1; part < parts; ++part) {
+    const T* x = src + ((b * parts + part) * Hkv + g) * w;
+#pragma omp simd
+    for (int64_t e = 0; e < w; ++e) o[e] += x[e];
+  }
+}
+
 std::vector<at::Tensor> sel_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                    const std::optional<at::Tensor>& keep, bool causal, int64_t head,
+                                    const std::optional<at::Tensor>& keep, bool causal, int64_t head, double scale,
                                     const at::Tensor& bos, const at::Tensor& selrow,
                                     const std::optional<at::Tensor>& carry0, int64_t block_q, int64_t block_k) {
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2);
   const int64_t nqb = (Lq + block_q - 1) / block_q;
   auto out = at::empty({B, H, Lq, v.size(3)}, q.options());
   auto lse = at::empty({B, H, Lq}, q.options());
-  auto colsums = at::zeros({B, nqb, Lk}, q.options());
+  auto colsums = at::empty({B, nqb, Lk}, q.options());
   if (carry0.has_value())
     TORCH_CHECK(carry0->is_contiguous() && carry0->size(0) == B && carry0->size(1) == Lk &&
                     carry0->scalar_type() == q.scalar_type(),
                 "selective: carry0 must be contiguous [B, Lk] in q's dtype");
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "sel_forward", [&] {
-    auto p = make_sel<scalar_t>(q, k, v, keep, causal, head, bos, selrow, block_q, block_k);
+    auto p = make_sel<scalar_t>(q, k, v, keep, causal, head, scale, bos, selrow, block_q, block_k);
     forward_impl<scalar_t>(p, carry0.has_value() ? carry0->data_ptr<scalar_t>() : nullptr,
                            colsums.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>());
   });
@@ -542,7 +605,7 @@ std::vector<at::Tensor> sel_forward(const at::Tensor& q, const at::Tensor& k, co
 // -> dq, dk, dv, dcarry0 [B, Lk] (the gradient of the carried-in column sums)
 std::vector<at::Tensor> sel_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      const std::optional<at::Tensor>& keep, bool causal, int64_t head,
-                                     const at::Tensor& bos, const at::Tensor& selrow,
+                                     double scale, const at::Tensor& bos, const at::Tensor& selrow,
                                      const std::optional<at::Tensor>& carry0, const at::Tensor& colsums,
                                      const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dout,
                                      int64_t block_q, int64_t block_k) {
@@ -553,13 +616,16 @@ std::vector<at::Tensor> sel_backward(const at::Tensor& q, const at::Tensor& k, c
   const int64_t nqb = (q.size(2) + block_q - 1) / block_q;
   const int64_t nthreads = at::get_num_threads();
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(nqb, (nthreads + B - 1) / B));
-  auto dq = at::zeros_like(q);
-  auto dkp = at::zeros({B, parts, Hkv, Lk, D}, q.options());
-  auto dvp = at::zeros({B, parts, Hkv, Lk, Dv}, q.options());
-  auto dfcol = at::zeros({B, nqb, Lk}, q.options());
+  // every buffer is filled by the items that own it (no at::zeros: each is a parallel region of its own)
+  auto dq = at::empty_like(q);
+  auto dk = at::empty({B, Hkv, Lk, D}, q.options());
+  auto dv = at::empty({B, Hkv, Lk, Dv}, q.options());
+  auto dkp = parts == 1 ? dk : at::empty({B, parts, Hkv, Lk, D}, q.options());
+  auto dvp = parts == 1 ? dv : at::empty({B, parts, Hkv, Lk, Dv}, q.options());
+  auto dfcol = at::empty({B, nqb, Lk}, q.options());
   auto dcarry = at::zeros({B, Lk}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "sel_backward", [&] {
-    auto p = make_sel<scalar_t>(q, k, v, keep, causal, head, bos, selrow, block_q, block_k);
+    auto p = make_sel<scalar_t>(q, k, v, keep, causal, head, scale, bos, selrow, block_q, block_k);
     Lists lists(B);
     for (int64_t b = 0; b < B; ++b) lists[b] = assign_parts(p, b, parts);
     const scalar_t* c0 = carry0.has_value() ? carry0->data_ptr<scalar_t>() : nullptr;
@@ -571,7 +637,13 @@ std::vector<at::Tensor> sel_backward(const at::Tensor& q, const at::Tensor& k, c
                                   lse.data_ptr<scalar_t>(), dout.data_ptr<scalar_t>(), dqp, dkpp,
                                   dvp.data_ptr<scalar_t>(), g, parts, it);
         },
-        B * parts, [&](int64_t it) { carry_grad_impl<scalar_t>(p, lists, g, dqp, dkpp, parts, it); });
+        B * parts, [&](int64_t it) { carry_grad_impl<scalar_t>(p, lists, g, dqp, dkpp, parts, it); },
+        parts > 1 ? B * Hkv : 0,
+        [&](int64_t it) {  // dK, dV = the sum of the parts' buffers, in part order
+          const int64_t b = it / Hkv, gh = it % Hkv;
+          sum_parts(dkpp, dk.data_ptr<scalar_t>(), b, gh, Hkv, parts, Lk * D);
+          sum_parts(dvp.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(), b, gh, Hkv, parts, Lk * Dv);
+        });
     // d carry0 = the column sums of dF over every block
     scalar_t* dc = dcarry.data_ptr<scalar_t>();
     for (int64_t b = 0; b < B; ++b)
@@ -580,8 +652,6 @@ std::vector<at::Tensor> sel_backward(const at::Tensor& q, const at::Tensor& k, c
         for (int64_t j = 0; j < Lk; ++j) dc[b * Lk + j] += row[j];
       }
   });
-  auto dk = parts == 1 ? dkp.squeeze(1) : dkp.sum(1);
-  auto dv = parts == 1 ? dvp.squeeze(1) : dvp.sum(1);
   return {dq, dk, dv, dcarry};
 }
 
@@ -589,10 +659,12 @@ std::vector<at::Tensor> sel_backward(const at::Tensor& q, const at::Tensor& k, c
 
 TORCH_LIBRARY_FRAGMENT(hf_attnorm_fused, m) {
   m.def(
-      "sel_forward(Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, int head, Tensor bos, Tensor selrow, "
+      "sel_forward(Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, int head, float scale, Tensor bos, "
+      "Tensor selrow, "
       "Tensor? carry0, int block_q, int block_k) -> Tensor[]");
   m.def(
-      "sel_backward(Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, int head, Tensor bos, Tensor selrow, "
+      "sel_backward(Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, int head, float scale, Tensor bos, "
+      "Tensor selrow, "
       "Tensor? carry0, Tensor colsums, Tensor out, Tensor lse, Tensor dout, int block_q, int block_k) -> Tensor[]");
 }
 
