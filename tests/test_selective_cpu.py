@@ -269,3 +269,21 @@ def test_learnable_per_head_scale_reaches_its_gradient():
     assert res[1][-1].abs().min() > 0
     for a, b in zip(*res):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_private_dk_dv_parts_match_reference(threads, monkeypatch):
+    """With more threads than batch rows the backward splits the query blocks into parts with private dK/dV buffers
+    (summed at the end): fp64 gradients still equal the reference's."""
+    monkeypatch.setattr(cpu_mod, "BLOCK_OVERRIDE", (8, 8))
+    q, k, v, gout = _leaves((1, 4, 45, 8), (1, 2, 45, 8), (1, 2, 45, 8), (1, 4, 45, 8), seed=11)
+    settings = resolve_settings("selective", {"selective_head": 3})
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fast = _run(PATH, q, k, v, settings, None, True, gout, torch.float64)
+    finally:
+        torch.set_num_threads(before)
+    ref = _run("reference", q, k, v, settings, None, True, gout, torch.float64)
+    for label, r, f in zip(("out", "dq", "dk", "dv"), ref, fast):
+        torch.testing.assert_close(f, r, atol=1e-10, rtol=1e-10, msg=lambda m, lb=label: f"{lb}: {m}")
