@@ -271,12 +271,12 @@ def test_learnable_per_head_scale_reaches_its_gradient():
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
 
 
-@pytest.mark.parametrize("threads", [2, 3])
-def test_private_dk_dv_parts_match_reference(threads, monkeypatch):
-    """With more threads than batch rows the backward splits the query blocks into parts with private dK/dV buffers
-    (summed at the end): fp64 gradients still equal the reference's."""
+@pytest.mark.parametrize(("batch", "threads"), [(1, 2), (1, 3), (3, 2)])
+def test_private_dk_dv_parts_match_reference(batch, threads, monkeypatch):
+    """With more threads than batch rows, or rows that do not divide over the threads, the backward splits each row's
+    query blocks into parts with private dK/dV buffers (summed at the end): fp64 gradients equal the reference's."""
     monkeypatch.setattr(cpu_mod, "BLOCK_OVERRIDE", (8, 8))
-    q, k, v, gout = _leaves((1, 4, 45, 8), (1, 2, 45, 8), (1, 2, 45, 8), (1, 4, 45, 8), seed=11)
+    q, k, v, gout = _leaves((batch, 4, 45, 8), (batch, 2, 45, 8), (batch, 2, 45, 8), (batch, 4, 45, 8), seed=11)
     settings = resolve_settings("selective", {"selective_head": 3})
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

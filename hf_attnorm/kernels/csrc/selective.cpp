@@ -615,7 +615,10 @@ std::vector<at::Tensor> sel_backward(const at::Tensor& q, const at::Tensor& k, c
   const int64_t B = q.size(0), Hkv = k.size(1), Lk = k.size(2), D = q.size(3), Dv = v.size(3);
   const int64_t nqb = (q.size(2) + block_q - 1) / block_q;
   const int64_t nthreads = at::get_num_threads();
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(nqb, (nthreads + B - 1) / B));
+  // items (b, part): at least one per thread; when the batch rows do not divide evenly over the threads (3 rows, 2
+  // threads), two parts per row, so that the rows' halves balance (private buffers are O(n d) per part)
+  const int64_t want = std::max<int64_t>((nthreads + B - 1) / B, B % nthreads != 0 ? 2 : 1);
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(nqb, want));
   // every buffer is filled by the items that own it (no at::zeros: each is a parallel region of its own)
   auto dq = at::empty_like(q);
   auto dk = at::empty({B, Hkv, Lk, D}, q.options());
