@@ -29,10 +29,12 @@ def param_specs(settings: AttnormSettings) -> tuple[ParamSpec, ...]:
 
 
 def constant_heads(settings: AttnormSettings, num_heads: int, device=None,
-                   head_dim: int | None = None) -> dict[str, torch.Tensor]:
+                   head_dim: int | None = None, kv_heads: int | None = None) -> dict[str, torch.Tensor]:
     """Per-head values ([H] or [H, ...], ``ParamSpec.shape``) at their initial values (fp32), for calls without a
-    module. head_dim: D of q/k, needed only by values shaped by it."""
-    return {spec.name: spec.initial(num_heads, settings, head_dim, device) for spec in param_specs(settings)}
+    module. head_dim: D of q/k, needed only by values shaped by it; kv_heads: Hkv, read by values per key/value head
+    (``ParamSpec.heads="kv"``: learned memory key/values), default H (which ``make_call`` also accepts for memory
+    with GQA: one memory per query head, k/v then repeated, see ``kernels/memory.py``)."""
+    return {spec.name: spec.initial(num_heads, settings, head_dim, device, kv_heads) for spec in param_specs(settings)}
 
 
 def make_call(
@@ -174,7 +176,8 @@ def attention(
     float as SDPA and eager attention read it (-inf/finfo.min = masked, any other value is added to the score: a
     float 0/1 mask is therefore a bias, not a keep-mask); causal: with no mask, query i sees keys
     j <= i (upper-left, as SDPA); scaling: the base scale (default 1/sqrt(D)); heads: per-head values [H]
-    (e.g. ``{"ssmax_s": s}``; default: initial values from the settings); options: attnorm options
+    (e.g. ``{"ssmax_s": s}``; default: initial values from the settings; learned memory key/values
+    ``mem_k``/``mem_v`` are [Hkv, M, D] per key/value head, or [H, M, D] per query head); options: attnorm options
     (``eta=0.5``...). Score modifiers, applied to the scaled scores before the normalizer: softcap c
     (s = c tanh(s / c)), bias (float, broadcastable to [B, H, Lq, Lk], added), alibi_slopes [H] (adds
     -slopes[h] |i - j|, see ``alibi_bias``), sinks [H] (an always-visible extra key with that logit and value 0).
@@ -184,7 +187,7 @@ def attention(
         implementation, options)
     if isinstance(implementation, AttnormSettings) and options:
         settings = settings.replace(**options)
-    all_heads = constant_heads(settings, q.shape[1], q.device, q.shape[-1])
+    all_heads = constant_heads(settings, q.shape[1], q.device, q.shape[-1], k.shape[1])
     all_heads.update(heads or {})
     call = make_call(q, k, v, settings, all_heads, attention_mask, causal, scaling, dropout, need_weights,
                      module_info, bias=bias, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)

@@ -120,19 +120,26 @@ def settings_for(row: str, overrides: dict):
     return resolve_settings(row.split("+")[0], overrides)
 
 
+def kv_heads_for(args, heads: int) -> int:
+    """Key/value heads of a row with ``heads`` query heads (the --heads / --kv-heads ratio kept)."""
+    return max(1, heads // (args.heads // (args.kv_heads or args.heads)))
+
+
 def inputs(args, n: int, heads: int, dtype: torch.dtype, seed: int = 0, requires_grad: bool = True):
     g = torch.Generator().manual_seed(seed)
-    groups = args.heads // (args.kv_heads or args.heads)
-    hkv = max(1, heads // groups)
+    hkv = kv_heads_for(args, heads)
     q = torch.randn(args.batch, heads, n, args.head_dim, generator=g).to(dtype)
     k = torch.randn(args.batch, hkv, n, args.head_dim, generator=g).to(dtype)
     v = torch.randn(args.batch, hkv, n, args.head_dim, generator=g).to(dtype)
     return [t.requires_grad_(requires_grad) for t in (q, k, v)]
 
 
-def learnable_heads(settings, heads: int, dtype=torch.float32, head_dim: int | None = None) -> dict[str, torch.Tensor]:
-    """head_dim: for per-head values shaped by it (learned memory keys/values [H, M, head_dim])."""
-    return {n: t.to(dtype).requires_grad_(True) for n, t in constant_heads(settings, heads, None, head_dim).items()}
+def learnable_heads(settings, heads: int, dtype=torch.float32, head_dim: int | None = None,
+                    kv_heads: int | None = None) -> dict[str, torch.Tensor]:
+    """head_dim: for per-head values shaped by it; kv_heads: for values per key/value head (learned memory
+    key/values [Hkv, M, head_dim])."""
+    return {n: t.to(dtype).requires_grad_(True)
+            for n, t in constant_heads(settings, heads, None, head_dim, kv_heads).items()}
 
 
 def run_once(q, k, v, settings, heads, causal: bool, path: str | None, backward: bool):
@@ -189,7 +196,7 @@ def max_error(args, settings, path: str) -> float:
         q, k, v = inputs(args, args.error_length, args.heads, torch.float32, seed=1)
         q, k, v = (t.detach().to(dtype).to(dt).requires_grad_(True) for t in (q, k, v))
         heads = learnable_heads(settings, args.heads, torch.float64 if dt == torch.float64 else torch.float32,
-                                 head_dim=args.head_dim)
+                                 head_dim=args.head_dim, kv_heads=kv_heads_for(args, args.heads))
         call = make_call(q, k, v, settings, heads, None, causal, None, module_info={"max_positions": 2048})
         out, _, _ = attend(call, p)
         g = torch.Generator().manual_seed(5)
@@ -232,7 +239,7 @@ def memory_child(spec: str) -> None:
     n = args.memory_length
     heads = args.memory_heads or args.heads
     q, k, v = inputs(args, n, heads, DTYPES[args.dtype])
-    hv = learnable_heads(settings, heads, head_dim=args.head_dim)
+    hv = learnable_heads(settings, heads, head_dim=args.head_dim, kv_heads=kv_heads_for(args, heads))
     if cfg["path"] != "reference":  # build / load the native kernels before the baseline
         small = inputs(args, 8, heads, DTYPES[args.dtype])
         run_once(*small, settings, hv, not args.no_causal, cfg["path"], True)
@@ -289,9 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     for row, overrides in row_list:
         settings = settings_for(row, overrides)
         probe_q = inputs(args, 16, args.heads, dtype)
-        probe = make_call(*probe_q, settings, learnable_heads(settings, args.heads, head_dim=args.head_dim), None,
-                          causal, None,
-                          module_info={"max_positions": 2048})
+        probe_h = learnable_heads(settings, args.heads, head_dim=args.head_dim,
+                                  kv_heads=kv_heads_for(args, args.heads))
+        probe = make_call(*probe_q, settings, probe_h, None, causal, None, module_info={"max_positions": 2048})
         fast = next((name for name, why in explain(probe) if why == "runs"), "reference")
         err = max_error(args, settings, fast) if fast != "reference" else 0.0
         ref_err = max_error(args, settings, "reference")  # the materialised path's own error, for scale
@@ -300,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                 if path == "reference" and n > args.max_reference_length:
                     continue
                 q, k, v = inputs(args, n, args.heads, dtype)
-                hv = learnable_heads(settings, args.heads, head_dim=args.head_dim)
+                hv = learnable_heads(settings, args.heads, head_dim=args.head_dim,
+                                     kv_heads=kv_heads_for(args, args.heads))
                 reps = args.reference_repeats if path == "reference" else args.repeats
                 warm = 0 if path == "reference" else args.warmup
                 case = (q, k, v, settings, hv, causal, path)
@@ -328,9 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"memory n={args.memory_length} H={mheads}", flush=True)
         for row, overrides in row_list:
             settings = settings_for(row, overrides)
-            fast = candidate_paths(make_call(*inputs(args, 4, args.heads, dtype), settings,
-                                             learnable_heads(settings, args.heads, head_dim=args.head_dim), None,
-                                             causal, None))
+            hv = learnable_heads(settings, args.heads, head_dim=args.head_dim, kv_heads=kv_heads_for(args, args.heads))
+            fast = candidate_paths(make_call(*inputs(args, 4, args.heads, dtype), settings, hv, None, causal, None))
             fast_res = measure_memory(args, argv, row, overrides, "auto") if fast else {}
             entry = {"row": row, "path": fast_res.get("path", "reference"), **fast_res}
             if row in args.memory_reference:

@@ -41,7 +41,8 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-DEFAULT_IMPLEMENTATIONS = ["softmax", "softmax1", "softpick", "ssmax", "sigmoid", "symax", "stickbreaking"]
+DEFAULT_IMPLEMENTATIONS = ["softmax", "softmax1", "softpick", "ssmax", "sigmoid", "symax", "stickbreaking", "lssa",
+                           "asentmax"]
 TASKS = ["mqar", "passkey", "lm"]
 
 PROBE_SHAPE = {"hidden": 64, "layers": 2, "heads": 2, "mlp": 128}

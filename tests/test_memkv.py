@@ -1,14 +1,19 @@
 """Learned memory key/values (``num_mem_kv``, ``hf_attnorm/kernels/memory.py``): every path against a direct
-computation (the memory concatenated by hand, run through the reference without memory), forward and every gradient
-including the memory's; with any normalizer; in models (parameters, training, save/reload, cached decoding)."""
+computation (the memory concatenated by hand to k/v repeated to the query heads, run through the reference without
+memory), forward and every gradient including the memory's; with any normalizer; memory per key/value head (GQA k/v
+never repeated) and per query head; in models (parameters, training, save/reload, cached decoding, checkpoints of
+the per-query-head shape)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 from conftest import tiny
 
 from hf_attnorm.attention import constant_heads, make_call
+from hf_attnorm.hf import forward, persistence
 from hf_attnorm.hf.forward import LAST_CALL
 from hf_attnorm.kernels import attend
 from hf_attnorm.kernels.base import alibi_bias, repeat_kv
@@ -19,11 +24,13 @@ M = 3
 
 
 def direct(q, k, v, mem_k, mem_v, settings, mask, causal, heads):
-    """The memory prepended by hand: visible to every query that sees a key, then the reference without memory."""
+    """The memory prepended by hand to k/v repeated to the H query heads (memory [Hkv, M, D] repeated as its kv
+    head's keys, or [H, M, D] as is): visible to every query that sees a key, then the reference without memory."""
     B, H, Lq, D = q.shape
-    Lk = k.shape[2]
-    kk = torch.cat([mem_k[None].expand(B, H, M, D), repeat_kv(k, H // k.shape[1])], 2)
-    vv = torch.cat([mem_v[None].expand(B, H, M, v.shape[-1]), repeat_kv(v, H // v.shape[1])], 2)
+    Lk, Hm = k.shape[2], mem_k.shape[0]
+    mk, mv = (repeat_kv(t[None].expand(B, Hm, M, t.shape[-1]), H // Hm) for t in (mem_k, mem_v))
+    kk = torch.cat([mk, repeat_kv(k, H // k.shape[1])], 2)
+    vv = torch.cat([mv, repeat_kv(v, H // v.shape[1])], 2)
     if mask is None:
         keep = torch.ones(1, 1, Lq, Lk, dtype=torch.bool)
         if causal and Lq > 1:
@@ -37,12 +44,13 @@ def direct(q, k, v, mem_k, mem_v, settings, mask, causal, heads):
     return attend(call, "reference")[0]
 
 
-CASES = [  # (B, H, Hkv, Lq, Lk, causal, padded)
-    (2, 4, 2, 13, 13, True, False),  # causal, no mask: the zero-query rewrite; GQA
-    (2, 2, 1, 17, 17, True, True),  # causal + padding, fully masked rows
-    (1, 2, 2, 11, 11, False, False),
-    (2, 2, 2, 1, 9, True, False),  # one query: a decode step
-    (2, 2, 2, 5, 12, False, True),  # cache-like shapes with padding
+CASES = [  # (B, H, Hkv, Lq, Lk, causal, padded, memory per "kv" head or per "query" head)
+    (2, 4, 2, 13, 13, True, False, "kv"),  # causal, no mask: the zero-query rewrite; GQA
+    (2, 2, 1, 17, 17, True, True, "kv"),  # causal + padding, fully masked rows; MQA
+    (1, 2, 2, 11, 11, False, False, "kv"),
+    (2, 4, 2, 1, 9, True, False, "kv"),  # one query: a decode step; GQA
+    (2, 4, 1, 5, 12, False, True, "kv"),  # cache-like shapes with padding; MQA
+    (2, 4, 2, 9, 9, True, True, "query"),  # one memory per query head with GQA: k/v repeated
 ]
 NORMS = [("softmax", "standard"), ("softmax", "ssmax"), ("sink", "standard"), ("symax", "standard"),
          ("entmax15", "standard"), ("linear", "standard"), ("selective", "standard")]
@@ -60,14 +68,15 @@ def _padding(B, Lq, Lk, causal):
 @pytest.mark.parametrize("norm,scale", NORMS, ids=[f"{n}+{s}" for n, s in NORMS])
 @pytest.mark.parametrize("case", CASES, ids=[f"c{i}" for i in range(len(CASES))])
 def test_every_path_matches_the_direct_computation(norm, scale, case):
-    B, H, Hkv, Lq, Lk, causal, padded = case
-    settings = resolve_settings(norm, {"scale": scale, "num_mem_kv": M, "mem_kv_init": 0.7})
+    B, H, Hkv, Lq, Lk, causal, padded, per = case
+    settings = resolve_settings(norm, {"scale": scale, "num_mem_kv": M, "mem_kv_init": 0.7, "mem_kv_heads": per})
     g = torch.Generator().manual_seed(Lq)
     q, k, v = (torch.randn(*s, generator=g, dtype=torch.float64)
                for s in ((B, H, Lq, 8), (B, Hkv, Lk, 8), (B, Hkv, Lk, 8)))
     mask = _padding(B, Lq, Lk, causal) if padded else None
-    heads0 = {n: t.double() for n, t in constant_heads(settings, H, None, 8).items()}
-    assert heads0["mem_k"].shape == (H, M, 8) and heads0["mem_k"].std() > 0.3
+    heads0 = {n: t.double() for n, t in constant_heads(settings, H, None, 8, kv_heads=Hkv).items()}
+    Hm = Hkv if per == "kv" else H
+    assert heads0["mem_k"].shape == heads0["mem_v"].shape == (Hm, M, 8) and heads0["mem_k"].std() > 0.3
     gout = torch.randn(B, H, Lq, 8, generator=g, dtype=torch.float64)
     info = {"max_positions": 4}
 
@@ -81,6 +90,8 @@ def test_every_path_matches_the_direct_computation(norm, scale, case):
     def ours(path):
         def fn(q_, k_, v_, hl):
             call = make_call(q_, k_, v_, settings, hl, mask, causal, module_info=info)
+            # what every path receives: k/v with the memory prepended, per kv head never repeated to H
+            assert call.k.shape == (B, Hm, M + Lk, 8) and call.v.shape == (B, Hm, M + Lk, 8)
             out, _, ran = attend(call, path)
             assert path is None or ran == path
             return out
@@ -112,13 +123,25 @@ def test_every_path_matches_the_direct_computation(norm, scale, case):
 
 
 def test_auto_rule_keeps_the_fast_paths():
-    q = torch.randn(1, 2, 16, 8)
+    q, kv = torch.randn(1, 4, 16, 8), torch.randn(1, 2, 16, 8)
     for name, path in (("memkv", "sdpa"), ("symax", "fused_cpu")):
         settings = resolve_settings(name, {"num_mem_kv": 2})
-        call = make_call(q, q, q, settings, constant_heads(settings, 2, None, 8), None, True)
-        assert call.drop_queries == 2 and call.memory == 2 and call.k.shape[2] == 18
+        call = make_call(q, kv, kv, settings, constant_heads(settings, 4, None, 8, kv_heads=2), None, True)
+        assert call.drop_queries == 2 and call.memory == 2 and call.k.shape == call.v.shape == (1, 2, 18, 8)
         out, _, ran = attend(call)
-        assert ran == path and out.shape == (1, 2, 16, 8)
+        assert ran == path and out.shape == (1, 4, 16, 8)
+
+
+def test_memory_of_another_head_count_is_refused():
+    q, kv = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8)
+    settings = resolve_settings("memkv", {"num_mem_kv": 2})
+    heads = constant_heads(settings, 4, None, 8, kv_heads=2)
+    with pytest.raises(ValueError, match=r"mem_k have shape \[3, 2, 8\].*Hkv=2.*H=4"):
+        make_call(q, kv, kv, settings, {**heads, "mem_k": torch.zeros(3, 2, 8)}, None, True)
+    with pytest.raises(ValueError, match="mem_v have shape"):
+        make_call(q, kv, kv, settings, {**heads, "mem_v": torch.zeros(4, 2, 8)}, None, True)
+    with pytest.raises(ValueError, match="do not divide"):
+        constant_heads(settings, 4, None, 8, kv_heads=3)
 
 
 def test_options_are_validated_and_default_settings_are_unchanged():
@@ -126,18 +149,28 @@ def test_options_are_validated_and_default_settings_are_unchanged():
         resolve_settings("symax", {"num_mem_kv": -1})
     with pytest.raises(AttnormError, match="num_mem_kv"):
         resolve_settings("symax", {"num_mem_kv": 1.5})
+    with pytest.raises(AttnormError, match=r"mem_kv_heads.*\['kv', 'query'\]"):
+        resolve_settings("memkv", {"mem_kv_heads": "group"})
     assert "num_mem_kv" not in resolve_settings("symax").to_dict()  # existing configs and checkpoints: unchanged
     s = resolve_settings("symax", {"num_mem_kv": 2})
     assert s.to_dict()["num_mem_kv"] == 2 and resolve_settings("symax", s.to_dict()) == s
 
 
-def test_any_normalizer_in_a_model_trains_saves_and_reloads_exactly(tmp_path):
+def test_any_normalizer_in_a_model_trains_saves_and_reloads_exactly(tmp_path, monkeypatch):
     model = tiny("llama", "causal_lm", implementation="symax", attnorm={"num_mem_kv": 2})
     cfg = model.config
+    assert cfg.num_key_value_heads < cfg.num_attention_heads  # GQA: the memory is per key/value head
     params = {n: p for n, p in model.named_parameters() if n.endswith(("attnorm.mem_k", "attnorm.mem_v"))}
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     assert len(params) == 2 * cfg.num_hidden_layers
-    assert all(p.shape == (cfg.num_attention_heads, 2, head_dim) for p in params.values())
+    assert all(p.shape == (cfg.num_key_value_heads, 2, head_dim) for p in params.values())
+    seen = []  # the k heads every path of the model received: never repeated to the query heads
+
+    def recording(call, path=None):
+        seen.append(call.k.shape[1])
+        return attend(call, path)
+
+    monkeypatch.setattr(forward, "attend", recording)
     x = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(0))
     model.train()
     model(x, labels=x).loss.backward()
@@ -164,6 +197,36 @@ def test_any_normalizer_in_a_model_trains_saves_and_reloads_exactly(tmp_path):
     assert torch.equal(a.sequences, b.sequences)
     for sa, sb in zip(a.scores, b.scores):
         torch.testing.assert_close(sa, sb, atol=1e-5, rtol=0)
+    assert len(seen) > 4 * cfg.num_hidden_layers and set(seen) == {cfg.num_key_value_heads}
+
+
+def test_a_checkpoint_with_memory_per_query_head_is_refused_clearly_or_loaded_exactly(tmp_path):
+    """Memory saved per query head ([H, M, D], the shape before memory became per kv head) on a GQA model: the
+    default (per kv head) refuses it naming the option; with ``mem_kv_heads="query"`` it loads and runs unchanged."""
+    model = tiny("llama", "causal_lm", implementation="symax", attnorm={"num_mem_kv": 2, "mem_kv_heads": "query"})
+    cfg = model.config
+    key = next(n for n, _ in model.named_parameters() if n.endswith("attnorm.mem_k"))
+    assert model.get_parameter(key).shape[0] == cfg.num_attention_heads > cfg.num_key_value_heads
+    x = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(x).logits
+    out = tmp_path / "old"
+    model.save_pretrained(out)
+    # as the older version wrote it: no mem_kv_heads in config.json nor in the safetensors metadata
+    saved = json.loads((out / "config.json").read_text())
+    del saved["attnorm"]["mem_kv_heads"]
+    (out / "config.json").write_text(json.dumps(saved))
+    for f in persistence.weight_files(out):
+        meta = json.loads(persistence.read_safetensors_header(f)["__metadata__"][persistence.METADATA_KEY])
+        del meta["mem_kv_heads"]
+        persistence.write_safetensors_metadata(f, {persistence.METADATA_KEY: json.dumps(meta, sort_keys=True)})
+    (out / persistence.CHECKSUM_FILE).unlink()
+    with pytest.raises(persistence.CheckpointError, match=r"mem_k has shape \[4, 2, 8\].*'mem_kv_heads': 'query'"):
+        type(model).from_pretrained(out)
+    again = type(model).from_pretrained(out, attnorm={"num_mem_kv": 2, "mem_kv_heads": "query"})
+    assert again.get_parameter(key).shape == model.get_parameter(key).shape
+    with torch.no_grad():
+        torch.testing.assert_close(again(x).logits, logits, atol=0, rtol=0)
 
 
 def test_alibi_skips_the_memory_keys():

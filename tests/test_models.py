@@ -87,12 +87,7 @@ def test_generation_cache_equals_no_cache_and_full_forward(kind, impl):
                pad_token_id=0)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if _query_coupled(impl):  # a cached step lacks the earlier queries: refused, never silently wrong
-            with pytest.raises(hf_attnorm.AttnormError, match="use_cache=False"):
-                model.generate(x, use_cache=True, **gen)
-            cached = model.generate(x, use_cache=False, **gen)
-        else:
-            cached = model.generate(x, use_cache=True, **gen)
+        cached = model.generate(x, use_cache=True, **gen)
         uncached = model.generate(x, use_cache=False, **gen)
         assert torch.equal(cached.sequences, uncached.sequences)
         full = model_output(model(cached.sequences))
@@ -101,19 +96,13 @@ def test_generation_cache_equals_no_cache_and_full_forward(kind, impl):
         torch.testing.assert_close(a, full[:, x.shape[1] - 1 + step], atol=1e-5, rtol=0)
 
 
-def _query_coupled(impl: str) -> bool:
-    """The normalizer couples a call's queries (selective attention): cached decoding is refused (no cache)."""
-    return NORMALIZERS.get(hf_attnorm.resolve_settings(impl).normalizer).query_coupled
-
-
 @pytest.mark.parametrize("impl", IMPLS)
 def test_left_padded_batch_generation(impl):
     model = tiny("llama", "causal_lm", implementation=impl)
     x = _ids(3, length=7)
     mask = torch.ones_like(x)
     mask[0, :3] = 0
-    gen = dict(max_new_tokens=5, do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0,
-               use_cache=not _query_coupled(impl))
+    gen = dict(max_new_tokens=5, do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         batch = model.generate(x, attention_mask=mask, **gen)

@@ -145,3 +145,25 @@ def test_eval_windows_spread_and_bad_input():
     assert w.shape == (4, 100) and w[0, 0] == 0 and w[-1, -1] == 999
     with pytest.raises(ValueError, match="fewer than"):
         charlm.eval_windows(ids[:150], 100, 400)
+
+
+def test_tiny_llama_gives_length_scales_the_training_length():
+    """A scale that needs L_train reads the run's training length, not max_position_embeddings (sized for the
+    longest test); an explicit option wins, and implementations without the option get none."""
+    from hf_attnorm.lab.tiny import ModelShape, tiny_llama
+
+    shape = ModelShape(hidden=16, layers=1, heads=2, mlp=32, max_positions=1024)
+    x = torch.randint(0, 11, (1, 40), generator=torch.Generator().manual_seed(0))
+
+    def logits(options, train_length):
+        model = tiny_llama("lssa", options, 11, shape, 0, train_length=train_length)
+        return model.config.attnorm.get("train_length"), model(x).logits
+
+    got, injected = logits(None, 64)
+    assert got == 64
+    assert torch.equal(injected, logits({"train_length": 64}, None)[1])
+    got, explicit = logits({"train_length": 32}, 64)
+    assert got == 32 and not torch.allclose(explicit, injected)
+    assert not torch.allclose(logits(None, None)[1], injected)  # without it: max_position_embeddings = 1024
+    plain = tiny_llama("softmax", None, 11, shape, 0, train_length=64)
+    assert "train_length" not in (getattr(plain.config, "attnorm", None) or {})

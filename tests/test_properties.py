@@ -26,7 +26,8 @@ IMPLS = list(PRESETS)
 #: paths these fp64 CPU tests cannot exercise at all, and why (they have their own tests)
 NOT_HERE = {"triton": "fp64 and CPU tensors: the Triton kernels are tested in test_triton.py",
             "linear_recurrent": "needs a recurrent state kept by a cache: tested in test_recurrent.py",
-            "stickbreaking_triton": "fp64 and CPU tensors: tested in test_stickbreaking_triton.py"}
+            "stickbreaking_triton": "fp64 and CPU tensors: tested in test_stickbreaking_triton.py",
+            "selective_triton": "fp64 and CPU tensors: tested in test_selective_triton.py"}
 
 
 def paths_for(impl: str) -> list[str]:
@@ -37,8 +38,8 @@ def paths_for(impl: str) -> list[str]:
 
 #: the least share of the generated cases each path must actually run (not decline); the paths not listed take
 #: every case. linear_chunked takes only masks that are key padding x causal (random masks are not) and one query;
-#: decode takes one query (Lq is drawn from 1, 2, 5, 9).
-MIN_SHARE = {"linear_chunked": 0.2, "decode": 0.1}
+#: decode and selective_step take one query (Lq is drawn from 1, 2, 5, 9).
+MIN_SHARE = {"linear_chunked": 0.2, "decode": 0.1, "selective_step": 0.1}
 
 
 def run(q, k, v, impl, path, **kw):

@@ -146,9 +146,14 @@ def test_the_rule_picks_a_selective_path_and_the_splitting_paths_decline():
     call = make_call(q, q, q, settings, {}, None, True)
     # the fused C++ path (test_selective_cpu.py) where the extension builds, else the blocked path
     assert explain(call)[-1] == ("selective_cpu" if fused_cpu.unavailable_reason() is None else "selective", "runs")
-    for path in ("chunked", "decode"):
-        with pytest.raises(ValueError, match="couples the queries"):
-            attend(make_call(q[:, :, :1], q, q, settings, {}, None, True), path)
+    with pytest.raises(ValueError, match="couples the queries"):
+        attend(make_call(q[:, :, :1], q, q, settings, {}, None, True), "chunked")
+    # one query has no other query in its call (earlier ones arrive as AttnCall.selective_carry): the one-query
+    # paths take it (tests/test_selective_decode.py)
+    one = make_call(q[:, :, -1:], q, q, settings, {}, None, True)
+    assert explain(one)[0] == ("selective_step", "runs")
+    for path in ("selective_step", "decode"):
+        torch.testing.assert_close(attend(one, path)[0], attend(one, "reference")[0], atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="score bias"):  # declines modifiers: the reference applies them
         attend(make_call(q, q, q, settings, {}, None, True, bias=torch.zeros(1, 1, 5, 5)), "selective")
 
@@ -158,16 +163,3 @@ def test_selecting_head_out_of_range_is_refused_at_load_time():
         tiny("llama", "causal_lm", implementation="selective", attnorm={"selective_head": 99})
     with pytest.raises(AttnormError, match="selective_head"):
         attention(*(torch.randn(1, 2, 3, 4) for _ in range(3)), "selective", selective_head=2)
-
-
-def test_cached_generation_is_refused_and_uncached_generation_is_exact():
-    model = tiny("llama", "causal_lm", implementation="selective")
-    x = torch.randint(1, 97, (1, 6), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        with pytest.raises(AttnormError, match="use_cache=False"):
-            model.generate(x, max_new_tokens=2, do_sample=False, use_cache=True)
-        out = model.generate(x, max_new_tokens=3, do_sample=False, use_cache=False)
-        assert out.shape == (1, 9)
-        full = model(out).logits
-        again = model(out[:, :8]).logits
-    torch.testing.assert_close(full[:, :8], again, atol=1e-5, rtol=0)  # causal: a later token changes nothing

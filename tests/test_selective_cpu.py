@@ -147,7 +147,7 @@ def test_left_padding_equals_the_sequence_alone(monkeypatch):
 def test_the_rule_picks_this_path_on_cpu():
     q = torch.randn(1, 2, 5, 4)
     call = make_call(q, q, q, resolve_settings("selective"), {}, None, True)
-    assert explain(call) == [(PATH, "runs")]
+    assert explain(call)[-1] == (PATH, "runs")  # (the one-query paths before it decline several queries)
     assert attend(call)[2] == PATH
 
 
@@ -165,7 +165,11 @@ def test_declines_with_a_reason_and_the_rule_falls_back(mod):
                               "carry": "selective_carry"}[mod] in why
     with pytest.raises(ValueError, match="cannot run this call"):
         attend(call, PATH)
-    assert attend(call)[2] != PATH
+    if mod == "carry":  # no path takes a carry of the wrong size: the next one names the error
+        with pytest.raises(ValueError, match="selective_carry"):
+            attend(call)
+    else:
+        assert attend(call)[2] != PATH
 
 
 def _direct(q, k, v, carry, keep):

@@ -99,7 +99,9 @@ def test_static_cache_generation_compiles_and_matches_eager(impl):
     """model.forward compiled with fullgraph=True generates the same tokens as eager with a static cache and a
     padding mask (prefill with a 4-D mask, then one-query decode steps)."""
     if NORMALIZERS.get(resolve_settings(impl).normalizer).query_coupled:
-        pytest.skip("a normalizer coupling the queries refuses cached steps (tests/test_models.py checks the error)")
+        # its cached steps need the column sums kept on a DynamicCache layer (hf/selective_cache.py): static caches
+        # and torch.compile are refused with an error (tests/test_selective_decode.py checks it)
+        pytest.skip("a normalizer coupling the queries decodes from a DynamicCache only, not a compiled static one")
     torch._dynamo.reset()
     x, mask = _padded(2)
     model = tiny("llama", "causal_lm", implementation=impl)

@@ -145,6 +145,24 @@ def num_heads_of(module: nn.Module) -> int:
     )
 
 
+#: key/value head-count attributes tried on the config when the module has no ``num_key_value_groups``
+_KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num")
+
+
+def kv_heads_of(module: nn.Module, num_heads: int) -> int:
+    """The number of key/value heads (GQA) of an attention module: num_heads // ``num_key_value_groups`` on the
+    module (transformers' GQA modules), else a key/value head count on the module or its config, else num_heads."""
+    groups = getattr(module, "num_key_value_groups", None)
+    if isinstance(groups, int) and not isinstance(groups, bool) and groups > 0 and num_heads % groups == 0:
+        return num_heads // groups
+    for owner in (module, getattr(module, "config", None)):
+        for attr in _KV_HEAD_ATTRS:
+            value = getattr(owner, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0 and num_heads % value == 0:
+                return value
+    return num_heads
+
+
 def family_of(model_or_cls: Any) -> str:
     cls = model_or_cls if isinstance(model_or_cls, type) else type(model_or_cls)
     return getattr(getattr(cls, "config_class", None), "model_type", None) or cls.__name__
@@ -190,8 +208,10 @@ def rope_parameters(cfg: Any) -> list[dict[str, Any]]:
 def module_info(module: nn.Module) -> dict[str, Any]:
     cfg = module.config
     max_pos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    heads = num_heads_of(module)
     return {"max_positions": max_pos, "family": type(module).__name__,
-            "layer_idx": getattr(module, "layer_idx", None), "num_heads": num_heads_of(module),
+            "layer_idx": getattr(module, "layer_idx", None), "num_heads": heads,
+            "num_kv_heads": kv_heads_of(module, heads),
             "head_dim": next((getattr(module, a) for a in HEAD_DIM_ATTRS if getattr(module, a, None)), None),
             "rope": rope_parameters(cfg)}
 

@@ -17,6 +17,7 @@ from ..kernels import attend
 from ..registry import NORMALIZERS, AttnormError
 from .families import IGNORED_KEYWORDS, IMPLEMENTED_KEYWORDS
 from .recurrent import step_handle
+from .selective_cache import step_for as selective_step
 from .state import state_of
 
 try:  # transformers' collector of requested outputs (private; looked up once, not per call)
@@ -71,12 +72,10 @@ def hf_attention_forward(
         raise AttnormError(f"{type(module).__name__}: sliding_window={window} with {key.shape[2]} keys but no "
                            "mask; hf_attnorm would attend beyond the window. Build the model's masks with "
                            "transformers' mask functions (sdpa_mask).")
-    if causal and key.shape[2] > query.shape[2] and NORMALIZERS.get(state.settings.normalizer).query_coupled:
-        raise AttnormError(
-            f"normalizer {state.settings.normalizer!r} couples the queries of a call (each query's weights depend on "
-            f"every earlier query), so a step with cached keys ({query.shape[2]} queries, {key.shape[2]} keys) cannot "
-            "be computed: the cache holds keys and values, not the earlier queries. Run it without a KV cache "
-            "(model.generate(..., use_cache=False)); each step then recomputes the whole sequence exactly.")
+    # selective attention: the earlier queries' column sums, kept on the cache layer (hf/selective_cache.py)
+    coupled = None
+    if causal and NORMALIZERS.get(state.settings.normalizer).query_coupled:
+        coupled = selective_step(module, query, key, value, state.settings.normalizer)
     call = make_call(
         query, key, value, state.settings, state(query.device), attention_mask, causal, scaling,
         dropout if module.training else 0.0, _weights_requested(kwargs), state.module_info,
@@ -86,9 +85,13 @@ def hf_attention_forward(
     handle = step_handle(module, key, value)
     if handle is not None:
         call.recurrent = handle.state_for(query, key)
+    if coupled is not None:
+        coupled.begin(call, query, key)
     out, weights, path = attend(call)
     if handle is not None:
         handle.after(call, path)
+    if coupled is not None:
+        coupled.after(call)
     LAST_CALL.path = path
     return out.transpose(1, 2).contiguous(), weights
 

@@ -221,7 +221,7 @@ def _from_pretrained_hook(orig):
         if attnorm is not None and not isinstance(attnorm, Mapping):
             raise AttnormError(f"attnorm= must be a dict of settings, got {type(attnorm).__name__}")
         path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
-        verify_before_load(path, kwargs)
+        verify_before_load(path, kwargs, attnorm)
         token = _PENDING.set(dict(attnorm) if attnorm is not None else None)
         try:
             model = orig(cls, *args, **kwargs)

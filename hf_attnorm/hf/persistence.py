@@ -35,6 +35,7 @@ from typing import Any
 from torch import nn
 
 from ..fileio import atomic_write
+from ..kernels.memory import MEM_KV_HEADS, NUM_MEM_KV
 from ..registry import CONFIG_PREFIX, AttnormError, canonical, is_ours
 from ..settings import AttnormSettings, settings_core
 from ..version import __version__
@@ -152,8 +153,11 @@ def finalize_saved(model: nn.Module, save_directory: Any, kwargs: Mapping[str, A
 # ------------------------------------------------------------------------------------------------------- loading
 
 
-def verify_checkpoint(directory: str | os.PathLike) -> AttnormSettings | None:
-    """Check a local checkpoint folder; returns its settings (None for a plain checkpoint). Raises CheckpointError."""
+def verify_checkpoint(directory: str | os.PathLike, overrides: Mapping[str, Any] | None = None
+                      ) -> AttnormSettings | None:
+    """Check a local checkpoint folder; returns its settings (None for a plain checkpoint). Raises CheckpointError.
+    overrides: the settings the model will be built with when they are not the saved ones (``from_pretrained(
+    attnorm=...)``), read by the shape checks."""
     directory = Path(directory)
     cfg_path = directory / "config.json"
     if not cfg_path.is_file():
@@ -208,18 +212,44 @@ def verify_checkpoint(directory: str | os.PathLike) -> AttnormSettings | None:
         elif settings is not None and expected:
             raise CheckpointError(f"{f}: no '{METADATA_KEY}' metadata although {cfg_path} holds hf_attnorm settings "
                                   "and the folder has checksums: the weight file was replaced")
+        if settings is not None:
+            _check_memory_shape(cfg, settings, overrides, header, f)
     return settings
 
 
-def verify_before_load(path: Any, kwargs: Mapping[str, Any]) -> None:
-    """Called by the ``from_pretrained`` hook before transformers reads anything (local folders only)."""
+def _check_memory_shape(cfg: Mapping[str, Any], settings: AttnormSettings, overrides: Mapping[str, Any] | None,
+                        header: Mapping[str, Any], f: Path) -> None:
+    """Learned memory key/values are per key/value head ([Hkv, M, D]); a GQA checkpoint saved with one memory per
+    query head ([H, M, D], the shape before) cannot be mapped onto that exactly: refused, naming the option that
+    loads it unchanged (transformers' own size-mismatch error would not say why)."""
+    mode = (settings.options if overrides is None else overrides).get(MEM_KV_HEADS, "kv")
+    if settings.options.get(NUM_MEM_KV, 0) <= 0 or mode != "kv":
+        return
+    h, hkv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    if not (isinstance(h, int) and isinstance(hkv, int) and h != hkv):
+        return
+    for name, info in header.items():
+        if name.endswith(("attnorm.mem_k", "attnorm.mem_v")) and list(info.get("shape", []))[:1] == [h]:
+            fix = {**{k: v for k, v in settings.to_dict().items() if k != "implementation"}, MEM_KV_HEADS: "query"}
+            raise CheckpointError(
+                f"{f}: {name} has shape {info['shape']}: one learned memory per query head (H={h}), saved before "
+                f"memory key/values became per key/value head (Hkv={hkv}, as x-transformers). It cannot be mapped "
+                f"onto [Hkv, M, D] exactly; load it unchanged with from_pretrained(..., attnorm={fix!r}), which "
+                "keeps one memory per query head (k/v are then repeated to the query heads)")
+
+
+def verify_before_load(path: Any, kwargs: Mapping[str, Any], overrides: Mapping[str, Any] | None = None) -> None:
+    """Called by the ``from_pretrained`` hook before transformers reads anything (local folders only); overrides:
+    its ``attnorm=`` settings."""
     if os.environ.get("HF_ATTNORM_VERIFY", "1") == "0" or path is None:
         return
     directory = Path(path)
     if kwargs.get("subfolder"):
         directory = directory / kwargs["subfolder"]
+    if overrides is None:  # Auto classes hand from_pretrained(attnorm=...) over as the config's attribute
+        overrides = getattr(kwargs.get("config"), "attnorm", None)
     if directory.is_dir():
-        verify_checkpoint(directory)
+        verify_checkpoint(directory, overrides if isinstance(overrides, Mapping) else None)
 
 
 def verify_loaded(model: nn.Module, path: Any, kwargs: Mapping[str, Any]) -> None:

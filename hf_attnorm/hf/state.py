@@ -17,6 +17,7 @@ from torch import nn
 from ..attention import param_specs
 from ..registry import NORMALIZERS, SCALES, AttnormError
 from ..settings import AttnormSettings, resolve_settings
+from . import selective_cache
 from .families import interface_keywords, module_info, num_heads_of, unsupported_keywords
 from .recurrent import attach, detach, supports
 
@@ -45,8 +46,7 @@ class AttnormState(nn.Module):
         #: device -> the non-learnable per-head values [H] (fp32), built once per device rather than every call
         self._constants: dict[torch.device, dict[str, torch.Tensor]] = {}
         try:
-            initial = {spec.name: spec.initial(num_heads, settings, self.module_info.get("head_dim"))
-                       for spec in self._specs}
+            initial = {spec.name: self.initial(spec.name) for spec in self._specs}
         except ValueError as e:  # a shape that needs an unknown fact: refused at load/set time
             raise AttnormError(f"{self.module_info.get('family', 'attention module')}: {e}") from None
         for spec in self._specs:
@@ -65,9 +65,11 @@ class AttnormState(nn.Module):
                 p.copy_(self.initial(spec.name, p.device))
 
     def initial(self, name: str, device: torch.device | str | None = None) -> torch.Tensor:
-        """The initial value of per-head value ``name`` (fp32, its full shape)."""
+        """The initial value of per-head value ``name`` (fp32, its full shape: [H, ...], or [Hkv, ...] for values per
+        key/value head such as learned memory key/values)."""
         spec = next(s for s in self._specs if s.name == name)
-        return spec.initial(self.num_heads, self.settings, self.module_info.get("head_dim"), device)
+        return spec.initial(self.num_heads, self.settings, self.module_info.get("head_dim"), device,
+                            self.module_info.get("num_kv_heads"))
 
     def forward(self, device: torch.device) -> dict[str, torch.Tensor]:
         """Every per-head value [H] or [H, ...] (fp32): learnable ones from the parameters, constants from the
@@ -149,6 +151,8 @@ def install(module: nn.Module, settings: AttnormSettings) -> AttnormState:
                 state._parameters[spec.name] = prev  # keep the learned value (and the optimizer's reference)
     module.attnorm = state
     (attach if supports(module) else detach)(module)  # linear attention: the cache's recurrent state
+    # selective attention: the column sums on the cache (hf/selective_cache.py)
+    (selective_cache.attach if selective_cache.supports(module) else selective_cache.detach)(module)
     return state
 
 
@@ -197,6 +201,7 @@ def uninstall(module: nn.Module) -> None:
     if isinstance(module._modules.get("attnorm"), AttnormState):
         del module._modules["attnorm"]
     detach(module)
+    selective_cache.detach(module)
 
 
 def state_of(module: nn.Module, implementation: str) -> nn.Module:

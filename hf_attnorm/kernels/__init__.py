@@ -15,8 +15,16 @@ path           priority  normalizers (declared family)                 accepts
 sdpa           10        "softmax" (softmax, cosine, softmax_n, sink)  CPU: any float dtype (fp16/bf16 in fp32);
                                                                        elsewhere no sink. Dropout: no sink only.
 sdpa_sinkcol   20        "softmax" with a sink (softmax_n, sink)       any; auto: not on CPU (D+1 is slow there)
+selective_step 24        query-coupled with a selecting head           one query (a decode step), no score
+                         (selective)                                   modifiers, no dropout, no carry needing
+                                                                       grad
 triton         30        "fused" (symax, squared, stablemax, ...)      auto: CUDA; forced: CPU under
                                                                        TRITON_INTERPRET=1. No dropout, no fp64
+selective_triton
+               35        query-coupled with a selecting head           auto: CUDA; forced: CPU under
+                         (selective), no q/k transform                 TRITON_INTERPRET=1. No score modifiers,
+                                                                       no dropout, no fp64, not under compile;
+                                                                       takes ``selective_carry``
 fused_cpu      40        "fused"                                       CPU, no dropout, C++ built on first use
 selective_cpu  44        query-coupled with a selecting head           CPU, no score modifiers, no dropout, a
                          (selective)                                   ``selective_carry`` only as [B | 1, Lk];
@@ -27,8 +35,10 @@ linear_recurrent
                                                                        dropout, no grad
 linear_chunked 50        "linear" (linear)                             no dropout; a mask only as key padding x
                                                                        causal (MaskInfo.padding), or one query
-selective      85        query-coupled with a selecting head           no score modifiers, no dropout
-                         (selective)
+selective      85        query-coupled with a selecting head           no score modifiers, no dropout; takes
+                         (selective)                                   ``AttnCall.selective_carry`` (a cached
+                                                                       step), as decode and reference do; every
+                                                                       other path declines a call carrying it
 chunked        90        every normalizer but query-coupled ones       any (pure PyTorch, O(n * chunk) memory)
 reference      100       every normalizer                              any; the only path returning weights
 ============== ========= ============================================= =========================================

@@ -52,6 +52,12 @@ class AttnCall:
     recurrent: object | None = None
     memory: int = 0
     drop_queries: int = 0
+    #: query-coupled normalizers (selective attention): float [B, Lk], per key the sum over the queries of EARLIER
+    #: calls (a KV cache's) of what they accumulated (the selecting head's relu'd scores; 0 for this call's new keys),
+    #: the initial carry of the penalty F = carry + the in-call exclusive cumsum. Set by the transformers integration
+    #: on cached steps (hf/selective_cache.py); None: no earlier queries. Only the paths that declare it (selective,
+    #: decode, reference) may take a call carrying it; every other path must decline it.
+    selective_carry: torch.Tensor | None = None
 
     @property
     def modifies_scores(self) -> bool:
@@ -76,7 +82,8 @@ class AttnCall:
         return self.q.shape[1] // self.k.shape[1]
 
     def ctx(self) -> Ctx:
-        return Ctx(self.settings, self.heads, self.q.shape[-1], self.mask.n, self.module_info, self.k.shape[2])
+        return Ctx(self.settings, self.heads, self.q.shape[-1], self.mask.n, self.module_info, self.k.shape[2],
+                   self.selective_carry)
 
     def q_factor(self, dtype: torch.dtype) -> torch.Tensor | float:
         """What q is multiplied by before the feature map: base x multiplier, as [B|1, H|1, Lq, 1] or a float."""

@@ -5,6 +5,10 @@ they are simply formed, with the query heads of a kv head as one matrix (no GQA 
 the normalizer's own ``reference``. Measured on a loaded 1-thread CPU (Lk = 1024, GQA 8/2) this is 5-15% cheaper per
 step than the blocked fused kernels, whose blocks are sized for many queries; not for the sparse maps, whose
 reference sorts each row (4-6x slower than the fused threshold search), so those keep the fused kernels.
+
+Query-coupled normalizers (selective attention) run here too: a one-query call has no other query in it, and what
+the earlier queries of a cache accumulated arrives as ``AttnCall.selective_carry``, which ``call.ctx()`` hands to the
+normalizer's reference (F = carry for the one query).
 """
 
 from __future__ import annotations
@@ -20,8 +24,6 @@ def takes(norm: Normalizer) -> str | None:
         return f"normalizer {norm.name!r} has a faster {norm.kernel_family} path for one query"
     if type(norm).feature_map is not Normalizer.feature_map:
         return f"normalizer {norm.name!r} has a feature map"
-    if norm.query_coupled:
-        return f"normalizer {norm.name!r} couples the queries of a call (one query would lose the others)"
     if norm.sparse:
         return f"normalizer {norm.name!r} is sparse: its reference sorts each row, slower than the fused kernel"
     return None

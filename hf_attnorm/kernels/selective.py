@@ -11,7 +11,9 @@ P (``[B, H, block, Lk]``: O(block n) memory), dV += P^T dO, dS = P (dO v^T - del
 penalty's gradient dF = -sum_heads dS flows to R through the exclusive cumsum (dR_r = sum_{r' > r} dF_r' + g) and to
 the entering carry (g += sum_rows dF), and from R to the selecting head's scores where they are positive.
 
-Declines calls with score modifiers (soft-cap, bias, sinks) and dropout; those run on the reference path (exact).
+A call after earlier ones (a cached step, a chunked prefill: ``AttnCall.selective_carry`` [B, Lk] set) starts from
+that carry instead of zeros; its gradient is the g left after the first block. Declines calls with score modifiers
+(soft-cap, bias, sinks) and dropout; those run on the reference path (exact).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 
 from ..masks import MaskInfo
 from ..normalizers.base import Normalizer
+from ..normalizers.selective import check_carry
 from .base import AttnCall, compute_dtype, score_mod_reason
 
 #: scores per block (B x H x block x Lk); as the chunked path
@@ -89,11 +92,11 @@ def _penalty(plan: _Plan, qh: torch.Tensor, kh: torch.Tensor, sel: torch.Tensor,
     return s0, pen, cs[:, -1]
 
 
-def _forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """(out [B, H, Lq, Dv], the carries at block starts): the blocked forward, traceable (no host sync)."""
+def _forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, carry: torch.Tensor):
+    """(out [B, H, Lq, Dv], the carries at block starts): the blocked forward, traceable (no host sync); carry
+    [B, Lk]: the initial one (the earlier calls' column sums, ``AttnCall.selective_carry``, or zeros)."""
     B, H, lq, _ = q.shape
     h, c = plan.head, plan.block
-    carry = q.new_zeros(B, plan.lk)
     carries, outs = [], []
     neg = torch.full((), float("-inf"), dtype=q.dtype, device=q.device)
     for i0 in range(0, lq, c):
@@ -115,8 +118,8 @@ def _forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 class _SelectiveFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, plan: _Plan, q, k, v):
-        out, carries = _forward(plan, q, k, v)
+    def forward(ctx, plan: _Plan, q, k, v, carry):
+        out, carries = _forward(plan, q, k, v, carry)
         ctx.plan, ctx.carries = plan, carries
         ctx.save_for_backward(q, k, v, out)
         return out
@@ -170,7 +173,8 @@ class _SelectiveFn(torch.autograd.Function):
             dqb[:, h] += ds0 @ kb[:, h]
             dk[:, h, :keys] += ds0.transpose(-1, -2) @ qb[:, h]
             dq[:, :, i0:i1] = dqb
-        return None, dq, dk, dv
+        # g is now the gradient of the carry entering the first block: the initial carry's
+        return None, dq, dk, dv, (g if ctx.needs_input_grad[4] else None)
 
 
 def takes(norm: Normalizer) -> str | None:
@@ -197,10 +201,13 @@ def selective_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     """out [B, H, Lq, Dv] in the input dtype (fp16/bf16 computed in fp32)."""
     call.normalizer.check_heads(call.settings, call.q.shape[1])
     q, k, v = call.features(compute_dtype(call.q.dtype))
+    B, lk = q.shape[0], k.shape[2]
+    carry = call.selective_carry
+    carry = q.new_zeros(B, lk) if carry is None else check_carry(carry, B, lk).to(q.dtype).expand(B, lk)
     if torch.compiler.is_compiling():  # forward only (accepts): the blocked loop traces
-        out, _ = _forward(_Plan(call), q, k, v)
+        out, _ = _forward(_Plan(call), q, k, v, carry)
     else:
-        out = _SelectiveFn.apply(_Plan(call), q, k, v)
+        out = _SelectiveFn.apply(_Plan(call), q, k, v, carry)
     return out.to(call.q.dtype), None
 
 

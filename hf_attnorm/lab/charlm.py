@@ -140,7 +140,7 @@ def run_lm(task: str, implementation: str, options: dict[str, Any], seed: int, s
     contexts = [int(round(f * L)) for f in settings["factors"]]
     chunks = eval_windows(val_ids, max(contexts), settings["eval_tokens"])
     quick = eval_windows(val_ids, L, min(settings["eval_tokens"], 16 * L))
-    model = tiny_llama(implementation, options, meta["vocab_size"], shape, seed)
+    model = tiny_llama(implementation, options, meta["vocab_size"], shape, seed, train_length=L)
     span = len(train_ids) - L - 1
 
     def batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -177,7 +177,7 @@ def run_probe(task: str, implementation: str, options: dict[str, Any], seed: int
     lengths = [int(round(f * L)) for f in settings["factors"]]
     if max(lengths) > shape.max_positions:
         raise ValueError(f"test length {max(lengths)} exceeds max_positions {shape.max_positions}")
-    model = tiny_llama(implementation, options, probe.vocab_size, shape, seed)
+    model = tiny_llama(implementation, options, probe.vocab_size, shape, seed, train_length=L)
 
     def batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return probe.batch(L, cfg.batch_size, torch.Generator().manual_seed(train_seed(seed, step)))

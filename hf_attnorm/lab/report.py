@@ -153,6 +153,16 @@ CLAIMS: list[dict[str, Any]] = [
               "perplexity at 2^14 without position embeddings); here with the model's RoPE kept",
      "source": "Tan et al. 2024, arXiv:2410.17980",
      "checks": [("mqar", "longest", "higher"), ("passkey", "longest", "higher"), ("lm", "longest", "lower")]},
+    {"implementation": "lssa",
+     "claim": "softplus attention with an entropy-invariant length scale (LSSA, without the paper's re-weighting "
+              "stage) keeps the loss nearly constant far past the training length (16x in the paper)",
+     "source": "Gao et al. 2025, arXiv:2501.13428; our scale: log_{L_train} n (see normalizers/softplus.py)",
+     "checks": [("lm", "longest", "lower"), ("passkey", "longest", "higher")]},
+    {"implementation": "asentmax",
+     "claim": "adaptive-scalable entmax: higher retrieval accuracy far past the training length (8x in the paper) "
+              "and a better long-context perplexity trend than softmax (and SSMax)",
+     "source": "Vasylenko et al. 2025, arXiv:2506.16640 (ICLR 2026)",
+     "checks": [("mqar", "longest", "higher"), ("passkey", "longest", "higher"), ("lm", "longest", "lower")]},
 ]
 
 

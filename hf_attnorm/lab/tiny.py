@@ -40,13 +40,24 @@ class TrainConfig:
 
 
 def tiny_llama(implementation: str, options: dict[str, Any] | None, vocab_size: int, shape: ModelShape,
-               seed: int):
+               seed: int, train_length: int | None = None):
     """A randomly initialised LlamaForCausalLM with hf_attnorm attention ``implementation`` (and attnorm
     ``options``); the base weights depend on ``seed`` only (the normalizer's own parameters, e.g. ssmax's s_h,
-    are initialised to constants), so two implementations built with one seed start from the same weights."""
+    are initialised to constants), so two implementations built with one seed start from the same weights.
+
+    ``train_length``: the length the run trains at. Scales that need L_train (``log_train_n``, ``qwen_logn``, ...)
+    get it as option ``train_length`` unless ``options`` set it: otherwise they would read the config's
+    max_position_embeddings (``shape.max_positions``, sized for the longest test), not the length trained at."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import hf_attnorm  # noqa: F401  (registers the implementations)
+    from hf_attnorm.settings import option_names, resolve_settings
+
+    options = dict(options or {})
+    if train_length is not None and "train_length" not in options:
+        settings = resolve_settings(implementation, options)
+        if "train_length" in option_names(settings.normalizer, settings.scale):
+            options["train_length"] = int(train_length)
 
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
                          num_attention_heads=shape.heads, num_key_value_heads=shape.heads,

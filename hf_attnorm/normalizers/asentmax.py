@@ -1,15 +1,27 @@
-"""ASEntmax, adaptive-scalable entmax (Vasylenko, Treviso, ... & Martins 2025, "Long-Context Generalization with
-Sparse Attention", arXiv 2506.16640; code deep-spin/asentmax): alpha-entmax of scores scaled per query by a length-
-and content-dependent temperature,
+"""ASEntmax, adaptive-scalable entmax (Vasylenko, Pitorro, Martins & Treviso 2025, "Long-Context Generalization
+with Sparse Attention", arXiv 2506.16640, ICLR 2026; code deep-spin/asentmax): alpha-entmax of scores scaled per
+query by a length- and content-dependent temperature,
 
     p = alpha-entmax(theta_i * s_i),   theta_i = delta_h + beta_h(q_i) * (ln n_i)^gamma_h,
     beta_h(q_i) = softplus(w_h . q_i),
 
 with n_i the keys query i sees, q_i its raw query vector [D] (before the model's scaling), and per head: w_h [D]
-(``asentmax_w``, a [H, D] value), delta_h, gamma_h and alpha_h (shared with ``entmax_alpha``). Transcribed from
-the issue's statement of the paper's equation (the paper itself was not available to check against); the
-initial values are ours: w = 0 (beta = ln 2 for every query at first, the gradient still reaches w), delta = 1,
-gamma = 1, so theta starts as 1 + ln 2 ln n, which is SSMax's s ln n growth (s ~ 0.7) on top of the plain scores.
+(``asentmax_w``, a [H, D] value), delta_h, gamma_h and alpha_h (shared with ``entmax_alpha``). This is the issue's
+statement of the method. The authors' code (deep-spin/asentmax, synthetic/src/models/architectures/sparse_gemma.py,
+``_apply_length_scaling``, read for this docstring) scales the queries the same way, theta = delta + beta (log
+l)^gamma, and differs in three places a reproduction should know:
+
+* its content-dependent mode ("adapt-softplus-tanh") projects the layer's hidden state x_i, not q_i: beta =
+  softplus(W_beta x_i), and gamma is content-dependent too, gamma = 2 tanh(W_gamma x_i) (W: Linear(hidden, heads)).
+  An attention function sees q, k, v only, so here beta reads q_i (a linear function of x_i, after RoPE) and gamma
+  is a learned per-head constant, as in the code's other mode ("learn": beta_h, gamma_h constants);
+* its length l is the query's position + 2 (log(i + 2), never 0); here it is n_i, the visible keys, so padding does
+  not count and the first query is unscaled (theta = delta). For an unpadded causal row n_i = i + 1;
+* delta = 1 is a config constant there; here delta_h is learnable (``asentmax_learnable``), initial value 1.
+
+Our initial values: w = 0 (beta = ln 2 for every query at first, the gradient still reaches w), delta = 1, gamma = 1,
+so theta starts as 1 + ln 2 ln n, which is SSMax's s ln n growth (s ~ 0.7) on top of the plain scores. The code's
+"learn" mode draws beta ~ U(0.1, 1), gamma ~ N(0, 0.1).
 
 theta multiplies q through ``Normalizer.query_multiplier``, so every path (chunked, reference, and any kernel that
 takes alpha-entmax) gets it for free and autograd carries the gradient to w, delta and gamma.

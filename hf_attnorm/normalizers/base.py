@@ -39,7 +39,9 @@ class ParamSpec:
     attention module or the call) or the name of an integer option (e.g. a number of memory slots). ``init``:
     ``"fill"`` sets every entry to the init option's value; ``"normal"`` draws N(0, value^2) entries from a generator
     seeded by the name and shape (reproducible, so a constant is the same on every device and call), for vectors whose
-    entries must differ (learned memory keys)."""
+    entries must differ (learned memory keys). ``heads``: what the leading dim counts, ``"query"`` (H, the default)
+    or ``"kv"`` (Hkv, the key/value heads of a GQA module: values that belong to k/v, such as learned memory
+    key/values, which are then prepended to k/v without repeating them to the query heads)."""
 
     name: str
     init_option: str
@@ -47,6 +49,7 @@ class ParamSpec:
     help: str
     shape: tuple[int | str, ...] = ()
     init: Literal["fill", "normal"] = "fill"
+    heads: Literal["query", "kv"] = "query"
 
     def is_learnable(self, settings: AttnormSettings) -> bool:
         return bool(settings.options[self.learnable_option])
@@ -55,10 +58,14 @@ class ParamSpec:
         value = settings.options[self.init_option]
         return 0.0 if value is None else float(value)  # None: the option's "derived" mode (e.g. sigmoid -ln n)
 
-    def dims(self, num_heads: int, settings: AttnormSettings, head_dim: int | None = None) -> tuple[int, ...]:
-        """The full shape (H, *trailing). ValueError naming the missing fact when ``"head_dim"`` is needed but
-        unknown."""
-        out = [num_heads]
+    def dims(self, num_heads: int, settings: AttnormSettings, head_dim: int | None = None,
+             kv_heads: int | None = None) -> tuple[int, ...]:
+        """The full shape (H or Hkv, *trailing); ``kv_heads`` (Hkv, default H: no GQA) is read by ``heads="kv"``
+        values only. ValueError naming the missing fact when ``"head_dim"`` is needed but unknown."""
+        if self.heads == "kv" and kv_heads is not None and (kv_heads < 1 or num_heads % kv_heads):
+            raise ValueError(f"per-head value {self.name!r} is per key/value head, but {kv_heads} key/value heads do "
+                             f"not divide the {num_heads} query heads")
+        out = [num_heads if self.heads == "query" or kv_heads is None else int(kv_heads)]
         for d in self.shape:
             if d == "head_dim":
                 if not head_dim:
@@ -72,9 +79,9 @@ class ParamSpec:
         return tuple(out)
 
     def initial(self, num_heads: int, settings: AttnormSettings, head_dim: int | None = None,
-                device: torch.device | str | None = None) -> torch.Tensor:
+                device: torch.device | str | None = None, kv_heads: int | None = None) -> torch.Tensor:
         """The initial value, fp32, of shape ``dims(...)``."""
-        shape, value = self.dims(num_heads, settings, head_dim), self.init_value(settings)
+        shape, value = self.dims(num_heads, settings, head_dim, kv_heads), self.init_value(settings)
         if self.init == "fill":
             return torch.full(shape, value, dtype=torch.float32, device=device)
         seed = zlib.crc32(f"{self.name}:{shape}".encode())
@@ -99,6 +106,9 @@ class Ctx:
     module_info: dict
     #: number of keys Lk of the call (an upper bound of n known from shapes alone, so no data-dependent sync)
     lk: int = 0
+    #: query-coupled normalizers (selective): what earlier calls' queries accumulated per key, [B, Lk] (0 for the
+    #: call's new keys), the call's ``AttnCall.selective_carry``; None: no earlier queries
+    selective_carry: torch.Tensor | None = None
 
     def head(self, name: str) -> torch.Tensor:
         """Per-head value as [1, H, 1, 1] for broadcasting against [B, H, Lq, Lk]."""

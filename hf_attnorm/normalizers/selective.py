@@ -17,9 +17,10 @@ Choices where the paper is silent (documented in docs/kernels.md):
   real token with left padding); a query whose own key is dead (a padded position) selects nothing, and masked
   entries select nothing, so padding changes no live position's output;
 * the accumulation runs over the queries of the call in order, for any mask (a bidirectional call is defined the
-  same way: earlier queries penalise keys for later ones). Decoding from a KV cache would need the earlier queries'
-  relu(S) for every key, which the cache does not hold: ``query_coupled`` makes the transformers integration refuse
-  a cached step (Lk > Lq) with a clear error; generate with ``use_cache=False``.
+  same way: earlier queries penalise keys for later ones). A call after earlier ones (a cached decode step, a chunked
+  prefill) gets what the earlier queries accumulated, the column sums C_j = sum_{earlier k} R_kj, as
+  ``ctx.selective_carry`` [B, Lk] (``AttnCall.selective_carry``): F = C + the in-call exclusive cumsum. The
+  transformers integration keeps C on the KV cache (hf/selective_cache.py), so cached generation is exact.
 
 scores: [B, H, Lq, Lk]; keep broadcastable to it.
 """
@@ -60,6 +61,14 @@ def selection_penalty(s_sel: torch.Tensor, keep_sel: torch.Tensor) -> torch.Tens
     return F.pad(torch.cumsum(r, dim=-2)[:, :-1], (0, 0, 1, 0))  # exclusive: row i sums rows k < i
 
 
+def check_carry(carry: torch.Tensor, batch: int, lk: int) -> torch.Tensor:
+    """The carry of a cached step (``AttnCall.selective_carry``), float [B | 1, Lk]; a clear error otherwise."""
+    if carry.dim() != 2 or carry.shape[0] not in (1, batch) or carry.shape[1] != lk or not carry.is_floating_point():
+        raise ValueError(f"selective_carry must be a float tensor [B={batch}, Lk={lk}] (the earlier queries' column "
+                         f"sums per key); got {carry.dtype} {list(carry.shape)}")
+    return carry
+
+
 def head_keep(keep: torch.Tensor, head: int, batch: int, lq: int, lk: int) -> torch.Tensor:
     """The selecting head's visibility [b, Lq | 1, Lk] from a keep-mask broadcastable to [B, H, Lq, Lk]."""
     k = keep[:, head] if keep.shape[1] > 1 else keep[:, 0]
@@ -90,7 +99,15 @@ class Selective(Normalizer):
         self.check_heads(ctx.settings, H)
         h = self.selecting_head(ctx.settings)
         keep = keep.to(scores.device)
-        pen = selection_penalty(scores[:, h], head_keep(keep, h, B, Lq, Lk))
-        z = scores - pen[:, None]
+        carry = ctx.selective_carry
+        if carry is not None:
+            carry = check_carry(carry, B, Lk).to(scores.dtype)
+        if Lq == 1:  # one query has no earlier query in its call (a decode step): F = the carry alone
+            z = scores if carry is None else scores - carry[:, None, None, :]
+        else:
+            pen = selection_penalty(scores[:, h], head_keep(keep, h, B, Lq, Lk))
+            if carry is not None:  # a cached step: what the earlier calls' queries accumulated per key
+                pen = pen + carry[:, None, :]
+            z = scores - pen[:, None]
         e = masked_exp(z, keep, masked_max(z, keep))
         return safe_divide(e, e.sum(dim=-1, keepdim=True))
