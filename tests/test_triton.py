@@ -80,7 +80,8 @@ if not INTERPRETED:
 
     @pytest.mark.slow
     @pytest.mark.parametrize("kind_name, dtype, masked, mods", [
-        ("symax", "*fp16", True, True), ("softpick", "*bf16", False, False), ("entmax15", "*fp32", False, True)])
+        ("symax", "*fp16", True, True), ("softpick", "*bf16", False, False), ("entmax15", "*fp32", False, True),
+        ("entmax_alpha", "*fp32", True, True)])
     def test_kernels_compile_for_a_gpu_target(kind_name, dtype, masked, mods):
         """The interpreter does not check what the compiler does (types across branches, dot shapes): compile the
         kernels to PTX for sm_80 (Triton's bundled ptxas; no GPU or driver needed). A subset (every kernel of

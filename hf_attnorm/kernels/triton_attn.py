@@ -66,10 +66,11 @@ K_POWER, K_SOFTPLUS = kind_id("power"), kind_id("softplus")
 #: power: |s| below the smallest normal fp32 counts as 0 (weight 0); the log-domain "minus infinity" of its shift
 TINY = 1.1754943508222875e-38
 POW_NEG = -1e30
-# alpha-entmax (per-row power 1/(alpha-1), d alpha): the C++ kernel has it, the Triton kernels not yet (takes declines)
+# alpha-entmax: alpha_i = r_i (per head, d alpha through DR), scores shifted by the row max (ROWMAX) and scaled by
+# alpha - 1 before the threshold, as the reference and the C++ kernel (see _threshold_kernel)
 K_ENTMAX_ALPHA = kind_id("entmax_alpha")
-#: maps of the shared table without Triton device code: takes() declines them with this reason
-NOT_IN_TRITON: dict[str, str] = {"entmax_alpha": "the Triton kernels have no alpha-entmax map yet (fused_cpu has)"}
+#: maps of the shared table without Triton device code: takes() declines them with this reason (none today)
+NOT_IN_TRITON: dict[str, str] = {}
 #: constant name -> id, for every map of the shared table
 KIND_CONSTANTS: dict[str, int] = {f"K_{constant_name(name)}": globals()[f"K_{constant_name(name)}"]
                                   for name in FUSED_KINDS}
@@ -159,6 +160,11 @@ def _entry(s, r, keep, shift, KIND: tl.constexpr):
         neg = tl.exp(tl.minimum(s - shift[:, None], 0.0)) * ratio
         a = tl.where(keep, tl.where(s > 0, s + lp, neg), zero)
         b = a
+    elif KIND == K_ENTMAX_ALPHA:  # [x - tau]_+^(1/(alpha-1)), s = x = (s - M)(alpha - 1) formed by the caller
+        d = tl.where(keep, s - shift[:, None], zero)
+        pos = d > 0
+        a = tl.where(pos, tl.exp(tl.log(tl.where(pos, d, 1.0)) / (r - 1.0)[:, None]), zero)
+        b = a
     else:  # entmax-1.5 [s/2 - tau]_+^2
         t = tl.where(keep, tl.maximum(s * 0.5 - shift[:, None], 0.0), zero)
         a = t * t
@@ -220,6 +226,13 @@ def _slopes(s, r, keep, shift, KIND: tl.constexpr):
         e = tl.exp(tl.minimum(s - shift[:, None], 0.0))
         a = tl.where(keep, tl.where(s > 0, s + lp, e * ratio), zero)
         da = tl.where(keep, tl.where(s > 0, 1.0, e) / w, zero)
+        db = da
+    elif KIND == K_ENTMAX_ALPHA:  # g = d^(1/(alpha-1) - 1) = p^(2 - alpha) (unnormalised), ds in score units
+        d = tl.where(keep, s - shift[:, None], zero)
+        pos = d > 0
+        d1 = tl.where(pos, d, 1.0)
+        a = tl.where(pos, tl.exp(tl.log(d1) / (r - 1.0)[:, None]), zero)
+        da = tl.where(pos, a / d1, zero)
         db = da
     else:
         t = tl.where(keep, tl.maximum(s * 0.5 - shift[:, None], 0.0), zero)
@@ -289,7 +302,7 @@ def _threshold_kernel(
     Q, K, C, KEEP, TABLE, TAU,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, scb, sch, scm,
     smb, smh, smm, smn, stb, sth, stm, stn,
-    H, GROUPS, LQ, LK, DH,
+    H, GROUPS, LQ, LK, DH, R, ROWMAX,
     BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr,
     KIND: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
@@ -303,6 +316,12 @@ def _threshold_kernel(
     found), safeguarded by the bracket (bisection if a step leaves it). Each step is one pass over the key blocks;
     a block stops when all its rows converged (|f| <= 1e-7 or a relative step below 2e-8), at most STEPS passes.
     Fully masked rows get tau = 0 (their p is 0 anyway).
+
+    alpha-entmax (alpha_i = R, P = 1/(alpha - 1)): z = x = (s - M)(alpha - 1) with M the row max of s, stored in
+    ROWMAX for the other kernels (shifted before scaling, as the reference: (alpha - 1) s would be rounded first and
+    P amplifies that), tau in [-1, 0]. For alpha <= 2 the step is Newton's on h(tau) = mass^(1/P) (= ||[x - tau]_+||_P,
+    convex and decreasing for P >= 1, so from below it never overshoots; nearly linear where mass is a high power,
+    i.e. near-uniform rows and alpha -> 1); for alpha > 2 bisection (about 26 passes to fp32 precision).
     """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -340,6 +359,13 @@ def _threshold_kernel(
     has_keys = zmax > -float("inf")
     hi_t = tl.where(has_keys, zmax, 0.0)
     lo_t = hi_t - 1.0
+    if KIND == K_ENTMAX_ALPHA:
+        am1 = tl.load(R + b * scb + h * sch + offs_m * scm, mask=m_valid, other=2.0) - 1.0
+        pw = 1.0 / am1
+        mrow = hi_t  # M (0 on fully masked rows)
+        tl.store(ROWMAX + pid_bh * LQ + offs_m, mrow, mask=m_valid)
+        hi_t = tl.zeros([BLOCK_M], tl.float32)
+        lo_t = hi_t - 1.0
     tau = lo_t
     done = ~has_keys  # fully masked rows: p = 0 whatever tau is
     for _ in range(STEPS):
@@ -357,8 +383,16 @@ def _threshold_kernel(
                         b, h, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP)
                     if KIND == K_ENTMAX15:
                         s = s * 0.5
+                    if KIND == K_ENTMAX_ALPHA:
+                        s = (s - mrow[:, None]) * am1[:, None]
                     t = tl.where(keep, tl.maximum(s - tau[:, None], 0.0), 0.0)
-                    if KIND == K_ENTMAX15:
+                    if KIND == K_ENTMAX_ALPHA:  # mass = sum t^P, slope = sum t^(P-1) (-d mass/d tau = P slope)
+                        pos = t > 0
+                        t1 = tl.where(pos, t, 1.0)
+                        e = tl.where(pos, tl.exp(tl.log(t1) * pw[:, None]), 0.0)
+                        mass += tl.sum(e, 1)
+                        slope += tl.sum(e / t1, 1)
+                    elif KIND == K_ENTMAX15:
                         mass += tl.sum(t * t, 1)
                         slope += 2.0 * tl.sum(t, 1)
                     else:
@@ -367,7 +401,15 @@ def _threshold_kernel(
             f = mass - 1.0  # decreasing and convex in tau
             lo_t = tl.where(f >= 0, tau, lo_t)
             hi_t = tl.where(f >= 0, hi_t, tau)
-            newton = tau + f / tl.where(slope > 0, slope, 1.0)
+            if KIND == K_ENTMAX_ALPHA:
+                # h = mass^(1/P): tau + (h - 1) / -h' = tau + (mass - mass^(1 - 1/P)) / slope. alpha > 2: bisection
+                # (-2 is outside the bracket), as the C++ kernel: there the slope is infinite at the support's edge,
+                # so Newton's steps on mass shrink to nothing away from the root and stop the search early
+                mpow = tl.exp(tl.log(tl.where(mass > 0, mass, 1.0)) * (1.0 - am1))
+                newton = tl.where(pw >= 1.0, tau + (mass - mpow) / tl.where(slope > 0, slope, 1.0), -2.0)
+                newton = tl.where(tl.abs(f) <= 1e-7, tau, newton)  # at the root (one candidate: tau = -1): stay
+            else:
+                newton = tau + f / tl.where(slope > 0, slope, 1.0)
             ok = (slope > 0) & (newton >= lo_t) & (newton <= hi_t)
             nxt = tl.where(ok, newton, 0.5 * (lo_t + hi_t))
             conv = (tl.abs(f) <= 1e-7) | (tl.abs(nxt - tau) <= 2e-8 * tl.maximum(tl.abs(tau), 1.0))
@@ -381,14 +423,15 @@ def _fwd_kernel(
     Q, K, V, C, R, KEEP, TABLE, SHIFT_IN, OUT, DEN, SHIFT,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, scb, sch, scm,
     smb, smh, smm, smn, stb, sth, stm, stn,
-    H, GROUPS, LQ, LK, DH, DV,
+    H, GROUPS, LQ, LK, DH, DV, ROWMAX,
     BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr,
     KIND: tl.constexpr, NORMALISED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
-    """One program per (query block, batch x head): OUT [B, H, Lq, Dv], DEN and SHIFT [B, H, Lq] (fp32)."""
+    """One program per (query block, batch x head): OUT [B, H, Lq, Dv], DEN and SHIFT [B, H, Lq] (fp32).
+    alpha-entmax: DEN = Z = sum_j [x_j - tau]_+^P, by which the row is renormalised as in the reference."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -414,13 +457,15 @@ def _fwd_kernel(
     t_ptr = TABLE + b * stb + h * sth + pid_m * stm
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     den = tl.zeros([BLOCK_M], tl.float32)
-    if ((KIND == K_SPARSEMAX) | (KIND == K_ENTMAX15)):
+    if ((KIND == K_SPARSEMAX) | (KIND == K_ENTMAX15) | (KIND == K_ENTMAX_ALPHA)):
         shift = tl.load(SHIFT_IN + row, mask=m_valid, other=0.0)  # the sparse threshold tau
     elif (KIND == K_POWER) | (KIND == K_SOFTPLUS):
         # power: running max of p ln|s| over visible s != 0; softplus: min(0, running max of visible s)
         shift = tl.full([BLOCK_M], POW_NEG, tl.float32)
     else:
         shift = tl.zeros([BLOCK_M], tl.float32)  # softpick: running max of (0, visible scores)
+    if KIND == K_ENTMAX_ALPHA:
+        mrow = tl.load(ROWMAX + row, mask=m_valid, other=0.0)
     hi = LK
     if CAUSAL:
         hi = tl.minimum(LK, (pid_m + 1) * BLOCK_M)
@@ -433,6 +478,8 @@ def _fwd_kernel(
             s, keep, kt, capd = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m, offs_n,
                                        m_valid, d_valid, c, LK, CAUSAL, HAS_MASK, PREC, UPCAST,
                 b, h, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP)
+            if KIND == K_ENTMAX_ALPHA:
+                s = (s - mrow[:, None]) * (r - 1.0)[:, None]
             if KIND == K_SOFTPICK:
                 new = tl.maximum(shift, tl.max(tl.where(keep, s, 0.0), 1))
                 alpha = tl.exp(shift - new)
@@ -464,6 +511,8 @@ def _fwd_kernel(
             den = den + r
         inv = tl.where(den != 0, 1.0 / tl.where(den != 0, den, 1.0), 0.0)
         acc = acc * inv[:, None]
+    if KIND == K_ENTMAX_ALPHA:
+        acc = acc * tl.where(den != 0, 1.0 / tl.where(den != 0, den, 1.0), 0.0)[:, None]
     tl.store(OUT + row[:, None] * DV + offs_dv[None, :], acc, mask=m_valid[:, None] & dv_valid[None, :])
     tl.store(DEN + row, den, mask=m_valid)
     if (KIND == K_SOFTPICK) | (KIND == K_POWER) | (KIND == K_SOFTPLUS):
@@ -474,7 +523,7 @@ def _bwd_dq_kernel(
     Q, K, V, C, R, KEEP, TABLE, SHIFT, DEN, DELTA, DO, DQ, DC, DR,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, scb, sch, scm,
     smb, smh, smm, smn, stb, sth, stm, stn,
-    H, GROUPS, LQ, LK, DH, DV,
+    H, GROUPS, LQ, LK, DH, DV, ROWMAX,
     BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, DBIAS, sdb, sdh, sdm, sdn,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr, HAS_DBIAS: tl.constexpr,
     DB_BM: tl.constexpr, DB_BN: tl.constexpr,
@@ -485,6 +534,9 @@ def _bwd_dq_kernel(
     """One program per (query block, batch x head): DQ [B, H, Lq, D], DC and DR [B, H, Lq] (fp32).
 
     DELTA [B, H, Lq]: written here for the dk/dv kernel (normalised and sparse kinds). DO: fp32 contiguous.
+    alpha-entmax: DR = d alpha_i = sum_j dp_ij [(p - pt) / (alpha-1)^2 - (p ln p - pt H) / (alpha-1)]_ij
+    (Correia et al. 2019, pt = g / sum g, H = sum p ln p), formed per entry in the second pass once G and H are
+    known (no cancellation between row sums), with dp - delta for dp (allowed: the bracket sums to 0 over j).
     DBIAS (HAS_DBIAS): fp32 in the bias's own shape (strides 0 on its broadcast dims); dS w.r.t. the modified scores
     is summed over the block's broadcast dims (DB_BM: over queries, DB_BN: over keys) and added atomically, since
     programs of other batches / heads / query blocks may share the entries.
@@ -522,7 +574,13 @@ def _bwd_dq_kernel(
     hi = LK
     if CAUSAL:
         hi = tl.minimum(LK, (pid_m + 1) * BLOCK_M)
-    if NORMALISED or ((KIND == K_SPARSEMAX) | (KIND == K_ENTMAX15)):
+    if KIND == K_ENTMAX_ALPHA:
+        mrow = tl.load(ROWMAX + row, mask=m_valid, other=0.0)
+        am1 = r - 1.0
+        # g of the renormalised p = a / Z, as the reference: (a / Z)^(2 - alpha) = a^(2 - alpha) Z^(alpha - 2)
+        # (Z - 1 is about P times tau's rounding: 6e-5 at alpha = 1.001)
+        zg = tl.exp(tl.log(tl.where(den > 0, den, 1.0)) * (r - 2.0))
+    if NORMALISED or ((KIND == K_SPARSEMAX) | (KIND == K_ENTMAX15) | (KIND == K_ENTMAX_ALPHA)):
         # First pass: delta_i, stored for the dk/dv kernel. Normalised kinds: sum_j w_ij dp_ij with w = a / D by
         # true division; sparse kinds: the Jacobian's mean term sum_j g_ij dp_ij / sum_j g_ij. Computed from the
         # same dp as the second pass, a row with one visible key (or a one-key support) gets ds = 0 exactly.
@@ -531,6 +589,7 @@ def _bwd_dq_kernel(
         den1 = tl.where(den != 0, den, 1.0)
         delta = tl.zeros([BLOCK_M], tl.float32)
         gsum = tl.zeros([BLOCK_M], tl.float32)
+        ent = tl.zeros([BLOCK_M], tl.float32)  # alpha-entmax: H = sum_j p_j ln p_j
         for start_n in range(0, hi, BLOCK_N):
             live = 1
             if HAS_MASK:
@@ -543,6 +602,8 @@ def _bwd_dq_kernel(
                 vt = tl.load(vt_ptrs + start_n * svn, mask=dv_valid[:, None] & (offs_n[None, :] < LK),
                              other=0.0).to(tl.float32)
                 dp = tl.dot(do, vt, input_precision=PREC)
+                if KIND == K_ENTMAX_ALPHA:
+                    s = (s - mrow[:, None]) * am1[:, None]
                 if NORMALISED:
                     a, _b = _entry(s, r, keep, shift, KIND)
                     delta += tl.sum(a / den1[:, None] * dp, 1)
@@ -550,7 +611,10 @@ def _bwd_dq_kernel(
                     a, g, _db = _slopes(s, r, keep, shift, KIND)
                     delta += tl.sum(g * dp, 1)
                     gsum += tl.sum(g, 1)
-        if ((KIND == K_SPARSEMAX) | (KIND == K_ENTMAX15)):
+                    if KIND == K_ENTMAX_ALPHA:
+                        pa = a * inv[:, None]
+                        ent += tl.sum(tl.where(pa > 0, pa * tl.log(tl.where(pa > 0, pa, 1.0)), 0.0), 1)
+        if ((KIND == K_SPARSEMAX) | (KIND == K_ENTMAX15) | (KIND == K_ENTMAX_ALPHA)):
             delta = tl.where(gsum > 0, delta / tl.where(gsum > 0, gsum, 1.0), 0.0)
         tl.store(DELTA + row, delta, mask=m_valid)
     for start_n in range(0, hi, BLOCK_N):
@@ -565,11 +629,15 @@ def _bwd_dq_kernel(
             vt = tl.load(vt_ptrs + start_n * svn, mask=dv_valid[:, None] & (offs_n[None, :] < LK),
                          other=0.0).to(tl.float32)
             dp = tl.dot(do, vt, input_precision=PREC)
+            if KIND == K_ENTMAX_ALPHA:
+                s = (s - mrow[:, None]) * am1[:, None]
             a, da, db = _slopes(s, r, keep, shift, KIND)
             if NORMALISED:
                 ds = (da * dp - db * delta[:, None]) * inv[:, None]
             elif ((KIND == K_SPARSEMAX) | (KIND == K_ENTMAX15)):
                 ds = da * (dp - delta[:, None])
+            elif KIND == K_ENTMAX_ALPHA:
+                ds = da * zg[:, None] * (dp - delta[:, None])
             else:
                 ds = da * dp
             if KIND == K_SIGMOID:  # sigmoid: r is added to s
@@ -582,6 +650,12 @@ def _bwd_dq_kernel(
                 centre = shift / tl.maximum(tl.abs(r), 1.0)  # (|r| = p >= 1; 0 on rows past Lq)
                 lg = tl.where(a > 0, tl.log(tl.where(a > 0, mag, 1.0)) - centre[:, None], 0.0)
                 dr += tl.sum(a * lg * (dp - delta[:, None]), 1) * inv
+            if KIND == K_ENTMAX_ALPHA:
+                pa = a * inv[:, None]
+                pt = da / tl.where(gsum > 0, gsum, 1.0)[:, None]
+                plp = tl.where(pa > 0, pa * tl.log(tl.where(pa > 0, pa, 1.0)), 0.0)
+                coef = ((pa - pt) / am1[:, None] - (plp - pt * ent[:, None])) / am1[:, None]
+                dr += tl.sum(coef * (dp - delta[:, None]), 1)
             if HAS_DBIAS:
                 ds = tl.where(keep, ds, 0.0)
                 db_ptr = DBIAS + b * sdb + h * sdh
@@ -610,7 +684,7 @@ def _bwd_dkdv_kernel(
     Q, K, V, C, R, KEEP, TABLE, SHIFT, DEN, DELTA, DO, DK, DV_OUT,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, scb, sch, scm,
     smb, smh, smm, smn, stb, sth, stm, stn,
-    H, HKV, GROUPS, LQ, LK, DH, DV,
+    H, HKV, GROUPS, LQ, LK, DH, DV, ROWMAX,
     BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr,
     KIND: tl.constexpr, NORMALISED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -675,11 +749,16 @@ def _bwd_dkdv_kernel(
                     keep = keep & (offs_n[None, :] <= offs_m[:, None])
                 if HAS_MASK:
                     keep = keep & (tl.load(keep_ptrs + start_m * smm, mask=keep, other=0) != 0)
+                if KIND == K_ENTMAX_ALPHA:
+                    s = (s - tl.load(ROWMAX + row, mask=m_valid, other=0.0)[:, None]) * (r - 1.0)[:, None]
                 a, da, db = _slopes(s, r, keep, shift, KIND)
                 dp = tl.dot(do, tl.trans(v), input_precision=PREC)
                 if NORMALISED:
                     w = a * inv[:, None]
                     ds = (da * dp - db * delta[:, None]) * inv[:, None]
+                elif KIND == K_ENTMAX_ALPHA:  # renormalised by Z, as the forward (and g, see the dq kernel)
+                    w = a * inv[:, None]
+                    ds = da * tl.exp(tl.log(tl.where(den > 0, den, 1.0)) * (r - 2.0))[:, None] * (dp - delta[:, None])
                 elif ((KIND == K_SPARSEMAX) | (KIND == K_ENTMAX15)):
                     w = a
                     ds = da * (dp - delta[:, None])
@@ -844,6 +923,10 @@ class _TritonAttention(torch.autograd.Function):
         out = torch.empty(*rows, plan.DV, dtype=torch.float32, device=dev)
         den = torch.empty(rows, dtype=torch.float32, device=dev)
         shift = torch.zeros(rows, dtype=torch.float32, device=dev)
+        # alpha-entmax's row max M of the scores (written by the threshold kernel); other maps never read it and get
+        # c, which no kernel writes (Triton's interpreter copies each pointer argument back after a kernel, so a
+        # dummy aliasing an output would overwrite it)
+        rowmax = torch.zeros(rows, dtype=torch.float32, device=dev) if plan.kind == K_ENTMAX_ALPHA else c
         common = plan.common(q, k, v, c)
         cst = plan.consts()
         grid = _grid_q(plan)
@@ -851,18 +934,18 @@ class _TritonAttention(torch.autograd.Function):
             # threshold kernel takes no V strides
             kern._threshold_kernel[grid](
                 q, k, c, plan.keep, plan.table, shift, *common[:8], *common[12:], plan.H, plan.groups, plan.LQ,
-                plan.LK, plan.DH, STEPS=THRESHOLD_STEPS, **_only(cst, kern._threshold_kernel),
+                plan.LK, plan.DH, r, rowmax, STEPS=THRESHOLD_STEPS, **_only(cst, kern._threshold_kernel),
                 **plan.mods(kern._threshold_kernel, bias))
         kern._fwd_kernel[grid](q, k, v, c, r, plan.keep, plan.table, shift, out, den, shift, *common,
-                               plan.H, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, **cst,
+                               plan.H, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, rowmax, **cst,
                                **plan.mods(kern._fwd_kernel, bias))
-        ctx.save_for_backward(q, k, v, c, r, bias, den, shift)
+        ctx.save_for_backward(q, k, v, c, r, bias, den, shift, rowmax)
         ctx.plan = plan
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, c, r, bias, den, shift = ctx.saved_tensors
+        q, k, v, c, r, bias, den, shift, rowmax = ctx.saved_tensors
         plan: _Plan = ctx.plan
         kern = _compiled()
         dev = q.device
@@ -876,13 +959,13 @@ class _TritonAttention(torch.autograd.Function):
         dr = torch.empty_like(den)
         dbias = torch.zeros(bias.shape, dtype=torch.float32, device=dev) if ctx.needs_input_grad[5] else None
         kern._bwd_dq_kernel[grid](q, k, v, c, r, plan.keep, plan.table, shift, den, delta, do, dq, dc, dr, *common,
-                                  plan.H, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, **cst,
+                                  plan.H, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, rowmax, **cst,
                                   **plan.mods(kern._bwd_dq_kernel, bias, dbias))
         dk = torch.empty(plan.B, plan.HKV, plan.LK, plan.DH, dtype=torch.float32, device=dev)
         dv = torch.empty(plan.B, plan.HKV, plan.LK, plan.DV, dtype=torch.float32, device=dev)
         kern._bwd_dkdv_kernel[(_cdiv(plan.LK, plan.bn), plan.B * plan.HKV)](
             q, k, v, c, r, plan.keep, plan.table, shift, den, delta, do, dk, dv, *common,
-            plan.H, plan.HKV, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, **cst,
+            plan.H, plan.HKV, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, rowmax, **cst,
             **plan.mods(kern._bwd_dkdv_kernel, bias))
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dc if ctx.needs_input_grad[3] else None,
                 dr if ctx.needs_input_grad[4] else None, dbias, None)
