@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from conftest import tiny
 
 from hf_attnorm.attention import attention, constant_heads, make_call
-from hf_attnorm.kernels import attend, explain
+from hf_attnorm.kernels import attend, explain, fused_cpu
 from hf_attnorm.kernels import selective as selective_mod
 from hf_attnorm.normalizers.selective import selection_penalty
 from hf_attnorm.registry import AttnormError
@@ -140,11 +140,12 @@ def test_left_padding_equals_the_sequence_alone():
         torch.testing.assert_close(padded[:, :, 3:], alone, atol=1e-6, rtol=0)
 
 
-def test_the_rule_picks_the_blocked_path_and_the_splitting_paths_decline():
+def test_the_rule_picks_a_selective_path_and_the_splitting_paths_decline():
     q = torch.randn(1, 2, 5, 4)
     settings = resolve_settings("selective")
     call = make_call(q, q, q, settings, {}, None, True)
-    assert explain(call)[-1] == ("selective", "runs")
+    # the fused C++ path (test_selective_cpu.py) where the extension builds, else the blocked path
+    assert explain(call)[-1] == ("selective_cpu" if fused_cpu.unavailable_reason() is None else "selective", "runs")
     with pytest.raises(ValueError, match="couples the queries"):
         attend(make_call(q[:, :, :1], q, q, settings, {}, None, True), "chunked")
     # one query has no other query in its call (earlier ones arrive as AttnCall.selective_carry): the one-query

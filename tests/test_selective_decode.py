@@ -21,7 +21,7 @@ from transformers.cache_utils import DynamicLayer
 from hf_attnorm.attention import constant_heads, make_call
 from hf_attnorm.hf import forward as hf_forward
 from hf_attnorm.hf.selective_cache import SelectiveLayer, drop_states, state_of_layer
-from hf_attnorm.kernels import PATHS, attend, explain
+from hf_attnorm.kernels import PATHS, attend, explain, fused_cpu
 from hf_attnorm.kernels import selective as selective_mod
 from hf_attnorm.kernels.reference import reference_scores
 from hf_attnorm.kernels.selective_carry import column_sums, prefix_column_sums
@@ -30,6 +30,8 @@ from hf_attnorm.registry import AttnormError
 from hf_attnorm.settings import resolve_settings
 
 TOL = 1e-10  # fp64 throughout
+#: the path the rule gives calls of several queries on CPU: the fused C++ kernel where it builds, else the blocked one
+SEVERAL = "selective_cpu" if "selective_cpu" in PATHS and fused_cpu.unavailable_reason() is None else "selective"
 
 
 def reference_column_sums(call) -> torch.Tensor:
@@ -72,14 +74,15 @@ def test_split_calls_with_the_carry_equal_the_whole_call(head):
     heads = constant_heads(settings, 4, head_dim=8)
     whole, _ = attend_ref(q, k, v, mask, settings, heads)
     carry = None
-    for i0, i1, path in ((0, 5, "selective"), (5, 9, "selective"), (9, 10, "selective_step"),
-                         (10, 11, "selective_step"), (11, 13, "selective")):
+    for i0, i1, path in ((0, 5, SEVERAL), (5, 9, SEVERAL), (9, 10, "selective_step"),
+                         (10, 11, "selective_step"), (11, 13, SEVERAL)):
         call = make_call(q[:, :, i0:i1], k[:, :, :i1], v[:, :, :i1], settings, heads,
                          _causal_pad(mask[:, :i1], i1 - i0), True)
         if carry is not None:
             call = dataclasses.replace(call, selective_carry=F.pad(carry, (0, i1 - i0)))
         assert explain(call)[-1] == (path, "runs")
-        for p in (path, "reference", *(("decode",) if i1 - i0 == 1 else ())):
+        extra = ("decode",) if i1 - i0 == 1 else ("selective",) if path != "selective" else ()
+        for p in (path, "reference", *extra):
             out, _, ran = attend(call, p)
             assert ran == p
             torch.testing.assert_close(out, whole[:, :, i0:i1], atol=TOL, rtol=0,
@@ -179,7 +182,9 @@ def test_other_paths_decline_and_a_bad_carry_is_named():
 def ran(monkeypatch):
     """(path, carried) of every selective/decode/reference kernel run (LAST_CALL keeps only the last path)."""
     seen = []
-    for name in ("selective", "selective_step", "decode", "reference"):
+    for name in ("selective", "selective_cpu", "selective_step", "decode", "reference"):
+        if name not in PATHS:
+            continue
         path = PATHS[name]
 
         def kernel(call, path=path):
@@ -229,7 +234,7 @@ def test_generate_with_cache_equals_without(model, ran):
     cached = _generate(model, x, True, attention_mask=mask)
     _same(cached, uncached)
     layers = model.config.num_hidden_layers
-    assert ran[:layers] == [("selective", False)] * layers  # the prefill: the normal path, no carry
+    assert ran[:layers] == [(SEVERAL, False)] * layers  # the prefill: the normal path, no carry
     assert ran[layers:] == [("selective_step", True)] * (5 * layers)  # every decode step of every layer, carried
 
 
@@ -282,7 +287,7 @@ def test_chunked_prefill_equals_the_whole_forward(model, ran):
         parts = [model(x[:, a:b], attention_mask=mask[:, :b], past_key_values=cache, use_cache=True).logits
                  for a, b in ((0, 6), (6, 13), (13, 14))]
     layers = model.config.num_hidden_layers
-    assert ran == ([("selective", False)] * layers + [("selective", True)] * layers
+    assert ran == ([(SEVERAL, False)] * layers + [(SEVERAL, True)] * layers
                    + [("selective_step", True)] * layers)
     live = mask.bool()
     torch.testing.assert_close(torch.cat(parts, 1)[live], whole[live], atol=TOL, rtol=0)

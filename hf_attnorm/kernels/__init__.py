@@ -26,6 +26,9 @@ selective_triton
                                                                        no dropout, no fp64, not under compile;
                                                                        takes ``selective_carry``
 fused_cpu      40        "fused"                                       CPU, no dropout, C++ built on first use
+selective_cpu  44        query-coupled with a selecting head           CPU, no score modifiers, no dropout, a
+                         (selective)                                   ``selective_carry`` only as [B | 1, Lk];
+                                                                       C++ built on first use
 linear_recurrent
                45        "linear" with query/key_features (linear)     one query with ``AttnCall.recurrent`` set
                                                                        (a cache's state, hf/recurrent.py); no

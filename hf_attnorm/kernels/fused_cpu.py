@@ -45,7 +45,7 @@ NO_NATIVE_ENV = "HF_ATTNORM_NO_NATIVE"
 
 _SOURCE = Path(__file__).with_name("csrc") / "fused_cpu.cpp"
 #: further sources compiled into the same extension (their ops are TORCH_LIBRARY_FRAGMENTs of hf_attnorm_fused)
-EXTRA_SOURCES = [Path(__file__).with_name("csrc") / "stickbreaking.cpp"]
+EXTRA_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("stickbreaking.cpp", "selective.cpp")]
 _lock = threading.Lock()
 _state: dict[str, Any] = {"ops": None, "error": None, "warned": False}
 

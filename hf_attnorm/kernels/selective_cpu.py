@@ -1,0 +1,167 @@
+"""Fused CPU selective attention (path ``selective_cpu``): the C++ kernel of ``csrc/selective.cpp``, compiled into the
+fused extension (``fused_cpu.native_ops``), forward and backward. The math is that of ``normalizers/selective.py``
+(Leviathan et al., arXiv 2410.02703): every head's softmax of s - F, F_ij = sum_{k < i} relu(S_kj) over the selecting
+entries of one head's scores S.
+
+Unlike the blocked ``selective`` path, the query blocks run in parallel: a first pass forms each block's column sums
+of relu(S) (one head's Q K^T) and a prefix over the blocks gives the carry entering each block; then per (batch,
+query block), key tile by key tile, the penalty tile F = carry + the exclusive cumsum of the block's rows comes from
+the selecting head's scores (formed once, reused as that head's own scores) and every head runs a flash-style online
+softmax of s - F. The backward mirrors it (csrc/selective.cpp explains the two passes). Memory: q, k, v, out, the row
+logsumexp [B, H, Lq] and each query block's column sums [B, Lq / block_q, Lk]; no [Lq, Lk] tensor.
+
+Which entries select (BOS, the query's own key, padding) is decided here exactly as ``selection_parts`` does, and
+passed to the kernel as the first live key per batch row and whether each query may select.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..normalizers.base import Normalizer
+from . import fused_cpu
+from .base import AttnCall, compute_dtype, score_mod_reason
+from .selective import takes
+
+#: (block_q, block_k): queries per parallel work item, keys per tile (the BLAS inner size)
+BLOCKS = (128, 256)
+#: tests set this to small blocks so that odd lengths cross block edges
+BLOCK_OVERRIDE: tuple[int, int] | None = None
+
+
+class _SelFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, carry0, keep, causal: bool, head: int, scale: float, bos, selrow,
+                blocks: tuple[int, int]):
+        out, lse, colsums = fused_cpu.native_ops().sel_forward(q, k, v, keep, causal, head, scale, bos, selrow,
+                                                               carry0, *blocks)
+        ctx.save_for_backward(q, k, v, keep, bos, selrow, carry0, colsums, out, lse)
+        ctx.meta = (causal, head, scale, blocks)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q, k, v, keep, bos, selrow, carry0, colsums, out, lse = ctx.saved_tensors
+        causal, head, scale, blocks = ctx.meta
+        dq, dk, dv, dcarry = fused_cpu.native_ops().sel_backward(q, k, v, keep, causal, head, scale, bos, selrow,
+                                                                 carry0, colsums, out, lse, dout.contiguous(),
+                                                                 *blocks)
+        return dq, dk, dv, (dcarry if ctx.needs_input_grad[3] else None), None, None, None, None, None, None, None
+
+
+_FAKES: dict[str, bool] = {"done": False}
+
+
+def _register_fakes() -> None:
+    """Shape-only implementations of the two ops (once, eagerly), so torch.compile traces through them."""
+    if _FAKES["done"] or torch.compiler.is_compiling():
+        return
+    _FAKES["done"] = True
+
+    def forward_fake(q, k, v, keep, causal, head, scale, bos, selrow, carry0, block_q, block_k):
+        B, H, Lq = q.shape[:3]
+        return [q.new_empty((B, H, Lq, v.shape[-1])), q.new_empty((B, H, Lq)),
+                q.new_empty((B, -(-Lq // block_q), k.shape[2]))]
+
+    def backward_fake(q, k, v, keep, causal, head, scale, bos, selrow, carry0, colsums, out, lse, dout, block_q,
+                      block_k):
+        return [*(x.new_empty(x.shape) for x in (q, k, v)), q.new_empty((q.shape[0], k.shape[2]))]
+
+    torch.library.register_fake("hf_attnorm_fused::sel_forward")(forward_fake)
+    torch.library.register_fake("hf_attnorm_fused::sel_backward")(backward_fake)
+
+
+def carry_reason(call: AttnCall) -> str | None:
+    """Why the call's carried-in column sums (``selective_carry``, cached decoding) cannot be used, or None."""
+    carry = getattr(call, "selective_carry", None)
+    if carry is None:
+        return None
+    B, Lk = call.q.shape[0], call.k.shape[2]
+    if not isinstance(carry, torch.Tensor) or carry.dim() != 2 or carry.shape[1] != Lk or carry.shape[0] not in (1, B):
+        shape = tuple(carry.shape) if isinstance(carry, torch.Tensor) else type(carry).__name__
+        return f"selective_carry of shape {shape} (this path takes column sums [B, Lk] = [{B}, {Lk}])"
+    if carry.device != call.q.device:
+        return f"selective_carry on {carry.device}, q on {call.q.device}"
+    return None
+
+
+def accepts(call: AttnCall) -> str | None:
+    reason = score_mod_reason(call)
+    if reason is not None:
+        return reason
+    if call.dropout > 0:
+        return "dropout > 0 (the weights are never formed)"
+    if call.q.numel() == 0 or call.k.shape[2] == 0:
+        return "empty inputs"
+    if type(call.normalizer).transform_qk is not Normalizer.transform_qk or \
+            type(call.normalizer).feature_map is not Normalizer.feature_map:
+        return "the normalizer transforms q/k"
+    if call.q.device.type != "cpu":
+        return f"device {call.q.device} (CPU only)"
+    if call.q.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        return f"dtype {call.q.dtype}"
+    reason = carry_reason(call)
+    if reason is not None:
+        return reason
+    reason = fused_cpu.unavailable_reason(warn=True)
+    if reason is None:
+        _register_fakes()  # an eager call (which also builds the extension) comes before any compiled one
+    return reason
+
+
+def selection_facts(call: AttnCall, head: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bos int64 [B]: the first live key, selrow bool [B, Lq]: the query's own key i + Lk - Lq is live or outside
+    the keys), as ``normalizers.selective.selection_parts`` decides them: a key is live when the selecting head's
+    visibility lets some query see it."""
+    m = call.mask
+    B, _, Lq = call.q.shape[:3]
+    Lk = call.k.shape[2]
+    dev = call.q.device
+    if m.keep is None:
+        live_n = min(Lq, Lk) if m.causal else Lk  # upper-left causal: keys >= Lq are unseen
+        live = (torch.arange(Lk, device=dev) < live_n)[None]  # [1, Lk]
+    else:
+        keep = m.keep.to(dev)
+        ks = keep[:, head] if keep.shape[1] > 1 else keep[:, 0]
+        live = ks.any(dim=-2)  # [b, Lk]
+    bos = live.to(torch.int8).argmax(dim=-1)  # [b]; 0 when none
+    own = torch.arange(Lq, device=dev) + (Lk - Lq)
+    inside = (own >= 0) & (own < Lk)
+    selrow = torch.where(inside, live[:, own.clamp(0, Lk - 1)], True)  # [b, Lq]
+    return bos.expand(B).contiguous(), selrow.expand(B, Lq).contiguous()
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def selective_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
+    """out [B, H, Lq, Dv] in the input dtype (fp16/bf16 computed in fp32); k/v are not repeated for GQA."""
+    norm = call.normalizer
+    norm.check_heads(call.settings, call.q.shape[1])
+    head = norm.selecting_head(call.settings)
+    dt = compute_dtype(call.q.dtype)
+    # a plain float scale goes to the kernel (a factor on its matmuls: no scaled copy of q, no extra pass)
+    factor = call.q_factor(dt)
+    scale = float(factor) if isinstance(factor, float) else 1.0
+    q = (call.q.to(dt) if isinstance(factor, float) else call.q.to(dt) * factor).contiguous()
+    k, v = _last_dim_contiguous(call.k.to(dt)), _last_dim_contiguous(call.v.to(dt))
+    B, H, Lq, _ = q.shape
+    keep = call.mask.keep
+    if keep is not None:
+        keep = keep.to(q.device)
+        keep = (keep if keep.stride(-1) == 1 else keep.contiguous()).expand(B, H, Lq, k.shape[2])
+    causal = keep is None and call.mask.causal
+    bos, selrow = selection_facts(call, head)
+    carry = getattr(call, "selective_carry", None)
+    if carry is not None:
+        carry = carry.to(dt).expand(B, k.shape[2]).contiguous()
+    out = _SelFn.apply(q, k, v, carry, keep, causal, head, scale, bos, selrow, BLOCK_OVERRIDE or BLOCKS)
+    return out.to(call.q.dtype), None
+
+
+from . import register_path  # noqa: E402  (registration at import, like the normalizers)
+
+register_path("selective_cpu", selective_cpu_attention, takes=takes, accepts=accepts, priority=44,
+              auto_exclude=("cuda",))
