@@ -34,7 +34,12 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "cpu_common.h"
 
@@ -161,6 +166,16 @@ inline float log1p_ratio(float u) {
 }
 inline double log1p_ratio(double u) { return u > 0.0 ? std::log1p(u) / (u > 0.0 ? u : 1.0) : 1.0; }
 
+// 1 / (1 + u) for u in [0, 1] without a division (softplus' backward: the divide was its costliest op): a
+// quadratic seed (relative error 1.0e-2) and two Newton steps, r += r (1 - d r) (error ~1e-8, under fp32 rounding)
+inline float inv_one_plus(float u) {
+  const float d = 1.0f + u;
+  float r = (3.2321503e-1f * u - 8.0803889e-1f) * u + 9.898825e-1f;
+  r = r + r * (1.0f - d * r);
+  return r + r * (1.0f - d * r);
+}
+inline double inv_one_plus(double u) { return 1.0 / (1.0 + u); }
+
 // softplus in units of e^c, c = min(0, row max) <= 0 (the row's running shift, as softpick's): softplus(x) e^-c
 // with u = e^-|x|: (max(x, 0) + u r(u)) e^-c, r(u) = log1p(u) / u. Rows whose every score is below SP_SLOW (where
 // e^-c would overflow and softplus(x) ~ e^x underflows) use e^(x - c) r(u) (then x <= c < 0, u = e^x), so they
@@ -175,18 +190,40 @@ inline T softplus_shifted(T x, T c, T ec) {
   return (std::max(x, T(0)) + u * r) * ec;
 }
 
+// s[j] <- f(j) for j < nb; returns the sum. The lanes accumulate in a vector-sized array, summed as a tree once:
+// an `omp simd reduction` ends every call with a sequential sum over its lanes, about 10% of a 256-key row map.
+constexpr int64_t LANES = 16;
+template <typename T, typename F>
+inline __attribute__((always_inline)) T map_sum(T* __restrict s, int64_t nb, const F& f) {
+  T acc[LANES] = {};
+  int64_t j = 0;
+  for (; j + LANES <= nb; j += LANES) {
+#pragma omp simd
+    for (int64_t l = 0; l < LANES; ++l) {
+      const T a = f(j + l);
+      s[j + l] = a;
+      acc[l] += a;
+    }
+  }
+  T tail = 0;
+  for (; j < nb; ++j) {
+    const T a = f(j);
+    s[j] = a;
+    tail += a;
+  }
+  for (int64_t w = LANES / 2; w > 0; w /= 2) {
+    for (int64_t l = 0; l < w; ++l) acc[l] += acc[l + w];
+  }
+  return acc[0] + tail;
+}
+
 // softplus: s[j] <- softplus(s_j) e^-c (0 where invisible); returns the sum. The slow form only on slow rows.
 template <typename T, bool MASKED, bool SLOW>
 T softplus_row(T* __restrict s, int64_t nb, const bool* __restrict keep, T c, T ec) {
-  T acc = 0;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t j = 0; j < nb; ++j) {
-    T a = softplus_shifted<T, SLOW>(s[j], c, ec);
-    if constexpr (MASKED) a = keep[j] ? a : T(0);
-    s[j] = a;
-    acc += a;
-  }
-  return acc;
+  return map_sum(s, nb, [&](int64_t j) __attribute__((always_inline)) {
+    const T a = softplus_shifted<T, SLOW>(s[j], c, ec);
+    return MASKED ? (keep[j] ? a : T(0)) : a;
+  });
 }
 
 // power map, log domain: "minus infinity" for |s| = 0 (kept finite: l - m stays finite) and its test threshold
@@ -525,9 +562,7 @@ inline T power_inv_max(T m, T pw) {
 template <typename T, bool MASKED, int NP>
 T power_row(T* __restrict s, int64_t nb, const bool* __restrict keep, T pw, T m) {
   const T tiny = std::numeric_limits<T>::min(), inv = power_inv_max(m, pw);
-  T acc = 0;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t j = 0; j < nb; ++j) {
+  return map_sum(s, nb, [&](int64_t j) __attribute__((always_inline)) {
     const T ax = std::abs(s[j]);
     T a;
     if constexpr (NP > 0) {
@@ -535,11 +570,8 @@ T power_row(T* __restrict s, int64_t nb, const bool* __restrict keep, T pw, T m)
     } else {
       a = ax >= tiny ? vexp(pw * vlog(std::max(ax, tiny)) - m) : T(0);
     }
-    if constexpr (MASKED) a = keep[j] ? a : T(0);
-    s[j] = a;
-    acc += a;
-  }
-  return acc;
+    return MASKED ? (keep[j] ? a : T(0)) : a;
+  });
 }
 
 // which integer fast path of the power map p takes (0: none)
@@ -916,6 +948,41 @@ double alpha_threshold(T* y, int32_t* idx, int64_t& n, double alpha) {
   return lo;
 }
 
+// alpha-entmax's candidates: y_j = (s_j - zmax)(alpha - 1) > -1 over visible keys j < lim, compacted into cv / ci
+// (cv, ci hold lim entries); returns their count. Branch-free scalar (a store per key, a conditional advance), and
+// 8 keys per step with AVX-512 compress where the CPU has it (this scan was the forward's largest own cost).
+template <typename T>
+int64_t compact_candidates(const T* srow, int64_t lim, const bool* kr, T zmax, T am1, T* cv, int32_t* ci) {
+  int64_t nc = 0, j = 0;
+#if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+  if constexpr (std::is_same_v<T, double>) {
+    const __m512d vz = _mm512_set1_pd(zmax), va = _mm512_set1_pd(am1), vm1 = _mm512_set1_pd(-1.0);
+    __m256i vidx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i v8 = _mm256_set1_epi32(8);
+    for (; j + 8 <= lim; j += 8) {
+      const __m512d y = _mm512_mul_pd(_mm512_sub_pd(_mm512_loadu_pd(srow + j), vz), va);
+      __mmask8 k = _mm512_cmp_pd_mask(y, vm1, _CMP_GT_OQ);
+      if (kr != nullptr) {
+        const __m128i keep8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(kr + j));
+        k &= static_cast<__mmask8>(_mm_test_epi8_mask(keep8, _mm_set1_epi8(1)));
+      }
+      // full-width stores at nc <= j (the buffers hold lim >= j + 8 entries): only the first popcount(k) count
+      _mm512_storeu_pd(cv + nc, _mm512_maskz_compress_pd(k, y));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ci + nc), _mm256_maskz_compress_epi32(k, vidx));
+      nc += __builtin_popcount(static_cast<unsigned>(k));
+      vidx = _mm256_add_epi32(vidx, v8);
+    }
+  }
+#endif
+  for (; j < lim; ++j) {
+    const T y = (srow[j] - zmax) * am1;
+    cv[nc] = y;
+    ci[nc] = static_cast<int32_t>(j);
+    nc += (y > T(-1) && (kr == nullptr || kr[j])) ? 1 : 0;
+  }
+  return nc;
+}
+
 template <typename T>
 void forward_alpha(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
   const T ninf = -std::numeric_limits<T>::infinity();
@@ -969,13 +1036,7 @@ void forward_alpha(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
       if (zmax == ninf) continue;  // no visible key: zeros
       T* cv = buf.cand.data();
       int32_t* ci = buf.cidx.data();
-      int64_t nc = 0;
-      for (int64_t j = 0; j < lim; ++j) {
-        const T y = (srow[j] - zmax) * am1;
-        cv[nc] = y;
-        ci[nc] = static_cast<int32_t>(j);
-        nc += (y > T(-1) && (kr == nullptr || kr[j])) ? 1 : 0;
-      }
+      int64_t nc = compact_candidates(srow, lim, kr, zmax, am1, cv, ci);
       // tau rounded to T here, so that the backward pass, which recomputes r = (s - M)(alpha - 1) - tau in T from
       // the stored M = max s and tau, gets bit-identical r (P = 1/(alpha-1) amplifies any difference)
       const T tau = static_cast<T>(alpha_threshold<T>(cv, ci, nc, static_cast<double>(alpha)));
@@ -1149,11 +1210,11 @@ inline void dmap(T x, T g, const RowC<T>& rc, T& pp, T& ds, T& dr) {
     if constexpr (SLOW) {
       const T e = vexp(x - c);
       pp = e * r * invd;
-      ds = (g - delta) * invd * e / (T(1) + u);
+      ds = (g - delta) * invd * e * inv_one_plus(u);
     } else {
       const T ec = rc.em;  // e^-c, c in [SP_SLOW, 0]
       pp = (std::max(x, T(0)) + u * r) * ec * invd;
-      ds = (g - delta) * invd * ec * (x >= T(0) ? T(1) : u) / (T(1) + u);
+      ds = (g - delta) * invd * ec * (x >= T(0) ? T(1) : u) * inv_one_plus(u);
     }
   }
   if constexpr (KIND != POWER) dr = ds;
