@@ -34,7 +34,12 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "cpu_common.h"
 
@@ -90,6 +95,62 @@ inline float vlog(float x) {
 }
 inline double vlog(double x) { return std::log(x); }
 
+// exp and ln in double that GCC vectorises, for alpha-entmax's x^y with non-integer y (its threshold search took
+// one glibc pow per candidate per Newton step: 10% of its fwd+bwd). Both are plain series after range reduction, so
+// the coefficients are exact: e^r = sum_k r^k / k! (k <= 13, |r| <= ln2 / 2: truncation < 4e-18) and
+// ln m = 2 atanh(s) = 2 s sum_k s^2k / (2k + 1) (k <= 11, s = (m - 1)/(m + 1), |s| <= 0.172: < 1e-19); within a
+// few ulp of std::exp / std::log. vexpd clamps to [-708, 708] (0 below); vlogd wants a normal x > 0.
+inline __attribute__((always_inline)) double vexpd(double x) {
+  x = std::min(std::max(x, -708.0), 708.0);
+  const double n = std::floor(x * 1.4426950408889634 + 0.5);
+  const double r = (x - n * 6.93147180369123816490e-01) - n * 1.90821492927058770002e-10;  // fdlibm ln2 hi/lo
+  double p = 1.0 / 6227020800.0;
+  p = p * r + 1.0 / 479001600.0;
+  p = p * r + 1.0 / 39916800.0;
+  p = p * r + 1.0 / 3628800.0;
+  p = p * r + 1.0 / 362880.0;
+  p = p * r + 1.0 / 40320.0;
+  p = p * r + 1.0 / 5040.0;
+  p = p * r + 1.0 / 720.0;
+  p = p * r + 1.0 / 120.0;
+  p = p * r + 1.0 / 24.0;
+  p = p * r + 1.0 / 6.0;
+  p = p * r + 0.5;
+  p = p * r + 1.0;
+  p = p * r + 1.0;
+  const double scale = __builtin_bit_cast(double, (static_cast<int64_t>(n) + 1023) << 52);
+  return x <= -708.0 ? 0.0 : p * scale;
+}
+inline __attribute__((always_inline)) double vlogd(double x) {
+  const int64_t bits = __builtin_bit_cast(int64_t, x);
+  int64_t e = ((bits >> 52) & 0x7ff) - 1022;
+  double m = __builtin_bit_cast(double, (bits & 0x000fffffffffffffLL) | 0x3fe0000000000000LL);  // [0.5, 1)
+  const bool small = m < 0.70710678118654752;
+  e = small ? e - 1 : e;
+  m = small ? m + m : m;
+  const double s = (m - 1.0) / (m + 1.0), z = s * s;
+  double q = 1.0 / 23.0;
+  q = q * z + 1.0 / 21.0;
+  q = q * z + 1.0 / 19.0;
+  q = q * z + 1.0 / 17.0;
+  q = q * z + 1.0 / 15.0;
+  q = q * z + 1.0 / 13.0;
+  q = q * z + 1.0 / 11.0;
+  q = q * z + 1.0 / 9.0;
+  q = q * z + 1.0 / 7.0;
+  q = q * z + 1.0 / 5.0;
+  q = q * z + 1.0 / 3.0;
+  const double fe = static_cast<double>(e);
+  return fe * 6.93147180369123816490e-01 + (2.0 * s + (2.0 * s * z * q + fe * 1.90821492927058770002e-10));
+}
+// e^x, ln x (normal x > 0) and x^y (normal x > 0) in T, vectorisable
+inline __attribute__((always_inline)) float vexp_any(float x) { return vexp(x); }
+inline __attribute__((always_inline)) double vexp_any(double x) { return vexpd(x); }
+inline __attribute__((always_inline)) float vlog_any(float x) { return vlog(x); }
+inline __attribute__((always_inline)) double vlog_any(double x) { return vlogd(x); }
+inline __attribute__((always_inline)) float vpow_pos(float x, float y) { return vexp(y * vlog(x)); }
+inline __attribute__((always_inline)) double vpow_pos(double x, double y) { return vexpd(y * vlogd(x)); }
+
 // log1p(u) / u for u in [0, 1] (1 at u = 0): a degree-8 least-squares polynomial, relative error 1.5e-7 in fp32
 // (no log, no division: softplus costs one exp and a polynomial)
 inline float log1p_ratio(float u) {
@@ -105,6 +166,16 @@ inline float log1p_ratio(float u) {
 }
 inline double log1p_ratio(double u) { return u > 0.0 ? std::log1p(u) / (u > 0.0 ? u : 1.0) : 1.0; }
 
+// 1 / (1 + u) for u in [0, 1] without a division (softplus' backward: the divide was its costliest op): a
+// quadratic seed (relative error 1.0e-2) and two Newton steps, r += r (1 - d r) (error ~1e-8, under fp32 rounding)
+inline float inv_one_plus(float u) {
+  const float d = 1.0f + u;
+  float r = (3.2321503e-1f * u - 8.0803889e-1f) * u + 9.898825e-1f;
+  r = r + r * (1.0f - d * r);
+  return r + r * (1.0f - d * r);
+}
+inline double inv_one_plus(double u) { return 1.0 / (1.0 + u); }
+
 // softplus in units of e^c, c = min(0, row max) <= 0 (the row's running shift, as softpick's): softplus(x) e^-c
 // with u = e^-|x|: (max(x, 0) + u r(u)) e^-c, r(u) = log1p(u) / u. Rows whose every score is below SP_SLOW (where
 // e^-c would overflow and softplus(x) ~ e^x underflows) use e^(x - c) r(u) (then x <= c < 0, u = e^x), so they
@@ -119,18 +190,40 @@ inline T softplus_shifted(T x, T c, T ec) {
   return (std::max(x, T(0)) + u * r) * ec;
 }
 
+// s[j] <- f(j) for j < nb; returns the sum. The lanes accumulate in a vector-sized array, summed as a tree once:
+// an `omp simd reduction` ends every call with a sequential sum over its lanes, about 10% of a 256-key row map.
+constexpr int64_t LANES = 16;
+template <typename T, typename F>
+inline __attribute__((always_inline)) T map_sum(T* __restrict s, int64_t nb, const F& f) {
+  T acc[LANES] = {};
+  int64_t j = 0;
+  for (; j + LANES <= nb; j += LANES) {
+#pragma omp simd
+    for (int64_t l = 0; l < LANES; ++l) {
+      const T a = f(j + l);
+      s[j + l] = a;
+      acc[l] += a;
+    }
+  }
+  T tail = 0;
+  for (; j < nb; ++j) {
+    const T a = f(j);
+    s[j] = a;
+    tail += a;
+  }
+  for (int64_t w = LANES / 2; w > 0; w /= 2) {
+    for (int64_t l = 0; l < w; ++l) acc[l] += acc[l + w];
+  }
+  return acc[0] + tail;
+}
+
 // softplus: s[j] <- softplus(s_j) e^-c (0 where invisible); returns the sum. The slow form only on slow rows.
 template <typename T, bool MASKED, bool SLOW>
 T softplus_row(T* __restrict s, int64_t nb, const bool* __restrict keep, T c, T ec) {
-  T acc = 0;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t j = 0; j < nb; ++j) {
-    T a = softplus_shifted<T, SLOW>(s[j], c, ec);
-    if constexpr (MASKED) a = keep[j] ? a : T(0);
-    s[j] = a;
-    acc += a;
-  }
-  return acc;
+  return map_sum(s, nb, [&](int64_t j) __attribute__((always_inline)) {
+    const T a = softplus_shifted<T, SLOW>(s[j], c, ec);
+    return MASKED ? (keep[j] ? a : T(0)) : a;
+  });
 }
 
 // power map, log domain: "minus infinity" for |s| = 0 (kept finite: l - m stays finite) and its test threshold
@@ -434,32 +527,68 @@ T softpick_row(T* __restrict s, int64_t nb, const bool* __restrict keep, T m, T 
   return acc;
 }
 
-// power: s[j] <- p ln|s_j| (POW_NEG where |s_j| is 0 or subnormal: weight 0); returns max(mx, visible l_j) (one pass)
+// power: the largest visible |s_j| (0 if none)
 template <typename T, bool MASKED>
-T power_log_row(T* __restrict s, int64_t nb, const bool* __restrict keep, T pw, T mx) {
-  const T tiny = std::numeric_limits<T>::min();
+T abs_max_row(const T* __restrict s, int64_t nb, const bool* __restrict keep) {
+  T mx = 0;
 #pragma omp simd reduction(max : mx)
-  for (int64_t j = 0; j < nb; ++j) {
-    const T ax = std::abs(s[j]);
-    const T l = ax >= tiny ? pw * vlog(std::max(ax, tiny)) : POW_NEG<T>;
-    s[j] = l;
-    mx = std::max(mx, MASKED ? (keep[j] ? l : mx) : l);
-  }
+  for (int64_t j = 0; j < nb; ++j) mx = std::max(mx, MASKED ? (keep[j] ? std::abs(s[j]) : T(0)) : std::abs(s[j]));
   return mx;
 }
 
-// power: s[j] <- e^{l_j - m} (0 for POW_NEG and invisible keys); returns the sum
-template <typename T, bool MASKED>
-T power_row(T* __restrict s, int64_t nb, const bool* __restrict keep, T m) {
-  T acc = 0;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t j = 0; j < nb; ++j) {
-    T a = s[j] > T(0.5) * POW_NEG<T> ? vexp(s[j] - m) : T(0);
-    if constexpr (MASKED) a = keep[j] ? a : T(0);
-    s[j] = a;
-    acc += a;
+// x^NP for a small integer NP >= 0, by multiplications
+template <int NP, typename T>
+inline __attribute__((always_inline)) T ipow(T x) {
+  if constexpr (NP == 0) return T(1);
+  if constexpr (NP == 1) return x;
+  if constexpr (NP == 2) return x * x;
+  if constexpr (NP == 3) return x * x * x;
+  if constexpr (NP == 4) {
+    const T x2 = x * x;
+    return x2 * x2;
   }
-  return acc;
+}
+
+// 1 / M for a power row's shift m = p ln M (M: the row's largest |s|); 0 for rows with no nonzero score
+template <typename T>
+inline T power_inv_max(T m, T pw) {
+  return m > T(0.5) * POW_NEG<T> ? static_cast<T>(std::exp(-static_cast<double>(m) / static_cast<double>(pw)))
+                                 : T(0);
+}
+
+// power: s[j] <- |s_j|^p e^-m = (|s_j| / M)^p, m = p ln M (0 for |s_j| 0 or subnormal and invisible keys); returns
+// the sum. NP > 0: p is that integer and the power is NP - 1 multiplications (no log, no exp); NP = 0: any real p,
+// e^(p ln|s_j| - m).
+template <typename T, bool MASKED, int NP>
+T power_row(T* __restrict s, int64_t nb, const bool* __restrict keep, T pw, T m) {
+  const T tiny = std::numeric_limits<T>::min(), inv = power_inv_max(m, pw);
+  return map_sum(s, nb, [&](int64_t j) __attribute__((always_inline)) {
+    const T ax = std::abs(s[j]);
+    T a;
+    if constexpr (NP > 0) {  // in double: one rounding (fp32 products lost ~2x in dq / dk / dp accuracy at p = 3)
+      a = static_cast<T>(ipow<NP>(static_cast<double>(ax) * static_cast<double>(inv)));
+    } else {
+      a = ax >= tiny ? vexp(pw * vlog(std::max(ax, tiny)) - m) : T(0);
+    }
+    return MASKED ? (keep[j] ? a : T(0)) : a;
+  });
+}
+
+// which integer fast path of the power map p takes (0: none)
+template <typename T>
+inline int power_int(T pw) {
+  return pw == T(1) ? 1 : pw == T(2) ? 2 : pw == T(3) ? 3 : pw == T(4) ? 4 : 0;
+}
+
+template <typename T, bool MASKED>
+T power_row_any(T* s, int64_t nb, const bool* keep, T pw, T m) {
+  switch (power_int(pw)) {
+    case 1: return power_row<T, MASKED, 1>(s, nb, keep, pw, m);
+    case 2: return power_row<T, MASKED, 2>(s, nb, keep, pw, m);
+    case 3: return power_row<T, MASKED, 3>(s, nb, keep, pw, m);
+    case 4: return power_row<T, MASKED, 4>(s, nb, keep, pw, m);
+    default: return power_row<T, MASKED, 0>(s, nb, keep, pw, m);
+  }
 }
 
 // One row of keys [0, nb) of a tile: visible are keys < lim (causality) that keep allows (keep nullptr: all).
@@ -478,17 +607,25 @@ inline void fwd_tile_row(const bool* kr, int64_t lim, T* s, int64_t nb, T ci, T&
     const T em = vexp(-mrow);
     den += kr ? softpick_row<T, true>(s, lim, kr, mrow, em) : softpick_row<T, false>(s, lim, nullptr, mrow, em);
   } else if constexpr (KIND == POWER) {
-    // |s|^p = e^{p ln|s|}, accumulated relative to the row's running max m of p ln|s| (rescaled like softpick), so
-    // large |s| or p cannot overflow; ci = +-p (the sign only marks single-key rows for the backward pass)
-    const T mx = kr ? power_log_row<T, true>(s, lim, kr, std::abs(ci), mrow)
-                    : power_log_row<T, false>(s, lim, nullptr, std::abs(ci), mrow);
-    if (mx > mrow) {
-      const T sc = vexp(mrow - mx);
-      for (int64_t d = 0; d < Dv; ++d) orow[d] *= sc;
-      den *= sc;
-      mrow = mx;
+    // |s|^p relative to the row's running largest |s| = M (shift m = p ln M, rescaled like softpick when it grows),
+    // so large |s| or p cannot overflow: (|s| / M)^p, by multiplications for integer p; ci = +-p (the sign only marks
+    // single-key rows for the backward pass). The max is of |s| (one cheap pass), its log taken once per row.
+    const T pw = std::abs(ci);
+    const T amax = kr ? abs_max_row<T, true>(s, lim, kr) : abs_max_row<T, false>(s, lim, nullptr);
+    if (amax >= std::numeric_limits<T>::min()) {
+      const T mx = pw * static_cast<T>(std::log(static_cast<double>(amax)));
+      if (mx > mrow) {
+        const T sc = vexp(mrow - mx);
+        for (int64_t d = 0; d < Dv; ++d) orow[d] *= sc;
+        den *= sc;
+        mrow = mx;
+      }
     }
-    den += kr ? power_row<T, true>(s, lim, kr, mrow) : power_row<T, false>(s, lim, nullptr, mrow);
+    if (mrow > T(0.5) * POW_NEG<T>) {
+      den += kr ? power_row_any<T, true>(s, lim, kr, pw, mrow) : power_row_any<T, false>(s, lim, nullptr, pw, mrow);
+    } else {
+      std::fill(s, s + lim, T(0));  // no nonzero score yet: weights 0
+    }
   } else if constexpr (KIND == SOFTPLUS) {
     // shift c = min(0, running max), rescaled like softpick when it rises; once 0 (a score >= 0 was seen: most
     // rows after their first tile) it stays, and the max pass is skipped
@@ -766,14 +903,17 @@ void forward_threshold(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
 // H = sum p ln p (see backward).
 template <typename T>
 double alpha_threshold(T* y, int32_t* idx, int64_t& n, double alpha) {
-  const double P = 1.0 / (alpha - 1.0);
+  const double P = 1.0 / (alpha - 1.0), Pm1 = P - 1.0;
+  constexpr double tiny = std::numeric_limits<double>::min();
   double t = -1.0;
   if (alpha <= 2.0) {
     for (int it = 0; it < 100; ++it) {
       double S = 0, D1 = 0;
+      // d^(P-1) as e^((P-1) ln d), vectorised (d > 0: the candidates are kept above t)
+#pragma omp simd reduction(+ : S, D1)
       for (int64_t j = 0; j < n; ++j) {
-        const double d = static_cast<double>(y[j]) - t;
-        const double dp = std::pow(d, P - 1.0);
+        const double d = std::max(static_cast<double>(y[j]) - t, tiny);
+        const double dp = vexpd(Pm1 * vlogd(d));
         S += dp * d;
         D1 += dp;
       }
@@ -782,11 +922,12 @@ double alpha_threshold(T* y, int32_t* idx, int64_t& n, double alpha) {
       if (!(t + step > t) || step < 1e-13) break;
       t += step;
       int64_t w = 0;
-      for (int64_t j = 0; j < n; ++j) {
-        if (static_cast<double>(y[j]) - t > 0.0) {
-          y[w] = y[j];
-          idx[w++] = idx[j];
-        }
+      for (int64_t j = 0; j < n; ++j) {  // branch-free compaction (the keep/drop pattern is unpredictable)
+        const T yj = y[j];
+        const int32_t ij = idx[j];
+        y[w] = yj;
+        idx[w] = ij;
+        w += static_cast<double>(yj) - t > 0.0 ? 1 : 0;
       }
       n = w;
     }
@@ -797,13 +938,49 @@ double alpha_threshold(T* y, int32_t* idx, int64_t& n, double alpha) {
     width /= 2;
     const double mid = lo + width;
     double S = 0;
+#pragma omp simd reduction(+ : S)
     for (int64_t j = 0; j < n; ++j) {
       const double d = static_cast<double>(y[j]) - mid;
-      S += d > 0.0 ? std::pow(d, P) : 0.0;
+      S += d > 0.0 ? vexpd(P * vlogd(std::max(d, tiny))) : 0.0;
     }
     if (S >= 1.0) lo = mid;
   }
   return lo;
+}
+
+// alpha-entmax's candidates: y_j = (s_j - zmax)(alpha - 1) > -1 over visible keys j < lim, compacted into cv / ci
+// (cv, ci hold lim entries); returns their count. Branch-free scalar (a store per key, a conditional advance), and
+// 8 keys per step with AVX-512 compress where the CPU has it (this scan was the forward's largest own cost).
+template <typename T>
+int64_t compact_candidates(const T* srow, int64_t lim, const bool* kr, T zmax, T am1, T* cv, int32_t* ci) {
+  int64_t nc = 0, j = 0;
+#if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+  if constexpr (std::is_same_v<T, double>) {
+    const __m512d vz = _mm512_set1_pd(zmax), va = _mm512_set1_pd(am1), vm1 = _mm512_set1_pd(-1.0);
+    __m256i vidx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i v8 = _mm256_set1_epi32(8);
+    for (; j + 8 <= lim; j += 8) {
+      const __m512d y = _mm512_mul_pd(_mm512_sub_pd(_mm512_loadu_pd(srow + j), vz), va);
+      __mmask8 k = _mm512_cmp_pd_mask(y, vm1, _CMP_GT_OQ);
+      if (kr != nullptr) {
+        const __m128i keep8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(kr + j));
+        k &= static_cast<__mmask8>(_mm_test_epi8_mask(keep8, _mm_set1_epi8(1)));
+      }
+      // full-width stores at nc <= j (the buffers hold lim >= j + 8 entries): only the first popcount(k) count
+      _mm512_storeu_pd(cv + nc, _mm512_maskz_compress_pd(k, y));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ci + nc), _mm256_maskz_compress_epi32(k, vidx));
+      nc += __builtin_popcount(static_cast<unsigned>(k));
+      vidx = _mm256_add_epi32(vidx, v8);
+    }
+  }
+#endif
+  for (; j < lim; ++j) {
+    const T y = (srow[j] - zmax) * am1;
+    cv[nc] = y;
+    ci[nc] = static_cast<int32_t>(j);
+    nc += (y > T(-1) && (kr == nullptr || kr[j])) ? 1 : 0;
+  }
+  return nc;
 }
 
 template <typename T>
@@ -813,7 +990,7 @@ void forward_alpha(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
   const int64_t nthreads = at::get_num_threads();
   const int64_t BH = p.B * p.H, UW = u_width(ENTMAX_ALPHA, p.Dv);
   struct Buffers {
-    std::vector<T> S, cand, w;
+    std::vector<T> S, cand, w, g, lp;
     std::vector<int32_t> cidx;
   };
   std::vector<Buffers> bufs(nthreads);
@@ -830,6 +1007,8 @@ void forward_alpha(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
       buf.S.resize(p.BQ * p.Lk);
       buf.cand.resize(p.Lk);
       buf.w.resize(p.Lk);
+      buf.g.resize(p.Lk);
+      buf.lp.resize(p.Lk);
       buf.cidx.resize(p.Lk);
     }
     T* S = buf.S.data();
@@ -844,57 +1023,77 @@ void forward_alpha(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
       const T alpha = p.c[row], am1 = alpha - T(1);
       // shifted before scaling, x = (s - max s)(alpha - 1), as the reference: (alpha - 1) s - (alpha - 1) max s would
       // round (alpha - 1) s first and lose the small differences that P = 1/(alpha-1) then amplifies
+      // (max: vectorised; candidates: compacted branch-free, a store per key and a conditional advance; these two
+      // scans were scalar and branchy, 60% of the forward's own time)
       T zmax = ninf;
-      for (int64_t j = 0; j < lim; ++j) zmax = (kr == nullptr || kr[j]) ? std::max(zmax, srow[j]) : zmax;
+      if (kr == nullptr) {
+#pragma omp simd reduction(max : zmax)
+        for (int64_t j = 0; j < lim; ++j) zmax = std::max(zmax, srow[j]);
+      } else {
+#pragma omp simd reduction(max : zmax)
+        for (int64_t j = 0; j < lim; ++j) zmax = std::max(zmax, kr[j] ? srow[j] : ninf);
+      }
       if (zmax == ninf) continue;  // no visible key: zeros
       T* cv = buf.cand.data();
       int32_t* ci = buf.cidx.data();
-      int64_t nc = 0;
-      for (int64_t j = 0; j < lim; ++j) {
-        const T y = (srow[j] - zmax) * am1;
-        if (y > T(-1) && (kr == nullptr || kr[j])) {
-          cv[nc] = y;
-          ci[nc++] = static_cast<int32_t>(j);
-        }
-      }
+      int64_t nc = compact_candidates(srow, lim, kr, zmax, am1, cv, ci);
       // tau rounded to T here, so that the backward pass, which recomputes r = (s - M)(alpha - 1) - tau in T from
       // the stored M = max s and tau, gets bit-identical r (P = 1/(alpha-1) amplifies any difference)
       const T tau = static_cast<T>(alpha_threshold<T>(cv, ci, nc, static_cast<double>(alpha)));
-      const double P = 1.0 / (static_cast<double>(alpha) - 1.0);
+      const T P = T(1) / am1;
       double Z = 0;
+      T* w = buf.w.data();
+      // the same x^P (vpow_pos) as the backward's recomputation
+#pragma omp simd reduction(+ : Z)
       for (int64_t e = 0; e < nc; ++e) {
-        const double d = static_cast<double>(cv[e] - tau);
-        const double wj = d > 0.0 ? std::pow(d, P) : 0.0;
-        buf.w[e] = static_cast<T>(wj);
-        Z += wj;
+        const T d = cv[e] - tau;
+        const T wj = d > T(0) ? vpow_pos(std::max(d, std::numeric_limits<T>::min()), P) : T(0);
+        w[e] = wj;
+        Z += static_cast<double>(wj);
       }
       const T invz = Z > 0.0 ? static_cast<T>(1.0 / Z) : T(0);
       T* o = out + row * p.Dv;
       T* u = uout != nullptr ? uout + row * UW : nullptr;
       double G = 0, Hs = 0;
-      for (int64_t e = 0; e < nc; ++e) {
-        if (!(buf.w[e] > T(0))) continue;
-        const T pj = buf.w[e] * invz;
-        buf.w[e] = pj;
-        const T* vj = p.vrow(b, g, ci[e]);
-#pragma omp simd
-        for (int64_t d = 0; d < p.Dv; ++d) o[d] += pj * vj[d];
-        if (u == nullptr) continue;
-        G += std::pow(static_cast<double>(pj), 2.0 - alpha);
-        Hs += static_cast<double>(pj) * std::log(static_cast<double>(pj));
+      T* gw = buf.g.data();
+      T* lw = buf.lp.data();
+      const T tma = T(2) - alpha;
+#pragma omp simd reduction(+ : G, Hs)
+      for (int64_t e = 0; e < nc; ++e) {  // p_j, g_j = p_j^(2 - alpha), ln p_j (0 off the support)
+        const T pj = w[e] * invz;
+        const bool in = pj > std::numeric_limits<T>::min();
+        const T lp = in ? vlog_any(pj) : T(0);
+        const T gj = in ? vexp_any(tma * lp) : T(0);
+        w[e] = in ? pj : T(0);
+        gw[e] = gj;
+        lw[e] = lp;
+        G += static_cast<double>(gj);
+        Hs += static_cast<double>(pj) * static_cast<double>(lp);
       }
-      if (u != nullptr && G > 0.0) {
-        // U = sum g_j v_j and A = sum a_j v_j with a_j the alpha-derivative coefficient of p_j, formed per entry
-        // (in double) so that d alpha_i = dO_i . A_i has no cancellation between row sums
-        const double am1d = static_cast<double>(am1);
+      if (u == nullptr) {
         for (int64_t e = 0; e < nc; ++e) {
-          if (!(buf.w[e] > T(0))) continue;
-          const double pj = buf.w[e], gj = std::pow(pj, 2.0 - alpha), pt = gj / G;
-          const T aj = static_cast<T>((pj - pt) / (am1d * am1d) - (pj * std::log(pj) - pt * Hs) / am1d);
-          const T gt = static_cast<T>(gj);
+          const T pj = w[e];
+          if (!(pj > T(0))) continue;
+          const T* vj = p.vrow(b, g, ci[e]);
+#pragma omp simd
+          for (int64_t d = 0; d < p.Dv; ++d) o[d] += pj * vj[d];
+        }
+        G = 0;
+      } else if (G > 0.0) {
+        // out, U = sum g_j v_j and A = sum a_j v_j in one pass over the support, with a_j the alpha-derivative
+        // coefficient of p_j, formed per entry (in double) so that d alpha_i = dO_i . A_i has no cancellation
+        // between row sums
+        const double am1d = static_cast<double>(am1), invg = 1.0 / G;
+        for (int64_t e = 0; e < nc; ++e) {
+          const T pj = w[e];
+          if (!(pj > T(0))) continue;
+          const double pd = pj, pt = gw[e] * invg;
+          const T aj = static_cast<T>((pd - pt) / (am1d * am1d) - (pd * lw[e] - pt * Hs) / am1d);
+          const T gt = gw[e];
           const T* vj = p.vrow(b, g, ci[e]);
 #pragma omp simd
           for (int64_t d = 0; d < p.Dv; ++d) {
+            o[d] += pj * vj[d];
             u[d] += gt * vj[d];
             u[p.Dv + d] += aj * vj[d];
           }
@@ -934,7 +1133,7 @@ inline bool single_key_row(int64_t kind, T c) {
 
 // d/ds of one entry: P and dS from the score x and g = dO_i . v_j (branch-free, see the forward); dr: the entry's
 // term of the gradient of the row value c (sigmoid: dS; power: d/dp)
-template <typename T, int64_t KIND, bool SLOW = false>
+template <typename T, int64_t KIND, bool SLOW = false, int NP = 0>
 inline void dmap(T x, T g, const RowC<T>& rc, T& pp, T& ds, T& dr) {
   const T invd = rc.invd, delta = rc.delta;
   if constexpr (KIND == SYMAX) {
@@ -973,10 +1172,12 @@ inline void dmap(T x, T g, const RowC<T>& rc, T& pp, T& ds, T& dr) {
     ds = r * (g - delta);
   }
   if constexpr (KIND == ENTMAX_ALPHA) {  // p = r^P / Z, r = [(alpha-1) s - tau]_+, dS = p^(2-alpha) (g - delta)
-    const T r = std::max((x - rc.m) * (rc.c - T(1)) - rc.tau, T(0));  // rc.m: M, as in the forward
-    const T pr = r > T(0) ? std::pow(r, T(1) / (rc.c - T(1))) * invd : T(0);
+    // rc.m: M, as in the forward; powers through vpow_pos as there (vectorised; glibc pow was scalar)
+    const T tiny = std::numeric_limits<T>::min();
+    const T r = std::max((x - rc.m) * (rc.c - T(1)) - rc.tau, T(0));
+    const T pr = r > T(0) ? vpow_pos(std::max(r, tiny), T(1) / (rc.c - T(1))) * invd : T(0);
     pp = pr;
-    ds = pr > T(0) ? std::pow(pr, T(2) - rc.c) * (g - delta) : T(0);
+    ds = pr > tiny ? vpow_pos(std::max(pr, tiny), T(2) - rc.c) * (g - delta) : T(0);
   }
   if constexpr (KIND == SPARSEMAX) {
     const T r = x - rc.tau;
@@ -984,13 +1185,22 @@ inline void dmap(T x, T g, const RowC<T>& rc, T& pp, T& ds, T& dr) {
     pp = r * pos;
     ds = (g - delta) * pos;
   }
-  if constexpr (KIND == POWER) {  // A = e^{p ln|s| - m}: dA/ds = p A / s, dA/dp = A ln|s|
+  if constexpr (KIND == POWER) {  // A = |s|^p e^-m: dA/ds = p A / s, dA/dp = A ln|s|
     const T pw = std::abs(rc.c), ax = std::abs(x), tiny = std::numeric_limits<T>::min();
     const bool nz = ax >= tiny;
-    const T lx = nz ? vlog(std::max(ax, tiny)) : T(0);
-    pp = nz ? vexp(pw * lx - rc.m) * invd : T(0);
+    const T lx = nz ? vlog(std::max(ax, tiny)) : T(0);  // (only the p-gradient needs it)
+    // e1 = A / |s| = |s|^(p-1) e^-m, so that dA/ds = p e1 sign(s) takes no division; integer p (NP): by
+    // multiplications from u = |s| / M (rc.em = 1/M, m = p ln M), as the forward
+    T e1;
+    if constexpr (NP > 0) {
+      const double inv = rc.em;
+      e1 = static_cast<T>(ipow<NP - 1>(static_cast<double>(ax) * inv) * inv);
+    } else {
+      e1 = vexp((pw - T(1)) * lx - rc.m);
+    }
+    pp = nz ? e1 * ax * invd : T(0);
     const T gp = (g - delta) * pp;
-    ds = nz ? gp * pw / (nz ? x : T(1)) : T(0);
+    ds = nz ? (g - delta) * invd * pw * e1 * sgn(x) : T(0);
     // sum_j P_j (g_j - delta) = 0, so ln|s| may be centred at the row's largest ln|s| (m / p): this keeps the
     // rounding of delta = dO . out from being amplified by large |ln|s|| (fp16 inputs: 4x closer to fp64)
     dr = gp * (lx - rc.m / pw);
@@ -1001,11 +1211,11 @@ inline void dmap(T x, T g, const RowC<T>& rc, T& pp, T& ds, T& dr) {
     if constexpr (SLOW) {
       const T e = vexp(x - c);
       pp = e * r * invd;
-      ds = (g - delta) * invd * e / (T(1) + u);
+      ds = (g - delta) * invd * e * inv_one_plus(u);
     } else {
       const T ec = rc.em;  // e^-c, c in [SP_SLOW, 0]
       pp = (std::max(x, T(0)) + u * r) * ec * invd;
-      ds = (g - delta) * invd * ec * (x >= T(0) ? T(1) : u) / (T(1) + u);
+      ds = (g - delta) * invd * ec * (x >= T(0) ? T(1) : u) * inv_one_plus(u);
     }
   }
   if constexpr (KIND != POWER) dr = ds;
@@ -1013,7 +1223,7 @@ inline void dmap(T x, T g, const RowC<T>& rc, T& pp, T& ds, T& dr) {
 
 // One row of a tile: s (scores) becomes P, dp (dO . v_j) becomes dS; returns sum_j dr (the row value's gradient:
 // sigmoid's bias sum_j dS, power's dp).
-template <typename T, int64_t KIND, bool MASKED, bool SLOW = false>
+template <typename T, int64_t KIND, bool MASKED, bool SLOW = false, int NP = 0>
 T bwd_row(T* __restrict s, T* __restrict dp, int64_t nb, const bool* __restrict keep, const RowC<T>& rcr) {
   const RowC<T> rc = rcr;
   const T live = rc.live;
@@ -1021,7 +1231,7 @@ T bwd_row(T* __restrict s, T* __restrict dp, int64_t nb, const bool* __restrict 
 #pragma omp simd reduction(+ : dcacc)
   for (int64_t j = 0; j < nb; ++j) {
     T pp, ds, dr;
-    dmap<T, KIND, SLOW>(s[j], dp[j], rc, pp, ds, dr);
+    dmap<T, KIND, SLOW, NP>(s[j], dp[j], rc, pp, ds, dr);
     ds *= live;
     dr *= live;
     if constexpr (MASKED) {
@@ -1040,7 +1250,19 @@ template <typename T, int64_t KIND>
 inline T bwd_tile_row(const bool* kr, int64_t lim, T* s, T* dp, int64_t nb, const RowC<T>& rc) {
   lim = std::max<int64_t>(0, std::min(lim, nb));
   T acc;
-  if (KIND == SOFTPLUS && rc.m < SP_SLOW<T>) {  // softplus rows of very negative scores only
+  if constexpr (KIND == POWER) {  // integer p: its own instantiation (see power_row)
+    const int np = power_int(std::abs(rc.c));
+    auto run = [&](auto npc) {
+      constexpr int NP = decltype(npc)::value;
+      return kr ? bwd_row<T, KIND, true, false, NP>(s, dp, lim, kr, rc)
+                : bwd_row<T, KIND, false, false, NP>(s, dp, lim, nullptr, rc);
+    };
+    acc = np == 1   ? run(std::integral_constant<int, 1>{})
+          : np == 2 ? run(std::integral_constant<int, 2>{})
+          : np == 3 ? run(std::integral_constant<int, 3>{})
+          : np == 4 ? run(std::integral_constant<int, 4>{})
+                    : run(std::integral_constant<int, 0>{});
+  } else if (KIND == SOFTPLUS && rc.m < SP_SLOW<T>) {  // softplus rows of very negative scores only
     acc = kr ? bwd_row<T, KIND, true, true>(s, dp, lim, kr, rc)
              : bwd_row<T, KIND, false, true>(s, dp, lim, nullptr, rc);
   } else {
@@ -1069,13 +1291,13 @@ bool sparse_tile(const Problem<T>& p, int st, int64_t b, int64_t h, int64_t g, i
     const int64_t lim = st == 1 ? nb : std::max<int64_t>(0, std::min(nb, p.key_end(i0 + r) - j0));
     const bool* kr = st == 2 && p.keep ? p.mrow(b, h, i0 + r) + j0 : nullptr;
     const T* srow = S + r * nb;
+    // branch-free (a store per entry, a conditional advance: E holds m * nb); the bound is checked per row
     for (int64_t j = 0; j < lim; ++j) {
       const T y = ALPHA ? (srow[j] - sh) * half : half * srow[j];
-      if (y - tau > T(0) && (kr == nullptr || kr[j])) {
-        if ((ns + 1) * SPARSE_RATIO > m * nb) return false;
-        E[ns++] = static_cast<int32_t>(r * nb + j);
-      }
+      E[ns] = static_cast<int32_t>(r * nb + j);
+      ns += (y - tau > T(0) && (kr == nullptr || kr[j])) ? 1 : 0;
     }
+    if (ns * SPARSE_RATIO > m * nb) return false;
   }
   if (ns == 0) return true;
   std::fill(dQb, dQb + m * p.D, T(0));
@@ -1084,8 +1306,9 @@ bool sparse_tile(const Problem<T>& p, int st, int64_t b, int64_t h, int64_t g, i
     const T rr = (ALPHA ? (S[E[e]] - shift[row]) * factor(row) : factor(row) * S[E[e]]) - r1[row];
     T pp, hh;
     if constexpr (ALPHA) {
-      pp = std::pow(rr, T(1) / (p.c[row] - T(1))) * invd[row];
-      hh = std::pow(pp, T(2) - p.c[row]);
+      const T tiny = std::numeric_limits<T>::min();
+      pp = vpow_pos(std::max(rr, tiny), T(1) / (p.c[row] - T(1))) * invd[row];
+      hh = pp > tiny ? vpow_pos(pp, T(2) - p.c[row]) : T(0);
     } else {
       pp = ENTMAX ? rr * rr : rr;
       hh = ENTMAX ? rr : T(1);
@@ -1220,8 +1443,10 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
           for (int64_t r = 0; r < m; ++r) {
             const int64_t row = bh * p.Lq + i0 + r;
             const T live = constant_on_single_key(KIND) && single_key_row(KIND, p.c[row]) ? T(0) : T(1);
-            RowC<T> rc{invd[row], delta[row], p.c[row], KIND == ENTMAX_ALPHA ? shift[row] : r2[row], vexp(-r2[row]),
-                       r1[row], live};
+            // em: e^-m (softpick, softplus), 1/M (power)
+            const T em = KIND == POWER ? power_inv_max(r2[row], std::abs(p.c[row])) : vexp(-r2[row]);
+            RowC<T> rc{invd[row], delta[row], p.c[row], KIND == ENTMAX_ALPHA ? shift[row] : r2[row], em, r1[row],
+                       live};
             const bool* kr = st == 2 && p.keep ? p.mrow(b, h, i0 + r) + j0 : nullptr;
             dcrow[r] = bwd_tile_row<T, KIND>(kr, st == 1 ? nb : p.key_end(i0 + r) - j0, buf.S.data() + r * nb,
                                              buf.dP.data() + r * nb, nb, rc);
