@@ -128,6 +128,36 @@ def score_mod_reason(call: AttnCall) -> str | None:
     return f"this path does not apply {', '.join(present)}" if present else None
 
 
+def unfused_call_reason(call: AttnCall) -> str | None:
+    """Why a kernel that never forms the weights and computes s = c (q . k) itself cannot take ``call``: score
+    modifiers, dropout, empty inputs, or a normalizer that transforms q/k. None when none of these holds."""
+    reason = score_mod_reason(call)
+    if reason is not None:
+        return reason
+    if call.dropout > 0:
+        return "dropout > 0 (the weights are never formed)"
+    if call.q.numel() == 0 or call.k.shape[2] == 0:
+        return "empty inputs"
+    if type(call.normalizer).transform_qk is not Normalizer.transform_qk or \
+            type(call.normalizer).feature_map is not Normalizer.feature_map:
+        return "the normalizer transforms q/k"
+    return None
+
+
+def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when its last dim is contiguous (the C++ kernels read rows through strides), else a copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def dense_keep(call: AttnCall, b: int, h: int, lq: int, lk: int) -> torch.Tensor | None:
+    """The call's keep mask as a [B, H, Lq, Lk] view with a contiguous last dim (broadcast dims stay stride 0), on
+    q's device; None for a mask-free call."""
+    keep = call.mask.keep
+    if keep is None:
+        return None
+    return last_dim_contiguous(keep.to(call.q.device)).expand(b, h, lq, lk)
+
+
 def alibi_bias(slopes: torch.Tensor, lq: int, lk: int) -> torch.Tensor:
     """ALiBi (Press et al.): bias [1, H, Lq, Lk] = -slopes[h] * |pos_i - j| with query i at key position
     i + Lk - Lq (the last query is the last key, as in cached decoding). For causal attention this is the paper's

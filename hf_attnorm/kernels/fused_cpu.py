@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ..normalizers.base import Normalizer
-from .base import AttnCall, compact_bias, compute_dtype
+from .base import AttnCall, compact_bias, compute_dtype, dense_keep, last_dim_contiguous
 from .kinds import FUSED_KINDS, THRESHOLD, WIDE, fused_takes, kind_id
 
 logger = logging.getLogger("hf_attnorm")
@@ -216,10 +216,6 @@ def row_constant(call: AttnCall, dtype: torch.dtype) -> torch.Tensor:
     return c.expand(B, H, Lq).contiguous()
 
 
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def takes(norm: Normalizer) -> str | None:
     """The normalizers with a fused map and no q/k transform (``kinds.fused_takes``)."""
     return fused_takes(norm, "fused")
@@ -245,15 +241,10 @@ def fused_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     kind = call.normalizer.fused_kind
     dt = torch.float64 if kind in WIDE else compute_dtype(call.q.dtype)
     q = (call.q.to(dt) * call.q_factor(dt)).contiguous()
-    k = _last_dim_contiguous(call.k.to(dt))
-    v = _last_dim_contiguous(call.v.to(dt))
+    k = last_dim_contiguous(call.k.to(dt))
+    v = last_dim_contiguous(call.v.to(dt))
     B, H, Lq, _ = q.shape
-    keep = call.mask.keep
-    if keep is not None:
-        keep = keep.to(q.device)
-        if keep.stride(-1) != 1:
-            keep = keep.contiguous()
-        keep = keep.expand(B, H, Lq, k.shape[2])
+    keep = dense_keep(call, B, H, Lq, k.shape[2])
     causal = keep is None and call.mask.causal
     if BLOCK_OVERRIDE is not None:
         blocks = BLOCK_OVERRIDE

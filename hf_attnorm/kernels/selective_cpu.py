@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from ..normalizers.base import Normalizer
 from . import fused_cpu
-from .base import AttnCall, compute_dtype, score_mod_reason
+from .base import AttnCall, compute_dtype, dense_keep, last_dim_contiguous, unfused_call_reason
 from .selective import takes
 
 #: (block_q, block_k): queries per parallel work item, keys per tile (the BLAS inner size)
@@ -87,16 +86,9 @@ def carry_reason(call: AttnCall) -> str | None:
 
 
 def accepts(call: AttnCall) -> str | None:
-    reason = score_mod_reason(call)
+    reason = unfused_call_reason(call)
     if reason is not None:
         return reason
-    if call.dropout > 0:
-        return "dropout > 0 (the weights are never formed)"
-    if call.q.numel() == 0 or call.k.shape[2] == 0:
-        return "empty inputs"
-    if type(call.normalizer).transform_qk is not Normalizer.transform_qk or \
-            type(call.normalizer).feature_map is not Normalizer.feature_map:
-        return "the normalizer transforms q/k"
     if call.q.device.type != "cpu":
         return f"device {call.q.device} (CPU only)"
     if call.q.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
@@ -132,10 +124,6 @@ def selection_facts(call: AttnCall, head: int) -> tuple[torch.Tensor, torch.Tens
     return bos.expand(B).contiguous(), selrow.expand(B, Lq).contiguous()
 
 
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def selective_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     """out [B, H, Lq, Dv] in the input dtype (fp16/bf16 computed in fp32); k/v are not repeated for GQA."""
     norm = call.normalizer
@@ -146,12 +134,9 @@ def selective_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     factor = call.q_factor(dt)
     scale = float(factor) if isinstance(factor, float) else 1.0
     q = (call.q.to(dt) if isinstance(factor, float) else call.q.to(dt) * factor).contiguous()
-    k, v = _last_dim_contiguous(call.k.to(dt)), _last_dim_contiguous(call.v.to(dt))
+    k, v = last_dim_contiguous(call.k.to(dt)), last_dim_contiguous(call.v.to(dt))
     B, H, Lq, _ = q.shape
-    keep = call.mask.keep
-    if keep is not None:
-        keep = keep.to(q.device)
-        keep = (keep if keep.stride(-1) == 1 else keep.contiguous()).expand(B, H, Lq, k.shape[2])
+    keep = dense_keep(call, B, H, Lq, k.shape[2])
     causal = keep is None and call.mask.causal
     bos, selrow = selection_facts(call, head)
     carry = getattr(call, "selective_carry", None)

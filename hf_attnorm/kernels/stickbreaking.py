@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..normalizers.base import Normalizer
-from .base import AttnCall, compute_dtype, score_mod_reason
+from .base import AttnCall, compute_dtype, unfused_call_reason
 
 #: (query block, key block) of the PyTorch scan
 BLOCKS = (128, 256)
@@ -42,17 +42,7 @@ def takes(norm: Normalizer) -> str | None:
 
 def common_reason(call: AttnCall) -> str | None:
     """Why none of the stick-breaking kernels can run ``call`` (shared by the three paths), or None."""
-    reason = score_mod_reason(call)
-    if reason is not None:
-        return reason
-    if call.dropout > 0:
-        return "dropout > 0 (the weights are never formed)"
-    if call.q.numel() == 0 or call.k.shape[2] == 0:
-        return "empty inputs"
-    if type(call.normalizer).transform_qk is not Normalizer.transform_qk or \
-            type(call.normalizer).feature_map is not Normalizer.feature_map:
-        return "the normalizer transforms q/k"
-    return None
+    return unfused_call_reason(call)
 
 
 def options(call: AttnCall) -> tuple[bool, bool]:

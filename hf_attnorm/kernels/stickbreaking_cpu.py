@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import fused_cpu
-from .base import AttnCall, compute_dtype
+from .base import AttnCall, compute_dtype, dense_keep, last_dim_contiguous
 from .stickbreaking import common_reason, options, own_index, takes
 
 #: (block_q, block_k): the query block is the vector width of the scan, the key block the BLAS inner size
@@ -71,20 +71,13 @@ def accepts(call: AttnCall) -> str | None:
     return reason
 
 
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def stickbreaking_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     """out [B, H, Lq, Dv] in the input dtype (fp16/bf16 computed in fp32); k/v are not repeated for GQA."""
     dt = compute_dtype(call.q.dtype)
     q = (call.q.to(dt) * call.q_factor(dt)).contiguous()
-    k, v = _last_dim_contiguous(call.k.to(dt)), _last_dim_contiguous(call.v.to(dt))
+    k, v = last_dim_contiguous(call.k.to(dt)), last_dim_contiguous(call.v.to(dt))
     B, H, Lq, _ = q.shape
-    keep = call.mask.keep
-    if keep is not None:
-        keep = keep.to(q.device)
-        keep = (keep if keep.stride(-1) == 1 else keep.contiguous()).expand(B, H, Lq, k.shape[2])
+    keep = dense_keep(call, B, H, Lq, k.shape[2])
     attend_current, remainder = options(call)
     own = own_index(call).contiguous()
     out = _SBFn.apply(q, k, v, keep, own, attend_current, remainder, BLOCK_OVERRIDE or BLOCKS)

@@ -1,11 +1,14 @@
-// Shared by the fused CPU kernels (fused_cpu.cpp, stickbreaking.cpp; one extension): the BLAS entry points and
-// row-major matmul wrappers, and an exp that GCC vectorises. Everything is in an anonymous namespace, so each
+// Shared by the fused CPU kernels (fused_cpu.cpp, stickbreaking.cpp, selective.cpp; one extension): the BLAS entry
+// points and row-major matmul wrappers, an exp that GCC vectorises, and the q/k/v/keep binding of a problem struct. Everything is in an anonymous namespace, so each
 // translation unit gets its own inlined copy.
 #pragma once
+
+#include <ATen/ATen.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 
 namespace {
 
@@ -74,5 +77,46 @@ inline __attribute__((always_inline)) float vexp(float x) {
   return x <= -88.0f ? 0.0f : p * scale;
 }
 inline __attribute__((always_inline)) double vexp(double x) { return std::exp(x); }
+
+// Fills the fields a scan kernel's problem struct P shares (B, H, Lq, D, Hkv, Lk, Dv, G; q, k, v and the k/v strides;
+// keep and its strides) from q [B, H, Lq, D] (contiguous), k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv] (last dims
+// contiguous) and keep, bool [B, H, Lq, Lk] with a contiguous last dim; ``who`` names the kernel in the errors.
+template <typename T, typename P>
+void bind_qkv(P& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+              const std::optional<at::Tensor>& keep, const char* who) {
+  p.B = q.size(0);
+  p.H = q.size(1);
+  p.Lq = q.size(2);
+  p.D = q.size(3);
+  p.Hkv = k.size(1);
+  p.Lk = k.size(2);
+  p.Dv = v.size(3);
+  TORCH_CHECK(p.Hkv > 0 && p.H % p.Hkv == 0 && k.size(0) == p.B && v.size(0) == p.B && k.size(3) == p.D &&
+                  v.size(2) == p.Lk && v.size(1) == p.Hkv,
+              who, ": incompatible q, k, v shapes");
+  TORCH_CHECK(q.is_contiguous() && k.stride(3) == 1 && v.stride(3) == 1,
+              who, ": q must be contiguous, k and v contiguous in their last dim");
+  p.G = p.H / p.Hkv;
+  p.q = q.data_ptr<T>();
+  p.k = k.data_ptr<T>();
+  p.v = v.data_ptr<T>();
+  p.ksb = k.stride(0);
+  p.ksh = k.stride(1);
+  p.ksl = k.stride(2);
+  p.vsb = v.stride(0);
+  p.vsh = v.stride(1);
+  p.vsl = v.stride(2);
+  p.keep = nullptr;
+  p.msb = p.msh = p.msl = 0;
+  if (keep.has_value()) {
+    TORCH_CHECK(keep->dim() == 4 && keep->size(0) == p.B && keep->size(1) == p.H && keep->size(2) == p.Lq &&
+                    keep->size(3) == p.Lk && keep->stride(3) == 1 && keep->scalar_type() == at::kBool,
+                who, ": keep must be bool [B, H, Lq, Lk] with a contiguous last dim");
+    p.keep = keep->data_ptr<bool>();
+    p.msb = keep->stride(0);
+    p.msh = keep->stride(1);
+    p.msl = keep->stride(2);
+  }
+}
 
 }  // namespace

@@ -217,49 +217,17 @@ Sel<T> make_sel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
                 int64_t block_q, int64_t block_k) {
   Sel<T> p;
   p.scale = static_cast<T>(scale);
-  p.B = q.size(0);
-  p.H = q.size(1);
-  p.Lq = q.size(2);
-  p.D = q.size(3);
-  p.Hkv = k.size(1);
-  p.Lk = k.size(2);
-  p.Dv = v.size(3);
-  TORCH_CHECK(p.Hkv > 0 && p.H % p.Hkv == 0 && k.size(0) == p.B && v.size(0) == p.B && k.size(3) == p.D &&
-                  v.size(2) == p.Lk && v.size(1) == p.Hkv,
-              "selective: incompatible q, k, v shapes");
-  TORCH_CHECK(q.is_contiguous() && k.stride(3) == 1 && v.stride(3) == 1,
-              "selective: q must be contiguous, k and v contiguous in their last dim");
+  bind_qkv<T>(p, q, k, v, keep, "selective");
   TORCH_CHECK(head >= 0 && head < p.H, "selective: selecting head ", head, " out of range 0..", p.H - 1);
   TORCH_CHECK(bos.scalar_type() == at::kLong && bos.is_contiguous() && bos.numel() == p.B,
               "selective: bos must be int64 [B]");
   TORCH_CHECK(selrow.scalar_type() == at::kBool && selrow.is_contiguous() && selrow.numel() == p.B * p.Lq,
               "selective: selrow must be bool [B, Lq]");
   TORCH_CHECK(block_q > 0 && block_k > 0, "selective: block sizes must be positive");
-  p.G = p.H / p.Hkv;
   p.BQ = block_q;
   p.BK = block_k;
   p.nqb = (p.Lq + p.BQ - 1) / p.BQ;
   p.hs = head;
-  p.q = q.data_ptr<T>();
-  p.k = k.data_ptr<T>();
-  p.v = v.data_ptr<T>();
-  p.ksb = k.stride(0);
-  p.ksh = k.stride(1);
-  p.ksl = k.stride(2);
-  p.vsb = v.stride(0);
-  p.vsh = v.stride(1);
-  p.vsl = v.stride(2);
-  p.keep = nullptr;
-  p.msb = p.msh = p.msl = 0;
-  if (keep.has_value()) {
-    TORCH_CHECK(keep->dim() == 4 && keep->size(0) == p.B && keep->size(1) == p.H && keep->size(2) == p.Lq &&
-                    keep->size(3) == p.Lk && keep->stride(3) == 1 && keep->scalar_type() == at::kBool,
-                "selective: keep must be bool [B, H, Lq, Lk] with a contiguous last dim");
-    p.keep = keep->data_ptr<bool>();
-    p.msb = keep->stride(0);
-    p.msh = keep->stride(1);
-    p.msl = keep->stride(2);
-  }
   p.causal = causal;
   p.bos = bos.data_ptr<int64_t>();
   p.selrow = selrow.data_ptr<bool>();

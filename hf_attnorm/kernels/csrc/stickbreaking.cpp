@@ -163,41 +163,12 @@ template <typename T>
 SB<T> make_sb(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& keep,
               const at::Tensor& own, bool attend_current, bool remainder, int64_t block_q, int64_t block_k) {
   SB<T> p;
-  p.B = q.size(0);
-  p.H = q.size(1);
-  p.Lq = q.size(2);
-  p.D = q.size(3);
-  p.Hkv = k.size(1);
-  p.Lk = k.size(2);
-  p.Dv = v.size(3);
-  TORCH_CHECK(p.Hkv > 0 && p.H % p.Hkv == 0 && k.size(3) == p.D && v.size(2) == p.Lk,
-              "stickbreaking: incompatible q, k, v shapes");
-  TORCH_CHECK(q.is_contiguous() && k.stride(3) == 1 && v.stride(3) == 1 && own.is_contiguous(),
-              "stickbreaking: q and own must be contiguous, k and v contiguous in their last dim");
-  p.G = p.H / p.Hkv;
+  bind_qkv<T>(p, q, k, v, keep, "stickbreaking");
+  TORCH_CHECK(own.is_contiguous(), "stickbreaking: own must be contiguous");
   p.BQ = block_q;
   p.BK = block_k;
   p.nqb = (p.Lq + p.BQ - 1) / p.BQ;
   p.nkb = (p.Lk + p.BK - 1) / p.BK;
-  p.q = q.data_ptr<T>();
-  p.k = k.data_ptr<T>();
-  p.v = v.data_ptr<T>();
-  p.ksb = k.stride(0);
-  p.ksh = k.stride(1);
-  p.ksl = k.stride(2);
-  p.vsb = v.stride(0);
-  p.vsh = v.stride(1);
-  p.vsl = v.stride(2);
-  p.keep = nullptr;
-  if (keep.has_value()) {
-    TORCH_CHECK(keep->dim() == 4 && keep->size(0) == p.B && keep->size(1) == p.H && keep->size(2) == p.Lq &&
-                    keep->size(3) == p.Lk && keep->stride(3) == 1 && keep->scalar_type() == at::kBool,
-                "stickbreaking: keep must be bool [B, H, Lq, Lk] with a contiguous last dim");
-    p.keep = keep->data_ptr<bool>();
-    p.msb = keep->stride(0);
-    p.msh = keep->stride(1);
-    p.msl = keep->stride(2);
-  }
   p.own = own.data_ptr<int64_t>();
   p.attend_current = attend_current;
   p.remainder = remainder;
