@@ -27,6 +27,24 @@ def model_output(out) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
+def mask_of_kind(kind: str, B: int, H: int, Lq: int, Lk: int, causal: bool) -> torch.Tensor | None:
+    """A keep mask for kernel tests: "none", "padding" (left padding in batch row 0 with fully masked query rows,
+    right padding in row 1; causal on top when asked) or per-head random masks (any other kind)."""
+    if kind == "none":
+        return None
+    if kind == "padding":  # left padding in row 0 (with fully masked query rows), right padding in row 1
+        keep = torch.ones(B, 1, Lq, Lk, dtype=torch.bool)
+        keep[0, :, :, :4] = False
+        keep[0, :, :4] = False
+        keep[1, :, :, Lk - 3:] = False
+        if causal:
+            keep &= torch.ones(Lq, Lk, dtype=torch.bool).tril(Lk - Lq)
+        return keep
+    keep = torch.rand(B, H, Lq, Lk, generator=torch.Generator().manual_seed(3)) > 0.4  # per-head masks
+    keep[:, 0, 0] = False
+    return keep
+
+
 def tiny(family: str, task: str, implementation: str = "softmax", **kw) -> torch.nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

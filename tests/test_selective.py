@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny
+from conftest import mask_of_kind, tiny
 
 from hf_attnorm.attention import attention, constant_heads, make_call
 from hf_attnorm.kernels import attend, explain, fused_cpu
@@ -67,22 +67,6 @@ def test_gradient_flows_through_the_penalty():
     assert (dq[:, 0] - dq_detached[:, 0]).abs().max() > 1e-3
 
 
-def _mask(kind: str, B: int, H: int, Lq: int, Lk: int, causal: bool) -> torch.Tensor | None:
-    if kind == "none":
-        return None
-    if kind == "padding":  # left padding in row 0 (with fully masked query rows), right padding in row 1
-        keep = torch.ones(B, 1, Lq, Lk, dtype=torch.bool)
-        keep[0, :, :, :4] = False
-        keep[0, :, :4] = False
-        keep[1, :, :, Lk - 3:] = False
-        if causal:
-            keep &= torch.ones(Lq, Lk, dtype=torch.bool).tril(Lk - Lq)
-        return keep
-    keep = torch.rand(B, H, Lq, Lk, generator=torch.Generator().manual_seed(3)) > 0.4  # per-head masks
-    keep[:, 0, 0] = False
-    return keep
-
-
 CASES = [  # (B, H, Hkv, Lq, Lk, causal, mask)
     (2, 4, 2, 37, 37, True, "none"),  # odd length, GQA
     (1, 2, 2, 29, 29, False, "none"),  # bidirectional
@@ -100,7 +84,7 @@ def test_blocked_path_matches_reference(case, dtype, monkeypatch):
     B, H, Hkv, Lq, Lk, causal, kind = case
     monkeypatch.setattr(selective_mod, "BLOCK_OVERRIDE", 8)  # several blocks, so the carries are exercised
     q, k, v = _leaves((B, H, Lq, 16), (B, Hkv, Lk, 16), (B, Hkv, Lk, 16), seed=Lq)
-    mask = _mask(kind, B, H, Lq, Lk, causal)
+    mask = mask_of_kind(kind, B, H, Lq, Lk, causal)
     gout = torch.randn(B, H, Lq, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
     settings = resolve_settings("selective", {"selective_head": 1})
     res = {}

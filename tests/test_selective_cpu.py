@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import mask_of_kind
 
 from hf_attnorm.attention import attention, constant_heads, make_call
 from hf_attnorm.kernels import attend, explain, fused_cpu
@@ -25,22 +26,6 @@ PATH = "selective_cpu"
 def _leaves(*shapes, seed=0, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(*s, generator=g, dtype=dtype) for s in shapes]
-
-
-def _mask(kind: str, B: int, H: int, Lq: int, Lk: int, causal: bool) -> torch.Tensor | None:
-    if kind == "none":
-        return None
-    if kind == "padding":  # left padding in row 0 (with fully masked query rows), right padding in row 1
-        keep = torch.ones(B, 1, Lq, Lk, dtype=torch.bool)
-        keep[0, :, :, :4] = False
-        keep[0, :, :4] = False
-        keep[1, :, :, Lk - 3:] = False
-        if causal:
-            keep &= torch.ones(Lq, Lk, dtype=torch.bool).tril(Lk - Lq)
-        return keep
-    keep = torch.rand(B, H, Lq, Lk, generator=torch.Generator().manual_seed(3)) > 0.4  # per-head masks
-    keep[:, 0, 0] = False
-    return keep
 
 
 def _run(path, q, k, v, settings, mask, causal, gout, dtype):
@@ -72,7 +57,7 @@ def test_matches_reference_in_fp64(case, head, monkeypatch):
     B, H, Hkv, Lq, Lk, causal, kind = case
     monkeypatch.setattr(cpu_mod, "BLOCK_OVERRIDE", (8, 8))
     q, k, v, gout = _leaves((B, H, Lq, 16), (B, Hkv, Lk, 16), (B, Hkv, Lk, 12), (B, H, Lq, 12), seed=Lq)
-    mask = _mask(kind, B, H, Lq, Lk, causal)
+    mask = mask_of_kind(kind, B, H, Lq, Lk, causal)
     settings = resolve_settings("selective", {"selective_head": head})
     ref = _run("reference", q, k, v, settings, mask, causal, gout, torch.float64)
     fast = _run(PATH, q, k, v, settings, mask, causal, gout, torch.float64)
@@ -89,7 +74,7 @@ def test_fp32_matches_the_blocked_path(case, monkeypatch):
     B, H, Hkv, Lq, Lk, causal, kind = case
     monkeypatch.setattr(cpu_mod, "BLOCK_OVERRIDE", (16, 8))
     q, k, v, gout = _leaves((B, H, Lq, 16), (B, Hkv, Lk, 16), (B, Hkv, Lk, 16), (B, H, Lq, 16), seed=2)
-    mask = _mask(kind, B, H, Lq, Lk, causal)
+    mask = mask_of_kind(kind, B, H, Lq, Lk, causal)
     settings = resolve_settings("selective", {"selective_head": H - 1})
     exact = _run("reference", q, k, v, settings, mask, causal, gout, torch.float64)
     res = {p: _run(p, q, k, v, settings, mask, causal, gout, torch.float32) for p in ("reference", "selective", PATH)}

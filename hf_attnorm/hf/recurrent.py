@@ -39,6 +39,7 @@ from ..kernels.base import AttnCall
 from ..kernels.linear_recurrent import LinearState, build_state
 from ..kernels.linear_recurrent import takes as recurrent_takes
 from ..registry import NORMALIZERS
+from .hooks import add_pre_hook, remove_pre_hook
 
 #: attribute of a transformers cache layer holding its ``_Owned`` state
 STATE_ATTR = "_hf_attnorm_linear"
@@ -114,16 +115,11 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
 def attach(module: nn.Module) -> None:
     """Install the pre-hook on an attention module (once; a module-level function, so models still deepcopy and
     pickle)."""
-    if _pre_hook not in module._forward_pre_hooks.values():
-        module.register_forward_pre_hook(_pre_hook, with_kwargs=True)
+    add_pre_hook(module, _pre_hook)
 
 
 def detach(module: nn.Module) -> None:
-    for key, fn in list(module._forward_pre_hooks.items()):
-        if fn is _pre_hook:
-            del module._forward_pre_hooks[key]
-            module._forward_pre_hooks_with_kwargs.pop(key, None)
-    module.__dict__.pop(PENDING_ATTR, None)
+    remove_pre_hook(module, _pre_hook, PENDING_ATTR)
 
 
 def drop_states(cache: Cache) -> None:
