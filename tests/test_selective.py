@@ -53,10 +53,12 @@ def test_reference_equals_the_paper_listing_forward_and_gradients(head):
     assert not torch.allclose(ours, plain), "the penalty must change the output"
 
 
-def test_gradient_flows_through_the_penalty():
+@pytest.mark.parametrize("path", ["selective", pytest.param("selective_cpu", marks=pytest.mark.skipif(
+    fused_cpu.unavailable_reason() is not None, reason="fused CPU kernels unavailable"))])
+def test_gradient_flows_through_the_penalty(path):
     """With F detached the selecting head's q gets another gradient: the path differentiates through F."""
     q, k, v = _leaves((1, 2, 9, 4), (1, 2, 9, 4), (1, 2, 9, 4), seed=1)
-    out, _ = attention(q, k, v, "selective", causal=True, path="selective")
+    out, _ = attention(q, k, v, "selective", causal=True, path=path)
     (dq,) = torch.autograd.grad(out.pow(2).sum(), (q,))
     s = q @ k.transpose(-1, -2) / 2.0
     keep = torch.ones(9, 9, dtype=torch.bool).tril()

@@ -191,20 +191,6 @@ def test_carried_column_sums_continue_a_longer_call(blocks, monkeypatch):
     assert got[3].abs().max() > 0
 
 
-def test_gradient_flows_through_the_penalty():
-    """With F detached the selecting head's q gets another gradient: the path differentiates through F."""
-    q, k, v = (t.requires_grad_(True) for t in _leaves((1, 2, 9, 4), (1, 2, 9, 4), (1, 2, 9, 4), seed=1))
-    out, _ = attention(q, k, v, "selective", causal=True, path=PATH)
-    (dq,) = torch.autograd.grad(out.pow(2).sum(), (q,))
-    s = q @ k.transpose(-1, -2) / 2.0
-    keep = torch.ones(9, 9, dtype=torch.bool).tril()
-    pen = selection_penalty(s[:, 0].detach(), keep[None])
-    w = torch.softmax(s.masked_fill(~keep, float("-inf")) - pen[:, None], -1)
-    (dq_detached,) = torch.autograd.grad((w @ v).pow(2).sum(), (q,))
-    torch.testing.assert_close(dq[:, 1], dq_detached[:, 1])  # head 1 does not select: same
-    assert (dq[:, 0] - dq_detached[:, 0]).abs().max() > 1e-3
-
-
 def test_deterministic_with_several_threads(monkeypatch):
     """Private dK/dV buffers per part, summed in a fixed order: two runs agree bit for bit."""
     monkeypatch.setattr(cpu_mod, "BLOCK_OVERRIDE", (8, 16))

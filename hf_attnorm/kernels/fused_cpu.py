@@ -221,14 +221,22 @@ def takes(norm: Normalizer) -> str | None:
     return fused_takes(norm, "fused")
 
 
-def accepts(call: AttnCall) -> str | None:
-    """None when this path can run the call, else the reason it cannot (builds the extension on first use)."""
-    if call.sinks is not None:  # the chunked path applies them
-        return "this path does not apply attention sinks (s_aux)"
+def cpu_call_reason(call: AttnCall) -> str | None:
+    """Why the C++ kernels of this extension cannot take the call's tensors (device, dtype), or None."""
     if call.q.device.type != "cpu":
         return f"device {call.q.device} (CPU only)"
     if call.q.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
         return f"dtype {call.q.dtype}"
+    return None
+
+
+def accepts(call: AttnCall) -> str | None:
+    """None when this path can run the call, else the reason it cannot (builds the extension on first use)."""
+    if call.sinks is not None:  # the chunked path applies them
+        return "this path does not apply attention sinks (s_aux)"
+    reason = cpu_call_reason(call)
+    if reason is not None:
+        return reason
     if call.dropout > 0:
         return "dropout > 0 (the weights are never formed)"
     if call.q.numel() == 0 or call.k.numel() == 0:

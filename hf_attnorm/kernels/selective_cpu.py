@@ -89,10 +89,9 @@ def accepts(call: AttnCall) -> str | None:
     reason = unfused_call_reason(call)
     if reason is not None:
         return reason
-    if call.q.device.type != "cpu":
-        return f"device {call.q.device} (CPU only)"
-    if call.q.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
-        return f"dtype {call.q.dtype}"
+    reason = fused_cpu.cpu_call_reason(call)
+    if reason is not None:
+        return reason
     reason = carry_reason(call)
     if reason is not None:
         return reason

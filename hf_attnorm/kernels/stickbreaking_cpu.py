@@ -61,10 +61,9 @@ def accepts(call: AttnCall) -> str | None:
     reason = common_reason(call)
     if reason is not None:
         return reason
-    if call.q.device.type != "cpu":
-        return f"device {call.q.device} (CPU only)"
-    if call.q.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
-        return f"dtype {call.q.dtype}"
+    reason = fused_cpu.cpu_call_reason(call)
+    if reason is not None:
+        return reason
     reason = fused_cpu.unavailable_reason(warn=True)
     if reason is None:
         _register_fakes()  # an eager call (which also builds the extension) comes before any compiled one
