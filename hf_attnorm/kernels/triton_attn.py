@@ -790,20 +790,29 @@ def _compiled() -> types.SimpleNamespace:
     _load_triton()
     mode = bool(triton.knobs.runtime.interpret)
     if mode not in _COMPILED:
-        ns: dict[str, Any] = dict(globals())
-        ns.update({name: tl.constexpr(value) for name, value in KIND_CONSTANTS.items()})
-        ns.update(TINY=tl.constexpr(TINY), POW_NEG=tl.constexpr(POW_NEG))  # jitted code reads constexpr globals only
-        for name in _JIT_FUNCTIONS:
-            raw = globals()[name]
-            fn = types.FunctionType(raw.__code__, ns, name, raw.__defaults__)
-            fn.__module__, fn.__qualname__, fn.__doc__ = raw.__module__, raw.__qualname__, raw.__doc__
-            ns[name] = triton.jit(fn)
-            if mode and name in _HELPERS:
-                # interpreted: call device helpers as their rewritten Python functions; going through
-                # InterpretedFunction.__call__ re-patches triton.language on every call (~2 ms each)
-                ns[name] = ns[name].rewrite()
-        _COMPILED[mode] = types.SimpleNamespace(**{name: ns[name] for name in _JIT_FUNCTIONS})
+        constants = {name: tl.constexpr(value) for name, value in KIND_CONSTANTS.items()}
+        constants.update(TINY=tl.constexpr(TINY), POW_NEG=tl.constexpr(POW_NEG))  # jitted code reads constexprs only
+        _COMPILED[mode] = jit_namespace(globals(), _JIT_FUNCTIONS, _HELPERS, mode, constants)
     return _COMPILED[mode]
+
+
+def jit_namespace(module_globals: dict[str, Any], names: tuple[str, ...], helpers: tuple[str, ...], mode: bool,
+                  extra: dict[str, Any] | None = None) -> types.SimpleNamespace:
+    """Jitted copies of the functions ``names`` of a kernel module (its ``globals()``, with ``tl`` bound), in one
+    namespace of their own for ``mode`` (True: interpreted), where they resolve each other by name; ``extra``
+    adds globals (constexprs). Shared by the Triton kernel modules (this one, stick-breaking, selective)."""
+    ns: dict[str, Any] = dict(module_globals)
+    ns.update(extra or {})
+    for name in names:
+        raw = module_globals[name]
+        fn = types.FunctionType(raw.__code__, ns, name, raw.__defaults__)
+        fn.__module__, fn.__qualname__, fn.__doc__ = raw.__module__, raw.__qualname__, raw.__doc__
+        ns[name] = triton.jit(fn)
+        if mode and name in helpers:
+            # interpreted: call device helpers as their rewritten Python functions; going through
+            # InterpretedFunction.__call__ re-patches triton.language on every call (~2 ms each)
+            ns[name] = ns[name].rewrite()
+    return types.SimpleNamespace(**{name: ns[name] for name in names})
 
 
 # ------------------------------------------------------------------------------------------------------ host code

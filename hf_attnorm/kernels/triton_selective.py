@@ -238,15 +238,7 @@ def _compiled() -> types.SimpleNamespace:
     tl = ta.tl
     mode = bool(ta.triton.knobs.runtime.interpret)
     if mode not in _COMPILED:
-        ns: dict[str, Any] = dict(globals())
-        for name in _JIT:
-            raw = globals()[name]
-            fn = types.FunctionType(raw.__code__, ns, name, raw.__defaults__)
-            fn.__module__, fn.__qualname__, fn.__doc__ = raw.__module__, raw.__qualname__, raw.__doc__
-            ns[name] = ta.triton.jit(fn)
-            if mode and name in _HELPERS:
-                ns[name] = ns[name].rewrite()  # interpreted helpers as plain Python (as triton_attn does)
-        _COMPILED[mode] = types.SimpleNamespace(**{name: ns[name] for name in _JIT})
+        _COMPILED[mode] = ta.jit_namespace(globals(), _JIT, _HELPERS, mode)
     return _COMPILED[mode]
 
 

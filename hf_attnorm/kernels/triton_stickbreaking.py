@@ -169,6 +169,7 @@ def _sb_bwd_kernel(Q, K, V, KEEP, OWN, C, DO, DQ, DK, DV_, H, GROUPS, HKV, LQ, L
 
 
 _JIT = ("_softplus_parts", "_tile", "_sb_fwd_kernel", "_sb_bwd_kernel")
+_HELPERS = ("_softplus_parts", "_tile")
 _COMPILED: dict[bool, types.SimpleNamespace] = {}
 
 
@@ -179,15 +180,7 @@ def _compiled() -> types.SimpleNamespace:
     tl = ta.tl
     mode = bool(ta.triton.knobs.runtime.interpret)
     if mode not in _COMPILED:
-        ns: dict[str, Any] = dict(globals())
-        for name in _JIT:
-            raw = globals()[name]
-            fn = types.FunctionType(raw.__code__, ns, name, raw.__defaults__)
-            fn.__module__, fn.__qualname__ = raw.__module__, raw.__qualname__
-            ns[name] = ta.triton.jit(fn)
-            if mode and name in ("_softplus_parts", "_tile"):
-                ns[name] = ns[name].rewrite()  # interpreted helpers as plain Python (as triton_attn does)
-        _COMPILED[mode] = types.SimpleNamespace(**{name: ns[name] for name in _JIT})
+        _COMPILED[mode] = ta.jit_namespace(globals(), _JIT, _HELPERS, mode)
     return _COMPILED[mode]
 
 
