@@ -41,6 +41,8 @@ except ImportError:  # run from a checkout without `pip install -e .`
 
 import torch  # noqa: E402
 
+from hf_attnorm.hf import compat  # noqa: E402
+
 DEFAULT_IMPLS = ["softmax", "softmax1", "ssmax", "sigmoid", "symax", "entmax15", "linear"]
 
 
@@ -125,13 +127,13 @@ def decode_steps(model, impl: str, ids: torch.Tensor, steps: int) -> tuple[float
     try:
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
-            out = model(ids, past_key_values=cache, use_cache=True)
+            out = model(ids, **compat.cache_kwargs(model, cache), use_cache=True)
             tok = out.logits[:, -1:].argmax(-1)
             times = []
             LAST_CALL.path = ""
             for _ in range(steps):
                 t0 = time.perf_counter()
-                out = model(tok, past_key_values=cache, use_cache=True)
+                out = model(tok, **compat.cache_kwargs(model, cache), use_cache=True)
                 times.append(time.perf_counter() - t0)
                 tok = out.logits[:, -1:].argmax(-1)
     finally:

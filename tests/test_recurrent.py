@@ -11,10 +11,12 @@ import warnings
 
 import pytest
 import torch
+import transformers
 from conftest import tiny
 from transformers import DynamicCache
 
 from hf_attnorm.attention import constant_heads, make_call
+from hf_attnorm.hf import compat
 from hf_attnorm.hf.forward import LAST_CALL
 from hf_attnorm.hf.recurrent import STATE_ATTR, drop_states
 from hf_attnorm.kernels import PATHS, attend, explain, set_forced_path
@@ -180,6 +182,25 @@ def test_generate_with_state_equals_exact(model, counted):
     assert len(counted) == 5 * layers and min(counted) == 8  # its own prompt of 7 keys, not the first call's
 
 
+def test_a_cache_that_no_longer_reaches_the_module_warns_once_and_stays_exact(model, counted, monkeypatch):
+    """If a transformers release moves the cache argument again (simulated: hf_attnorm looks for another name),
+    linear attention's O(1) step cannot attach: generation stays exact, and a warning says so once, naming the
+    transformers version and the consequence (never a silent O(Lk) fallback)."""
+    from hf_attnorm.hf import recurrent
+
+    monkeypatch.setattr(compat, "CACHE_ARGUMENTS", ("a_renamed_cache",))
+    monkeypatch.setattr(recurrent, "_WARNED", set())
+    x, mask = _padded()
+    with pytest.warns(UserWarning) as record:
+        fast = _generate(model, x, False, attention_mask=mask)
+    ours = [str(w.message) for w in record if "recurrent decode state is not used" in str(w.message)]
+    assert len(ours) == 1, ours  # once, though every layer of every step met it
+    assert f"transformers {transformers.__version__}" in ours[0] and "no transformers Cache reached" in ours[0]
+    assert "O(keys) instead of O(1)" in ours[0]
+    assert not counted  # the recurrent step did not run
+    _same(fast, _generate(model, x, True, attention_mask=mask))
+
+
 def test_continued_and_cropped_cache(model, counted):
     """A cache passed to a second generate call (its new tokens are a prefill: the state is rebuilt from all cached
     keys), and a cropped cache (its tensors are replaced: the stale state is dropped, never reused)."""
@@ -187,15 +208,15 @@ def test_continued_and_cropped_cache(model, counted):
     outs = {}
     for exact in (True, False):
         cache = DynamicCache(config=model.config)
-        first = _generate(model, x, exact, attention_mask=mask, past_key_values=cache)
+        first = _generate(model, x, exact, attention_mask=mask, **compat.cache_kwargs(model, cache))
         seq = first[0].sequences
         more = torch.cat([seq, torch.randint(1, 97, (2, 3), generator=torch.Generator().manual_seed(5))], dim=1)
         mask2 = torch.cat([mask, torch.ones(2, more.shape[1] - x.shape[1], dtype=mask.dtype)], dim=1)
-        second = _generate(model, more, exact, attention_mask=mask2, past_key_values=cache)
+        second = _generate(model, more, exact, attention_mask=mask2, **compat.cache_kwargs(model, cache))
         cache.crop(-3)  # drop the last 3 cached keys, then continue from the cropped cache
         seq2 = second[0].sequences
         mask3 = torch.cat([mask2, torch.ones(2, seq2.shape[1] - more.shape[1], dtype=mask.dtype)], dim=1)
-        third = _generate(model, seq2, exact, attention_mask=mask3, past_key_values=cache)
+        third = _generate(model, seq2, exact, attention_mask=mask3, **compat.cache_kwargs(model, cache))
         outs[exact] = (first, second, third)
     for a, b in zip(outs[False], outs[True]):
         _same(a, b)
@@ -207,25 +228,25 @@ def test_reordered_cache_is_not_reused(model, counted):
     x, mask = _padded(seed=3)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        out = model(x, attention_mask=mask, past_key_values=cache, use_cache=True)
+        out = model(x, attention_mask=mask, **compat.cache_kwargs(model, cache), use_cache=True)
     layer = cache.layers[0]
     assert getattr(layer, STATE_ATTR).state.length == x.shape[1]
     nxt = out.logits[:, -1].argmax(-1, keepdim=True)
     mask2 = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], dim=1)
     cache.reorder_cache(torch.tensor([1, 0]))
     with torch.no_grad():
-        model(nxt.flip(0), attention_mask=mask2.flip(0), past_key_values=cache, use_cache=True)
+        model(nxt.flip(0), attention_mask=mask2.flip(0), **compat.cache_kwargs(model, cache), use_cache=True)
     assert not counted and LAST_CALL.path == "linear_chunked"
     assert not hasattr(layer, STATE_ATTR)  # dropped, not left stale
     # an in-place change of the cached keys (same tensor, new version) is noticed too
     with torch.no_grad():
         model(x[:, :1], attention_mask=torch.cat([mask2, torch.ones(2, 1, dtype=mask.dtype)], 1),
-              past_key_values=(c := DynamicCache(config=model.config)), use_cache=True)
+              **compat.cache_kwargs(model, c := DynamicCache(config=model.config)), use_cache=True)
     assert getattr(c.layers[0], STATE_ATTR) is not None  # a one-token prompt builds a state
     c.layers[0].keys.mul_(2)
     counted.clear()
     with torch.no_grad():
-        model(x[:, 1:2], past_key_values=c, use_cache=True)
+        model(x[:, 1:2], **compat.cache_kwargs(model, c), use_cache=True)
     assert len(counted) == model.config.num_hidden_layers - 1  # every layer but the changed one
     drop_states(c)
     assert not any(hasattr(la, STATE_ATTR) for la in c.layers)
@@ -236,7 +257,7 @@ def test_cache_with_a_state_pickles(model):
     x, mask = _padded(seed=7)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(x, attention_mask=mask, past_key_values=cache, use_cache=True)
+        model(x, attention_mask=mask, **compat.cache_kwargs(model, cache), use_cache=True)
     assert hasattr(cache.layers[0], STATE_ATTR)
     copy = pickle.loads(pickle.dumps(cache))
     assert getattr(copy.layers[0], STATE_ATTR) is None and torch.equal(copy.layers[0].keys, cache.layers[0].keys)

@@ -19,6 +19,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from hf_attnorm.attention import constant_heads, make_call
+from hf_attnorm.hf import compat
 from hf_attnorm.hf import forward as hf_forward
 from hf_attnorm.hf.selective_cache import SelectiveLayer, drop_states, state_of_layer
 from hf_attnorm.kernels import PATHS, attend, explain, fused_cpu
@@ -260,14 +261,14 @@ def test_stored_sums_equal_the_reference(model, monkeypatch):
     x, mask = _padded(seed=1)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        out = model(x, attention_mask=mask, past_key_values=cache, use_cache=True)
+        out = model(x, attention_mask=mask, **compat.cache_kwargs(model, cache), use_cache=True)
         for layer, call in zip(cache.layers, calls):
             assert type(layer) is SelectiveLayer
             torch.testing.assert_close(state_of_layer(layer).c, reference_column_sums(call), atol=TOL, rtol=0)
         nxt = out.logits[:, -1:].argmax(-1)
         mask2 = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
         calls.clear()
-        model(nxt, attention_mask=mask2, past_key_values=cache, use_cache=True)
+        model(nxt, attention_mask=mask2, **compat.cache_kwargs(model, cache), use_cache=True)
         steps = list(calls)
         calls.clear()
         model(torch.cat([x, nxt], 1), attention_mask=mask2, use_cache=False)  # the whole sequence, no cache
@@ -284,8 +285,8 @@ def test_chunked_prefill_equals_the_whole_forward(model, ran):
     with torch.no_grad():
         whole = model(x, attention_mask=mask, use_cache=False).logits
         ran.clear()
-        parts = [model(x[:, a:b], attention_mask=mask[:, :b], past_key_values=cache, use_cache=True).logits
-                 for a, b in ((0, 6), (6, 13), (13, 14))]
+        parts = [model(x[:, a:b], attention_mask=mask[:, :b], **compat.cache_kwargs(model, cache),
+                       use_cache=True).logits for a, b in ((0, 6), (6, 13), (13, 14))]
     layers = model.config.num_hidden_layers
     assert ran == ([(SEVERAL, False)] * layers + [(SEVERAL, True)] * layers
                    + [("selective_step", True)] * layers)
@@ -299,12 +300,12 @@ def test_continued_and_cropped_cache(model):
     generation without a cache."""
     x, mask = _padded(seed=3)
     cache = DynamicCache(config=model.config)
-    first = _generate(model, x, True, attention_mask=mask, past_key_values=cache)
+    first = _generate(model, x, True, attention_mask=mask, **compat.cache_kwargs(model, cache))
     _same(first, _generate(model, x, False, attention_mask=mask))
     seq = first[0].sequences
     more = torch.cat([seq, torch.randint(1, 97, (2, 3), generator=torch.Generator().manual_seed(5))], dim=1)
     mask2 = torch.cat([mask, torch.ones(2, more.shape[1] - x.shape[1], dtype=mask.dtype)], dim=1)
-    second = _generate(model, more, True, attention_mask=mask2, past_key_values=cache)
+    second = _generate(model, more, True, attention_mask=mask2, **compat.cache_kwargs(model, cache))
     _same(second, _generate(model, more, False, attention_mask=mask2))
     seq2 = second[0].sequences
     mask3 = torch.cat([mask2, torch.ones(2, seq2.shape[1] - more.shape[1], dtype=mask.dtype)], dim=1)
@@ -316,10 +317,11 @@ def test_continued_and_cropped_cache(model):
     with torch.no_grad():
         kept = mask3[:, :n - 4]
         pos = (kept.cumsum(-1) - 1).masked_fill(kept == 0, 1)  # as generate makes them
-        model(seq2[:, :n - 4], attention_mask=kept, position_ids=pos, past_key_values=fresh, use_cache=True)
+        model(seq2[:, :n - 4], attention_mask=kept, position_ids=pos, **compat.cache_kwargs(model, fresh),
+              use_cache=True)
     for a, b in zip(cache.layers, fresh.layers):
         torch.testing.assert_close(state_of_layer(a).c, state_of_layer(b).c, atol=TOL, rtol=0)
-    _same(_generate(model, seq2, True, attention_mask=mask3, past_key_values=cache),
+    _same(_generate(model, seq2, True, attention_mask=mask3, **compat.cache_kwargs(model, cache)),
           _generate(model, seq2, False, attention_mask=mask3))
 
 
@@ -337,11 +339,11 @@ def test_batch_select_and_repeat_follow_the_cache(model):
     nxt = torch.randint(1, 97, (2, 2), generator=torch.Generator().manual_seed(6))
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(x, attention_mask=mask, past_key_values=cache, use_cache=True)
+        model(x, attention_mask=mask, **compat.cache_kwargs(model, cache), use_cache=True)
         cache.batch_select_indices(torch.tensor([0]))
         cache.batch_repeat_interleave(2)
         m2 = torch.cat([mask[:1], torch.ones(1, 2, dtype=mask.dtype)], 1).repeat(2, 1)
-        step = model(nxt, attention_mask=m2, past_key_values=cache, use_cache=True).logits
+        step = model(nxt, attention_mask=m2, **compat.cache_kwargs(model, cache), use_cache=True).logits
         whole = model(torch.cat([x[:1].repeat(2, 1), nxt], 1), attention_mask=m2, use_cache=False).logits
     torch.testing.assert_close(step, whole[:, -2:], atol=TOL, rtol=0)
 
@@ -352,24 +354,36 @@ def test_refusals_are_clear(model):
         _generate(model, x, True, attention_mask=mask, cache_implementation="static")
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(x, attention_mask=mask, past_key_values=cache, use_cache=True)
+        model(x, attention_mask=mask, **compat.cache_kwargs(model, cache), use_cache=True)
         cache.layers[0].keys.mul_(1.0)  # an in-place edit hf_attnorm does not follow
         nxt = torch.ones(2, 1, dtype=x.dtype)
         m2 = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
         with pytest.raises(AttnormError, match="changed in place.*use_cache=False"):
-            model(nxt, attention_mask=m2, past_key_values=cache, use_cache=True)
+            model(nxt, attention_mask=m2, **compat.cache_kwargs(model, cache), use_cache=True)
         fresh = DynamicCache(config=model.config)
-        model(x, attention_mask=mask, past_key_values=fresh, use_cache=True)
+        model(x, attention_mask=mask, **compat.cache_kwargs(model, fresh), use_cache=True)
         drop_states(fresh)
         with pytest.raises(AttnormError, match="drop_states was called"):
-            model(nxt, attention_mask=m2, past_key_values=fresh, use_cache=True)
+            model(nxt, attention_mask=m2, **compat.cache_kwargs(model, fresh), use_cache=True)
+
+
+def test_a_cache_that_no_longer_reaches_the_module_is_refused_naming_the_version(model, monkeypatch):
+    """If a transformers release moves the cache argument again (simulated: hf_attnorm looks for another name), the
+    first cached step is refused, naming the transformers version and what was looked for, never a wrong step."""
+    import transformers
+
+    monkeypatch.setattr(compat, "CACHE_ARGUMENTS", ("a_renamed_cache",))
+    x, mask = _padded(seed=7)
+    with pytest.raises(AttnormError, match=rf"no transformers Cache reached .*transformers "
+                                           rf"{transformers.__version__}; looked for the keywords a_renamed_cache"):
+        _generate(model, x, True, attention_mask=mask)
 
 
 def test_a_cache_with_sums_pickles_as_a_plain_cache(model):
     x, mask = _padded(seed=8)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(x, attention_mask=mask, past_key_values=cache, use_cache=True)
+        model(x, attention_mask=mask, **compat.cache_kwargs(model, cache), use_cache=True)
     assert state_of_layer(cache.layers[0]) is not None
     copy = pickle.loads(pickle.dumps(cache))
     assert type(copy.layers[0]) is DynamicLayer and state_of_layer(copy.layers[0]) is None
@@ -406,10 +420,10 @@ def test_encoder_decoder_cache_is_refused_by_name_and_uncached_generation_runs()
     dec = ins["decoder_input_ids"]
     cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
     out = model(encoder_outputs=enc, attention_mask=ins["attention_mask"], decoder_input_ids=dec[:, :1],
-                past_key_values=cache, use_cache=True)  # the first step has no earlier query: exact
+                **compat.cache_kwargs(model, cache), use_cache=True)  # the first step has no earlier query: exact
     with pytest.raises(AttnormError, match="EncoderDecoderCache"):
         model(encoder_outputs=enc, attention_mask=ins["attention_mask"], decoder_input_ids=dec[:, 1:2],
-              past_key_values=out.past_key_values, use_cache=True)
+              **compat.cache_kwargs(model, compat.output_cache(out)), use_cache=True)
     gen = model.generate(input_ids=ins["input_ids"], attention_mask=ins["attention_mask"], max_new_tokens=3,
                          do_sample=False, use_cache=False)
     assert gen.shape[0] == 2

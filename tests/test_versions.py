@@ -35,7 +35,8 @@ def test_installed_transformers_is_supported_and_every_name_is_registered():
 
     assert compat.unsupported_reason() is None
     assert integration.HOOKED == {"_check_and_adjust_attn_implementation", "post_init", "set_attn_implementation",
-                                  "_initialize_weights", "from_pretrained", "save_pretrained"}
+                                  "_initialize_weights", "from_pretrained", "save_pretrained",
+                                  compat.CONTINUOUS_BATCHING_ENTRY[1]}
     for name in PRESETS:
         assert name in AttentionInterface._global_mapping and name in AttentionMaskInterface._global_mapping, name
     assert compat.unsupported_reason("5.3.0") and compat.unsupported_reason("4.57.6")
@@ -127,3 +128,17 @@ def test_unsupported_transformers_leaves_other_models_alone_and_refuses_ours():
     assert "PLAIN OK" in out
     assert f"REFUSED attention implementation 'symax': hf_attnorm needs transformers >= {compat.MIN_TRANSFORMERS}" \
         in out, out
+
+
+def test_ci_runs_every_version_it_claims():
+    """compat.CI_VERSIONS (what the README and docs/internals.md state as tested) is what .ci/run installs: the
+    newest release in the main environment (the README's command), the others in the version loop."""
+    import re
+
+    ci = (REPO / ".ci" / "run").read_text()
+    loop = re.search(r"^for version in ([0-9. ]+); do$", ci, re.M)
+    assert loop is not None, ".ci/run has no 'for version in ...; do' loop over transformers versions"
+    assert tuple(loop.group(1).split()) == compat.CI_VERSIONS[:-1]
+    assert compat.CI_VERSIONS[0] == compat.MIN_TRANSFORMERS
+    assert compat.release(compat.CI_VERSIONS[-1]) >= compat.release(compat.CI_VERSIONS[-2])
+    assert f'"transformers>={compat.MIN_TRANSFORMERS}"' in (REPO / "pyproject.toml").read_text()

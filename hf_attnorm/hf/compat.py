@@ -1,4 +1,17 @@
-"""Which transformers versions the integration runs on, and how it stays out of the way of the others.
+"""Which transformers versions the integration runs on, how it stays out of the way of the others, and every
+convention of transformers' call path that the integration reads (the ONE place that reads them):
+
+* the argument that carries the KV cache into an attention module (``cache`` since 5.24, ``past_key_values``
+  before) and the cache's layer API the cache-bound states use (``cache_of_call``, ``cache_layer``,
+  ``plain_dynamic_layer``, ``layer_tensors``);
+* what a keyword reaching the attention function means (``keyword_role``): read from transformers' own
+  declarations (its attention functions' parameters, the ``TransformersKwargs``/``FlashAttentionKwargs`` typed
+  dicts, the loss functions' parameters) of the installed version, not from a list frozen at one release;
+* the continuous-batching entry point (``CONTINUOUS_BATCHING_ENTRY``), which runs only transformers' own
+  implementations.
+
+tests/test_transformers_contract.py asserts each of these against the installed transformers and names the feature
+that depends on it.
 
 Supported: ``MIN_TRANSFORMERS`` and newer (tested: ``MIN_TRANSFORMERS`` and ``TESTED_NEWEST`` in CI; 5.5.4, 5.12.1
 and 5.22.2 by hand). Older versions lack what the integration relies on (5.3: GPT-2's attention module has no
@@ -13,20 +26,25 @@ Every private transformers internal the integration touches is listed in docs/in
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import transformers
+from transformers.cache_utils import Cache, DynamicLayer
 
 from ..registry import AttnormError
 
 #: the lowest transformers version hf_attnorm supports (tested in CI's second environment)
 MIN_TRANSFORMERS = "5.4.0"
 #: the newest version the test suite ran on (CI's main environment); newer ones are allowed, not yet tested
-TESTED_NEWEST = "5.23.0"
+TESTED_NEWEST = "5.24.0"
+#: every version CI runs: the README's full test command on the newest release pip picks that day, and a subset
+#: (tests/test_transformers_contract.py, test_versions.py, test_stacks.py and the cache-bound decoding tests) on these
+CI_VERSIONS = (MIN_TRANSFORMERS, "5.23.0", TESTED_NEWEST)
 
 
 def release(version: str) -> tuple[int, int, int]:
@@ -82,3 +100,205 @@ def hook(owner: type, attr: str, make: Callable[[Callable[..., Any]], Callable[.
     new = functools.wraps(func)(make(func))
     setattr(owner, attr, classmethod(new) if classmethod_ else new)
     return True
+
+
+# ------------------------------------------------------------------------------------------------ the KV cache
+
+#: the keyword that carries the KV cache into an attention module's forward, newest name first (5.24 renamed
+#: ``past_key_values`` to ``cache``, keeping the old name as a deprecated alias until 5.40)
+CACHE_ARGUMENTS: tuple[str, ...] = ("cache", "past_key_values")
+
+
+def cache_of_call(args: tuple, kwargs: Mapping[str, Any]) -> Cache | None:
+    """The transformers ``Cache`` an attention module's call received (as read by a forward pre-hook with kwargs):
+    by keyword under one of ``CACHE_ARGUMENTS``, else any positional argument that is a ``Cache``; None without."""
+    for name in CACHE_ARGUMENTS:
+        value = kwargs.get(name)
+        if isinstance(value, Cache):
+            return value
+    return next((a for a in args if isinstance(a, Cache)), None)
+
+
+def cache_kwargs(model: Any, cache: Cache | None) -> dict[str, Any]:
+    """``{name: cache}`` for calling ``model(...)`` or ``model.generate(...)`` with a cache, under the name the
+    installed transformers' model forward takes (``cache`` since 5.24, ``past_key_values`` before)."""
+    params = inspect.signature(type(model).forward).parameters
+    name = next((n for n in CACHE_ARGUMENTS if n in params), CACHE_ARGUMENTS[-1])
+    return {name: cache}
+
+
+def output_cache(outputs: Any) -> Cache | None:
+    """The cache a model's output carries (``outputs.cache`` since 5.24, ``outputs.past_key_values`` before)."""
+    for name in CACHE_ARGUMENTS:
+        value = getattr(outputs, name, None)
+        if isinstance(value, Cache):
+            return value
+    return None
+
+
+def cache_layer(cache: Cache, layer_idx: object) -> Any | None:
+    """Layer ``layer_idx`` of ``cache`` (``cache.layers[i]``, transformers >= 5.0), or None when there is none
+    (an ``EncoderDecoderCache`` has no ``layers`` of its own)."""
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, list) or not isinstance(layer_idx, int) or not 0 <= layer_idx < len(layers):
+        return None
+    return layers[layer_idx]
+
+
+def cache_layers(cache: Cache) -> list[Any]:
+    """Every layer of ``cache`` (empty for a cache without ``layers``)."""
+    layers = getattr(cache, "layers", None)
+    return layers if isinstance(layers, list) else []
+
+
+def plain_dynamic_layer(layer: object) -> bool:
+    """A layer that appends by concatenation (``DynamicLayer`` itself): each update makes new key/value tensors, so
+    a state that remembers the tensors it was built for notices any change."""
+    return type(layer) is DynamicLayer
+
+
+def layer_tensors(layer: object) -> tuple[Any, Any]:
+    """(keys [B, Hkv, L, D], values) a cache layer holds (None, None before its first update)."""
+    return getattr(layer, "keys", None), getattr(layer, "values", None)
+
+
+def layer_length(layer: object) -> int:
+    """How many positions a cache layer holds (0 before its first update)."""
+    keys = getattr(layer, "keys", None)
+    return int(keys.shape[-2]) if keys is not None and keys.dim() >= 2 else 0
+
+
+#: the ``DynamicLayer`` operations generation applies to a cache between steps (beam search, batched and assisted
+#: decoding, offloading): selective attention's state follows each (``selective_cache.SelectiveLayer``)
+DYNAMIC_LAYER_OPERATIONS = ("crop", "reorder_cache", "batch_select_indices", "batch_repeat_interleave", "reset",
+                            "offload", "prefetch")
+
+
+# ------------------------------------------------------------------------------------------------ keywords
+
+#: where a keyword reaching the attention function comes from, and so what it means
+IMPLEMENTED, IGNORED, PASSTHROUGH, ATTENTION, UNKNOWN = "implemented", "ignored", "passthrough", "attention", "unknown"
+
+
+@dataclasses.dataclass(frozen=True)
+class KeywordRole:
+    kind: str  # one of IMPLEMENTED, IGNORED, PASSTHROUGH (accepted) / ATTENTION, UNKNOWN (refused)
+    why: str
+
+    @property
+    def accepted(self) -> bool:
+        return self.kind in (IMPLEMENTED, IGNORED, PASSTHROUGH)
+
+
+#: the positional parameters every attention function takes (not keywords)
+_POSITIONAL = ("module", "query", "key", "value", "attention_mask")
+
+
+def _parameters(func: Callable[..., Any]) -> list[str]:
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def attention_function_keywords() -> dict[str, str]:
+    """Keywords that change what attention computes, as transformers' own attention functions declare them: the
+    named parameters of every function in ``ALL_ATTENTION_FUNCTIONS`` that is transformers' (sdpa, flash, flex,
+    paged) and of ``_flash_attention_forward`` (the varlen/paged metadata flash reads from ``**kwargs``)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    out: dict[str, str] = {}
+    funcs = [(name, f) for name, f in ALL_ATTENTION_FUNCTIONS._global_mapping.items()
+             if str(getattr(f, "__module__", "")).startswith("transformers.")]
+    try:
+        from transformers import modeling_flash_attention_utils as fa
+
+        funcs.append(("flash (varlen)", fa._flash_attention_forward))
+    except (ImportError, AttributeError):  # pragma: no cover - every supported version has it
+        pass
+    for name, f in funcs:
+        for p in _parameters(f):
+            if p not in _POSITIONAL:
+                out.setdefault(p, f"a parameter of transformers' {name} attention function")
+    return out
+
+
+def declared_passthrough_keywords() -> dict[str, str]:
+    """Keywords transformers declares for a model's forward that do not concern attention, read from the installed
+    version: the keys of ``TransformersKwargs`` and ``FlashAttentionKwargs`` (typed dicts every model's
+    ``**kwargs`` is annotated with), the optional parameters of the loss functions (``LOSS_MAPPING``: models pass
+    their ``**kwargs`` to the loss and to the layers alike, e.g. ``shift_labels``), and the cache argument."""
+    out: dict[str, str] = {}
+    from transformers.utils import generic
+
+    dicts = [getattr(generic, "TransformersKwargs", None)]
+    try:
+        from transformers import modeling_flash_attention_utils as fa
+
+        dicts.append(getattr(fa, "FlashAttentionKwargs", None))
+    except ImportError:  # pragma: no cover
+        pass
+    for td in dicts:
+        keys = getattr(td, "__required_keys__", frozenset()) | getattr(td, "__optional_keys__", frozenset())
+        for k in sorted(keys):
+            out.setdefault(k, f"declared in transformers' {td.__name__}")
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+    except ImportError:  # pragma: no cover
+        LOSS_MAPPING = {}
+    for fn in LOSS_MAPPING.values():
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        for p in params:
+            if p.default is not p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+                out.setdefault(p.name, f"a parameter of transformers' loss function {fn.__name__}")
+    for name in CACHE_ARGUMENTS:
+        out.setdefault(name, "the KV cache: the module updates it before calling the attention function")
+    return out
+
+
+_ROLES: dict[str, KeywordRole] = {}
+
+
+def keyword_roles(implemented: frozenset[str], ignored: Mapping[str, str]) -> dict[str, KeywordRole]:
+    """The role of every keyword transformers declares, given what hf_attnorm implements and deliberately ignores
+    (``families.IMPLEMENTED_KEYWORDS`` / ``IGNORED_KEYWORDS``): implemented > ignored (with its reason) > a
+    parameter of transformers' attention functions (refused: it would change attention) > declared elsewhere
+    (passed through, as transformers' own attention functions do). Built once per process."""
+    if not _ROLES:
+        roles = {k: KeywordRole(PASSTHROUGH, why) for k, why in declared_passthrough_keywords().items()}
+        roles.update({k: KeywordRole(ATTENTION, why) for k, why in attention_function_keywords().items()})
+        roles.update({k: KeywordRole(IGNORED, why) for k, why in ignored.items()})
+        roles.update({k: KeywordRole(IMPLEMENTED, "implemented by hf_attnorm") for k in implemented})
+        _ROLES.update(roles)
+    return _ROLES
+
+
+def keyword_role(name: str, implemented: frozenset[str], ignored: Mapping[str, str]) -> KeywordRole:
+    """What keyword ``name`` means for the attention function (see ``keyword_roles``); an undeclared keyword is
+    UNKNOWN and refused: it could change what attention computes."""
+    why = (f"transformers {transformers.__version__} declares no keyword {name!r} in its attention functions, "
+           "TransformersKwargs, FlashAttentionKwargs or loss functions")
+    return keyword_roles(implemented, ignored).get(name, KeywordRole(UNKNOWN, why))
+
+
+# ------------------------------------------------------------------------------------------------ continuous batching
+
+#: (class path, method) of continuous batching's one entry point (``generate_batch``, the context manager and
+#: ``transformers serve`` all go through it); it runs only transformers' own implementations
+CONTINUOUS_BATCHING_ENTRY = ("transformers.generation.continuous_batching.continuous_api.ContinuousMixin",
+                             "init_continuous_batching")
+
+
+def continuous_batching_owner() -> type | None:
+    """The class defining continuous batching's entry point on the installed transformers, or None."""
+    module_name, _, cls_name = CONTINUOUS_BATCHING_ENTRY[0].rpartition(".")
+    try:
+        module = __import__(module_name, fromlist=[cls_name])
+    except ImportError:
+        return None
+    cls = getattr(module, cls_name, None)
+    return cls if isinstance(cls, type) and hasattr(cls, CONTINUOUS_BATCHING_ENTRY[1]) else None

@@ -21,6 +21,7 @@ from transformers import PretrainedConfig
 from transformers.models.auto import modeling_auto
 
 from ..registry import AttnormError
+from . import compat
 
 #: the language-modelling objectives, named as training's ``--task``
 CAUSAL_LM, MASKED_LM = "causal_lm", "masked_lm"
@@ -47,24 +48,39 @@ IMPLEMENTED_KEYWORDS: frozenset[str] = frozenset({
     "output_attentions",  # weights come from the reference path
 })
 
-#: keywords that carry nothing for a non-flash attention function: the boolean mask transformers builds for us
-#: (``sdpa_mask``) already holds packed sequences and positions; the rest are flags of the model's own forward
+#: keywords of transformers' attention functions (or of a module's own call) that carry nothing for a non-flash
+#: attention function, each with the reason; keywords transformers declares elsewhere (``TransformersKwargs``, loss
+#: functions, the cache argument) pass through by ``compat.keyword_role``, as they do through transformers' own
+#: attention functions
 IGNORED_KEYWORDS: dict[str, str] = {
     **{k: "flash-attention varlen metadata: like sdpa and eager, the boolean mask (sdpa_mask) is what counts"
        for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")},
     "position_ids": "positions are already applied to q/k (rotary) and to the mask",
     "deterministic": "a flash-attention kernel flag",
-    "output_hidden_states": "a model output flag",
-    "output_router_logits": "a model output flag",
-    "num_items_in_batch": "a loss normalisation count",
     "use_cache": "a model flag; the cache is updated before the attention function",
     "cache_position": "positions are already in the mask",
-    "past_key_values": "the cache is updated before the attention function",
     "position_embeddings": "already applied to q/k",
     "return_dict": "a model output flag",
     "encoder_hidden_states": "cross-attention: already projected into the key/value the function receives",
     "encoder_attention_mask": "cross-attention: already in the attention_mask the function receives",
 }
+
+
+def keyword_role(name: str) -> compat.KeywordRole:
+    """What a keyword reaching the attention function means (implemented, ignored with a reason, passed through as
+    transformers declares it, or refused: see ``compat.keyword_role``)."""
+    return compat.keyword_role(name, IMPLEMENTED_KEYWORDS, IGNORED_KEYWORDS)
+
+
+def refused_keywords(names: object) -> list[str]:
+    """The keywords among ``names`` that hf_attnorm must refuse, each with why (sorted)."""
+    out = []
+    for k in sorted(names):  # type: ignore[call-overload]
+        role = keyword_role(k)
+        if not role.accepted:
+            out.append(f"{k!r} ({role.why})")
+    return out
+
 
 #: model families that compute attention themselves (no ``ALL_ATTENTION_FUNCTIONS`` call): refused at load/set time
 REFUSED_FAMILIES: dict[str, str] = {
@@ -120,9 +136,8 @@ def interface_keywords(cls: type) -> frozenset[str]:
 
 
 def unsupported_keywords(module: nn.Module) -> list[str]:
-    """Keywords this module passes that hf_attnorm neither implements nor may ignore."""
-    known = IMPLEMENTED_KEYWORDS | IGNORED_KEYWORDS.keys()
-    return sorted(k for k in interface_keywords(type(module)) if k not in known)
+    """Keywords this module passes by name that hf_attnorm must refuse, each with why."""
+    return refused_keywords(interface_keywords(type(module)))
 
 
 def num_heads_of(module: nn.Module) -> int:

@@ -15,7 +15,7 @@ from torch import nn
 from ..attention import make_call
 from ..kernels import attend
 from ..registry import NORMALIZERS, AttnormError
-from .families import IGNORED_KEYWORDS, IMPLEMENTED_KEYWORDS
+from .families import refused_keywords
 from .recurrent import step_handle
 from .selective_cache import step_for as selective_step
 from .state import state_of
@@ -62,10 +62,11 @@ def hf_attention_forward(
     causal = kwargs.get("is_causal")
     if causal is None:
         causal = bool(getattr(module, "is_causal", True))
-    unknown = [k for k in kwargs if k not in IMPLEMENTED_KEYWORDS and k not in IGNORED_KEYWORDS]
-    if unknown:  # a backstop: modules are checked at load/set time, but **kwargs can carry anything
-        raise AttnormError(f"{type(module).__name__} passed {', '.join(map(repr, sorted(unknown)))} to the "
-                           "attention function, which hf_attnorm does not implement")
+    refused = refused_keywords(kwargs)
+    if refused:  # a backstop: modules are checked at load/set time, but **kwargs can carry anything
+        raise AttnormError(f"{type(module).__name__} passed {', '.join(refused)} to the attention function, which "
+                           "hf_attnorm does not implement; it could change what attention computes, so it is not "
+                           "ignored. Use attn_implementation='sdpa' or 'eager' for this call.")
     window = kwargs.get("sliding_window")
     if window is not None and attention_mask is None and key.shape[2] > window:
         # sdpa_mask returns None only when the window cannot matter (fewer keys than the window)
@@ -82,7 +83,7 @@ def hf_attention_forward(
         bias=kwargs.get("position_bias"), softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"),
     )
     # linear attention: a decode step on a cache layer holding a recurrent state of its keys (hf/recurrent.py)
-    handle = step_handle(module, key, value)
+    handle = step_handle(module, query, key, value)
     if handle is not None:
         call.recurrent = handle.state_for(query, key)
     if coupled is not None:

@@ -142,6 +142,12 @@ def register() -> None:
             warnings.warn(f"hf_attnorm: this transformers ({compat.transformers_version_string()}) has no "
                           f"PreTrainedModel.{attr}: {lost}. Supported: transformers >= {compat.MIN_TRANSFORMERS}, "
                           f"tested up to {compat.TESTED_NEWEST}.", stacklevel=2)
+    # continuous batching runs only transformers' own implementations: refuse it up front for ours (it would raise
+    # deep inside, or switch the model to flash attention with a log line, i.e. run softmax)
+    owner = compat.continuous_batching_owner()
+    entry = compat.CONTINUOUS_BATCHING_ENTRY[1]
+    if owner is not None and compat.hook(owner, entry, _continuous_batching_hook):
+        HOOKED.add(entry)
 
 
 def _refusing_post_init(orig, reason: str):
@@ -239,6 +245,24 @@ def _from_pretrained_hook(orig):
         return model
 
     return from_pretrained
+
+
+def _continuous_batching_hook(orig):
+    """``init_continuous_batching`` (the one entry of ``generate_batch``, its context manager and ``transformers
+    serve``): refused for a model that runs an hf_attnorm implementation."""
+
+    def init_continuous_batching(self, *args, **kwargs):
+        impl = canonical(getattr(getattr(self, "config", None), "_attn_implementation", None))
+        if is_ours(impl):
+            raise AttnormError(
+                f"continuous batching (generate_batch, transformers serve) cannot run hf_attnorm's {impl!r}: "
+                "transformers runs it only with its own attention (sdpa, paged|eager or flash attention) and would "
+                f"either refuse {impl!r} or switch the model to flash attention, i.e. compute softmax instead. Use "
+                "model.generate(...) with a padded batch, which runs the model's own normalizer."
+            )
+        return orig(self, *args, **kwargs)
+
+    return init_continuous_batching
 
 
 def _save_hook(orig):

@@ -29,9 +29,11 @@ cached keys must start a new cache (or call ``drop_states``).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import weakref
 
 import torch
+import transformers
 from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -39,6 +41,7 @@ from ..kernels.base import AttnCall
 from ..kernels.linear_recurrent import LinearState, build_state
 from ..kernels.linear_recurrent import takes as recurrent_takes
 from ..registry import NORMALIZERS
+from . import compat
 from .hooks import add_pre_hook, remove_pre_hook
 
 #: attribute of a transformers cache layer holding its ``_Owned`` state
@@ -66,7 +69,7 @@ class _Owned:
         return _none, ()
 
     def matches(self, layer: DynamicLayer, module: nn.Module) -> bool:
-        k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+        k, v = compat.layer_tensors(layer)
         return (k is not None and self.keys() is k and self.values() is v and self.module() is module
                 and (k._version, v._version) == self.versions)
 
@@ -94,17 +97,16 @@ def supports(module: nn.Module) -> bool:
 def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
     if torch.compiler.is_compiling():
         return None
-    cache = kwargs.get("past_key_values")
+    cache = compat.cache_of_call(args, kwargs)
     idx = getattr(module, "layer_idx", None)
-    if not isinstance(cache, Cache) or not isinstance(idx, int) or not supports(module):
+    if cache is None or not isinstance(idx, int) or not supports(module):
         module.__dict__[PENDING_ATTR] = None
         return None
-    layers = getattr(cache, "layers", None)
-    layer = layers[idx] if isinstance(layers, list) and 0 <= idx < len(layers) else None
+    layer = compat.cache_layer(cache, idx)
     owned = getattr(layer, STATE_ATTR, None)
     armed = None
     if isinstance(owned, _Owned):
-        if type(layer) is DynamicLayer and owned.matches(layer, module):
+        if compat.plain_dynamic_layer(layer) and owned.matches(layer, module):
             armed = owned.state
         else:
             delattr(layer, STATE_ATTR)  # stale: the cache changed under it
@@ -124,7 +126,7 @@ def detach(module: nn.Module) -> None:
 
 def drop_states(cache: Cache) -> None:
     """Forget every recurrent state held by ``cache`` (the next steps take the exact path until a prefill)."""
-    for layer in getattr(cache, "layers", None) or ():
+    for layer in compat.cache_layers(cache):
         if hasattr(layer, STATE_ATTR):
             delattr(layer, STATE_ATTR)
 
@@ -158,26 +160,52 @@ class StepHandle:
             if hasattr(layer, STATE_ATTR):
                 delattr(layer, STATE_ATTR)
             return
-        k, v = layer.keys, layer.values
+        k, v = compat.layer_tensors(layer)
         setattr(layer, STATE_ATTR, _Owned(state, weakref.ref(k), weakref.ref(v), (k._version, v._version),
                                           weakref.ref(self.module)))
 
 
-def step_handle(module: nn.Module, key: torch.Tensor, value: torch.Tensor) -> StepHandle | None:
+#: reasons already warned about (once per process each: a model has many layers and steps)
+_WARNED: set[str] = set()
+
+
+def _warn_off(module: nn.Module, why: str) -> None:
+    if why not in _WARNED:
+        _WARNED.add(why)
+        warnings.warn(f"hf_attnorm: linear attention's recurrent decode state is not used in "
+                      f"{type(module).__name__} (transformers {transformers.__version__}): {why}. Each cached step "
+                      "recomputes over every cached key instead: results are exact, a step costs O(keys) instead of "
+                      "O(1).", stacklevel=4)
+
+
+def step_handle(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> StepHandle | None:
     """For the attention function: the cache layer this call's keys are, when it can hold a state; None otherwise
-    (no cache, another layer type, keys that are not the layer's, under torch.compile)."""
+    (no cache, another layer type, keys that are not the layer's, under torch.compile). A cached decode step (one
+    query, earlier keys, no grad) of a module that has the state's pre-hook but cannot use the state warns once per
+    reason: the O(1) step must not turn itself off silently."""
     if torch.compiler.is_compiling():
         return None
+    attached = _pre_hook in module._forward_pre_hooks.values()
     pending = module.__dict__.pop(PENDING_ATTR, None)
+    decoding = (attached and query.shape[2] == 1 and key.shape[2] > 1 and not torch.is_grad_enabled()
+                and getattr(module, "is_causal", True) is not False)  # (cross-attention keeps no state)
     if pending is None:
+        if decoding and supports(module):
+            _warn_off(module, "no transformers Cache reached the attention module's forward (looked for the "
+                              f"keywords {', '.join(compat.CACHE_ARGUMENTS)} and positional arguments)")
         return None
-    cache = pending.cache()
-    layers = getattr(cache, "layers", None)
-    if not isinstance(layers, list) or pending.layer_idx >= len(layers):
+    layer = compat.cache_layer(pending.cache(), pending.layer_idx)
+    if layer is None or not compat.plain_dynamic_layer(layer):
+        if decoding:
+            kind = type(layer).__name__ if layer is not None else type(pending.cache()).__name__
+            _warn_off(module, f"its cache layer is a {kind}, not a DynamicLayer (the state follows only the "
+                              "default DynamicCache's layers)")
         return None
-    layer = layers[pending.layer_idx]
-    if type(layer) is not DynamicLayer or layer.keys is not key or layer.values is not value:
+    keys, values = compat.layer_tensors(layer)
+    if keys is not key or values is not value:
         if hasattr(layer, STATE_ATTR):
             delattr(layer, STATE_ATTR)
+        if decoding:
+            _warn_off(module, "the keys the module passed are not its cache layer's tensors")
         return None
     return StepHandle(layer, module, pending.armed)

@@ -38,6 +38,7 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -45,6 +46,7 @@ from ..kernels.base import AttnCall
 from ..kernels.selective_carry import column_sums_and_parts, prefix_column_sums
 from ..registry import NORMALIZERS, AttnormError
 from ..settings import AttnormSettings
+from . import compat
 from .hooks import add_pre_hook, remove_pre_hook
 
 #: attribute of a transformers cache layer holding its ``SelectiveState``
@@ -128,11 +130,11 @@ class SelectiveState:
         return _none, ()
 
     def record(self, layer: DynamicLayer) -> None:
-        k, v = layer.keys, layer.values
+        k, v = compat.layer_tensors(layer)
         self.keys, self.values, self.versions = weakref.ref(k), weakref.ref(v), (k._version, v._version)
 
     def matches(self, layer: DynamicLayer) -> bool:
-        k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+        k, v = compat.layer_tensors(layer)
         return (k is not None and v is not None and self.keys is not None and self.keys() is k
                 and self.values() is v and (k._version, v._version) == self.versions)
 
@@ -173,11 +175,14 @@ class SelectiveLayer(DynamicLayer):
 
     def _follow(self, op, *args) -> None:
         st = _current(self)
+        before = compat.layer_length(self)
         getattr(DynamicLayer, op)(self, *args)
         if st is None:
             return
         if op == "crop":
-            removed = abs(args[0]) if self.is_initialized else 0
+            # what crop's argument means changed across releases (5.4: the length to keep, or minus the count to
+            # remove; 5.23+: minus the count only): count what it removed instead of reading the argument
+            removed = before - compat.layer_length(self)
             if removed >= st.length:
                 _drop(self, "the cache was cropped to nothing")
                 return
@@ -194,8 +199,8 @@ class SelectiveLayer(DynamicLayer):
         else:
             st.record(self)
 
-    def crop(self, tokens_to_remove: int) -> None:
-        self._follow("crop", tokens_to_remove)
+    def crop(self, length: int) -> None:
+        self._follow("crop", length)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._follow("reorder_cache", beam_idx)
@@ -242,13 +247,12 @@ class _Pending:
 def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
     if torch.compiler.is_compiling():
         return None
-    cache = kwargs.get("past_key_values")
+    cache = compat.cache_of_call(args, kwargs)
     idx = getattr(module, "layer_idx", None)
-    if not isinstance(cache, Cache) or not isinstance(idx, int):
+    if cache is None or not isinstance(idx, int):
         module.__dict__[PENDING_ATTR] = None
         return None
-    layers = getattr(cache, "layers", None)
-    layer = layers[idx] if isinstance(layers, list) and 0 <= idx < len(layers) else None
+    layer = compat.cache_layer(cache, idx)
     armed, why = None, "the cache holds no selective state for its keys"
     if layer is not None:
         armed = _current(layer)
@@ -270,7 +274,7 @@ def detach(module: nn.Module) -> None:
 
 def drop_states(cache: Cache) -> None:
     """Forget every selective state held by ``cache`` (its next cached step is then refused)."""
-    for layer in getattr(cache, "layers", None) or ():
+    for layer in compat.cache_layers(cache):
         if STATE_ATTR in layer.__dict__:
             _drop(layer, "drop_states was called")
 
@@ -368,11 +372,12 @@ def step_for(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: t
         return None
     if pending is None:
         if past:
-            raise _refuse(name, query, key, "no transformers Cache object reached the attention module")
+            raise _refuse(name, query, key, "no transformers Cache reached the attention module's forward "
+                                            f"(transformers {transformers.__version__}; looked for the keywords "
+                                            f"{', '.join(compat.CACHE_ARGUMENTS)} and positional arguments)")
         return None
     cache = pending.cache()
-    layers = getattr(cache, "layers", None)
-    layer = layers[pending.layer_idx] if isinstance(layers, list) and pending.layer_idx < len(layers) else None
+    layer = compat.cache_layer(cache, pending.layer_idx)
     if layer is None or not isinstance(layer, DynamicLayer) or type(layer) not in (DynamicLayer, SelectiveLayer):
         if past and hasattr(cache, "cross_attention_cache"):
             raise _refuse(name, query, key, "encoder-decoder caches (EncoderDecoderCache) are not followed: the "
@@ -383,7 +388,8 @@ def step_for(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: t
             raise _refuse(name, query, key, f"its cache layer is {kind} (static, sliding-window, quantized and other "
                                             "layers are not supported; only DynamicLayer, the default DynamicCache's)")
         return None
-    if layer.keys is not key or layer.values is not value:
+    layer_keys, layer_values = compat.layer_tensors(layer)
+    if layer_keys is not key or layer_values is not value:
         if past:
             raise _refuse(name, query, key, "the keys the module passed are not its cache layer's")
         return None

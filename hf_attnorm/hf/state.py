@@ -170,8 +170,8 @@ def check_module(module: nn.Module, settings: AttnormSettings) -> None:
     bad = unsupported_keywords(module)
     if bad:
         raise AttnormError(
-            f"{name} passes {', '.join(map(repr, bad))} to the attention function, which hf_attnorm does not "
-            f"implement; its attention would be computed without it. Use attn_implementation='sdpa' or 'eager'."
+            f"{name} passes {', '.join(bad)} to the attention function, which hf_attnorm does not implement; its "
+            f"attention would be computed without it. Use attn_implementation='sdpa' or 'eager'."
         )
     norm = NORMALIZERS.get(settings.normalizer)
     score_kw = [k for k in SCORE_KEYWORDS if k in interface_keywords(type(module))]

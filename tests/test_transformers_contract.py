@@ -1,0 +1,274 @@
+"""The contract with transformers: every assumption hf_attnorm makes about the installed transformers' internals,
+asserted directly, each failure naming what changed and which feature depends on it (docs/internals.md lists them).
+
+When a release renames or moves something, one of these fails with that sentence instead of two dozen scattered
+failures elsewhere; the fix then belongs in ``hf_attnorm/hf/compat.py``, the one module that reads transformers' call
+conventions. CI runs this file on every transformers version it tests (``compat.CI_VERSIONS``).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import transformers
+from conftest import tiny
+from transformers import AttentionInterface, DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from hf_attnorm.hf import compat, integration
+from hf_attnorm.hf.families import keyword_role, refused_keywords
+from hf_attnorm.registry import AttnormError
+
+VERSION = transformers.__version__
+PROBE = "contract_probe"  # a name of this test's own, registered like ours (function + sdpa_mask)
+
+
+def broken(what: str, feature: str) -> str:
+    """The message of a broken assumption: what changed, on which version, and what depends on it."""
+    return (f"transformers {VERSION} changed an internal hf_attnorm relies on: {what}. Depends on it: {feature}. "
+            "Adapt hf_attnorm/hf/compat.py (and docs/internals.md).")
+
+
+class Probe:
+    """An attention function registered under PROBE that records each call and computes plain SDPA attention.
+    query [B, H, Lq, D], key/value [B, Hkv, Lk, D] -> (out [B, Lq, H, D], None)."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def __call__(self, module, query, key, value, attention_mask, *args, **kwargs):
+        self.calls.append(dict(module=module, query=query, key=key, value=value, mask=attention_mask, args=args,
+                               kwargs=dict(kwargs)))
+        groups = query.shape[1] // key.shape[1]
+        k, v = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+        causal = attention_mask is None and query.shape[2] > 1
+        out = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=attention_mask,
+                                                               is_causal=causal, scale=kwargs.get("scaling"))
+        return out.transpose(1, 2).contiguous(), None
+
+
+@pytest.fixture
+def probe():
+    rec = Probe()
+    AttentionInterface.register(PROBE, rec)
+    AttentionMaskInterface.register(PROBE, sdpa_mask)
+    yield rec
+    AttentionInterface._global_mapping.pop(PROBE, None)
+    AttentionMaskInterface._global_mapping.pop(PROBE, None)
+
+
+def _ids(batch: int = 2, length: int = 9) -> torch.Tensor:
+    return torch.randint(1, 97, (batch, length), generator=torch.Generator().manual_seed(0))
+
+
+def _padded(batch: int = 2, length: int = 9) -> tuple[torch.Tensor, torch.Tensor]:
+    x = _ids(batch, length)
+    mask = torch.ones_like(x)
+    mask[0, :3] = 0
+    return x, mask
+
+
+def test_registered_names_reach_the_attention_function_with_the_documented_call(probe):
+    model = tiny("llama", "causal_lm", implementation=PROBE)
+    x, mask = _padded()
+    with torch.no_grad():
+        model(x, attention_mask=mask)
+    assert probe.calls, broken("a model built with a name registered in AttentionInterface never called its "
+                               "function", "every hf_attnorm implementation (registration)")
+    call = probe.calls[0]
+    cfg = model.config
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = cfg.hidden_size // heads
+    assert call["query"].shape == (2, heads, 9, d), broken(
+        f"the query reaches the attention function as {tuple(call['query'].shape)}, not [B, H, Lq, D]",
+        "every implementation (shapes)")
+    assert call["key"].shape == (2, kv, 9, d) and call["value"].shape == (2, kv, 9, d), broken(
+        f"keys reach the attention function as {tuple(call['key'].shape)}, not [B, Hkv, Lk, D] (un-repeated GQA)",
+        "every implementation (GQA grouping)")
+    assert "scaling" in call["kwargs"] and "dropout" in call["kwargs"], broken(
+        f"the attention function's keywords are {sorted(call['kwargs'])}, without 'scaling' and 'dropout'",
+        "the score scale (GPT-2 folds its layer scaling into it) and attention dropout")
+    assert call["module"] is model.model.layers[0].self_attn, broken(
+        "the first argument of the attention function is not the calling attention module",
+        "per-module settings and learned values (AttnormState lives on the module)")
+    for attr in ("config", "is_causal", "layer_idx"):
+        assert hasattr(call["module"], attr), broken(
+            f"attention modules have no {attr!r} attribute", "causality, per-layer values and cache lookup")
+
+
+def test_the_mask_function_gives_a_boolean_keep_mask_or_none(probe):
+    model = tiny("llama", "causal_lm", implementation=PROBE)
+    x, mask = _padded()
+    with torch.no_grad():
+        model(x, attention_mask=mask)
+        model(x)  # no padding: plain causal
+    padded, plain = probe.calls[0]["mask"], probe.calls[-1]["mask"]
+    assert isinstance(padded, torch.Tensor) and padded.dtype == torch.bool and padded.shape == (2, 1, 9, 9), broken(
+        f"sdpa_mask (registered for our names) returned {type(padded).__name__} "
+        f"{getattr(padded, 'dtype', '')} {tuple(getattr(padded, 'shape', ()))}, not a bool keep-mask [B, 1, Lq, Lk]",
+        "padding and causality of every implementation (masks.py reads True = keep)")
+    expected = torch.ones(9, 9, dtype=torch.bool).tril() & mask.bool()[:, None, None, :]
+    assert torch.equal(padded, expected), broken("sdpa_mask's True no longer means 'keep'", "masks.py")
+    assert plain is None, broken(
+        "sdpa_mask returns a mask for a plain causal batch (it returned None: nothing beyond causality)",
+        "the fast paths that run maskless causal attention (hf_attnorm rebuilds causality from module.is_causal)")
+    assert inspect.signature(sdpa_mask).parameters, broken("sdpa_mask takes no parameters", "mask registration")
+
+
+def _decode(model, x: torch.Tensor, mask: torch.Tensor, steps: int = 2):
+    """A prefill and ``steps`` one-token steps on a DynamicCache -> the cache."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        out = model(x, attention_mask=mask, use_cache=True, **compat.cache_kwargs(model, cache))
+        for _ in range(steps):
+            assert compat.output_cache(out) is cache, broken(
+                f"a model's output carries its cache under none of {compat.CACHE_ARGUMENTS}",
+                "compat.output_cache (scripts/bench_decode.py, the decoding tests)")
+            nxt = out.logits[:, -1:].argmax(-1)
+            mask = torch.cat([mask, torch.ones_like(nxt)], 1)
+            out = model(nxt, attention_mask=mask, use_cache=True, **compat.cache_kwargs(model, cache))
+    return cache
+
+
+def test_the_cache_reaches_the_attention_module_under_a_known_argument(probe):
+    model = tiny("llama", "causal_lm", implementation=PROBE)
+    module = model.model.layers[0].self_attn
+    seen: list[tuple[tuple, dict]] = []
+    handle = module.register_forward_pre_hook(lambda m, a, kw: seen.append((a, dict(kw))), with_kwargs=True)
+    try:
+        cache = _decode(model, *_padded())
+    finally:
+        handle.remove()
+    assert len(seen) == 3
+    for args, kwargs in seen:
+        assert any(isinstance(kwargs.get(n), DynamicCache) for n in compat.CACHE_ARGUMENTS), broken(
+            f"the attention module's call carries the KV cache under none of the keywords "
+            f"{compat.CACHE_ARGUMENTS} (it got keywords {sorted(kwargs)})",
+            "linear attention's O(1) recurrent decode (hf/recurrent.py) and selective attention's cached generation "
+            "(hf/selective_cache.py): both find the cache in the module's call")
+        assert compat.cache_of_call(args, kwargs) is cache
+
+
+def test_the_module_appends_to_its_cache_layer_before_calling_the_attention_function(probe):
+    model = tiny("llama", "causal_lm", implementation=PROBE)
+    x, mask = _padded()
+    cache = DynamicCache(config=model.config)
+    layer0 = model.model.layers[0].self_attn
+    seen_keys = []
+    inp = x
+    with torch.no_grad():
+        for step in range(3):
+            if step:
+                mask = torch.cat([mask, torch.ones_like(inp)], 1)
+            probe.calls.clear()
+            logits = model(inp, attention_mask=mask, use_cache=True, **compat.cache_kwargs(model, cache)).logits
+            inp = logits[:, -1:].argmax(-1)
+            call = next(c for c in probe.calls if c["module"] is layer0)
+            layer = compat.cache_layer(cache, layer0.layer_idx)
+            assert compat.plain_dynamic_layer(layer), broken(
+                f"DynamicCache's layers are {type(layer).__name__}, not DynamicLayer", "the cache-bound states")
+            keys, values = compat.layer_tensors(layer)
+            assert call["key"] is keys and call["value"] is values, broken(
+                "the key/value tensors the attention function receives are not the cache layer's own tensors",
+                "the cache-bound states (they recognise their layer by tensor identity)")
+            assert compat.layer_length(layer) == 9 + step
+            seen_keys.append(keys)
+    assert seen_keys[0] is not seen_keys[1] is not seen_keys[2], broken(
+        "DynamicLayer.update no longer makes new tensors (it appends in place)",
+        "the cache-bound states' staleness check (identity + version counter)")
+
+
+def test_the_cache_layer_operations_generation_applies_exist_and_crop_removes():
+    for op in compat.DYNAMIC_LAYER_OPERATIONS:
+        assert callable(getattr(DynamicLayer, op, None)), broken(
+            f"DynamicLayer has no {op!r}", "selective attention's state following cache operations "
+                                           "(hf/selective_cache.SelectiveLayer)")
+    layer = DynamicLayer()
+    k = torch.randn(1, 2, 5, 4)
+    layer.update(k, k.clone())
+    before = layer.keys
+    layer.crop(-2)
+    assert compat.layer_length(layer) == 3 and layer.keys is not before, broken(
+        "DynamicLayer.crop(-2) does not remove 2 positions by replacing the tensors",
+        "selective attention under assisted decoding (crop)")
+
+
+def test_a_model_forward_takes_the_cache_under_a_known_name():
+    params = inspect.signature(transformers.LlamaForCausalLM.forward).parameters
+    assert any(n in params for n in compat.CACHE_ARGUMENTS), broken(
+        f"LlamaForCausalLM.forward takes the cache under none of {compat.CACHE_ARGUMENTS}",
+        "compat.cache_kwargs (scripts/bench_decode.py, the decoding tests)")
+
+
+def test_the_keyword_declarations_hf_attnorm_reads_exist():
+    declared = compat.declared_passthrough_keywords()
+    attention = compat.attention_function_keywords()
+    for k in ("num_items_in_batch", "output_hidden_states"):
+        assert k in declared, broken(f"{k!r} is no longer declared in TransformersKwargs",
+                                     "keyword classification (compat.keyword_role)")
+    assert "shift_labels" in declared, broken("ForCausalLMLoss no longer declares 'shift_labels'",
+                                              "keyword classification: loss keywords pass through")
+    for k in ("dropout", "scaling", "is_causal", "softcap", "s_aux", "sliding_window"):
+        assert k in attention, broken(f"no transformers attention function declares {k!r}",
+                                      "keyword classification: attention keywords are refused unless implemented")
+    assert keyword_role("softcap").kind == compat.IMPLEMENTED
+    assert keyword_role("shift_labels").kind == compat.PASSTHROUGH
+    assert keyword_role("block_table").kind == compat.ATTENTION  # paged attention: would change attention
+    assert keyword_role("not_a_keyword").kind == compat.UNKNOWN
+
+
+def test_every_keyword_a_model_passes_down_is_classified_and_accepted(probe):
+    """What a decode step and a training step with loss keywords hand the attention function: a new release that
+    adds a keyword here fails with its name, before users meet the refusal."""
+    model = tiny("llama", "causal_lm", implementation=PROBE)
+    x, mask = _padded()
+    _decode(model, x, mask)
+    with torch.no_grad():
+        model(x, attention_mask=mask, labels=x, shift_labels=torch.roll(x, -1, 1))
+    passed = set().union(*(c["kwargs"] for c in probe.calls))
+    assert "shift_labels" in passed  # models hand loss keywords down to the attention function
+    refused = refused_keywords(passed)
+    assert not refused, broken(f"the model passes keywords hf_attnorm would refuse: {refused}",
+                               "every implementation inside models (forward.py's keyword check)")
+
+
+def test_the_private_methods_hooked_exist_with_the_arguments_passed():
+    for attr in ("_check_and_adjust_attn_implementation", "post_init", "set_attn_implementation",
+                 "_initialize_weights", "from_pretrained", "save_pretrained"):
+        assert attr in integration.HOOKED, broken(f"PreTrainedModel.{attr} is gone", "docs/internals.md")
+    first = list(inspect.signature(PreTrainedModel._check_and_adjust_attn_implementation.__wrapped__).parameters)
+    assert first[1] == "attn_implementation", broken(
+        f"_check_and_adjust_attn_implementation's first argument is {first[1]!r}",
+        "loading a config that names 'hf_attnorm:<name>'")
+    assert hasattr(PreTrainedModel, "_keys_to_ignore_on_load_missing"), broken(
+        "PreTrainedModel._keys_to_ignore_on_load_missing is gone", "quiet loading of plain checkpoints")
+    from transformers.utils import output_capturing
+
+    assert hasattr(output_capturing, "_active_collector"), broken(
+        "transformers.utils.output_capturing._active_collector is gone",
+        "attention weights requested through transformers' output collector")
+
+
+def test_continuous_batching_has_one_entry_and_refuses_our_implementations():
+    owner = compat.continuous_batching_owner()
+    assert owner is not None and issubclass(transformers.GenerationMixin, owner), broken(
+        f"continuous batching's entry {compat.CONTINUOUS_BATCHING_ENTRY} moved",
+        "the refusal of generate_batch / transformers serve for hf_attnorm models (they would run softmax)")
+    assert compat.CONTINUOUS_BATCHING_ENTRY[1] in integration.HOOKED
+    model = tiny("llama", "causal_lm", implementation="symax")
+    with pytest.raises(AttnormError, match=r"^continuous batching .* cannot run hf_attnorm's 'symax'"):
+        model.generate_batch([[1, 2, 3]])
+    assert model.config._attn_implementation == "symax"  # not switched away
+
+
+def test_loss_keywords_pass_through_our_function_and_undeclared_ones_are_refused_by_name():
+    model = tiny("llama", "causal_lm", implementation="symax")
+    x, mask = _padded()
+    with torch.no_grad():
+        loss = model(x, attention_mask=mask, labels=x, shift_labels=torch.roll(x, -1, 1)).loss
+        assert torch.isfinite(loss)
+        with pytest.raises(AttnormError, match=r"passed 'window_bias' \(transformers .* declares no keyword"):
+            model(x, attention_mask=mask, window_bias=torch.zeros(1))
