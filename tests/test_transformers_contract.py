@@ -272,3 +272,22 @@ def test_loss_keywords_pass_through_our_function_and_undeclared_ones_are_refused
         assert torch.isfinite(loss)
         with pytest.raises(AttnormError, match=r"passed 'window_bias' \(transformers .* declares no keyword"):
             model(x, attention_mask=mask, window_bias=torch.zeros(1))
+
+
+def test_the_keyword_scan_classifies_what_families_pass(tmp_path):
+    """scripts/scan_keywords.py (run after a release to see which families a new keyword would refuse)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "scan_keywords.py"
+    subprocess.run([sys.executable, str(script), "--out-dir", str(tmp_path), "--only", "llama", "gemma2",
+                    "openai_privacy_filter"], check=True, capture_output=True, timeout=300)
+    result = json.loads((tmp_path / "keywords.json").read_text())
+    assert result["transformers"] == VERSION and not result["import_failures"]
+    by_class = {r["class"]: r for r in result["classes"]}
+    assert by_class["Gemma2Attention"]["keywords"]["softcap"] == compat.IMPLEMENTED
+    assert by_class["Gemma2Attention"]["keywords"]["sliding_window"] == compat.IMPLEMENTED
+    assert {"LlamaAttention", "OpenAIPrivacyFilterAttention"} <= by_class.keys()
+    assert result["refused_classes"] == 0
