@@ -13,8 +13,7 @@ convention of transformers' call path that the integration reads (the ONE place 
 tests/test_transformers_contract.py asserts each of these against the installed transformers and names the feature
 that depends on it.
 
-Supported: ``MIN_TRANSFORMERS`` and newer (tested: ``MIN_TRANSFORMERS`` and ``TESTED_NEWEST`` in CI; 5.5.4, 5.12.1
-and 5.22.2 by hand). Older versions lack what the integration relies on (5.3: GPT-2's attention module has no
+Supported: ``MIN_TRANSFORMERS`` and newer, no upper cap (CI tests ``CI_VERSIONS``). Older versions lack what the integration relies on (5.3: GPT-2's attention module has no
 ``scaling`` attribute, so its per-head values could not be created at build time; < 5.3: other signatures of the
 private methods hooked). There ``register()`` installs no hook on ``PreTrainedModel`` except a guard on
 ``post_init`` (a public method with no arguments since transformers 4.0) that refuses models using our names with
