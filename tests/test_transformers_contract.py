@@ -282,12 +282,12 @@ def test_the_keyword_scan_classifies_what_families_pass(tmp_path):
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "scan_keywords.py"
-    subprocess.run([sys.executable, str(script), "--out-dir", str(tmp_path), "--only", "llama", "gemma2",
-                    "openai_privacy_filter"], check=True, capture_output=True, timeout=300)
+    subprocess.run([sys.executable, str(script), "--out-dir", str(tmp_path), "--only", "llama", "gemma2"],
+                   check=True, capture_output=True, timeout=300)
     result = json.loads((tmp_path / "keywords.json").read_text())
     assert result["transformers"] == VERSION and not result["import_failures"]
     by_class = {r["class"]: r for r in result["classes"]}
     assert by_class["Gemma2Attention"]["keywords"]["softcap"] == compat.IMPLEMENTED
     assert by_class["Gemma2Attention"]["keywords"]["sliding_window"] == compat.IMPLEMENTED
-    assert {"LlamaAttention", "OpenAIPrivacyFilterAttention"} <= by_class.keys()
+    assert "LlamaAttention" in by_class
     assert result["refused_classes"] == 0
