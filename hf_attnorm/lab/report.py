@@ -275,3 +275,54 @@ def plot_bands(res: Results, task: str, xs: Sequence[float], paths: Sequence[Seq
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return {"path": str(path), "series": series}
+
+
+# ------------------------------------------------------------------------------- README summary (results.json)
+
+def results_from_json(data: Mapping[str, Any]) -> Results:
+    """The ``Results`` of a written ``results.json`` (scripts/compare.py): its per-run records, arranged as the sweep
+    arranged them, so every table is re-rendered from the raw records with the code that rendered results.md."""
+    from .sweep import label_of
+
+    records = {r["id"]: r for r in data["runs"]}
+    seeds = int(data["settings"]["seeds"])
+    ids = {task: {spec: [f"{task}/{label_of(spec)}/seed{s}" for s in range(seeds)] for spec in data["implementations"]}
+           for task in data["tasks"]}
+    return Results(records, ids, data["reference"])
+
+
+def headline_table(res: Results) -> str:
+    """One row per implementation: each probe's accuracy at the training length and the longest test length, and the
+    LM loss at both (mean ± 95% CI, ▲/▼ = significant paired difference from the reference)."""
+    columns: list[tuple[str, str, list[str], float, int]] = []
+    for task in ("mqar", "passkey"):
+        rec = res.first_ok(task) if task in res.ids else None
+        if rec is not None:
+            L, lengths = rec["train_length"], rec["lengths"]
+            columns += [(task, f"{task} % @ {n // L}x L", ["accuracy", str(n)], 100.0, 1)
+                        for n in (lengths[0], lengths[-1])]
+    rec = res.first_ok("lm") if "lm" in res.ids else None
+    if rec is not None:
+        L, ctx = rec["train_length"], rec["contexts"]
+        columns += [("lm", f"LM nats/char @ {c // L}x L", ["val_loss_per_char", str(c)], 1.0, 3)
+                    for c in (ctx[0], ctx[-1])]
+    specs = list(next(iter(res.ids.values()))) if res.ids else []
+    lines = ["| implementation | " + " | ".join(c[1] for c in columns) + " |", "|" + "---|" * (len(columns) + 1)]
+    for spec in specs:
+        cells = [fmt_ci(res.stat(task, spec, path, scale), digits) + _mark(res.versus(task, spec, path, scale))
+                 for task, _, path, scale, digits in columns]
+        lines.append(f"| `{spec}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def verdicts_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The published-claim checks of ``claims_table`` in short: implementation, source, measurement, paired
+    difference and verdict (the claims' full text is in results.md)."""
+    lines = ["| implementation | source | measurement | Δ vs reference (95% CI) | verdict |", "|---|---|---|---|---|"]
+    for r in rows:
+        digits = 3 if "loss" in r["measurement"] or "share" in r["measurement"] else (
+            0 if "rate" in r["measurement"] else 1)
+        diff = fmt_diff(r["paired"], digits) if r["paired"] else "—"
+        source = r["source"].split(";")[0]
+        lines.append(f"| `{r['implementation']}` | {source} | {r['measurement']} | {diff} | {r['verdict']} |")
+    return "\n".join(lines)
