@@ -11,6 +11,8 @@ two markers is replaced by the output of generator NAME:
 * main-job: ``bench/compare/results.json`` re-rendered by ``hf_attnorm.lab.report`` (the code that writes
   results.md);
 * compare-mqar, compare-passkey, compare-lm: the main job's full table of one task, from the same records;
+* kernels-run1, kernels-run3: the tables of two ``scripts/bench_kernels.py`` runs (bench/kernels and
+  bench/kernels_wave3);
 * performance: one kernel benchmark run, ``bench/kernels/bench_kernels.json`` (``PERFORMANCE_RUN``).
 
 ``python scripts/render_readme.py`` rewrites the files; ``--check`` writes nothing and exits 1 with a diff when a
@@ -33,8 +35,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 #: the documents that carry generated blocks, relative to the repository root
-DOCUMENTS = ["README.md", "docs/options.md", "bench/compare/README.md"]
-BLOCK = re.compile(r"(<!-- generated:(?P<name>[a-z_-]+) -->\n)(?P<body>.*?)(<!-- /generated:(?P=name) -->)", re.S)
+DOCUMENTS = ["README.md", "docs/options.md", "docs/benchmarks.md", "bench/compare/README.md"]
+BLOCK = re.compile(r"(<!-- generated:(?P<name>[a-z0-9_-]+) -->\n)(?P<body>.*?)(<!-- /generated:(?P=name) -->)", re.S)
 
 #: the kernel benchmark run the README summarises (the JSON holds the numbers and the machine; command and date are
 #: those of the run that wrote it, see bench/kernels/README.md)
@@ -106,6 +108,50 @@ def task_table(task: str) -> Callable[[], str]:
     return render
 
 
+def claims() -> str:
+    """The main job's full published-claims table (claim text, both means, paired difference, verdict)."""
+    from hf_attnorm.lab import report
+
+    return report.claims_table(_compare_results())[0]
+
+
+def kernel_table(json_path: str) -> Callable[[], str]:
+    """The table of one ``scripts/bench_kernels.py`` run: per row its fast path, fwd+bwd time as a ratio to SDPA
+    softmax at each length, the reference path's ratio, and the max error vs float64 (the reference's in brackets)."""
+
+    def render() -> str:
+        data = json.loads((ROOT / json_path).read_text())
+        rows = data["rows"]
+        fast_lengths = sorted({r["n"] for r in rows if r["path"] != "reference"})
+        ref_lengths = sorted({r["n"] for r in rows if r["path"] == "reference"})
+        head = (["implementation", "fast path"] + [f"fast ratio n={n}" for n in fast_lengths]
+                + [f"reference ratio n={n}" for n in ref_lengths] + ["max err (reference's)"])
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for name in dict.fromkeys(r["row"] for r in rows):
+            fast = {r["n"]: r for r in rows if r["row"] == name and r["path"] != "reference"}
+            ref = {r["n"]: r for r in rows if r["row"] == name and r["path"] == "reference"}
+            if not fast:
+                continue
+            path = next(iter(fast.values()))["path"]
+            cells = [f"`{name}`", path]
+            cells += [f"{fast[n]['fwd_bwd_ratio']:.2f}" if n in fast else "-" for n in fast_lengths]
+            cells += [f"{ref[n]['fwd_bwd_ratio']:.1f}" if n in ref else "-" for n in ref_lengths]
+            err = next(iter(fast.values())).get("max_err_vs_fp64")
+            ref_err = next(iter(ref.values())).get("max_err_vs_fp64") if ref else None
+            cells.append(f"{err:.1e}" + (f" ({ref_err:.1e})" if ref_err is not None else ""))
+            lines.append("| " + " | ".join(cells) + " |")
+        base = data["sdpa_softmax"]
+        meta = data["meta"]
+        load = ", ".join(f"{x:.1f}" for x in meta.get("load_average_start", []))
+        lines += ["", "SDPA softmax forward+backward in this run: "
+                  + ", ".join(f"{v['fwd_bwd_ms']:.1f} ms at n = {k}" for k, v in base.items())
+                  + f"; {meta['threads']} threads, median of {meta['repeats']}, load average at the start {load} "
+                    f"([{json_path}](../{json_path}))."]
+        return "\n".join(lines)
+
+    return render
+
+
 def performance() -> str:
     """Five lines on speed and error from one kernel benchmark run (fwd+bwd time as a ratio to SDPA softmax)."""
     run = PERFORMANCE_RUN
@@ -159,6 +205,9 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "main-job": main_job,
     "performance": performance,
     **{f"compare-{task}": task_table(task) for task in ("mqar", "passkey", "lm")},
+    "compare-claims": claims,
+    "kernels-run1": kernel_table("bench/kernels/bench_kernels.json"),
+    "kernels-run3": kernel_table("bench/kernels_wave3/bench_kernels.json"),
 }
 
 
@@ -175,6 +224,10 @@ def render(text: str, cache: dict[str, str] | None = None) -> str:
             cache[name] = GENERATORS[name]().rstrip("\n")
         return m.group(1) + cache[name] + "\n" + m.group(4)
 
+    opened = text.count("<!-- generated:")
+    if opened != len(BLOCK.findall(text)):
+        raise SystemExit(f"render_readme.py: error: {opened} '<!-- generated:NAME -->' markers but only "
+                         f"{len(BLOCK.findall(text))} blocks closed by '<!-- /generated:NAME -->' (same NAME)")
     return BLOCK.sub(replace, text)
 
 

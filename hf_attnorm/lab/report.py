@@ -128,7 +128,7 @@ CLAIMS: list[dict[str, Any]] = [
     {"implementation": "ssmax",
      "claim": "Scalable-Softmax (s·ln n · scores) keeps attention focused past the training length: better "
               "key retrieval and lower loss than softmax at long contexts",
-     "source": "Nakanishi 2025, arXiv:2501.19855",
+     "source": "Nakanishi 2025, arXiv:2501.19399",
      "checks": [("mqar", "longest", "higher"), ("passkey", "longest", "higher"), ("lm", "longest", "lower")]},
     {"implementation": "softmax1",
      "claim": "softmax_1 (1 + Σ exp in the denominator) lets heads attend to nothing: smaller outlier activations "
@@ -316,13 +316,17 @@ def headline_table(res: Results) -> str:
 
 
 def verdicts_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """The published-claim checks of ``claims_table`` in short: implementation, source, measurement, paired
-    difference and verdict (the claims' full text is in results.md)."""
-    lines = ["| implementation | source | measurement | Δ vs reference (95% CI) | verdict |", "|---|---|---|---|---|"]
+    """The published-claim checks of ``claims_table`` in short, one row per claim: its implementation and source,
+    then per measurement the paired difference from the reference (95% CI, * = significant) and the verdict (the
+    claims' full text is in results.md)."""
+    lines = ["| implementation | source | measurement: Δ vs reference (95% CI), verdict |", "|---|---|---|"]
+    grouped: dict[tuple[str, str], list[str]] = {}
     for r in rows:
-        digits = 3 if "loss" in r["measurement"] or "share" in r["measurement"] else (
-            0 if "rate" in r["measurement"] else 1)
+        measurement = r["measurement"]
+        digits = 3 if "loss" in measurement or "share" in measurement else (0 if "rate" in measurement else 1)
         diff = fmt_diff(r["paired"], digits) if r["paired"] else "—"
-        source = r["source"].split(";")[0]
-        lines.append(f"| `{r['implementation']}` | {source} | {r['measurement']} | {diff} | {r['verdict']} |")
+        grouped.setdefault((r["implementation"], r["source"].split(";")[0]), []).append(
+            f"{measurement}: {diff}, {r['verdict']}")
+    for (spec, source), checks in grouped.items():
+        lines.append(f"| `{spec}` | {source} | " + "; ".join(checks) + " |")
     return "\n".join(lines)
