@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .stats import mean_ci, paired
+from .sweep import label_of
 
 
 def _mark(comp: Mapping[str, Any] | None) -> str:
@@ -282,8 +283,6 @@ def plot_bands(res: Results, task: str, xs: Sequence[float], paths: Sequence[Seq
 def results_from_json(data: Mapping[str, Any]) -> Results:
     """The ``Results`` of a written ``results.json`` (scripts/compare.py): its per-run records, arranged as the sweep
     arranged them, so every table is re-rendered from the raw records with the code that rendered results.md."""
-    from .sweep import label_of
-
     records = {r["id"]: r for r in data["runs"]}
     seeds = int(data["settings"]["seeds"])
     ids = {task: {spec: [f"{task}/{label_of(spec)}/seed{s}" for s in range(seeds)] for spec in data["implementations"]}
