@@ -104,7 +104,9 @@ def learned_list() -> str:
 def versions_line() -> str:
     """The supported transformers range, read from ``hf_attnorm.hf.compat``."""
     newest = getattr(compat, "TESTED_NEWEST", None)
-    tested = getattr(compat, "CI_TESTED", None) or getattr(compat, "TESTED_VERSIONS", None)
+    # a tuple of CI-tested versions, whatever compat names it (e.g. CI_TESTED / TESTED_VERSIONS)
+    tested = next((getattr(compat, n) for n in sorted(dir(compat)) if "TESTED" in n and n.isupper()
+                   and isinstance(getattr(compat, n), (tuple, list))), None)
     line = f"transformers >= {compat.MIN_TRANSFORMERS}"
     if newest:
         line += f", tested up to {newest}"

@@ -149,6 +149,25 @@ def test_relative_links_in_user_documents_exist():
     assert not missing, "broken links:\n" + "\n".join(missing)
 
 
+def test_versions_line_reads_compat(monkeypatch):
+    from hf_attnorm.__main__ import versions_line
+    from hf_attnorm.hf import compat
+
+    monkeypatch.setattr(compat, "TESTED_NEWEST", "9.9.0")
+    monkeypatch.setattr(compat, "CI_TESTED_VERSIONS", ("5.4.0", "9.9.0"), raising=False)
+    line = versions_line()
+    assert line == f"transformers >= {compat.MIN_TRANSFORMERS}, tested up to 9.9.0 (CI: 5.4.0, 9.9.0)"
+
+
+def test_documented_example_value():
+    """The one hand-written number in docs/scale_analysis.md's example is what the code returns."""
+    from hf_attnorm.scales import max_gradient_alpha
+
+    assert "max_gradient_alpha(1000, dist=\"cosine\", head_dim=128)        # 26.02" in (
+        ROOT / "docs" / "scale_analysis.md").read_text()
+    assert f"{max_gradient_alpha(1000, dist='cosine', head_dim=128):.2f}" == "26.02"
+
+
 def test_license_and_citation():
     license_text = (ROOT / "LICENSE").read_text()
     assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
