@@ -84,7 +84,7 @@ def main_job() -> str:
             f"{data['date'][:10]}; how the rows were trained: [bench/compare/README.md](bench/compare/README.md)). "
             f"Cells: mean ± 95% CI over seeds; ▲/▼: significantly higher/lower than `{data['reference']}` "
             f"(paired t-test by seed, 5%).\n\n"
-            f"{report.headline_table(res)}\n\n"
+            f"{report.headline_sentence(res)}\n\n{report.headline_table(res)}\n\n"
             f"Published claims checked at this scale:\n\n{report.verdicts_table(rows)}\n\n{plots}")
 
 

@@ -314,6 +314,30 @@ def headline_table(res: Results) -> str:
     return "\n".join(lines)
 
 
+def headline_sentence(res: Results) -> str:
+    """Which implementations differ significantly from the reference at the longest test length of each task,
+    better and worse (higher accuracy / lower loss is better)."""
+    parts = []
+    for task in ("mqar", "passkey", "lm"):
+        rec = res.first_ok(task) if task in res.ids else None
+        if rec is None:
+            continue
+        if task == "lm":
+            n, path, label, lower_is_better = rec["contexts"][-1], ["val_loss_per_char", str(rec["contexts"][-1])], \
+                "LM loss", True
+        else:
+            n, path, label, lower_is_better = rec["lengths"][-1], ["accuracy", str(rec["lengths"][-1])], task, False
+        better, worse = [], []
+        for spec in res.ids[task]:
+            comp = res.versus(task, spec, path)
+            if comp and comp.get("significant"):
+                (better if (comp["diff"] < 0) == lower_is_better else worse).append(f"`{spec}`")
+        parts.append(f"* {label} at {n // rec['train_length']}x L: better {', '.join(better) or 'none'}; "
+                     f"worse {', '.join(worse) or 'none'}")
+    return (f"Significantly different from `{res.reference}` at the longest test length (paired by seed, 5%):\n\n"
+            + "\n".join(parts))
+
+
 def verdicts_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """The published-claim checks of ``claims_table`` in short, one row per claim: its implementation and source,
     then per measurement the paired difference from the reference (95% CI, * = significant) and the verdict (the
