@@ -62,6 +62,13 @@ def test_readme_carries_every_generated_block():
     assert README_BLOCKS <= names, f"README.md lacks generated blocks {sorted(README_BLOCKS - names)}"
 
 
+def test_every_readme_table_is_generated():
+    text = (ROOT / "README.md").read_text()
+    outside = _renderer().BLOCK.sub("", text)
+    tables = [line for line in outside.splitlines() if line.startswith("|")]
+    assert not tables, f"README table rows outside generated blocks: {tables[:3]}"
+
+
 def test_check_catches_a_pasted_row(tmp_path):
     """A benchmark row pasted over an implementation row (how the README was once corrupted) fails the check."""
     render = _renderer()
