@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 #: the documents that carry generated blocks, relative to the repository root
-DOCUMENTS = ["README.md", "docs/options.md", "docs/benchmarks.md", "bench/compare/README.md"]
+DOCUMENTS = ["README.md", "docs/options.md", "docs/architecture.md", "docs/benchmarks.md", "bench/compare/README.md"]
 BLOCK = re.compile(r"(<!-- generated:(?P<name>[a-z0-9_-]+) -->\n)(?P<body>.*?)(<!-- /generated:(?P=name) -->)", re.S)
 
 #: the kernel benchmark run the README summarises (the JSON holds the numbers and the machine; command and date are
