@@ -144,15 +144,24 @@ def test_process_scan_catches_each_pattern():
         assert not any(re.search(p, text, re.I) for p in PROCESS_PATTERNS), text
 
 
+def _anchors(path: Path) -> set[str]:
+    """GitHub's heading anchors of a Markdown file (lowercase, punctuation dropped, spaces to hyphens)."""
+    heads = re.findall(r"^#+ (.+)$", path.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
 def test_relative_links_in_user_documents_exist():
     missing = []
     for doc in user_documents():
-        for m in re.finditer(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text()):
-            target = m.group(1)
+        for m in re.finditer(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", doc.read_text()):
+            target, anchor = m.group(1), m.group(2)
             if "://" in target or target.startswith("mailto:"):
                 continue
-            if not (doc.parent / target).exists():
+            path = doc.parent / target if target else doc
+            if not path.exists():
                 missing.append(f"{doc.relative_to(ROOT)} -> {target}")
+            elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+                missing.append(f"{doc.relative_to(ROOT)} -> {target}#{anchor}")
     assert not missing, "broken links:\n" + "\n".join(missing)
 
 
