@@ -165,6 +165,17 @@ def test_relative_links_in_user_documents_exist():
     assert not missing, "broken links:\n" + "\n".join(missing)
 
 
+def test_docs_list_the_main_jobs_default_implementations():
+    """docs/evaluation.md names the default implementations of scripts/compare.py by hand: they must agree."""
+    spec = importlib.util.spec_from_file_location("compare_script_for_docs", ROOT / "scripts" / "compare.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    text = (ROOT / "docs" / "evaluation.md").read_text()
+    listed = re.search(r"\(default (`.*?); any", text, re.S)
+    assert listed, "docs/evaluation.md no longer lists the default implementations as '(default `a`, ...; any'"
+    assert re.findall(r"`([^`]+)`", listed.group(1)) == compare.DEFAULT_IMPLEMENTATIONS
+
+
 def test_versions_line_reads_compat(monkeypatch):
     from hf_attnorm.__main__ import versions_line
     from hf_attnorm.hf import compat
