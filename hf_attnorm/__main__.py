@@ -1,24 +1,76 @@
-"""``python -m hf_attnorm``: list the registered implementations, normalizers, scales and options (Markdown)."""
+"""``python -m hf_attnorm``: list the registered implementations, normalizers, scales and options.
+
+``python -m hf_attnorm`` prints the Markdown tables of implementations and options; ``--markdown SECTION`` prints one
+generated README/docs section (``scripts/render_readme.py`` writes them between marker comments, and
+``tests/test_readme.py`` fails when a document differs from this output). Everything is read from the registries.
+"""
 
 from __future__ import annotations
 
 import argparse
+import re
 
 import hf_attnorm
+from hf_attnorm.attention import param_specs
+from hf_attnorm.hf import compat
+from hf_attnorm.kernels import PATHS, paths_for
 from hf_attnorm.registry import NORMALIZERS, PRESETS, SCALES
 from hf_attnorm.settings import GLOBAL_OPTIONS, OPTIONS, resolve_settings
+
+#: paths every normalizer has (pure PyTorch fallbacks), left out of the fast-path columns
+FALLBACK_PATHS = ("chunked", "reference")
 
 
 def _cell(text: object) -> str:
     return str(text).replace("|", "\\|")
 
 
-def markdown_tables() -> str:
-    lines = ["| attn_implementation | normalizer | scale | description |", "|---|---|---|---|"]
+def _link_urls(text: str) -> str:
+    """Markdown links for the URLs in a declared ``paper``: arXiv ones labelled ``arXiv:ID``, others by host/path."""
+
+    def label(m: re.Match[str]) -> str:
+        url = m.group(0)
+        arxiv = re.match(r"https://arxiv\.org/abs/(\S+)", url)
+        short = f"arXiv:{arxiv.group(1)}" if arxiv else url.split("://", 1)[1]
+        return f"[{short}]({url})"
+
+    return re.sub(r"https?://[^\s;,)]+", label, text)
+
+
+def fast_paths(normalizer: str, device: str) -> list[str]:
+    """The fast paths the automatic rule may pick for ``normalizer`` on a device type ("cpu" or "cuda")."""
+    return [p for p in paths_for(normalizer) if p not in FALLBACK_PATHS and device not in PATHS[p].auto_exclude]
+
+
+def learned_values(implementation: str) -> str:
+    """Per-head values of an implementation's default settings: learned ones plain, constants marked."""
+    s = resolve_settings(implementation)
+    out = []
+    for spec in param_specs(s):
+        learned = spec.is_learnable(s)
+        out.append(f"`{spec.name}`" if learned else f"`{spec.name}` (constant unless `{spec.learnable_option}`)")
+    return ", ".join(out) or "—"
+
+
+def implementations_table() -> str:
+    """One row per attention implementation: formula, paper, fast paths by device, per-head values."""
+    lines = ["| attn_implementation | formula | paper | CPU fast paths | GPU fast paths | per-head values |",
+             "|---|---|---|---|---|---|"]
     for name, preset in PRESETS.items():
         s = resolve_settings(name)
-        lines.append(f"| `{name}` | {s.normalizer} | {s.scale} | {_cell(preset.description)} |")
-    lines += ["", "| option | used by | default | meaning |", "|---|---|---|---|"]
+        papers = [NORMALIZERS.get(s.normalizer).paper]
+        if s.scale != "standard":
+            papers.append(SCALES.get(s.scale).paper)
+        papers = [p for i, p in enumerate(papers) if p and p not in papers[:i]]
+        cpu = ", ".join(fast_paths(s.normalizer, "cpu")) or "—"
+        gpu = ", ".join(fast_paths(s.normalizer, "cuda")) or "—"
+        lines.append(f"| `{name}` | {_cell(preset.description)} | {_cell(_link_urls('; '.join(papers)))} | {cpu} "
+                     f"| {gpu} | {learned_values(name)} |")
+    return "\n".join(lines)
+
+
+def options_table() -> str:
+    lines = ["| option | used by | default | meaning |", "|---|---|---|---|"]
     for name, opt in OPTIONS.items():
         users = [n for n, obj in (*NORMALIZERS.items(), *SCALES.items()) if name in obj.options]
         users = users or (["every normalizer"] if name in GLOBAL_OPTIONS else [])
@@ -26,12 +78,65 @@ def markdown_tables() -> str:
     return "\n".join(lines)
 
 
+def markdown_tables() -> str:
+    return implementations_table() + "\n\n" + options_table()
+
+
+def learned_list() -> str:
+    """Every per-head value any normalizer, scale or global option can create, with its owner and help (one line
+    each): what a checkpoint may hold under ``...attnorm.<name>``."""
+    seen: dict[str, str] = {}
+    owners = [(f"normalizer `{n}`", obj.params) for n, obj in NORMALIZERS.items()]
+    owners += [(f"scale `{n}`", obj.params) for n, obj in SCALES.items()]
+    memory = resolve_settings("softmax", {"num_mem_kv": 1})
+    owners.append(("option `num_mem_kv` > 0 (every normalizer)",
+                   tuple(p for p in param_specs(memory) if p.name not in {q.name for q in NORMALIZERS.get(
+                       "softmax").params})))
+    for owner, specs in owners:
+        for spec in specs:
+            if spec.name not in seen:
+                default = OPTIONS.get(spec.learnable_option).default
+                seen[spec.name] = (f"* `{spec.name}` ({owner}; learned when `{spec.learnable_option}` is true, "
+                                   f"default `{default!r}`): {spec.help}")
+    return "\n".join(seen.values())
+
+
+def versions_line() -> str:
+    """The supported transformers range, read from ``hf_attnorm.hf.compat``."""
+    newest = getattr(compat, "TESTED_NEWEST", None)
+    # a tuple of CI-tested versions, whatever compat names it (e.g. CI_TESTED / TESTED_VERSIONS)
+    tested = next((getattr(compat, n) for n in sorted(dir(compat)) if "TESTED" in n and n.isupper()
+                   and isinstance(getattr(compat, n), (tuple, list))), None)
+    line = f"transformers >= {compat.MIN_TRANSFORMERS}"
+    if newest:
+        line += f", tested up to {newest}"
+    if tested:
+        line += f" (CI: {', '.join(str(v) for v in tested)})"
+    return line
+
+
+#: ``--markdown`` sections: name -> generator
+SECTIONS = {
+    "implementations": implementations_table,
+    "options": options_table,
+    "learned": learned_list,
+    "versions": versions_line,
+}
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m hf_attnorm", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m hf_attnorm", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", nargs="?", default="all",
                         choices=["all", "implementations", "normalizers", "scales", "options"],
-                        help="what to list (default: the Markdown tables of implementations and options)")
+                        help="what to list as name and description (default: the Markdown tables of implementations "
+                             "and options)")
+    parser.add_argument("--markdown", choices=sorted(SECTIONS), default=None,
+                        help="print one generated Markdown section instead (the README and docs carry them verbatim)")
     args = parser.parse_args(argv)
+    if args.markdown:
+        print(SECTIONS[args.markdown]())
+        return
     if args.what == "all":
         print(markdown_tables())
         return

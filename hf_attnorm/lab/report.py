@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .stats import mean_ci, paired
+from .sweep import label_of
 
 
 def _mark(comp: Mapping[str, Any] | None) -> str:
@@ -128,7 +129,7 @@ CLAIMS: list[dict[str, Any]] = [
     {"implementation": "ssmax",
      "claim": "Scalable-Softmax (s·ln n · scores) keeps attention focused past the training length: better "
               "key retrieval and lower loss than softmax at long contexts",
-     "source": "Nakanishi 2025, arXiv:2501.19855",
+     "source": "Nakanishi 2025, arXiv:2501.19399",
      "checks": [("mqar", "longest", "higher"), ("passkey", "longest", "higher"), ("lm", "longest", "lower")]},
     {"implementation": "softmax1",
      "claim": "softmax_1 (1 + Σ exp in the denominator) lets heads attend to nothing: smaller outlier activations "
@@ -275,3 +276,80 @@ def plot_bands(res: Results, task: str, xs: Sequence[float], paths: Sequence[Seq
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return {"path": str(path), "series": series}
+
+
+# ------------------------------------------------------------------------------- README summary (results.json)
+
+def results_from_json(data: Mapping[str, Any]) -> Results:
+    """The ``Results`` of a written ``results.json`` (scripts/compare.py): its per-run records, arranged as the sweep
+    arranged them, so every table is re-rendered from the raw records with the code that rendered results.md."""
+    records = {r["id"]: r for r in data["runs"]}
+    seeds = int(data["settings"]["seeds"])
+    ids = {task: {spec: [f"{task}/{label_of(spec)}/seed{s}" for s in range(seeds)] for spec in data["implementations"]}
+           for task in data["tasks"]}
+    return Results(records, ids, data["reference"])
+
+
+def headline_table(res: Results) -> str:
+    """One row per implementation: each probe's accuracy at the training length and the longest test length, and the
+    LM loss at both (mean ± 95% CI, ▲/▼ = significant paired difference from the reference)."""
+    columns: list[tuple[str, str, list[str], float, int]] = []
+    for task in ("mqar", "passkey"):
+        rec = res.first_ok(task) if task in res.ids else None
+        if rec is not None:
+            L, lengths = rec["train_length"], rec["lengths"]
+            columns += [(task, f"{task} % @ {n // L}x L", ["accuracy", str(n)], 100.0, 1)
+                        for n in (lengths[0], lengths[-1])]
+    rec = res.first_ok("lm") if "lm" in res.ids else None
+    if rec is not None:
+        L, ctx = rec["train_length"], rec["contexts"]
+        columns += [("lm", f"LM nats/char @ {c // L}x L", ["val_loss_per_char", str(c)], 1.0, 3)
+                    for c in (ctx[0], ctx[-1])]
+    specs = list(next(iter(res.ids.values()))) if res.ids else []
+    lines = ["| implementation | " + " | ".join(c[1] for c in columns) + " |", "|" + "---|" * (len(columns) + 1)]
+    for spec in specs:
+        cells = [fmt_ci(res.stat(task, spec, path, scale), digits) + _mark(res.versus(task, spec, path, scale))
+                 for task, _, path, scale, digits in columns]
+        lines.append(f"| `{spec}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def headline_sentence(res: Results) -> str:
+    """Which implementations differ significantly from the reference at the longest test length of each task,
+    better and worse (higher accuracy / lower loss is better)."""
+    parts = []
+    for task in ("mqar", "passkey", "lm"):
+        rec = res.first_ok(task) if task in res.ids else None
+        if rec is None:
+            continue
+        if task == "lm":
+            n, path, label, lower_is_better = rec["contexts"][-1], ["val_loss_per_char", str(rec["contexts"][-1])], \
+                "LM loss", True
+        else:
+            n, path, label, lower_is_better = rec["lengths"][-1], ["accuracy", str(rec["lengths"][-1])], task, False
+        better, worse = [], []
+        for spec in res.ids[task]:
+            comp = res.versus(task, spec, path)
+            if comp and comp.get("significant"):
+                (better if (comp["diff"] < 0) == lower_is_better else worse).append(f"`{spec}`")
+        parts.append(f"* {label} at {n // rec['train_length']}x L: better {', '.join(better) or 'none'}; "
+                     f"worse {', '.join(worse) or 'none'}")
+    return (f"Significantly different from `{res.reference}` at the longest test length (paired by seed, 5%):\n\n"
+            + "\n".join(parts))
+
+
+def verdicts_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The published-claim checks of ``claims_table`` in short, one row per claim: its implementation and source,
+    then per measurement the paired difference from the reference (95% CI, * = significant) and the verdict (the
+    claims' full text is in results.md)."""
+    lines = ["| implementation | source | measurement: Δ vs reference (95% CI), verdict |", "|---|---|---|"]
+    grouped: dict[tuple[str, str], list[str]] = {}
+    for r in rows:
+        measurement = r["measurement"]
+        digits = 3 if "loss" in measurement or "share" in measurement else (0 if "rate" in measurement else 1)
+        diff = fmt_diff(r["paired"], digits) if r["paired"] else "—"
+        grouped.setdefault((r["implementation"], r["source"].split(";")[0]), []).append(
+            f"{measurement}: {diff}, {r['verdict']}")
+    for (spec, source), checks in grouped.items():
+        lines.append(f"| `{spec}` | {source} | " + "; ".join(checks) + " |")
+    return "\n".join(lines)

@@ -48,6 +48,7 @@ ASENTMAX_LEARNABLE = declare_option("asentmax_learnable", bool, True,
 @register_normalizer
 class ASEntmax(EntmaxAlpha):
     name = "asentmax"
+    paper = "Vasylenko et al. 2025, adaptive-scalable entmax, https://arxiv.org/abs/2506.16640"
     description = ("adaptive-scalable entmax: alpha-entmax of (delta + softplus(w.q) (ln n)^gamma) s, "
                    "per-head alpha, delta, gamma, w (learnable)")
     options = (ENTMAX_ALPHA, ENTMAX_ALPHA_LEARNABLE, ASENTMAX_DELTA, ASENTMAX_GAMMA, ASENTMAX_W, ASENTMAX_LEARNABLE)

@@ -120,6 +120,8 @@ class Normalizer:
 
     name: ClassVar[str]
     description: ClassVar[str]
+    #: where the method comes from: authors year, title, link (the README's implementations table shows it)
+    paper: ClassVar[str] = ""
     #: "one": every row with a visible key sums to 1; "at_most_one": <= 1; "free": no constraint
     row_sum: ClassVar[RowSum] = "one"
     #: options this normalizer reads (declared with ``declare_option`` in its file)

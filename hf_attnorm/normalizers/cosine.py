@@ -29,6 +29,7 @@ NORM_EPS = 1e-6
 @register_normalizer
 class Cosine(Normalizer):
     name = "cosine"
+    paper = "Henry et al. 2020, Query-Key Normalization for Transformers, https://arxiv.org/abs/2010.04245"
     description = "softmax(cos(q,k) * tau_h * scale(n)), QK-norm; default scale alpha*(n) of the cosine model"
     row_sum = "one"
     options = (COSINE_TEMPERATURE, COSINE_TEMPERATURE_LEARNABLE)

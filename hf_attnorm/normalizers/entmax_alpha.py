@@ -108,6 +108,7 @@ def entmax_alpha(z: torch.Tensor, keep: torch.Tensor, alpha: torch.Tensor | floa
 @register_normalizer
 class EntmaxAlpha(Normalizer):
     name = "entmax_alpha"
+    paper = "Correia et al. 2019, Adaptively Sparse Transformers, https://arxiv.org/abs/1909.00015"
     description = "alpha-entmax [(alpha-1) s_i - tau]_+^(1/(alpha-1)), alpha > 1 per head (learnable), sparse"
     row_sum = "one"
     sparse = True

@@ -27,6 +27,7 @@ def elu_feature(x: torch.Tensor) -> torch.Tensor:
 @register_normalizer
 class Linear(Normalizer):
     name = "linear"
+    paper = "Katharopoulos et al. 2020, Transformers are RNNs, https://arxiv.org/abs/2006.16236"
     description = ("linear attention, phi = elu+1, causal via running sums (O(n)); decode from a recurrent state "
                    "(O(1) per token)")
     row_sum = "one"

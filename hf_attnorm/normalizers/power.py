@@ -40,6 +40,7 @@ def power_exponent(ctx: Ctx) -> torch.Tensor:
 @register_normalizer
 class Power(Normalizer):
     name = "power"
+    paper = "Kacham et al. 2023, PolySketchFormer (even integer p), https://arxiv.org/abs/2310.01655"
     description = "|s_i|^p/sum |s_j|^p, p >= 1 per head (learnable; p = 2 is squared; rows of zeros give 0)"
     row_sum = "at_most_one"  # 1 except on all-zero rows, where it is 0 by convention
     options = (POWER_P, POWER_LEARNABLE)

@@ -12,6 +12,7 @@ from .base import Ctx, Normalizer, masked_fill_zero
 @register_normalizer
 class ReluLen(Normalizer):
     name = "relu_len"
+    paper = "Wortsman et al. 2023, Replacing softmax with ReLU in Vision Transformers, https://arxiv.org/abs/2309.08586"
     description = "relu(s_i)/n, n = visible keys (not normalised)"
     row_sum = "free"
     kernel_family = "fused"

@@ -78,6 +78,7 @@ def head_keep(keep: torch.Tensor, head: int, batch: int, lq: int, lk: int) -> to
 @register_normalizer
 class Selective(Normalizer):
     name = "selective"
+    paper = "Leviathan et al. 2024, Selective Attention, https://arxiv.org/abs/2410.02703"
     description = ("selective attention (Leviathan et al. 2024): softmax(s - F), F = earlier queries' relu'd scores"
                    " of one head")
     row_sum = "one"

@@ -24,6 +24,8 @@ SIGMOID_BIAS_LEARNABLE = declare_option(
 @register_normalizer
 class Sigmoid(Normalizer):
     name = "sigmoid"
+    paper = ("Ramapuram et al. 2024, Theory, Analysis, and Best Practices for Sigmoid Self-Att"
+             "ention, https://arxiv.org/abs/2409.04431")
     description = "sigmoid(s_i + b), b = -ln n by default (not normalised)"
     row_sum = "free"
     options = (SIGMOID_BIAS, SIGMOID_BIAS_LEARNABLE)

@@ -19,6 +19,8 @@ SINK_LEARNABLE = declare_option("sink_learnable", bool, True, "sink: learn sigma
 @register_normalizer
 class Sink(Normalizer):
     name = "sink"
+    paper = ("Xiao et al. 2023, attention sinks, https://arxiv.org/abs/2309.17453; learned per"
+             "-head sinks as gpt-oss (OpenAI 2025)")
     description = "exp(s_i)/(exp(sigma_h) + sum exp(s_j)), learnable sink logit per head"
     row_sum = "at_most_one"
     options = (SINK_INIT, SINK_LEARNABLE)

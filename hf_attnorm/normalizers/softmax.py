@@ -18,6 +18,7 @@ def masked_exp(scores: torch.Tensor, keep: torch.Tensor, shift: torch.Tensor) ->
 @register_normalizer
 class Softmax(Normalizer):
     name = "softmax"
+    paper = "Vaswani et al. 2017, Attention Is All You Need, https://arxiv.org/abs/1706.03762"
     description = "softmax exp(s_i)/sum exp(s_j) (the reference)"
     row_sum = "one"
     kernel_family = "softmax"

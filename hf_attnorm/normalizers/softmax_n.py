@@ -23,6 +23,7 @@ N_EXTRA = declare_option(
 @register_normalizer
 class SoftmaxN(Normalizer):
     name = "softmax_n"
+    paper = "Miller 2023, Attention Is Off By One, https://www.evanmiller.org/attention-is-off-by-one.html"
     description = "exp(s_i)/(n_extra + sum exp(s_j)), n_extra >= 0 (softmax_n)"
     row_sum = "at_most_one"
     options = (N_EXTRA,)

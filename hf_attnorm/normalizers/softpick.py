@@ -16,6 +16,7 @@ from .softmax import masked_exp
 @register_normalizer
 class Softpick(Normalizer):
     name = "softpick"
+    paper = "Zuhri et al. 2025, Softpick, https://arxiv.org/abs/2504.20966"
     kernel_family = "fused"
     fused_kind = "softpick"
     description = "relu(e^s_i - 1)/sum |e^s_j - 1| (rectified, can put weight nowhere)"

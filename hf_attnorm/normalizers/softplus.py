@@ -30,6 +30,7 @@ from .base import Ctx, Normalizer, masked_fill_zero, masked_max, safe_divide
 @register_normalizer
 class Softplus(Normalizer):
     name = "softplus"
+    paper = "Gao et al. 2025, LSSA, https://arxiv.org/abs/2501.13428"
     description = "softplus(s_i)/sum softplus(s_j); preset lssa adds the length scale log_{L_train} n (2501.13428)"
     row_sum = "one"
     kernel_family = "fused"

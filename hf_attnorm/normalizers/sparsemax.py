@@ -58,6 +58,7 @@ def sparsemax(z: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 @register_normalizer
 class Sparsemax(Normalizer):
     name = "sparsemax"
+    paper = "Martins & Astudillo 2016, From Softmax to Sparsemax, https://arxiv.org/abs/1602.02068"
     kernel_family = "fused"
     fused_kind = "sparsemax"
     description = "sparsemax: Euclidean projection onto the simplex (exact zeros)"

@@ -15,6 +15,7 @@ from .base import Ctx, Normalizer, masked_fill_zero, safe_divide
 @register_normalizer
 class Squared(Normalizer):
     name = "squared"
+    paper = "no paper: the p = 2 case of power (PolySketchFormer, https://arxiv.org/abs/2310.01655)"
     kernel_family = "fused"
     fused_kind = "squared"
     description = "s_i^2/sum s_j^2 (rows of zeros give 0)"

@@ -78,6 +78,7 @@ def stickbreaking_weights(scores: torch.Tensor, keep: torch.Tensor, attend_curre
 @register_normalizer
 class StickBreaking(Normalizer):
     name = "stickbreaking"
+    paper = "Tan et al. 2024, Scaling Stick-Breaking Attention, https://arxiv.org/abs/2410.17980"
     description = "stick-breaking: A_ij = sigmoid(z_ij) prod_{j<k<i} (1 - sigmoid(z_ik)), nearest keys first"
     row_sum = "at_most_one"
     options = (SB_ATTEND_CURRENT, SB_REMAINDER)

@@ -18,6 +18,7 @@ ETA_LEARNABLE = declare_option("eta_learnable", bool, False, "symax: learn eta p
 @register_normalizer
 class Symax(Normalizer):
     name = "symax"
+    paper = "xnought/symax, https://github.com/xnought/symax"
     description = "|s_i|/(eta + sum |s_j|), eta >= 0 (default 1, optionally learned per head)"
     row_sum = "at_most_one"
     options = (ETA, ETA_LEARNABLE)

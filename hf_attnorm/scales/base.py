@@ -18,6 +18,8 @@ from ..settings import AttnormSettings
 class Scale:
     name: ClassVar[str]
     description: ClassVar[str]
+    #: where the method comes from: authors year, title, link (the README's implementations table shows it)
+    paper: ClassVar[str] = ""
     options: ClassVar[tuple[str, ...]] = ()
     params: ClassVar[tuple[ParamSpec, ...]] = ()
     #: option values of the preset named after this scale

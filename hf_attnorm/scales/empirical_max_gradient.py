@@ -214,6 +214,7 @@ def empirical_alpha(n: torch.Tensor, table: dict | None, extrapolation: str = "n
 @register_scale
 class EmpiricalMaxGradient(Scale):
     name = "empirical_max_gradient"
+    paper = "Su 2023, https://kexue.fm/archives/9812 (alpha*(n) measured on the model's scores)"
     description = ("scaling * alpha*(n) measured on a model's own scores (table in the settings); analytic "
                    "normal-model alpha*(n) without a table")
     options = (TABLE, EXTRAPOLATION)

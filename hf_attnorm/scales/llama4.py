@@ -25,6 +25,7 @@ def llama4_scale(n: torch.Tensor, attn_scale: float, floor_scale: float) -> torc
 @register_scale
 class Llama4(Scale):
     name = "llama4"
+    paper = "Llama 4 attention temperature tuning (Meta 2025), transformers models/llama4/modeling_llama4.py"
     description = "scaling * (1 + attn_scale * ln(1 + floor(n/floor_scale)))"
     options = (ATTN_SCALE, FLOOR_SCALE)
 

@@ -56,6 +56,7 @@ def original_length(settings: AttnormSettings, module_info: dict) -> int:
 @register_scale
 class Llama4Pos(Scale):
     name = "llama4_pos"
+    paper = "Ministral 3 (Mistral AI 2025), transformers models/ministral3/modeling_ministral3.py"
     description = "scaling * (1 + beta ln(1 + floor(pos/L_orig))), pos = query position (Ministral 3's Llama-4 scale)"
     options = (BETA, TRAIN_LENGTH)
 

@@ -17,6 +17,8 @@ def log_n_scale(n: torch.Tensor) -> torch.Tensor:
 @register_scale
 class LogN(Scale):
     name = "log_n"
+    paper = ("Chiang & Cholak 2022, Overcoming a Theoretical Limitation of Self-Attention, htt"
+             "ps://arxiv.org/abs/2202.12172")
     description = "scaling * ln n"
 
     def multiplier(self, n: torch.Tensor, ctx: Ctx) -> torch.Tensor | None:

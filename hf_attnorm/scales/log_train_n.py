@@ -40,6 +40,7 @@ def log_train_n_scale(n: torch.Tensor, train_length: int) -> torch.Tensor:
 @register_scale
 class LogTrainN(Scale):
     name = "log_train_n"
+    paper = "Su 2021, https://kexue.fm/archives/8823; LSSA (Gao et al. 2025), https://arxiv.org/abs/2501.13428"
     description = "scaling * log_{L_train} n (entropy-invariant; LSSA's length scale, not clamped)"
     options = (TRAIN_LENGTH,)
 

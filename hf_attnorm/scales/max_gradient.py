@@ -214,6 +214,7 @@ def warm_table(dist: str, head_dim: int | None, n_max: int, device: torch.device
 @register_scale
 class MaxGradient(Scale):
     name = "max_gradient"
+    paper = "Su 2023, https://kexue.fm/archives/9812"
     description = "scaling * alpha*(n), the gradient-maximising scale (normal or cosine score model)"
     options = (DIST, HEAD_DIM)
 

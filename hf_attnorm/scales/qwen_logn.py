@@ -27,6 +27,7 @@ def qwen_logn_scale(n: torch.Tensor, train_length: int) -> torch.Tensor:
 @register_scale
 class QwenLogN(Scale):
     name = "qwen_logn"
+    paper = "Bai et al. 2023, Qwen Technical Report (logn attention), https://arxiv.org/abs/2309.16609"
     description = "scaling * max(1, log_{L_train} n)"
     options = (TRAIN_LENGTH,)
 

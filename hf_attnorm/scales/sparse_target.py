@@ -65,6 +65,7 @@ def sparse_target_scale(n: torch.Tensor, eps: float, rule: str = "sqrt", c: floa
 @register_scale
 class SparseTarget(Scale):
     name = "sparse_target"
+    paper = "no paper: derived in docs/scale_analysis.md (mass eps on n - m irrelevant keys)"
     description = "scaling * max(floor, 0.5 ln((1-eps)(n-m)/(eps m))), m = f(n)"
     options = (EPS, M_RULE, M_C, FLOOR)
 

@@ -16,6 +16,7 @@ SSMAX_LEARNABLE = declare_option("ssmax_learnable", bool, True, "ssmax: learn s_
 @register_scale
 class SSMax(Scale):
     name = "ssmax"
+    paper = "Nakanishi 2025, Scalable-Softmax Is Superior for Attention, https://arxiv.org/abs/2501.19399"
     description = "scaling * s_h * ln n, s_h per head (learnable)"
     options = (SSMAX_S, SSMAX_LEARNABLE)
     params = (ParamSpec("ssmax_s", SSMAX_S, SSMAX_LEARNABLE, "per-head SSMax factor s_h"),)

@@ -12,6 +12,7 @@ from .base import Scale
 @register_scale
 class Standard(Scale):
     name = "standard"
+    paper = "Vaswani et al. 2017, Attention Is All You Need, https://arxiv.org/abs/1706.03762"
     description = "the model's own scaling (1/sqrt(d))"
 
     def multiplier(self, n: torch.Tensor, ctx: Ctx) -> torch.Tensor | None:

@@ -52,6 +52,7 @@ def applies_yarn(module_info: dict) -> bool:
 @register_scale
 class Yarn(Scale):
     name = "yarn"
+    paper = "Peng et al. 2023, YaRN, https://arxiv.org/abs/2309.00071"
     description = "scaling * (0.1 ln s + 1)^2, YaRN's temperature (s = yarn_factor, or max(1, n/L_train))"
     options = (YARN_FACTOR, TRAIN_LENGTH)
 

@@ -1,0 +1,271 @@
+#!/usr/bin/env python
+"""Rewrite the generated blocks of README.md and docs/*.md from the code and the measured JSON.
+
+A generated block sits between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->``; everything between the
+two markers is replaced by the output of generator NAME:
+
+* implementations, options, learned, versions: ``python -m hf_attnorm --markdown NAME`` (the registries and
+  ``hf_attnorm.hf.compat``);
+* families: ``tests/family_zoo.py`` (the families the family matrix runs) and ``hf_attnorm.hf.families``
+  (the refused ones);
+* main-job: ``bench/compare/results.json`` re-rendered by ``hf_attnorm.lab.report`` (the code that writes
+  results.md);
+* compare-mqar, compare-passkey, compare-lm: the main job's full table of one task, from the same records;
+* kernels-run1, kernels-run3: the tables of two ``scripts/bench_kernels.py`` runs (bench/kernels and
+  bench/kernels_wave3);
+* performance: one kernel benchmark run, ``bench/kernels/bench_kernels.json`` (``PERFORMANCE_RUN``).
+
+``python scripts/render_readme.py`` rewrites the files; ``--check`` writes nothing and exits 1 with a diff when a
+file differs from what the generators print (tests/test_readme.py runs the same check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib.util
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+#: the documents that carry generated blocks, relative to the repository root
+DOCUMENTS = ["README.md", "docs/options.md", "docs/architecture.md", "docs/benchmarks.md", "bench/compare/README.md"]
+BLOCK = re.compile(r"(<!-- generated:(?P<name>[a-z0-9_-]+) -->\n)(?P<body>.*?)(<!-- /generated:(?P=name) -->)", re.S)
+
+#: the kernel benchmark run the README summarises (the JSON holds the numbers and the machine; command and date are
+#: those of the run that wrote it, see bench/kernels/README.md)
+PERFORMANCE_RUN = {
+    "json": "bench/kernels/bench_kernels.json",
+    "command": "python scripts/bench_kernels.py --lengths 1024 4096 --max-reference-length 1024",
+    "date": "2026-11-22",
+}
+
+
+def _family_zoo():
+    spec = importlib.util.spec_from_file_location("family_zoo", ROOT / "tests" / "family_zoo.py")
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    sys.modules.setdefault("family_zoo", module)  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
+
+
+def families() -> str:
+    """How many families the family matrix checks (tests/family_zoo.py) and which families are refused, and why."""
+    from hf_attnorm.hf.families import REFUSED_FAMILIES
+
+    zoo = _family_zoo()
+    names = ", ".join(sorted(zoo.FAMILIES))
+    refused = "\n".join(f"* `{name}`: {reason}" for name, reason in REFUSED_FAMILIES.items())
+    return (f"**{len(zoo.FAMILIES)} families** are checked by `tests/test_families.py` on tiny random-init configs "
+            f"(`tests/family_zoo.py`): {names}.\n\n"
+            f"**Refused** at load and at `set_attn_implementation`, with an error naming the reason "
+            f"({len(REFUSED_FAMILIES)} listed; any other family whose modeling file never calls the attention "
+            f"interface is refused by the same rule):\n\n{refused}")
+
+
+def main_job() -> str:
+    """The main job's headline table, claim verdicts and plots, from bench/compare/results.json."""
+    from hf_attnorm.lab import report
+
+    data = json.loads((ROOT / "bench" / "compare" / "results.json").read_text())
+    res = _compare_results()
+    _, rows = report.claims_table(res)
+    settings = data["settings"]
+    plots = " ".join(f"![{name}](bench/compare/plots/{Path(p['path']).name})" for name, p in data["plots"].items())
+    return (f"{len(data['implementations'])} implementations × {settings['seeds']} seeds, from "
+            f"[bench/compare/results.json](bench/compare/results.json) (`{data['command']}`, aggregated "
+            f"{data['date'][:10]}; how the rows were trained: [bench/compare/README.md](bench/compare/README.md)). "
+            f"Cells: mean ± 95% CI over seeds; ▲/▼: significantly higher/lower than `{data['reference']}` "
+            f"(paired t-test by seed, 5%).\n\n"
+            f"{report.headline_sentence(res)}\n\n{report.headline_table(res)}\n\n"
+            f"Published claims checked at this scale:\n\n{report.verdicts_table(rows)}\n\n{plots}")
+
+
+def _compare_results():
+    from hf_attnorm.lab import report
+
+    return report.results_from_json(json.loads((ROOT / "bench" / "compare" / "results.json").read_text()))
+
+
+def task_table(task: str) -> Callable[[], str]:
+    """The main job's full table of one task (every length), rendered as results.md renders it."""
+
+    def render() -> str:
+        from hf_attnorm.lab import report
+
+        res = _compare_results()
+        rec = res.first_ok(task)
+        cols = report.lm_columns(rec) if task == "lm" else report.probe_columns(rec)
+        return res.table(task, cols)
+
+    return render
+
+
+def claims() -> str:
+    """The main job's full published-claims table (claim text, both means, paired difference, verdict)."""
+    from hf_attnorm.lab import report
+
+    return report.claims_table(_compare_results())[0]
+
+
+def kernel_table(json_path: str) -> Callable[[], str]:
+    """The table of one ``scripts/bench_kernels.py`` run: per row its fast path, fwd+bwd time as a ratio to SDPA
+    softmax at each length, the reference path's ratio, and the max error vs float64 (the reference's in brackets)."""
+
+    def render() -> str:
+        data = json.loads((ROOT / json_path).read_text())
+        rows = data["rows"]
+        fast_lengths = sorted({r["n"] for r in rows if r["path"] != "reference"})
+        ref_lengths = sorted({r["n"] for r in rows if r["path"] == "reference"})
+        head = (["implementation", "fast path"] + [f"fast ratio n={n}" for n in fast_lengths]
+                + [f"reference ratio n={n}" for n in ref_lengths] + ["max err (reference's)"])
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for name in dict.fromkeys(r["row"] for r in rows):
+            fast = {r["n"]: r for r in rows if r["row"] == name and r["path"] != "reference"}
+            ref = {r["n"]: r for r in rows if r["row"] == name and r["path"] == "reference"}
+            if not fast:
+                continue
+            path = next(iter(fast.values()))["path"]
+            cells = [f"`{name}`", path]
+            cells += [f"{fast[n]['fwd_bwd_ratio']:.2f}" if n in fast else "-" for n in fast_lengths]
+            cells += [f"{ref[n]['fwd_bwd_ratio']:.1f}" if n in ref else "-" for n in ref_lengths]
+            err = next(iter(fast.values())).get("max_err_vs_fp64")
+            ref_err = next(iter(ref.values())).get("max_err_vs_fp64") if ref else None
+            cells.append(f"{err:.1e}" + (f" ({ref_err:.1e})" if ref_err is not None else ""))
+            lines.append("| " + " | ".join(cells) + " |")
+        base = data["sdpa_softmax"]
+        meta = data["meta"]
+        load = ", ".join(f"{x:.1f}" for x in meta.get("load_average_start", []))
+        lines += ["", "SDPA softmax forward+backward in this run: "
+                  + ", ".join(f"{v['fwd_bwd_ms']:.1f} ms at n = {k}" for k, v in base.items())
+                  + f"; {meta['threads']} threads, median of {meta['repeats']}, load average at the start {load} "
+                    f"([{json_path}](../{json_path}))."]
+        return "\n".join(lines)
+
+    return render
+
+
+def performance() -> str:
+    """Five lines on speed and error from one kernel benchmark run (fwd+bwd time as a ratio to SDPA softmax)."""
+    run = PERFORMANCE_RUN
+    data = json.loads((ROOT / run["json"]).read_text())
+    meta, rows = data["meta"], data["rows"]
+    lengths = sorted({r["n"] for r in rows if r["path"] != "reference"})
+    n = lengths[-1]
+    fast = [r for r in rows if r["n"] == n and r["path"] != "reference"]
+
+    def span(rs: list[dict]) -> str:
+        ratios = sorted(r["fwd_bwd_ratio"] for r in rs)
+        return f"{ratios[0]:.2f}-{ratios[-1]:.2f}" if len(ratios) > 1 else f"{ratios[0]:.2f}"
+
+    fused = [r for r in fast if r["path"] == "fused_cpu"]
+    sdpa = [r for r in fast if r["path"] == "sdpa"]
+    others = [r for r in fast if r["path"] not in ("fused_cpu", "sdpa")]
+    ref = [r for r in rows if r["path"] == "reference"]
+    ref_n = ref[0]["n"] if ref else None
+    errs = [r["max_err_vs_fp64"] for r in rows if r["path"] != "reference"]
+    base = data["sdpa_softmax"]
+    load = meta.get("load_average_start", [0.0])[0]
+    lines = [
+        "* SDPA softmax, the baseline: forward+backward "
+        + ", ".join(f"{v['fwd_bwd_ms']:.1f} ms at n = {k}" for k, v in base.items())
+        + f" ({meta['dtype']}, causal, B = {meta['B']}, H = {meta['H']}, d = {meta['d']}, {meta['threads']} threads, "
+          f"torch {meta['torch']}).",
+        f"* Fused C++ maps (`fused_cpu`, {len(fused)} normalizers): {span(fused)}x SDPA's time at n = {n}.",
+        f"* Softmax family and length-aware scales on SDPA ({len(sdpa)} rows): {span(sdpa)}x at n = {n}.",
+        "* " + "; ".join(f"`{r['row']}` on `{r['path']}`: {r['fwd_bwd_ratio']:.2f}x" for r in others)
+        + f" at n = {n}.",
+        (f"* The materialised reference: {span([r for r in ref])}x at n = {ref_n}; every fast path within "
+         f"{max(errs):.1e} of a float64 reference."),
+    ]
+    return ("\n".join(lines) + f"\n\n`{run['command']}`, {run['date']}, 2-core CPU, load average {load:.1f} at the "
+            f"start ([{run['json']}]({run['json']}); every other run, memory and decode: "
+            f"[docs/benchmarks.md](docs/benchmarks.md)).")
+
+
+def _main_section(name: str) -> Callable[[], str]:
+    def render() -> str:
+        from hf_attnorm.__main__ import SECTIONS
+
+        return SECTIONS[name]()
+
+    return render
+
+
+GENERATORS: dict[str, Callable[[], str]] = {
+    **{name: _main_section(name) for name in ("implementations", "options", "learned", "versions")},
+    "families": families,
+    "main-job": main_job,
+    "performance": performance,
+    **{f"compare-{task}": task_table(task) for task in ("mqar", "passkey", "lm")},
+    "compare-claims": claims,
+    "kernels-run1": kernel_table("bench/kernels/bench_kernels.json"),
+    "kernels-run3": kernel_table("bench/kernels_wave3/bench_kernels.json"),
+}
+
+
+def render(text: str, cache: dict[str, str] | None = None) -> str:
+    """``text`` with every generated block replaced by its generator's output; unknown block names raise."""
+    cache = {} if cache is None else cache
+
+    def replace(m: re.Match[str]) -> str:
+        name = m.group("name")
+        if name not in GENERATORS:
+            raise SystemExit(f"render_readme.py: error: unknown generated block {name!r}; known: "
+                             f"{', '.join(GENERATORS)}")
+        if name not in cache:
+            cache[name] = GENERATORS[name]().rstrip("\n")
+        return m.group(1) + cache[name] + "\n" + m.group(4)
+
+    opened = text.count("<!-- generated:")
+    if opened != len(BLOCK.findall(text)):
+        raise SystemExit(f"render_readme.py: error: {opened} '<!-- generated:NAME -->' markers but only "
+                         f"{len(BLOCK.findall(text))} blocks closed by '<!-- /generated:NAME -->' (same NAME)")
+    return BLOCK.sub(replace, text)
+
+
+def check(paths: list[Path]) -> list[str]:
+    """A unified diff per document that differs from its rendering (empty: all up to date)."""
+    cache: dict[str, str] = {}
+    diffs = []
+    for path in paths:
+        text = path.read_text()
+        new = render(text, cache)
+        if new != text:
+            diffs.append("".join(difflib.unified_diff(text.splitlines(True), new.splitlines(True),
+                                                      f"{path.name} (on disk)", f"{path.name} (generated)")))
+    return diffs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; print a diff and exit 1 when a document differs from the generators")
+    parser.add_argument("files", nargs="*", type=Path,
+                        help=f"documents to render (default: {', '.join(DOCUMENTS)}, relative to the repository)")
+    args = parser.parse_args(argv)
+    paths = args.files or [ROOT / d for d in DOCUMENTS]
+    if args.check:
+        diffs = check(paths)
+        for d in diffs:
+            print(d)
+        return 1 if diffs else 0
+    cache: dict[str, str] = {}
+    for path in paths:
+        text = path.read_text()
+        new = render(text, cache)
+        if new != text:
+            path.write_text(new)
+            print(f"rewrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

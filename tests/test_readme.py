@@ -1,0 +1,215 @@
+"""What we publish is generated and checked: the README's and docs' generated blocks equal what the code and the
+measured JSON say (scripts/render_readme.py), the user documents carry no process notes, every method names its
+paper, and LICENSE / CITATION.cff are there and well-formed."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+import hf_attnorm
+from hf_attnorm.attention import param_specs
+from hf_attnorm.registry import NORMALIZERS, SCALES
+from hf_attnorm.settings import resolve_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: blocks the README must carry (removing one would silently un-generate a table)
+README_BLOCKS = {"versions", "implementations", "families", "learned", "main-job", "performance"}
+
+#: what does not belong in a user document: notes about how the project was worked on
+PROCESS_PATTERNS = [
+    r"\bissues? #?\d+", r"\bissue's\b", r"\bthe helper\b", r"\bhelper's\b", r"\bsessions?\b",
+    r"\bI (?:checked|measured|ran|found|tried)\b", r"\bengineers?\b", r"\bfinal report\b", r"\bthis task\b",
+    r"\blent to\b", r"\bthe lead\b", r"\bthis branch\b",
+]
+
+
+def _renderer():
+    name = "render_readme_script"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "render_readme.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def user_documents() -> list[Path]:
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "bench").rglob("README.md")),
+            *sorted((ROOT / "model_cards").glob("*.md"))]
+    return [d for d in docs if d.is_file()]
+
+
+def test_generated_blocks_equal_their_generators():
+    render = _renderer()
+    documents = [ROOT / d for d in render.DOCUMENTS]
+    blocks = {m.group("name") for d in documents for m in render.BLOCK.finditer(d.read_text())}
+    assert blocks == set(render.GENERATORS), "every generator is used in a document, and only known blocks exist"
+    diffs = render.check(documents)
+    assert not diffs, ("a generated block differs from its generator; run `python scripts/render_readme.py`:\n"
+                       + "\n".join(diffs))
+
+
+def test_readme_carries_every_generated_block():
+    text = (ROOT / "README.md").read_text()
+    names = {m.group("name") for m in _renderer().BLOCK.finditer(text)}
+    assert README_BLOCKS <= names, f"README.md lacks generated blocks {sorted(README_BLOCKS - names)}"
+
+
+def test_every_readme_table_is_generated():
+    text = (ROOT / "README.md").read_text()
+    outside = _renderer().BLOCK.sub("", text)
+    tables = [line for line in outside.splitlines() if line.startswith("|")]
+    assert not tables, f"README table rows outside generated blocks: {tables[:3]}"
+
+
+def test_check_catches_a_pasted_row(tmp_path):
+    """A benchmark row pasted over an implementation row (how the README was once corrupted) fails the check."""
+    render = _renderer()
+    text = (ROOT / "README.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| `symax` |"))
+    corrupted = tmp_path / "README.md"
+    corrupted.write_text(text.replace(row, "| `symax` | fused_cpu | 0.76 | 0.81 | 7.2 | 1.9e-06 (3.9e-06) |", 1))
+    diffs = render.check([corrupted])
+    assert len(diffs) == 1 and "-| `symax` | fused_cpu | 0.76" in diffs[0] and "+" + row in diffs[0]
+    assert render.check([ROOT / "README.md"]) == []
+
+
+def test_unclosed_or_unknown_block_is_an_error(tmp_path):
+    render = _renderer()
+    with pytest.raises(SystemExit, match="unknown generated block 'nonsense'"):
+        render.render("<!-- generated:nonsense -->\n<!-- /generated:nonsense -->\n")
+    with pytest.raises(SystemExit, match="markers"):
+        render.render("<!-- generated:options -->\nno closing marker\n")
+
+
+def test_readme_is_short_and_starts_with_the_two_commands():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 260
+    blocks = re.findall(r"```bash\n(.*?)\n```", text, re.S)
+    assert blocks[0].endswith("python scripts/compare.py")
+    assert blocks[1].endswith('python -m pytest -m "not slow"')
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert blocks[1] in ci.splitlines(), ".ci/run must run the README's test command verbatim"
+
+
+def test_learned_values_list_is_complete():
+    """Every per-head value any normalizer, scale or the memory option creates is in the README's list."""
+    from hf_attnorm.__main__ import learned_list
+
+    names = {p.name for obj in (*NORMALIZERS._items.values(), *SCALES._items.values()) for p in obj.params}
+    names |= {p.name for p in param_specs(resolve_settings("softmax", {"num_mem_kv": 1}))}
+    listed = learned_list()
+    readme = (ROOT / "README.md").read_text()
+    for name in names:
+        assert f"`{name}`" in listed and f"* `{name}`" in readme, name
+
+
+@pytest.mark.parametrize("kind", ["normalizer", "scale"])
+def test_every_method_names_its_paper(kind):
+    registry = NORMALIZERS if kind == "normalizer" else SCALES
+    from hf_attnorm.__main__ import implementations_table
+
+    table = implementations_table()
+    for name, obj in registry.items():
+        paper = obj.paper
+        assert paper, f"{kind} {name!r} declares no paper (class attribute `paper`)"
+        assert "http" in paper or paper.startswith("no paper") or "transformers" in paper, (kind, name, paper)
+        assert paper.split(",")[0] in table, (kind, name)
+
+
+def test_user_documents_carry_no_process_notes():
+    found = []
+    for doc in user_documents():
+        for lineno, line in enumerate(doc.read_text().splitlines(), 1):
+            for pattern in PROCESS_PATTERNS:
+                if re.search(pattern, line, re.I):
+                    found.append(f"{doc.relative_to(ROOT)}:{lineno}: {line.strip()[:100]}")
+    assert not found, "process notes in user documents:\n" + "\n".join(found)
+
+
+def test_process_scan_catches_each_pattern():
+    samples = ["issue 16's rows", "the issue's fix", "the helper measured", "the helper's run", "this session",
+               "I checked it", "five other engineers", "the final report", "none was lent to this task",
+               "the lead adjusts", "before this branch"]
+    for text in samples:
+        assert any(re.search(p, text, re.I) for p in PROCESS_PATTERNS), text
+    for text in ["three tasks", "task: causal_lm", "helpers as plain functions", "silently"]:
+        assert not any(re.search(p, text, re.I) for p in PROCESS_PATTERNS), text
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's heading anchors of a Markdown file (lowercase, punctuation dropped, spaces to hyphens)."""
+    heads = re.findall(r"^#+ (.+)$", path.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+def test_relative_links_in_user_documents_exist():
+    missing = []
+    for doc in user_documents():
+        for m in re.finditer(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", doc.read_text()):
+            target, anchor = m.group(1), m.group(2)
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            path = doc.parent / target if target else doc
+            if not path.exists():
+                missing.append(f"{doc.relative_to(ROOT)} -> {target}")
+            elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+                missing.append(f"{doc.relative_to(ROOT)} -> {target}#{anchor}")
+    assert not missing, "broken links:\n" + "\n".join(missing)
+
+
+def test_docs_list_the_main_jobs_default_implementations():
+    """docs/evaluation.md names the default implementations of scripts/compare.py by hand: they must agree."""
+    spec = importlib.util.spec_from_file_location("compare_script_for_docs", ROOT / "scripts" / "compare.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    text = (ROOT / "docs" / "evaluation.md").read_text()
+    listed = re.search(r"\(default (`.*?); any", text, re.S)
+    assert listed, "docs/evaluation.md no longer lists the default implementations as '(default `a`, ...; any'"
+    assert re.findall(r"`([^`]+)`", listed.group(1)) == compare.DEFAULT_IMPLEMENTATIONS
+
+
+def test_versions_line_reads_compat(monkeypatch):
+    from hf_attnorm.__main__ import versions_line
+    from hf_attnorm.hf import compat
+
+    monkeypatch.setattr(compat, "TESTED_NEWEST", "9.9.0")
+    monkeypatch.setattr(compat, "CI_TESTED_VERSIONS", ("5.4.0", "9.9.0"), raising=False)
+    line = versions_line()
+    assert line == f"transformers >= {compat.MIN_TRANSFORMERS}, tested up to 9.9.0 (CI: 5.4.0, 9.9.0)"
+
+
+def test_documented_example_value():
+    """The one hand-written number in docs/scale_analysis.md's example is what the code returns."""
+    from hf_attnorm.scales import max_gradient_alpha
+
+    assert "max_gradient_alpha(1000, dist=\"cosine\", head_dim=128)        # 26.02" in (
+        ROOT / "docs" / "scale_analysis.md").read_text()
+    assert f"{max_gradient_alpha(1000, dist='cosine', head_dim=128):.2f}" == "26.02"
+
+
+def test_license_and_citation():
+    license_text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+    assert "END OF TERMS AND CONDITIONS" in license_text
+    assert 'license = { text = "Apache-2.0" }' in (ROOT / "pyproject.toml").read_text()
+    text = (ROOT / "CITATION.cff").read_text()
+    try:
+        import yaml
+    except ImportError:  # pyyaml is not a dependency: check the required keys by their lines
+        data = dict(re.findall(r"^([a-z-]+):\s*\"?([^\"\n]*)\"?$", text, re.M))
+        assert "authors" in re.findall(r"^([a-z-]+):", text, re.M)
+    else:
+        data = yaml.safe_load(text)
+        assert data["authors"] and all("name" in a or "family-names" in a for a in data["authors"])
+    assert str(data["cff-version"]) == "1.2.0"
+    assert data["message"] and data["title"]
+    assert str(data["version"]) == hf_attnorm.__version__
+    assert data["license"] == "Apache-2.0"
