@@ -13,12 +13,13 @@ convention of transformers' call path that the integration reads (the ONE place 
 tests/test_transformers_contract.py asserts each of these against the installed transformers and names the feature
 that depends on it.
 
-Supported: ``MIN_TRANSFORMERS`` and newer, no upper cap (CI tests ``CI_VERSIONS``). Older versions lack what the integration relies on (5.3: GPT-2's attention module has no
-``scaling`` attribute, so its per-head values could not be created at build time; < 5.3: other signatures of the
-private methods hooked). There ``register()`` installs no hook on ``PreTrainedModel`` except a guard on
-``post_init`` (a public method with no arguments since transformers 4.0) that refuses models using our names with
-an error saying which versions work, and registers our names with a function that raises the same error: models
-that do not use our names behave exactly as without ``import hf_attnorm``.
+Supported: ``MIN_TRANSFORMERS`` and newer, no upper cap (CI tests ``CI_VERSIONS``). Older versions lack what the
+integration relies on (5.3: GPT-2's attention module has no ``scaling`` attribute, so its per-head values could not
+be created at build time; < 5.3: other signatures of the private methods hooked). There ``register()`` installs no
+hook on ``PreTrainedModel`` except a guard on ``post_init`` (a public method with no arguments since transformers
+4.0) that refuses models using our names with an error saying which versions work, and registers our names with a
+function that raises the same error: models that do not use our names behave exactly as without ``import
+hf_attnorm``.
 
 Every private transformers internal the integration touches is listed in docs/internals.md with the guard.
 """
