@@ -24,9 +24,11 @@ import os
 import platform
 import re
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -174,11 +176,15 @@ def run_suite(mode: str, out_dir: Path, timeout_s: float, workers: int) -> dict[
     cmd = suite_command(mode, out_dir, workers)
     t0 = time.perf_counter()
     timed_out = False
+    # a process group of its own: on timeout the pytest-xdist workers are stopped too (they hold the GPU)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
-        res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
-        stdout, rc = res.stdout + res.stderr, res.returncode
-    except subprocess.TimeoutExpired as exc:
-        stdout = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        stdout, _ = proc.communicate(timeout=timeout_s)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, _ = proc.communicate()
         rc, timed_out = None, True
     (out_dir / "suite.log").write_text(stdout)
     result = parse_suite(stdout, None if timed_out else out_dir / "suite.xml")
@@ -390,7 +396,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="no CUDA needed: collect the suite (skip reasons), run the benchmark at a toy size on "
                            "the CPU, write the files")
     p.add_argument("--out-dir", type=Path, default=None,
-                   help="output directory (default: bench/gpu/<device name>/ in the repository)")
+                   help="output directory (default: bench/gpu/<device name>/ in the repository; a new temporary "
+                        "directory in a dry run)")
     p.add_argument("--phases", default="suite,bench", help="comma-separated phases to run: suite, bench")
     p.add_argument("--suite-timeout", type=float, default=None,
                    help="seconds before the suite is stopped (default: 300 quick, 1500 full, 300 dry run)")
@@ -442,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
               "Run on a GPU machine, or use --dry-run to check the machinery on the CPU.", file=sys.stderr)
         return 2
     dev = device_info()
+    if args.out_dir is None and args.mode == "dry-run":  # CPU results are not for bench/gpu/
+        args.out_dir = Path(tempfile.mkdtemp(prefix="hf_attnorm_gpu_dry_run_"))
     out_dir = args.out_dir or ROOT / "bench" / "gpu" / device_dir_name(dev["name"])
     out_dir.mkdir(parents=True, exist_ok=True)
     command = "scripts/gpu_check.sh " + shlex.join(argv if argv is not None else sys.argv[1:])
