@@ -53,6 +53,17 @@ def tiny(family: str, task: str, implementation: str = "softmax", **kw) -> torch
     return model.eval()
 
 
+def pytest_collection_modifyitems(config, items):
+    """``gpu``-marked tests skip, with the reason, where torch sees no CUDA device (CI, CPU-only torch)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=f"needs a CUDA GPU: torch {torch.__version__} (CUDA build: {torch.version.cuda}) "
+                                   "sees none; run scripts/gpu_check.sh on a GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(params=MODEL_KINDS, ids=MODEL_IDS)
 def model_kind(request):
     return request.param

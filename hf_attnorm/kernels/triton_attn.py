@@ -81,6 +81,75 @@ THRESHOLD_STEPS = 30
 BLOCK_OVERRIDE: tuple[int, int] | None = None
 
 
+#: the outputs and the gradients of q, k, v (and c, r) are bitwise reproducible: no atomics outside the score-bias
+#: gradient (dk/dv: one program per key block and kv head). Read by tests/test_gpu.py's determinism check.
+DETERMINISTIC = True
+#: NVIDIA GPUs below this compute capability are refused with ``TritonKernelError``: Triton's supported range
+#: (compute capability 8.0 and newer), and the kernels were compiled and checked for sm_80 and newer only
+MIN_CAPABILITY = (8, 0)
+#: how to run another path, named in every ``TritonKernelError``
+ESCAPE = ("set HF_ATTNORM_PATH=chunked in the environment (or pass path='chunked' to attention()) to run the "
+          "pure-PyTorch path instead")
+
+
+class TritonKernelError(RuntimeError):
+    """A Triton kernel of hf_attnorm failed to compile or launch, or the device is one the kernels do not support.
+    The message names the kernel, the device and how to force another path (``ESCAPE``); never a silent fallback."""
+
+
+def describe_device(device: torch.device | None) -> str:
+    """'cuda:0 (NVIDIA H100 80GB HBM3, compute capability 9.0)', or 'cpu (Triton interpreter)'."""
+    if device is None:
+        return "an unknown device"
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        return f"cuda:{index} ({torch.cuda.get_device_name(index)}, compute capability {major}.{minor})"
+    if device.type == "cpu":
+        return "cpu (Triton interpreter)"
+    return str(device)
+
+
+def device_problem(device: torch.device | None) -> str | None:
+    """None, or why the Triton kernels cannot run on ``device`` (an NVIDIA GPU below ``MIN_CAPABILITY``)."""
+    if device is None or device.type != "cuda" or torch.version.hip is not None:
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    capability = torch.cuda.get_device_capability(index)
+    if tuple(capability) < MIN_CAPABILITY:
+        return (f"compute capability {capability[0]}.{capability[1]} is below "
+                f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}, the lowest the hf_attnorm Triton kernels support")
+    return None
+
+
+def kernel_name(kernel: Any) -> str:
+    """'hf_attnorm.kernels.triton_attn._fwd_kernel' for a jitted kernel of ``jit_namespace``."""
+    fn = getattr(kernel, "fn", kernel)
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def launch(kernel: Any, grid: tuple[int, ...]) -> Any:
+    """``kernel[grid]`` whose failures say what failed: a device below ``MIN_CAPABILITY`` or any error while Triton
+    compiles or launches the kernel (compile errors, shared memory or registers out of resources, ...) raises
+    ``TritonKernelError`` naming the kernel, the device, the cause and ``ESCAPE``. CUDA out-of-memory passes as is."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        problem = device_problem(device)
+        if problem is not None:
+            raise TritonKernelError(f"Triton kernel {kernel_name(kernel)} cannot run on {describe_device(device)}: "
+                                    f"{problem}; {ESCAPE}")
+        try:
+            return kernel[grid](*args, **kwargs)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001  (any compile/launch error is re-raised with the facts a user needs)
+            cause = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            raise TritonKernelError(f"Triton kernel {kernel_name(kernel)} failed to compile or launch on "
+                                    f"{describe_device(device)} (triton {getattr(triton, '__version__', '?')}): "
+                                    f"{cause}; {ESCAPE}") from exc
+    return run
+
+
 def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
@@ -941,11 +1010,11 @@ class _TritonAttention(torch.autograd.Function):
         grid = _grid_q(plan)
         if plan.name in THRESHOLD:
             # threshold kernel takes no V strides
-            kern._threshold_kernel[grid](
+            launch(kern._threshold_kernel, grid)(
                 q, k, c, plan.keep, plan.table, shift, *common[:8], *common[12:], plan.H, plan.groups, plan.LQ,
                 plan.LK, plan.DH, r, rowmax, STEPS=THRESHOLD_STEPS, **_only(cst, kern._threshold_kernel),
                 **plan.mods(kern._threshold_kernel, bias))
-        kern._fwd_kernel[grid](q, k, v, c, r, plan.keep, plan.table, shift, out, den, shift, *common,
+        launch(kern._fwd_kernel, grid)(q, k, v, c, r, plan.keep, plan.table, shift, out, den, shift, *common,
                                plan.H, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, rowmax, **cst,
                                **plan.mods(kern._fwd_kernel, bias))
         ctx.save_for_backward(q, k, v, c, r, bias, den, shift, rowmax)
@@ -967,12 +1036,12 @@ class _TritonAttention(torch.autograd.Function):
         dc = torch.empty_like(den)
         dr = torch.empty_like(den)
         dbias = torch.zeros(bias.shape, dtype=torch.float32, device=dev) if ctx.needs_input_grad[5] else None
-        kern._bwd_dq_kernel[grid](q, k, v, c, r, plan.keep, plan.table, shift, den, delta, do, dq, dc, dr, *common,
-                                  plan.H, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, rowmax, **cst,
-                                  **plan.mods(kern._bwd_dq_kernel, bias, dbias))
+        launch(kern._bwd_dq_kernel, grid)(
+            q, k, v, c, r, plan.keep, plan.table, shift, den, delta, do, dq, dc, dr, *common, plan.H, plan.groups,
+            plan.LQ, plan.LK, plan.DH, plan.DV, rowmax, **cst, **plan.mods(kern._bwd_dq_kernel, bias, dbias))
         dk = torch.empty(plan.B, plan.HKV, plan.LK, plan.DH, dtype=torch.float32, device=dev)
         dv = torch.empty(plan.B, plan.HKV, plan.LK, plan.DV, dtype=torch.float32, device=dev)
-        kern._bwd_dkdv_kernel[(_cdiv(plan.LK, plan.bn), plan.B * plan.HKV)](
+        launch(kern._bwd_dkdv_kernel, (_cdiv(plan.LK, plan.bn), plan.B * plan.HKV))(
             q, k, v, c, r, plan.keep, plan.table, shift, den, delta, do, dk, dv, *common,
             plan.H, plan.HKV, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, rowmax, **cst,
             **plan.mods(kern._bwd_dkdv_kernel, bias))

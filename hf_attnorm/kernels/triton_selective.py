@@ -52,6 +52,8 @@ from .selective import takes as selective_takes
 #: limit); larger head dims need smaller blocks still
 BLOCKS_GPU = {64: (64, 32), 128: (32, 32)}
 NUM_STAGES = 1
+#: dQ, dK, dV are added with tl.atomic_add: not bitwise reproducible on GPUs (tests/test_gpu.py reads this)
+DETERMINISTIC = False
 #: tests set this to force block sizes
 BLOCK_OVERRIDE: tuple[int, int] | None = None
 
@@ -304,17 +306,18 @@ class _SelTriton(torch.autograd.Function):
         flags = dict(HAS_MASK=meta.keep is not None, CAUSAL=meta.causal, BLOCK_M=bm, BLOCK_N=bn,
                      BLOCK_D=ta._pow2(D))
         cs = torch.zeros(B, nq, Lk, device=q.device, dtype=torch.float32)
-        kern._colsum_kernel[(nq, nk, B)](q, k, keep, meta.rowsel, meta.bos, cs, H, Hkv, H // Hkv, Lq, Lk, Lk - Lq, D,
-                                         meta.head, nq, sb, sh, sl, **flags, **_launch(q))
+        ta.launch(kern._colsum_kernel, (nq, nk, B))(
+            q, k, keep, meta.rowsel, meta.bos, cs, H, Hkv, H // Hkv, Lq, Lk, Lk - Lq, D, meta.head, nq, sb, sh, sl,
+            **flags, **_launch(q))
         carry = torch.cumsum(cs, dim=1) - cs  # exclusive over blocks: the sums entering each block
         if carry0 is not None:
             carry = carry + carry0[:, None, :]
         carry = carry.contiguous()
         out = torch.empty(B, H, Lq, Dv, device=q.device, dtype=torch.float32)
         lse = torch.empty(B, H, Lq, device=q.device, dtype=torch.float32)
-        kern._fwd_kernel[(nq, B * H)](q, k, v, keep, meta.rowsel, meta.bos, carry, out, lse, H, Hkv, H // Hkv, Lq,
-                                      Lk, Lk - Lq, D, Dv, meta.head, nq, sb, sh, sl, BLOCK_DV=ta._pow2(Dv), **flags,
-                                      **_launch(q))
+        ta.launch(kern._fwd_kernel, (nq, B * H))(
+            q, k, v, keep, meta.rowsel, meta.bos, carry, out, lse, H, Hkv, H // Hkv, Lq, Lk, Lk - Lq, D, Dv, meta.head,
+            nq, sb, sh, sl, BLOCK_DV=ta._pow2(Dv), **flags, **_launch(q))
         ctx.save_for_backward(q, k, v, carry, out, lse)
         ctx.meta, ctx.blocks, ctx.has_carry = meta, (bm, bn), carry0 is not None
         return out
@@ -336,10 +339,10 @@ class _SelTriton(torch.autograd.Function):
         dv = torch.zeros(B, Hkv, Lk, Dv, device=q.device, dtype=torch.float32)
         dcarry = torch.empty(B, Lk, device=q.device, dtype=torch.float32)
         keep, sb, sh, sl = meta.mask_args(meta.rowsel)
-        kern._bwd_kernel[(nk, B)](q, k, v, keep, meta.rowsel, meta.bos, carry, lse, delta, dout, dq, dk, dv, dcarry,
-                                  H, Hkv, H // Hkv, Lq, Lk, Lk - Lq, D, Dv, meta.head, nq, sb, sh, sl,
-                                  HAS_MASK=meta.keep is not None, CAUSAL=meta.causal, BLOCK_M=bm, BLOCK_N=bn,
-                                  BLOCK_D=ta._pow2(D), BLOCK_DV=ta._pow2(Dv), **_launch(q))
+        ta.launch(kern._bwd_kernel, (nk, B))(
+            q, k, v, keep, meta.rowsel, meta.bos, carry, lse, delta, dout, dq, dk, dv, dcarry, H, Hkv, H // Hkv, Lq,
+            Lk, Lk - Lq, D, Dv, meta.head, nq, sb, sh, sl, HAS_MASK=meta.keep is not None, CAUSAL=meta.causal,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=ta._pow2(D), BLOCK_DV=ta._pow2(Dv), **_launch(q))
         return dq, dk, dv, dcarry if ctx.has_carry else None, None
 
 

@@ -25,6 +25,8 @@ from .stickbreaking import common_reason, options, own_index, takes
 
 #: (BLOCK_M, BLOCK_N) on GPUs; interpreted runs use 16 x 16
 BLOCKS_GPU = (64, 32)
+#: dK and dV are added with tl.atomic_add: not bitwise reproducible on GPUs (tests/test_gpu.py reads this)
+DETERMINISTIC = False
 #: tests set this to force block sizes
 BLOCK_OVERRIDE: tuple[int, int] | None = None
 
@@ -205,7 +207,7 @@ class _SBTriton(torch.autograd.Function):
         c = torch.zeros(B, H, Lq, nc, device=q.device, dtype=torch.float32)
         ms = keep.stride() if keep is not None else (0, 0, 0, 0)
         grid = (-(-Lq // bm), B * H)
-        kern._sb_fwd_kernel[grid](
+        ta.launch(kern._sb_fwd_kernel, grid)(
             q, k, v, keep if keep is not None else own, own, out, c, H, H // Hkv, Lq, Lk, D, Dv, nc,
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), ms[0], ms[1], ms[2],
             ATTEND_CURRENT=int(attend_current), REMAINDER=remainder, HAS_MASK=keep is not None,
@@ -227,7 +229,7 @@ class _SBTriton(torch.autograd.Function):
         dv = torch.zeros(B, Hkv, Lk, Dv, device=q.device, dtype=torch.float32)
         ms = keep.stride() if keep is not None else (0, 0, 0, 0)
         grid = (-(-Lq // bm), B * H)
-        kern._sb_bwd_kernel[grid](
+        ta.launch(kern._sb_bwd_kernel, grid)(
             q, k, v, keep if keep is not None else own, own, c, dout.float().contiguous(), dq, dk, dv, H, H // Hkv,
             Hkv, Lq, Lk, D, Dv, c.shape[-1],
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), ms[0], ms[1], ms[2],

@@ -1,0 +1,146 @@
+"""The GPU check's machinery on a CPU (scripts/gpu_check.sh, scripts/gpu_setup.py, hf_attnorm.lab.gpu_check): the
+install plan against the torch installed here, the benchmark's dry run at a toy size, the suite's result parsing
+and, slow, the whole dry run (setup plan, the gpu suite collected with its skip reasons, benchmark, files)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_attnorm.kernels import declared_normalizers
+from hf_attnorm.lab import gpu_check
+from hf_attnorm.registry import NORMALIZERS
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("gpu_setup", ROOT / "scripts" / "gpu_setup.py")
+gpu_setup = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("gpu_setup", gpu_setup)  # (its dataclass looks its module up there)
+_spec.loader.exec_module(gpu_setup)
+
+FUSED = declared_normalizers("triton")[0]  # a normalizer with a Triton kernel (first of the registry)
+BARE = {"torch": None, "triton": None, "transformers": None, "pytest": None, "pytest-xdist": None,
+        "flash-attn": None, "hf_attnorm": False, "torch_cuda_build": None, "cuda_available": False}
+
+
+def test_setup_plan_against_the_torch_installed_here():
+    """The probe sees this machine's torch; a CPU-only build is replaced by PyPI's CUDA build, nothing else is."""
+    env = gpu_setup.probe(sys.executable)
+    assert env["torch"] == torch.__version__ and env["cuda_available"] == torch.cuda.is_available()
+    steps = {s.name: s for s in gpu_setup.plan(env)}
+    if torch.version.cuda is None:
+        assert steps["torch-cpu-out"].pip_args == ["uninstall", "-y", "torch"]
+        assert "CPU-only build" in steps["torch-cpu-out"].why
+        assert steps["torch"].pip_args == ["install", gpu_setup.TORCH]
+    else:
+        assert "torch" not in steps and "torch-cpu-out" not in steps
+    assert "hf_attnorm" not in steps  # importable here (the editable install)
+
+
+def test_setup_plan_on_a_bare_machine_and_with_flash_attn():
+    steps = gpu_setup.plan(BARE, flash_attn=True)
+    assert [s.name for s in steps] == ["torch", "triton", "hf_attnorm", "pytest", "flash-attn"]
+    assert steps[1].pip_args == ["install", gpu_setup.TRITON]
+    assert steps[-1].pip_args[:2] == ["install", "--only-binary=:all:"] and not steps[-1].required
+    ready = {**BARE, "torch": "2.13.0", "torch_cuda_build": "12.8", "triton": gpu_setup.TRITON_VERSION,
+             "transformers": "5.24.0", "hf_attnorm": True, "pytest": "9", "pytest-xdist": "3"}
+    assert gpu_setup.plan(ready) == []
+
+
+def test_setup_dry_run_prints_the_plan_and_installs_nothing(tmp_path):
+    record = tmp_path / "setup.json"
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_setup.py"), "--dry-run", "--record",
+                          str(record), "--quick"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    rec = json.loads(record.read_text())
+    assert rec["dry_run"] and not any(s["ran"] for s in rec["steps"])
+    for step in rec["steps"]:
+        assert f"would run: {step['command']}" in res.stdout
+    if not torch.cuda.is_available():
+        assert "no CUDA device visible to torch" in res.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_check_without_cuda_refuses_and_points_at_dry_run(capsys, tmp_path):
+    assert gpu_check.main(["--out-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA device" in err and "--dry-run" in err and not (tmp_path / "out").exists()
+
+
+def test_unknown_rows_and_phases_are_errors(capsys):
+    for argv, what in ((["--rows", "nope"], "unknown rows ['nope']"), (["--phases", "bench,x"], "--phases takes")):
+        with pytest.raises(SystemExit):
+            gpu_check.parse_args(argv)
+        assert what in capsys.readouterr().err
+
+
+def test_grids_cover_the_requested_ranges():
+    full = gpu_check.grid("full")
+    assert {s.d for s in full} == {64, 128} and {s.causal for s in full} == {True, False}
+    assert min(s.n for s in full) == 1024 and max(s.n for s in full) == 16384
+    assert {s.B for s in full} <= set(range(1, 9)) and {1, 8} <= {s.B for s in full}
+    assert all(8 <= s.H <= 32 for s in full + gpu_check.grid("quick"))
+    assert len(gpu_check.grid("quick")) < len(full)
+
+
+def test_benchmark_dry_run_writes_json_markdown_and_command(tmp_path):
+    """The benchmark machinery at the dry run's toy size on the CPU: every (shape, row) measured, the path recorded,
+    the ratio to SDPA computed, and the files written."""
+    rows = ["sdpa", FUSED]
+    assert gpu_check.main(["--dry-run", "--out-dir", str(tmp_path), "--phases", "bench", "--rows", *rows]) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    recs = result["bench"]["records"]
+    assert len(recs) == len(gpu_check.grid("dry-run")) * len(rows)
+    for r in recs:
+        assert r["status"] == "ok", r
+        assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["fwd_tflops"] > 0
+        assert r["path"] == ("sdpa" if r["row"] == "sdpa" else "fused_cpu")
+        assert r["fwd_vs_sdpa"] is not None and r["fwd_bwd_vs_sdpa"] is not None
+    assert result["versions"]["torch"] == torch.__version__ and result["device"]["name"] == "cpu"
+    md = (tmp_path / "results.md").read_text()
+    assert "| shape | row | path |" in md and f"| {FUSED} | fused_cpu |" in md
+    assert (tmp_path / "command.txt").read_text().startswith("scripts/gpu_check.sh --dry-run")
+    assert set(os.listdir(tmp_path)) == {"results.json", "results.md", "command.txt"}
+    assert gpu_check.bench_rows(False) == ["sdpa", *NORMALIZERS]  # every normalizer, generic over the registry
+
+
+def test_suite_results_parse_from_junit_and_from_a_cut_log(tmp_path):
+    xml = tmp_path / "suite.xml"
+    xml.write_text('<testsuites><testsuite><testcase classname="tests.test_gpu" name="a[x]"/>'
+                   '<testcase classname="tests.test_gpu" name="b"><failure message="boom">tb</failure></testcase>'
+                   '<testcase classname="tests.test_gpu" name="c"><skipped message="s"/></testcase>'
+                   '</testsuite></testsuites>')
+    log = "SKIPPED [3] tests/test_gpu.py:10: needs a CUDA GPU\n"
+    got = gpu_check.parse_suite(log, xml)
+    assert got["counts"] == {"passed": 1, "failed": 1, "skipped": 1}
+    assert got["failures"] == [{"test": "tests.test_gpu::b", "message": "boom"}]
+    assert got["skip_reasons"] == [{"count": 3, "where": "tests/test_gpu.py:10", "reason": "needs a CUDA GPU"}]
+    cut = ("tests/test_gpu.py::test_a[x] PASSED [ 1%]\n"
+           "[gw1] [ 2%] FAILED tests/test_gpu.py::test_b[y-z]\n")  # plain and pytest-xdist verbose lines
+    got = gpu_check.parse_suite(cut, None)
+    assert got["counts"] == {"passed": 1, "failed": 1}
+    assert got["failures"][0]["test"] == "tests/test_gpu.py::test_b[y-z]"
+
+
+@pytest.mark.slow
+def test_whole_dry_run_through_the_shell_command(tmp_path):
+    """scripts/gpu_check.sh --dry-run: the setup planned (nothing installed), the gpu suite collected and every test
+    skipped with the reason, the benchmark at toy size, everything under the output directory."""
+    env = {**os.environ, "PYTHON": sys.executable}
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--out-dir", str(tmp_path),
+                          "--rows", "sdpa", FUSED], capture_output=True, text=True, timeout=1200, cwd=ROOT, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["setup"]["dry_run"] and not any(s["ran"] for s in result["setup"]["steps"])
+    suite = result["suite"]
+    assert suite["counts"].get("skipped", 0) > 0 and set(suite["counts"]) == {"skipped"}
+    assert sum(s["count"] for s in suite["skip_reasons"]) == suite["counts"]["skipped"]
+    assert all("needs a CUDA GPU" in s["reason"] for s in suite["skip_reasons"])
+    assert {r["row"] for r in result["bench"]["records"]} == {"sdpa", FUSED}
+    assert "## Setup" in (tmp_path / "results.md").read_text()
