@@ -31,7 +31,7 @@ from .distributed import materialize_meta_states
 from .families import attention_modules, family_of, refusal_reason
 from .forward import forward_for
 from .persistence import finalize_saved, verify_before_load, verify_loaded
-from .state import _PENDING, AttnormState, install, settings_for, uninstall
+from .state import _PENDING, AttnormState, check_config_unchanged, install, settings_for, uninstall
 
 logger = logging.getLogger("hf_attnorm")
 
@@ -243,6 +243,12 @@ def _from_pretrained_hook(orig):
 
 def _save_hook(orig):
     def save_pretrained(self, save_directory, *args, **kwargs):
+        # before anything is written: a replaced config.attnorm would save settings the model does not run with
+        config = getattr(self, "config", None)
+        for mod in self.modules():
+            if isinstance(mod, AttnormState) and mod.settings.implementation == canonical(
+                    getattr(config, "_attn_implementation", None)):
+                check_config_unchanged(config, mod.settings)
         result = orig(self, save_directory, *args, **kwargs)
         finalize_saved(self, save_directory, kwargs)
         return result
