@@ -17,6 +17,7 @@ Model families differ in a few facts only; they are read from attributes every s
 
 from __future__ import annotations
 
+import difflib
 import logging
 import warnings
 from collections.abc import Mapping
@@ -24,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-from ..registry import CONFIG_PREFIX, PRESETS, AttnormError, canonical, is_ours
+from ..registry import CONFIG_PREFIX, PRESETS, AttnormError, UnknownNameError, canonical, is_ours
 from ..settings import resolve_settings
 from . import compat
 from .distributed import materialize_meta_states
@@ -172,9 +173,29 @@ def _check_hook(orig):
                 attn_implementation = saved["implementation"]
         if isinstance(attn_implementation, str) and is_ours(attn_implementation):
             refuse_family(self, attn_implementation)
+        elif isinstance(attn_implementation, str):
+            refuse_unknown_name(attn_implementation)
         return orig(self, attn_implementation, *args, **kwargs)
 
     return check
+
+
+def refuse_unknown_name(name: str) -> None:
+    """A name neither hf_attnorm nor transformers knows (``"symx"``) raises with the closest registered names in the
+    first line; transformers' own list names none of ours. Names transformers resolves itself (its registered
+    functions, flash/flex/paged variants, hub kernels ``org/repo``) pass through to its check."""
+    from transformers import AttentionInterface
+
+    known = ["eager", *AttentionInterface().valid_keys()]
+    if name in known or "/" in name or name.startswith("paged|") or "flash" in name or "flex" in name:
+        return
+    ours = list(PRESETS)
+    close = difflib.get_close_matches(name, ours + [k for k in known if k not in ours], n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+    raise UnknownNameError(
+        f"attn_implementation={name!r} is not registered; {hint}hf_attnorm implementations: {', '.join(ours)}; "
+        f"transformers' own: {', '.join(k for k in known if k not in ours)} (hf_attnorm.available() describes ours)"
+    )
 
 
 def _post_init_hook(orig):
