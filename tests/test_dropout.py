@@ -5,13 +5,15 @@ the automatic rule never picks a path that would drop nothing."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from transformers import LlamaForCausalLM
 
 from hf_attnorm.attention import attention, constant_heads
 from hf_attnorm.hf.forward import LAST_CALL
-from hf_attnorm.kernels import PATHS, paths_for
+from hf_attnorm.kernels import _WARNED_DROPOUT, PATHS, paths_for
 from hf_attnorm.lab.model_zoo import make_config
 from hf_attnorm.registry import PRESETS
 from hf_attnorm.settings import resolve_settings
@@ -62,15 +64,26 @@ def test_model_applies_attention_dropout_in_training_only(impl):
     x, mask = _batch()
     model = _model(impl, P)
     plain = _model(impl, 0.0)  # same weights, no dropout
+    plain.train()
+    LAST_CALL.path = ""
+    _logits(plain, x, mask, seed=1)
+    fast = LAST_CALL.path  # the path a training forward takes without dropout
     model.train()
     LAST_CALL.path = ""
-    a = _logits(model, x, mask, seed=1)
+    _WARNED_DROPOUT.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a = _logits(model, x, mask, seed=1)
     assert LAST_CALL.path, "the forward did not go through hf_attnorm"
+    said = [str(w.message) for w in caught if "attention dropout" in str(w.message)]
+    if LAST_CALL.path != fast:  # dropout moved it to another path: visibly
+        assert any(repr(fast) in m and repr(LAST_CALL.path) in m for m in said), (fast, LAST_CALL.path, said)
+    else:
+        assert not said, said
     b = _logits(model, x, mask, seed=1)
     c = _logits(model, x, mask, seed=2)
     torch.testing.assert_close(a, b, atol=0, rtol=0)  # the seed decides the dropout mask
     assert (a - c).abs().max() > 1e-3, f"{impl}: training outputs do not depend on the seed (no dropout applied)"
-    plain.train()
     assert (a - _logits(plain, x, mask, seed=1)).abs().max() > 1e-3, f"{impl}: dropout {P} changed nothing"
     model.eval()
     plain.eval()
