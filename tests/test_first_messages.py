@@ -70,7 +70,9 @@ def test_saved_config_names_what_to_do(saved):
     assert HINT in LOAD_HINT and "/" not in LOAD_HINT  # a "/" would make transformers fetch a hub kernel
 
 
-@pytest.mark.parametrize("how", ["AutoModel", "AutoModelForCausalLM", "pipeline"])
+# a fresh interpreter importing transformers takes ~5-12 s: one variant in the default run, the others slow
+@pytest.mark.parametrize("how", [pytest.param("AutoModel", marks=pytest.mark.slow), "AutoModelForCausalLM",
+                                 pytest.param("pipeline", marks=pytest.mark.slow)])
 def test_loading_without_import_says_import_hf_attnorm_first(saved, how, tmp_path):
     if how == "pipeline":
         code = f"from transformers import pipeline\npipeline('text-generation', model={str(saved)!r})"
