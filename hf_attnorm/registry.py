@@ -116,12 +116,23 @@ def first_line(text: str) -> str:
 #: prefix under which an implementation name is written into config.json, so that loading without
 #: ``import hf_attnorm`` fails with an error that names the package instead of silently running sdpa
 CONFIG_PREFIX = "hf_attnorm:"
+#: what follows the name in config.json: transformers quotes the whole value in the first line of the error it
+#: raises when hf_attnorm is not imported ("Specified `attn_implementation="hf_attnorm:symax -- ..."` is not
+#: supported"), so that line says what to do. No "/" (transformers would read it as a hub kernel).
+LOAD_HINT = " -- to load this model, run import hf_attnorm first (Python package hf_attnorm)"
+
+
+def saved_name(implementation: str) -> str:
+    """The ``attn_implementation`` value written into config.json for ``implementation``."""
+    return f"{CONFIG_PREFIX}{implementation}{LOAD_HINT}"
 
 
 def canonical(name: object) -> object:
-    """Strip the config.json prefix: ``"hf_attnorm:symax"`` -> ``"symax"``; anything else is returned as is."""
+    """Strip the config.json prefix and load hint: ``"hf_attnorm:symax -- to load ..."`` (or ``"hf_attnorm:symax"``,
+    as saved before the hint) -> ``"symax"``; anything else is returned as is."""
     if isinstance(name, str) and name.startswith(CONFIG_PREFIX):
-        return name[len(CONFIG_PREFIX):]
+        rest = name[len(CONFIG_PREFIX):].split(None, 1)
+        return rest[0] if rest else ""
     return name
 
 

@@ -134,6 +134,96 @@ class FrozenOptions(dict):
         return (type(self), (dict(self),))
 
 
+#: the first line of the error an edit of ``model.config.attnorm`` raises
+READ_ONLY_MESSAGE = (
+    "model.config.attnorm is read-only: it records the settings the model runs with and saves. Change them with "
+    "hf_attnorm.apply(model, implementation, **options) (e.g. hf_attnorm.apply(model, 'symax', eta=0.25)), which "
+    "validates them, keeps learned values whose settings did not change and updates every attention module"
+)
+
+
+class ConfigSettings(dict):
+    """``model.config.attnorm`` of a model set up by hf_attnorm: the settings as a plain-JSON dict that refuses
+    in-place edits (nested dicts and lists too), so the settings a model saves are always the ones it runs with.
+    It serialises, copies, deep-copies and pickles as a dict (transformers' ``to_dict``/``save_pretrained``, PEFT);
+    copies stay read-only."""
+
+    def __init__(self, data: Mapping[str, Any] = ()) -> None:
+        super().__init__({k: _read_only(v) for k, v in dict(data).items()})
+
+    # a call that would change nothing is no edit and passes (transformers' to_dict pops keys it never finds from
+    # every nested dict); one that would change something raises
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise AttnormError(READ_ONLY_MESSAGE)
+
+    __delitem__ = popitem = _refuse  # type: ignore[assignment]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key not in self or self[key] != value:
+            self._refuse()
+
+    def update(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        if any(k not in self or self[k] != v for k, v in dict(*args, **kwargs).items()):
+            self._refuse()
+
+    def __ior__(self, other: Any) -> ConfigSettings:  # type: ignore[override]
+        self.update(other)
+        return self
+
+    def pop(self, key: str, *default: Any) -> Any:  # type: ignore[override]
+        if key in self or not default:
+            self._refuse()
+        return default[0]
+
+    def setdefault(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        if key not in self:
+            self._refuse()
+        return self[key]
+
+    def clear(self) -> None:
+        if self:
+            self._refuse()
+
+    def __reduce__(self):
+        return (type(self), (_plain(self),))
+
+    def __deepcopy__(self, memo: dict) -> ConfigSettings:
+        return type(self)(_plain(self))
+
+
+class _ReadOnlyList(list):
+    """A list value inside ``ConfigSettings`` (a structured option): refuses edits like its owner."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise AttnormError(READ_ONLY_MESSAGE)
+
+    __setitem__ = __delitem__ = append = extend = insert = pop = remove = clear = sort = reverse = _refuse  # type: ignore[assignment]
+    __iadd__ = __imul__ = _refuse  # type: ignore[assignment]
+
+    def __reduce__(self):
+        return (list, (_plain(self),))
+
+    def __deepcopy__(self, memo: dict) -> _ReadOnlyList:
+        return _ReadOnlyList(_read_only(x) for x in _plain(self))
+
+
+def _read_only(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return ConfigSettings(value)
+    if isinstance(value, list | tuple):
+        return _ReadOnlyList(_read_only(x) for x in value)
+    return value
+
+
+def _plain(value: Any) -> Any:
+    """A read-only value as plain, independent dicts and lists (for copies and pickles)."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(x) for x in value]
+    return value
+
+
 class OptionError(AttnormError):
     """A ``key=value`` option text that does not parse; the message names the key and what is allowed."""
 
@@ -233,6 +323,10 @@ class AttnormSettings:
         opts = {k: v for k, v in sorted(self.options.items())
                 if not (k in GLOBAL_OPTIONS and v == OPTIONS.get(k).default)}
         return {"implementation": self.implementation, "normalizer": self.normalizer, "scale": self.scale, **opts}
+
+    def to_config(self) -> ConfigSettings:
+        """``to_dict`` as the read-only dict a model's ``config.attnorm`` holds."""
+        return ConfigSettings(self.to_dict())
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> AttnormSettings:

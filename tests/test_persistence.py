@@ -20,7 +20,7 @@ from conftest import MODEL_IDS, MODEL_KINDS, model_output, tiny
 import hf_attnorm
 from hf_attnorm.attention import param_specs
 from hf_attnorm.hf.persistence import CHECKSUM_FILE, CheckpointError, verify_checkpoint
-from hf_attnorm.registry import PRESETS, AttnormError
+from hf_attnorm.registry import PRESETS, AttnormError, saved_name
 from hf_attnorm.settings import OPTIONS, resolve_settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,7 +105,7 @@ def test_train_save_reload_exact(kind, impl, opts, tmp_path):
 
     # 3. config.json + safetensors metadata + checksums
     cfg = json.loads((tmp_path / "trained" / "config.json").read_text())
-    assert cfg["attn_implementation"] == f"hf_attnorm:{impl}"
+    assert cfg["attn_implementation"] == saved_name(impl) and saved_name(impl).startswith(f"hf_attnorm:{impl} ")
     assert cfg["attnorm"]["implementation"] == impl and cfg["attnorm"]["hf_attnorm_version"] == hf_attnorm.__version__
     from safetensors import safe_open
 
@@ -289,7 +289,8 @@ def test_loading_without_hf_attnorm_fails_naming_it(tmp_path):
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert res.returncode != 0
-    assert re.search(r'attn_implementation="hf_attnorm:symax"\W{0,3} is not supported', res.stderr), res.stderr[-500:]
+    assert re.search(r'attn_implementation="hf_attnorm:symax -- to load this model, run import hf_attnorm first.*"'
+                     r'\W{0,3} is not supported', res.stderr), res.stderr[-500:]
 
 
 def test_explicit_sdpa_on_attnorm_checkpoint_warns(tmp_path):

@@ -17,6 +17,7 @@ Model families differ in a few facts only; they are read from attributes every s
 
 from __future__ import annotations
 
+import difflib
 import logging
 import warnings
 from collections.abc import Mapping
@@ -24,14 +25,14 @@ from typing import Any
 
 from torch import nn
 
-from ..registry import CONFIG_PREFIX, PRESETS, AttnormError, canonical, is_ours
+from ..registry import CONFIG_PREFIX, PRESETS, AttnormError, UnknownNameError, canonical, is_ours
 from ..settings import resolve_settings
 from . import compat
 from .distributed import materialize_meta_states
 from .families import attention_modules, family_of, refusal_reason
 from .forward import forward_for
 from .persistence import finalize_saved, verify_before_load, verify_loaded
-from .state import _PENDING, AttnormState, install, settings_for, uninstall
+from .state import _PENDING, AttnormState, check_config_unchanged, install, settings_for, uninstall
 
 logger = logging.getLogger("hf_attnorm")
 
@@ -178,9 +179,29 @@ def _check_hook(orig):
                 attn_implementation = saved["implementation"]
         if isinstance(attn_implementation, str) and is_ours(attn_implementation):
             refuse_family(self, attn_implementation)
+        elif isinstance(attn_implementation, str):
+            refuse_unknown_name(attn_implementation)
         return orig(self, attn_implementation, *args, **kwargs)
 
     return check
+
+
+def refuse_unknown_name(name: str) -> None:
+    """A name neither hf_attnorm nor transformers knows (``"symx"``) raises with the closest registered names in the
+    first line; transformers' own list names none of ours. Names transformers resolves itself (its registered
+    functions, flash/flex/paged variants, hub kernels ``org/repo``) pass through to its check."""
+    from transformers import AttentionInterface
+
+    known = ["eager", *AttentionInterface().valid_keys()]
+    if name in known or "/" in name or name.startswith("paged|") or "flash" in name or "flex" in name:
+        return
+    ours = list(PRESETS)
+    close = difflib.get_close_matches(name, ours + [k for k in known if k not in ours], n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+    raise UnknownNameError(
+        f"attn_implementation={name!r} is not registered; {hint}hf_attnorm implementations: {', '.join(ours)}; "
+        f"transformers' own: {', '.join(k for k in known if k not in ours)} (hf_attnorm.available() describes ours)"
+    )
 
 
 def _post_init_hook(orig):
@@ -267,6 +288,12 @@ def _continuous_batching_hook(orig):
 
 def _save_hook(orig):
     def save_pretrained(self, save_directory, *args, **kwargs):
+        # before anything is written: a replaced config.attnorm would save settings the model does not run with
+        config = getattr(self, "config", None)
+        for mod in self.modules():
+            if isinstance(mod, AttnormState) and mod.settings.implementation == canonical(
+                    getattr(config, "_attn_implementation", None)):
+                check_config_unchanged(config, mod.settings)
         result = orig(self, save_directory, *args, **kwargs)
         finalize_saved(self, save_directory, kwargs)
         return result

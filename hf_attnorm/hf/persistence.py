@@ -3,10 +3,11 @@
 ``model.save_pretrained(dir)`` (with ``import hf_attnorm``) on a model using one of our implementations writes, on
 top of what transformers writes:
 
-* ``config.json``: ``attnorm`` (the full settings + ``hf_attnorm_version``) and ``attn_implementation":
-  "hf_attnorm:<name>"``. transformers reads that key back, so a reload needs no ``attn_implementation=``; without
-  ``import hf_attnorm`` it fails with ``attn_implementation="hf_attnorm:<name>" is not supported`` instead of
-  silently running sdpa.
+* ``config.json``: ``attnorm`` (the full settings + ``hf_attnorm_version``) and ``"attn_implementation":
+  "hf_attnorm:<name> -- to load this model, run import hf_attnorm first (...)"`` (``registry.saved_name``).
+  transformers reads that key back, so a reload needs no ``attn_implementation=``; without ``import hf_attnorm`` it
+  fails with ``attn_implementation="hf_attnorm:<name> -- to load this model, run import hf_attnorm first ..." is not
+  supported`` (the value quoted in the first line says what to do) instead of silently running sdpa.
 * the safetensors header metadata of every weight file: ``hf_attnorm`` (the settings as a JSON string) and
   ``hf_attnorm_version`` (the header is rewritten in place; tensor bytes are untouched).
 * ``attnorm_checksums.json``: sha256 of every weight file (safetensors has no checksum of its own).
@@ -36,7 +37,7 @@ from torch import nn
 
 from ..fileio import atomic_write
 from ..kernels.memory import MEM_KV_HEADS, NUM_MEM_KV
-from ..registry import CONFIG_PREFIX, AttnormError, canonical, is_ours
+from ..registry import AttnormError, canonical, is_ours, saved_name
 from ..settings import AttnormSettings, settings_core
 from ..version import __version__
 from .state import AttnormState
@@ -137,7 +138,7 @@ def finalize_saved(model: nn.Module, save_directory: Any, kwargs: Mapping[str, A
     cfg_path = directory / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["attnorm"] = saved
-    cfg["attn_implementation"] = CONFIG_PREFIX + impl
+    cfg["attn_implementation"] = saved_name(impl)
     atomic_write(cfg_path, json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     files = weight_files(directory)
     if not files:

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from ..attention import param_specs
-from ..registry import NORMALIZERS, SCALES, AttnormError
-from ..settings import AttnormSettings, resolve_settings
+from ..registry import NORMALIZERS, SCALES, AttnormError, first_line
+from ..settings import READ_ONLY_MESSAGE, AttnormSettings, ConfigSettings, resolve_settings
 from . import selective_cache
 from .families import interface_keywords, module_info, num_heads_of, unsupported_keywords
 from .recurrent import attach, detach, supports
@@ -124,7 +124,7 @@ def settings_for(config: Any, implementation: str) -> AttnormSettings:
                     implementation)
         overrides = {}
     settings = resolve_settings(implementation, overrides)
-    config.attnorm = settings.to_dict()
+    config.attnorm = settings.to_config()  # read-only: an edit raises, naming hf_attnorm.apply
     return settings
 
 
@@ -197,6 +197,30 @@ def check_module(module: nn.Module, settings: AttnormSettings) -> None:
         )
 
 
+def check_config_unchanged(config: Any, settings: AttnormSettings) -> None:
+    """Raise when ``config.attnorm`` was replaced by settings other than ``settings`` (those the model runs with).
+
+    ``config.attnorm`` is a read-only ``ConfigSettings``, so an in-place edit already raised; this catches a whole
+    new dict assigned to it (``config.attnorm = {...}``), which the model would otherwise ignore and save."""
+    raw = getattr(config, "attnorm", None) if config is not None else None
+    if raw is None or isinstance(raw, ConfigSettings):
+        return
+    problem = ""
+    if not isinstance(raw, Mapping):
+        problem = f" (not a dict of settings but a {type(raw).__name__})"
+    else:
+        try:
+            if AttnormSettings.from_dict(raw) == settings:
+                config.attnorm = settings.to_config()  # an equal copy, nothing changed: read-only again
+                return
+        except AttnormError as e:
+            problem = f" (which are invalid: {first_line(str(e))})"
+    raise AttnormError(
+        f"model.config.attnorm was replaced by {reprlib.repr(raw)}{problem}, but the model runs with "
+        f"{settings.to_dict()}: the settings it would save are not the ones it computes. {READ_ONLY_MESSAGE}."
+    )
+
+
 def uninstall(module: nn.Module) -> None:
     if isinstance(module._modules.get("attnorm"), AttnormState):
         del module._modules["attnorm"]
@@ -212,6 +236,8 @@ def state_of(module: nn.Module, implementation: str) -> nn.Module:
     state = module._modules.get("attnorm")
     settings = getattr(state, "settings", None) if state is not None else None
     if isinstance(settings, AttnormSettings) and settings.implementation == implementation:
+        if not torch.compiler.is_compiling():  # (a compiled call is checked by its eager twin and at save)
+            check_config_unchanged(getattr(module, "config", None), settings)
         return state
     found = "none" if settings is None else f"one for {settings.implementation!r}"
     raise AttnormError(

@@ -65,6 +65,7 @@ import dataclasses
 import importlib
 import os
 import pkgutil
+import warnings
 from collections.abc import Callable, Collection
 
 import torch
@@ -191,10 +192,31 @@ def choose(call: AttnCall, path: str | None = None) -> str:
                              f"dtype {call.q.dtype}, device {call.q.device}, mask {call.mask.kind}, "
                              f"dropout {call.dropout}): {why}")
         return forced
-    for p in _auto_candidates(call):
-        if p.accepts(call) is None:
-            return p.name
-    return "reference"
+    chosen = next((p.name for p in _auto_candidates(call) if p.accepts(call) is None), "reference")
+    if call.dropout > 0 and not torch.compiler.is_compiling():
+        _warn_dropout_fallback(call, chosen)
+    return chosen
+
+
+#: (normalizer, device type, path without dropout, path with it) already warned about
+_WARNED_DROPOUT: set[tuple[str, str, str, str]] = set()
+
+
+def _warn_dropout_fallback(call: AttnCall, chosen: str) -> None:
+    """Attention dropout moved the call off the path it takes without dropout: say so once per pair of paths (the
+    path it runs on applies the dropout exactly, but the switch to a slower path should not be silent)."""
+    plain = dataclasses.replace(call, dropout=0.0)
+    fast = next((p for p in _auto_candidates(plain) if p.accepts(plain) is None), None)
+    if fast is None or fast.name == chosen:
+        return
+    key = (call.settings.normalizer, call.q.device.type, fast.name, chosen)
+    if key in _WARNED_DROPOUT:
+        return
+    _WARNED_DROPOUT.add(key)
+    warnings.warn(
+        f"hf_attnorm: attention dropout {call.dropout} (training): path {fast.name!r} cannot apply it "
+        f"({fast.accepts(call)}), so {call.settings.normalizer!r} runs on {chosen!r} instead (exact, slower). Set "
+        "the model's attention dropout to 0 to keep the fast path.", stacklevel=2)
 
 
 def explain(call: AttnCall) -> list[tuple[str, str]]:

@@ -63,7 +63,9 @@ class ASEntmax(EntmaxAlpha):
         """theta [B, H, Lq] = delta_h + softplus(w_h . q_i) (ln n_i)^gamma_h; q: [B, H, Lq, D] (raw)."""
         dt = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype  # fp32 at least, fp64 kept
         w = ctx.heads["asentmax_w"].to(device=q.device, dtype=dt)  # [H, D]
-        beta = torch.nn.functional.softplus(torch.einsum("bhld,hd->bhl", q.to(dt), w))
+        # a broadcast product and a sum, not einsum: einsum's backward views the gradient as [H, B*Lq, D], which
+        # fails under torch.compile's aot_eager backend when q is a transposed (non-contiguous) projection
+        beta = torch.nn.functional.softplus((q.to(dt) * w[None, :, None, :]).sum(-1))
         delta = ctx.heads["asentmax_delta"].to(device=q.device, dtype=dt).view(1, -1, 1)
         gamma = ctx.heads["asentmax_gamma"].to(device=q.device, dtype=dt).view(1, -1, 1)
         logn = torch.log(ctx.n.to(device=q.device, dtype=dt))  # >= 0 (n >= 1)
