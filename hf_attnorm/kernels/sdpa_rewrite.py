@@ -103,10 +103,22 @@ def accepts(call: AttnCall) -> str | None:
     return why
 
 
+def repeat_kv_for_export(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k, v) with their heads repeated to q's under ``torch.export``, else unchanged. q: [B, H, Lq, D]; k, v:
+    [B, Hkv, Lk, D]. torch.onnx (torch 2.13) translates SDPA with fewer key/value heads than query heads and a mask
+    into a graph onnxruntime rejects ("MatMul Incompatible dimensions"); repeated heads translate correctly
+    (tests/test_export.py checks that the bug is still there, so this can go when it is not)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups == 1 or not torch.compiler.is_exporting():
+        return k, v
+    return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+
+
 def _prepare(call: AttnCall, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """(q, k, v, scale): q, k transformed, all in ``dtype``; the per-query factor base x multiplier multiplied into q,
     or, when it is one number (no per-query scale), left to SDPA's ``scale`` (no extra pass over q)."""
     q, k, v = call.q.to(dtype), call.k.to(dtype), call.v.to(dtype)
+    k, v = repeat_kv_for_export(q, k, v)
     norm = call.normalizer
     if type(norm).transform_qk is not Normalizer.transform_qk:
         q, k = norm.transform_qk(q, k, call.ctx())  # row-wise (cosine: l2-normalise), so fine on unrepeated k
@@ -254,7 +266,7 @@ def sdpa_sinkcol_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
 
 from . import register_path  # noqa: E402  (registration at import, like the normalizers)
 
-register_path("sdpa", sdpa_attention, takes=takes, accepts=accepts, priority=10)
+register_path("sdpa", sdpa_attention, takes=takes, accepts=accepts, priority=10, exportable=True)
 # exact on any device, but on CPU D+1 falls off SDPA's fast kernel: the automatic rule uses it elsewhere only
 register_path("sdpa_sinkcol", sdpa_sinkcol_attention, takes=takes_sink, accepts=_sinkcol_accepts, priority=20,
-              auto_exclude=("cpu",))
+              auto_exclude=("cpu",), exportable=True)

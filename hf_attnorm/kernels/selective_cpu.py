@@ -51,14 +51,8 @@ class _SelFn(torch.autograd.Function):
         return dq, dk, dv, (dcarry if ctx.needs_input_grad[3] else None), None, None, None, None, None, None, None
 
 
-_FAKES: dict[str, bool] = {"done": False}
-
-
-def _register_fakes() -> None:
-    """Shape-only implementations of the two ops (once, eagerly), so torch.compile traces through them."""
-    if _FAKES["done"] or torch.compiler.is_compiling():
-        return
-    _FAKES["done"] = True
+def _define_ops() -> None:
+    """The two ops (``fused_cpu.define_op``) with their shape-only implementations, at import."""
 
     def forward_fake(q, k, v, keep, causal, head, scale, starts, selrow, carry0, block_q, block_k):
         B, H, Lq = q.shape[:3]
@@ -69,8 +63,15 @@ def _register_fakes() -> None:
                       block_k):
         return [*(x.new_empty(x.shape) for x in (q, k, v)), q.new_empty((q.shape[0], k.shape[2]))]
 
-    torch.library.register_fake("hf_attnorm_fused::sel_forward")(forward_fake)
-    torch.library.register_fake("hf_attnorm_fused::sel_backward")(backward_fake)
+    fused_cpu.define_op("sel_forward(Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, int head, float scale, "
+                        "Tensor starts, Tensor selrow, Tensor? carry0, int block_q, int block_k) -> Tensor[]",
+                        forward_fake)
+    fused_cpu.define_op("sel_backward(Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, int head, "
+                        "float scale, Tensor starts, Tensor selrow, Tensor? carry0, Tensor colsums, Tensor out, "
+                        "Tensor lse, Tensor dout, int block_q, int block_k) -> Tensor[]", backward_fake)
+
+
+_define_ops()
 
 
 def carry_reason(call: AttnCall) -> str | None:
@@ -97,10 +98,7 @@ def accepts(call: AttnCall) -> str | None:
     reason = carry_reason(call)
     if reason is not None:
         return reason
-    reason = fused_cpu.unavailable_reason(warn=True)
-    if reason is None:
-        _register_fakes()  # an eager call (which also builds the extension) comes before any compiled one
-    return reason
+    return fused_cpu.unavailable_reason(warn=True)
 
 
 def selection_facts(call: AttnCall, head: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -65,7 +65,8 @@ def selection_parts(keep_sel: torch.Tensor, lq: int, lk: int) -> tuple[torch.Ten
     starts = document_starts(keep_sel)  # [b, Lk]
     j = torch.arange(lk, device=keep_sel.device)
     own = torch.arange(lq, device=keep_sel.device) + (lk - lq)  # query i's own key position
-    own_live = torch.where((own >= 0) & (own < lk), live[:, own.clamp(0, lk - 1)], True)  # [b, Lq]
+    # [b, Lq] (logical ops, not a where on bools: onnxruntime has no bool Where)
+    own_live = (own < 0) | (own >= lk) | live[:, own.clamp(0, lk - 1)]
     selects = keep_sel & ~starts[:, None, :] & (j[None, :] != own[:, None])[None] & own_live[..., None]
     return live, selects
 
@@ -76,7 +77,10 @@ def selection_penalty(s_sel: torch.Tensor, keep_sel: torch.Tensor) -> torch.Tens
     lq, lk = s_sel.shape[-2:]
     _, selects = selection_parts(keep_sel, lq, lk)
     r = torch.where(selects, F.relu(s_sel), torch.zeros((), dtype=s_sel.dtype, device=s_sel.device))
-    return F.pad(torch.cumsum(r, dim=-2)[:, :-1], (0, 0, 1, 0))  # exclusive: row i sums rows k < i
+    # exclusive: row i sums rows k < i (a roll, as the paper's listing: a slice of Lq - 1 rows guards Lq != 2 under
+    # torch.export)
+    first_row = (torch.arange(lq, device=r.device) == 0)[:, None]
+    return torch.where(first_row, 0.0, torch.roll(torch.cumsum(r, dim=-2), 1, dims=-2))
 
 
 def check_carry(carry: torch.Tensor, batch: int, lk: int) -> torch.Tensor:

@@ -629,7 +629,7 @@ std::vector<at::Tensor> sel_backward(const at::Tensor& q, const at::Tensor& k, c
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(hf_attnorm_fused, m) {
+TORCH_LIBRARY_FRAGMENT(hf_attnorm_native, m) {
   m.def(
       "sel_forward(Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, int head, float scale, Tensor starts, "
       "Tensor selrow, "
@@ -640,7 +640,7 @@ TORCH_LIBRARY_FRAGMENT(hf_attnorm_fused, m) {
       "Tensor? carry0, Tensor colsums, Tensor out, Tensor lse, Tensor dout, int block_q, int block_k) -> Tensor[]");
 }
 
-TORCH_LIBRARY_IMPL(hf_attnorm_fused, CPU, m) {
+TORCH_LIBRARY_IMPL(hf_attnorm_native, CPU, m) {
   m.impl("sel_forward", &sel_forward);
   m.impl("sel_backward", &sel_backward);
 }
