@@ -177,8 +177,8 @@ class _FlashGQA(torch.nn.Module):
 
 @needs_onnx
 def test_torch_onnx_still_mistranslates_gqa_flash_sdpa_with_a_mask(tmp_path):
-    """The bug ``sdpa_rewrite.repeat_kv_for_export`` works around (torch 2.13): when this test fails, torch
-    translates it correctly and the workaround (repeating k/v heads under export) can go."""
+    """The bug ``sdpa_rewrite.sdpa_attention`` works around (torch 2.13) by not calling the CPU flash op under
+    export: when this test fails, torch translates it correctly and the workaround can go."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 6, 8, generator=g)
     k, v = torch.randn(2, 2, 6, 8, generator=g), torch.randn(2, 2, 6, 8, generator=g)
@@ -190,8 +190,8 @@ def test_torch_onnx_still_mistranslates_gqa_flash_sdpa_with_a_mask(tmp_path):
         assert "Incompatible dimensions" in str(e), e
         return
     err = (torch.from_numpy(got) - want).abs().max().item()
-    assert err > 1e-4, (f"torch.onnx now translates GQA flash SDPA with a mask correctly (error {err:.3g}): remove "
-                        "repeat_kv_for_export in hf_attnorm/kernels/sdpa_rewrite.py and this test")
+    assert err > 1e-4, (f"torch.onnx now translates GQA flash SDPA with a mask correctly (error {err:.3g}): the "
+                        "CPU flash op can run under export again (hf_attnorm/kernels/sdpa_rewrite.py)")
 
 
 @needs_onnx

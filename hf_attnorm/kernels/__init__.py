@@ -56,7 +56,7 @@ tensor).
 
 The rule: needs-weights (``output_attentions``) -> the reference; otherwise the first path by priority whose
 ``auto_exclude`` does not hold the call's device and whose ``takes`` and ``accepts`` say None; while
-``torch.compiler.is_exporting()``, only the ``exportable`` paths (sdpa, sdpa_sinkcol) and the reference
+``torch.compiler.is_exporting()``, only the ``exportable`` paths (sdpa, sdpa_sinkcol: any device) and the reference
 (docs/export.md). ``explain(call)``
 lists every candidate with its reason, running nothing. Override: ``path=`` on ``attention()``/``attend()``, or
 the environment variable ``HF_ATTNORM_PATH`` (a path name or ``auto``; read when this package is imported and by
@@ -174,8 +174,9 @@ def _auto_candidates(call: AttnCall) -> list[Path]:
         norm = call.normalizer
         found = [p for p in _ORDER if key[1] not in p.auto_exclude and p.takes(norm) is None]
         _AUTO[key] = found
-    if torch.compiler.is_exporting():  # portable graphs: no custom op, no length-sized loop (docs/export.md)
-        return [p for p in found if p.exportable]
+    if torch.compiler.is_exporting():  # portable graphs: no custom op, no length-sized loop (docs/export.md);
+        # auto_exclude is about speed on a device, so it does not apply here (sdpa_sinkcol takes the sinks)
+        return [p for p in _ORDER if p.exportable and p.takes(call.normalizer) is None]
     return found
 
 

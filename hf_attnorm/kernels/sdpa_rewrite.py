@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..normalizers.base import Normalizer
-from .base import AttnCall, compute_dtype
+from .base import AttnCall, compute_dtype, repeat_kv
 
 
 def takes(norm: Normalizer) -> str | None:
@@ -94,6 +94,9 @@ def _uses_flash_cpu(call: AttnCall) -> bool:
 def accepts(call: AttnCall) -> str | None:
     """sdpa: softmax / cosine anywhere (dropout ok); a sink only through SDPA's CPU flash kernel."""
     why = _common(call)
+    if why is None and _has_sink(call) and torch.compiler.is_exporting():
+        # the lse rewrite's CPU flash op does not translate to ONNX with a sink; the extra-column rewrite does
+        return "a sink under torch.export (sdpa_sinkcol exports it as plain SDPA)"
     if why is None and _has_sink(call) and not _uses_flash_cpu(call):
         on_cpu = call.q.device.type == "cpu"
         reason = ("dropout > 0" if call.dropout > 0 else "head dims of v and q differ"
@@ -103,22 +106,10 @@ def accepts(call: AttnCall) -> str | None:
     return why
 
 
-def repeat_kv_for_export(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(k, v) with their heads repeated to q's under ``torch.export``, else unchanged. q: [B, H, Lq, D]; k, v:
-    [B, Hkv, Lk, D]. torch.onnx (torch 2.13) translates SDPA with fewer key/value heads than query heads and a mask
-    into a graph onnxruntime rejects ("MatMul Incompatible dimensions"); repeated heads translate correctly
-    (tests/test_export.py checks that the bug is still there, so this can go when it is not)."""
-    groups = q.shape[1] // k.shape[1]
-    if groups == 1 or not torch.compiler.is_exporting():
-        return k, v
-    return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-
-
 def _prepare(call: AttnCall, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """(q, k, v, scale): q, k transformed, all in ``dtype``; the per-query factor base x multiplier multiplied into q,
     or, when it is one number (no per-query scale), left to SDPA's ``scale`` (no extra pass over q)."""
     q, k, v = call.q.to(dtype), call.k.to(dtype), call.v.to(dtype)
-    k, v = repeat_kv_for_export(q, k, v)
     norm = call.normalizer
     if type(norm).transform_qk is not Normalizer.transform_qk:
         q, k = norm.transform_qk(q, k, call.ctx())  # row-wise (cosine: l2-normalise), so fine on unrepeated k
@@ -199,7 +190,10 @@ def sdpa_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     keep, causal = _sdpa_mask(call)
     if call.bias is not None and causal:  # a bias goes in SDPA's float mask, which excludes is_causal
         keep, causal = call.mask.dense(call.q.device), False
-    if _uses_flash_cpu(call):
+    # not under torch.export: torch.onnx (torch 2.13) translates the CPU flash op with fewer key/value heads than
+    # query heads and a mask into a graph onnxruntime rejects ("MatMul Incompatible dimensions"); plain SDPA with
+    # enable_gqa translates correctly (tests/test_export.py checks that the bug is still there)
+    if _uses_flash_cpu(call) and not torch.compiler.is_exporting():
         dt = compute_dtype(call.q.dtype)
         lam = sink_logit(call, dt) if _has_sink(call) else None
         q, k, v, scale = _prepare(call, dt)
@@ -241,6 +235,10 @@ def sdpa_sinkcol_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
         return out.to(call.q.dtype), None
     q = q * scale  # the sink column must not be scaled
     B, H, Lq, _ = q.shape
+    if torch.compiler.is_exporting():
+        # GQA SDPA repeats the k/v heads of Lk + 1 keys inside, and export cannot prove that reshape's stride guards
+        # for a dynamic length; repeated here, on Lk keys, they export
+        k, v = repeat_kv(k, H // k.shape[1]), repeat_kv(v, H // v.shape[1])
     Hkv = k.shape[1]
     lam_col = (lam.view(1, H, 1, 1) if lam.dim() == 1 else lam.view(1, 1, 1, 1)).expand(B, H, Lq, 1)
     q = torch.cat([q, lam_col.to(q.dtype)], dim=-1)
