@@ -444,3 +444,55 @@ def test_score_modifier_families_take_the_fused_path(family):
         torch.testing.assert_close(ggot[n], gref[n], atol=1e-5, rtol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
     bias_params = [n for n in ggot if "relative_attention_bias" in n]
     assert all(ggot[n].abs().sum() > 0 for n in bias_params)
+
+
+#: documents packed into one row (TRL-style packing: position_ids restart per document, no attention mask, no cache)
+PACKED_DOCS = (5, 7, 4)
+
+
+def _packed_paths(impl: str) -> list[str]:
+    """The reference and every CPU path that implements ``impl``'s normalizer, from the kernel registry."""
+    from hf_attnorm.kernels import paths_for
+
+    norm = resolve_settings(impl, {}).normalizer
+    return ["reference", *[p for p in paths_for(norm) if "triton" not in p]]
+
+
+@pytest.mark.parametrize("impl", list(PRESETS))
+def test_packed_rows_equal_documents_alone(impl):
+    """A row packing 3 documents (position_ids restarting per document, no mask, use_cache=False: transformers'
+    sdpa_mask makes the mask block-diagonal) gives every document the logits it gets alone, on every path that
+    takes the packed call: selective attention's BOS exemption is per document (normalizers/selective.py)."""
+    from hf_attnorm.kernels import set_forced_path
+
+    model = build("llama", impl)
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.randint(3, 99, (1, n), generator=g) for n in PACKED_DOCS]
+    ids = torch.cat(docs, dim=1)
+    pos = torch.cat([torch.arange(n) for n in PACKED_DOCS])[None]
+    ran: dict[str, str] = {}
+    try:
+        for path in _packed_paths(impl):
+            set_forced_path(path)
+            LAST_CALL.path = ""
+            try:
+                with torch.no_grad():
+                    packed = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+            except ValueError as e:
+                if "cannot run this call" in str(e):
+                    continue  # a path that declines block-diagonal masks (e.g. linear_chunked): the others run
+                raise
+            ran[path] = LAST_CALL.path
+            start = 0
+            for doc in docs:
+                n = doc.shape[1]
+                with torch.no_grad():
+                    alone = model(input_ids=doc, position_ids=torch.arange(n)[None], use_cache=False).logits
+                assert LAST_CALL.path == path, (path, LAST_CALL.path)
+                err = (packed[:, start:start + n] - alone).abs().max().item()
+                assert err <= 1e-5, f"{impl} on {path}: document at {start} differs by {err:.3g} packed vs alone"
+                start += n
+    finally:
+        set_forced_path()
+    assert ran.get("reference") == "reference", ran
+    assert all(ran[p] == p for p in ran), ran

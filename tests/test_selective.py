@@ -126,6 +126,38 @@ def test_left_padding_equals_the_sequence_alone():
         torch.testing.assert_close(padded[:, :, 3:], alone, atol=1e-6, rtol=0)
 
 
+def _packed_keep(lengths: tuple[int, ...]) -> torch.Tensor:
+    """bool [1, 1, L, L]: documents of these lengths packed in one row, causal within each (transformers' sdpa_mask
+    for position_ids restarting per document)."""
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    return ((doc[:, None] == doc[None, :]) & torch.ones(len(doc), len(doc), dtype=torch.bool).tril())[None, None]
+
+
+@pytest.mark.parametrize("path", ["reference", "selective", pytest.param("selective_cpu", marks=pytest.mark.skipif(
+    fused_cpu.unavailable_reason() is not None, reason="fused CPU kernels unavailable"))])
+def test_packed_documents_equal_each_alone_forward_and_gradients(path, monkeypatch):
+    """Every document's first key is a BOS (``document_starts``): with a block-diagonal mask each document gets the
+    output and the gradients it gets alone (before: only the row's first key was exempt)."""
+    monkeypatch.setattr(selective_mod, "BLOCK_OVERRIDE", 8)  # blocks straddle the documents' edges
+    lengths = (7, 12, 5)
+    q, k, v = _leaves((1, 3, 24, 8), (1, 3, 24, 8), (1, 3, 24, 8), seed=11)
+    gout = torch.randn(1, 3, 24, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    call = make_call(q, k, v, resolve_settings("selective", {"selective_head": 1}),
+                     constant_heads(resolve_settings("selective", {}), 3), _packed_keep(lengths), True)
+    packed, _, ran = attend(call, path)
+    assert ran == path
+    grads = torch.autograd.grad(packed, (q, k, v), gout)
+    start = 0
+    for n in lengths:
+        part = slice(start, start + n)
+        qs, ks, vs = (t[:, :, part].detach().requires_grad_(True) for t in (q, k, v))
+        alone, _ = attention(qs, ks, vs, "selective", causal=True, path=path, selective_head=1)
+        torch.testing.assert_close(packed[:, :, part], alone, atol=1e-10, rtol=0)
+        for g, a in zip(grads, torch.autograd.grad(alone, (qs, ks, vs), gout[:, :, part])):
+            torch.testing.assert_close(g[:, :, part], a, atol=1e-10, rtol=0)
+        start += n
+
+
 def test_the_rule_picks_a_selective_path_and_the_splitting_paths_decline():
     q = torch.randn(1, 2, 5, 4)
     settings = resolve_settings("selective")

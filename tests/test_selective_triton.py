@@ -81,7 +81,7 @@ if not ta.interpreter_requested():
         bm, bn = ts.BLOCKS_GPU[64 if head_dim <= 64 else 128]
         consts = dict(HAS_MASK=masked, CAUSAL=not masked, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=head_dim,
                       BLOCK_DV=head_dim)
-        pointers = {"KEEP": "*u8", "ROWSEL": "*u8", "BOS": "*i32"}
+        pointers = {"KEEP": "*u8", "ROWSEL": "*u8", "STARTS": "*u8"}
         ints = ("H", "HKV", "GROUPS", "LQ", "LK", "OFF", "DH", "DV", "H0", "NQ")
         for fn in (kern._colsum_kernel, kern._fwd_kernel, kern._bwd_kernel):
             cs = {a: c for a, c in consts.items() if a in fn.arg_names}
@@ -118,8 +118,14 @@ else:
         keep[:, 1, 2] = False
         return keep
 
-    #: in the default (not slow) run: GQA + a non-zero selecting head, fully masked rows, a decode step
-    FAST = ("causal-gqa", "padding-bidirectional", "decode")
+    def _packed(B, H, Lq, Lk, causal):
+        """Three documents packed in each row (block-diagonal causal): every document's first key is a BOS."""
+        doc = torch.cat([torch.full((n,), i) for i, n in enumerate((13, 11, Lk - 24))])
+        return ((doc[:, None] == doc[None, :]) & torch.ones(Lq, Lk, dtype=torch.bool).tril())[None, None].expand(
+            B, 1, Lq, Lk)
+
+    #: in the default (not slow) run: GQA + a non-zero selecting head, fully masked rows, a decode step, packing
+    FAST = ("causal-gqa", "padding-bidirectional", "decode", "packed")
     SCENARIOS = {  # (B, H, Hkv, Lq, Lk, D, mask factory, causal, selecting head)
         "causal-gqa": (2, 4, 2, 37, 37, 16, None, True, 3),
         "bidirectional": (1, 2, 2, 29, 29, 8, None, False, 0),
@@ -130,6 +136,7 @@ else:
         "causal-lq<lk": (1, 2, 1, 20, 35, 8, None, True, 1),
         "causal-lq>lk": (1, 2, 1, 40, 20, 8, None, True, 1),  # early queries' own keys lie before key 0
         "decode": (2, 4, 2, 1, 29, 16, None, False, 2),
+        "packed": (2, 4, 2, 37, 37, 16, _packed, True, 1),
     }
 
     @pytest.mark.parametrize("scenario", [pytest.param(s, marks=() if s in FAST else pytest.mark.slow)
@@ -152,7 +159,7 @@ else:
             assert err <= 5 * err_ref + 1e-5, f"{scenario} {label}: {err:.3g} vs reference fp32 {err_ref:.3g}"
         if mask is not None:
             dead = ~mask.any(-1).expand(B, H, Lq)
-            assert dead.any() and (got[0][dead] == 0).all()
+            assert (dead.any() or make_mask is _packed) and (got[0][dead] == 0).all()
 
     @pytest.mark.slow
     @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

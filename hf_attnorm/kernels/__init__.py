@@ -7,7 +7,10 @@ Every path (``register_path``) states, without running anything:
 * ``accepts(call)``: None if it can run this call (device, dtype, dropout, mask kind, weights, head dims ...), else
   the reason. It looks only at shapes, dtypes, devices and settings: no kernel runs, no value is read from a tensor,
   so it costs microseconds and traces under torch.compile;
-* ``priority``: lower is tried first; ``auto_exclude``: device types on which the automatic rule skips it.
+* ``priority``: lower is tried first; ``auto_exclude``: device types on which the automatic rule skips it;
+* ``exportable``: the automatic rule considers it under ``torch.export`` (and so ``torch.onnx.export``): a pure
+  PyTorch path whose traced graph holds no hf_attnorm custom op and no loop sized from the sequence length, so the
+  exported program runs without the compiled extension, converts to ONNX, and keeps a dynamic sequence length.
 
 ============== ========= ============================================= =========================================
 path           priority  normalizers (declared family)                 accepts
@@ -52,7 +55,9 @@ leaves ALiBi slopes unmaterialised only for the normalizers the fused kernels ta
 tensor).
 
 The rule: needs-weights (``output_attentions``) -> the reference; otherwise the first path by priority whose
-``auto_exclude`` does not hold the call's device and whose ``takes`` and ``accepts`` say None. ``explain(call)``
+``auto_exclude`` does not hold the call's device and whose ``takes`` and ``accepts`` say None; while
+``torch.compiler.is_exporting()``, only the ``exportable`` paths (sdpa, sdpa_sinkcol: any device) and the reference
+(docs/export.md). ``explain(call)``
 lists every candidate with its reason, running nothing. Override: ``path=`` on ``attention()``/``attend()``, or
 the environment variable ``HF_ATTNORM_PATH`` (a path name or ``auto``; read when this package is imported and by
 ``set_forced_path()``), so ``attend`` reads no environment. A forced path that cannot take a call raises, naming
@@ -92,6 +97,8 @@ class Path:
     priority: int
     #: device types on which the automatic rule skips this path (a better one exists there; forced, it still runs)
     auto_exclude: frozenset[str] = frozenset()
+    #: considered by the automatic rule under torch.export (see the module docstring)
+    exportable: bool = False
 
     def check(self, call: AttnCall) -> str | None:
         """None when this path can run ``call``, else the reason (runs nothing)."""
@@ -108,7 +115,7 @@ def _reference_accepts(call: AttnCall) -> None:
 
 #: name -> path
 PATHS: dict[str, Path] = {
-    "reference": Path("reference", reference_attention, _any_normalizer, _reference_accepts, 100),
+    "reference": Path("reference", reference_attention, _any_normalizer, _reference_accepts, 100, exportable=True),
 }
 #: the fast paths by priority, and per (normalizer, device type) those the automatic rule considers (filled lazily:
 #: the hot path then only runs the accepts checks)
@@ -121,9 +128,9 @@ _FORCED: dict[str, str] = {"path": "auto"}
 
 
 def register_path(name: str, kernel: Kernel, *, takes: NormCheck, accepts: Check, priority: int,
-                  auto_exclude: Collection[str] = ()) -> None:
+                  auto_exclude: Collection[str] = (), exportable: bool = False) -> None:
     """Register a path with its declared capabilities (see the module docstring)."""
-    PATHS[name] = Path(name, kernel, takes, accepts, priority, frozenset(auto_exclude))
+    PATHS[name] = Path(name, kernel, takes, accepts, priority, frozenset(auto_exclude), exportable)
     _ORDER[:] = sorted((p for p in PATHS.values() if p.name != "reference"), key=lambda p: p.priority)
     _AUTO.clear()
 
@@ -168,6 +175,9 @@ def _auto_candidates(call: AttnCall) -> list[Path]:
         norm = call.normalizer
         found = [p for p in _ORDER if key[1] not in p.auto_exclude and p.takes(norm) is None]
         _AUTO[key] = found
+    if torch.compiler.is_exporting():  # portable graphs: no custom op, no length-sized loop (docs/export.md);
+        # auto_exclude is about speed on a device, so it does not apply here (sdpa_sinkcol takes the sinks)
+        return [p for p in _ORDER if p.exportable and p.takes(call.normalizer) is None]
     return found
 
 

@@ -156,6 +156,8 @@ def _set_rng_state(device: torch.device, state) -> None:
 def accepts(call: AttnCall) -> str | None:
     if call.q.numel() == 0 or call.k.shape[2] == 0:
         return "empty inputs"
+    if torch.compiler.is_exporting():
+        return None  # torch.export traces the chunk loop below (fixed lengths: the loop follows the sequence length)
     if torch.compiler.is_compiling() and torch.is_grad_enabled() and any(
             t.requires_grad for t in (call.q, call.k, call.v, *call.heads.values())):
         # its backward recomputes chunks with torch.autograd.grad, which torch.compile cannot trace

@@ -23,6 +23,7 @@ import platform
 import shutil
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +45,34 @@ BLOCK_OVERRIDE: tuple[int, int] | None = None
 NO_NATIVE_ENV = "HF_ATTNORM_NO_NATIVE"
 
 _SOURCE = Path(__file__).with_name("csrc") / "fused_cpu.cpp"
-#: further sources compiled into the same extension (their ops are TORCH_LIBRARY_FRAGMENTs of hf_attnorm_fused)
+#: further sources compiled into the same extension (their ops are TORCH_LIBRARY_FRAGMENTs of hf_attnorm_native)
 EXTRA_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("stickbreaking.cpp", "selective.cpp")]
 _lock = threading.Lock()
 _state: dict[str, Any] = {"ops": None, "error": None, "warned": False}
+
+#: the ops that traced and exported graphs hold. Their schemas, shape functions and CPU implementations are
+#: registered here from Python when hf_attnorm is imported, so a saved ``torch.export`` program resolves them after
+#: ``import hf_attnorm`` with nothing built; the CPU implementation builds the C++ extension (whose own ops live in
+#: the namespace ``hf_attnorm_native``) on its first call.
+OPS_NAMESPACE = "hf_attnorm_fused"
+_LIB = torch.library.Library(OPS_NAMESPACE, "DEF")
+
+
+def define_op(schema: str, fake: Callable[..., Any]) -> None:
+    """Declare ``hf_attnorm_fused::<schema>`` (the C++ op of the same name and schema in hf_attnorm_native) with
+    its shape function ``fake``."""
+    name = schema.split("(", 1)[0]
+    _LIB.define(schema)
+
+    def cpu_kernel(*args: Any, **kwargs: Any) -> Any:
+        if native_ops() is None:
+            raise RuntimeError(f"{OPS_NAMESPACE}::{name} runs the fused CPU kernels, which are unavailable here: "
+                               f"{unavailable_reason()}; export without them (the automatic rule does: "
+                               "docs/export.md)")
+        return getattr(torch.ops.hf_attnorm_native, name)(*args, **kwargs)
+
+    _LIB.impl(name, cpu_kernel, "CPU")
+    torch.library.register_fake(f"{OPS_NAMESPACE}::{name}", lib=_LIB)(fake)
 
 
 def _cpu_fingerprint() -> str:
@@ -116,12 +141,10 @@ def native_ops(warn: bool = True) -> Any | None:
                 is_python_module=False,
                 verbose=os.environ.get("HF_ATTNORM_VERBOSE_BUILD", "0") not in ("", "0"),
             )
-            ops = torch.ops.hf_attnorm_fused
-            if not ops.blas_available():
+            if not torch.ops.hf_attnorm_native.blas_available():
                 _fail("this torch build exports no BLAS sgemm_/dgemm_ for extensions", warn)
                 return None
-            _register_fakes()
-            _state["ops"] = ops
+            _state["ops"] = torch.ops.hf_attnorm_fused
         except Exception as exc:  # a failed build must not break attention: the chunked path takes over
             _fail(f"building the C++ extension failed: {build_error_summary(exc)}", warn)
             return None
@@ -142,8 +165,8 @@ def build_error_summary(exc: BaseException, max_lines: int = 12) -> str:
     return lines[-1]
 
 
-def _register_fakes() -> None:
-    """Shape-only implementations of the two ops, so torch.compile traces through them (no graph break)."""
+def _define_ops() -> None:
+    """The two ops with their shape-only implementations (torch.compile and torch.export trace through them)."""
 
     def forward_fake(kind, q, k, v, keep, causal, c, bias, slopes, cap, block_q, block_k, need_u=True):
         B, H, Lq = q.shape[:3]
@@ -159,9 +182,11 @@ def _register_fakes() -> None:
         dbias = q.new_empty(bias.shape) if bias_grad else q.new_empty((0,))
         return [*(x.new_empty(x.shape) for x in (q, k, v, c)), dbias]
 
-    # called once per process: native_ops() caches the loaded ops (or the failure) under its lock
-    torch.library.register_fake("hf_attnorm_fused::forward")(forward_fake)
-    torch.library.register_fake("hf_attnorm_fused::backward")(backward_fake)
+    define_op("forward(int kind, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor c, Tensor? bias, "
+              "Tensor? slopes, float cap, int block_q, int block_k, bool need_u=True) -> Tensor[]", forward_fake)
+    define_op("backward(int kind, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor c, Tensor? bias, "
+              "Tensor? slopes, float cap, bool bias_grad, Tensor out, Tensor r1, Tensor r2, Tensor u, Tensor dout, "
+              "int block_q, int block_k) -> Tensor[]", backward_fake)
 
 
 def _fail(reason: str, warn: bool) -> None:
@@ -270,6 +295,8 @@ def fused_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     out = _FusedAttention.apply(q, k, v, c, bias, keep, slopes, cap, causal, kind_id(kind), blocks, need_grad)
     return out.to(call.q.dtype), None
 
+
+_define_ops()
 
 from . import register_path  # noqa: E402  (registration at import, like the normalizers)
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..normalizers.base import Normalizer
-from .base import AttnCall, compute_dtype
+from .base import AttnCall, compute_dtype, repeat_kv
 
 
 def takes(norm: Normalizer) -> str | None:
@@ -94,6 +94,9 @@ def _uses_flash_cpu(call: AttnCall) -> bool:
 def accepts(call: AttnCall) -> str | None:
     """sdpa: softmax / cosine anywhere (dropout ok); a sink only through SDPA's CPU flash kernel."""
     why = _common(call)
+    if why is None and _has_sink(call) and torch.compiler.is_exporting():
+        # the lse rewrite's CPU flash op does not translate to ONNX with a sink; the extra-column rewrite does
+        return "a sink under torch.export (sdpa_sinkcol exports it as plain SDPA)"
     if why is None and _has_sink(call) and not _uses_flash_cpu(call):
         on_cpu = call.q.device.type == "cpu"
         reason = ("dropout > 0" if call.dropout > 0 else "head dims of v and q differ"
@@ -187,7 +190,10 @@ def sdpa_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     keep, causal = _sdpa_mask(call)
     if call.bias is not None and causal:  # a bias goes in SDPA's float mask, which excludes is_causal
         keep, causal = call.mask.dense(call.q.device), False
-    if _uses_flash_cpu(call):
+    # not under torch.export: torch.onnx (torch 2.13) translates the CPU flash op with fewer key/value heads than
+    # query heads and a mask into a graph onnxruntime rejects ("MatMul Incompatible dimensions"); plain SDPA with
+    # enable_gqa translates correctly (tests/test_export.py checks that the bug is still there)
+    if _uses_flash_cpu(call) and not torch.compiler.is_exporting():
         dt = compute_dtype(call.q.dtype)
         lam = sink_logit(call, dt) if _has_sink(call) else None
         q, k, v, scale = _prepare(call, dt)
@@ -229,6 +235,10 @@ def sdpa_sinkcol_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
         return out.to(call.q.dtype), None
     q = q * scale  # the sink column must not be scaled
     B, H, Lq, _ = q.shape
+    if torch.compiler.is_exporting():
+        # GQA SDPA repeats the k/v heads of Lk + 1 keys inside, and export cannot prove that reshape's stride guards
+        # for a dynamic length; repeated here, on Lk keys, they export
+        k, v = repeat_kv(k, H // k.shape[1]), repeat_kv(v, H // v.shape[1])
     Hkv = k.shape[1]
     lam_col = (lam.view(1, H, 1, 1) if lam.dim() == 1 else lam.view(1, 1, 1, 1)).expand(B, H, Lq, 1)
     q = torch.cat([q, lam_col.to(q.dtype)], dim=-1)
@@ -254,7 +264,7 @@ def sdpa_sinkcol_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
 
 from . import register_path  # noqa: E402  (registration at import, like the normalizers)
 
-register_path("sdpa", sdpa_attention, takes=takes, accepts=accepts, priority=10)
+register_path("sdpa", sdpa_attention, takes=takes, accepts=accepts, priority=10, exportable=True)
 # exact on any device, but on CPU D+1 falls off SDPA's fast kernel: the automatic rule uses it elsewhere only
 register_path("sdpa_sinkcol", sdpa_sinkcol_attention, takes=takes_sink, accepts=_sinkcol_accepts, priority=20,
-              auto_exclude=("cpu",))
+              auto_exclude=("cpu",), exportable=True)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ..masks import MaskInfo
 from ..normalizers.base import Normalizer
-from ..normalizers.selective import check_carry
+from ..normalizers.selective import check_carry, document_starts
 from .base import AttnCall, compute_dtype, score_mod_reason
 
 #: scores per block (B x H x block x Lk); as the chunked path
@@ -52,10 +52,11 @@ class _Plan:
         if m.keep is None:
             live_n = min(self.lq, self.lk) if m.causal else self.lk  # upper-left causal: keys >= Lq are unseen
             self.live = (torch.arange(self.lk, device=dev) < live_n)[None]  # [1, Lk]
+            self.starts = (torch.arange(self.lk, device=dev) == 0)[None]  # [1, Lk]: key 0 is the only BOS
         else:
             ks = m.keep[:, self.head] if m.keep.shape[1] > 1 else m.keep[:, 0]
             self.live = ks.any(dim=-2)  # [b, Lk]
-        self.bos = self.live.to(torch.int8).argmax(dim=-1)  # [b]
+            self.starts = document_starts(ks)  # [b, Lk]: every document's first key (packing)
 
     def keys(self, i1: int) -> int:
         return min(self.lk, i1) if self.mask.keep is None and self.mask.causal else self.lk
@@ -79,7 +80,7 @@ class _Plan:
         own = torch.arange(i0, i1, device=dev) + (self.lk - self.lq)
         live = self.live
         own_live = torch.where((own >= 0) & (own < self.lk), live[:, own.clamp(0, self.lk - 1)], True)
-        return (ks & (j != self.bos[:, None])[:, None, :] & (j[None, :] != own[:, None])[None]
+        return (ks & ~self.starts[:, None, :keys] & (j[None, :] != own[:, None])[None]
                 & own_live[..., None])
 
 

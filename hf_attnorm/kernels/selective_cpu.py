@@ -11,13 +11,15 @@ softmax of s - F. The backward mirrors it (csrc/selective.cpp explains the two p
 logsumexp [B, H, Lq] and each query block's column sums [B, Lq / block_q, Lk]; no [Lq, Lk] tensor.
 
 Which entries select (BOS, the query's own key, padding) is decided here exactly as ``selection_parts`` does, and
-passed to the kernel as the first live key per batch row and whether each query may select.
+passed to the kernel as the BOS keys per batch row (every document's first key: ``document_starts``) and whether each
+query may select.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..normalizers.selective import document_starts
 from . import fused_cpu
 from .base import AttnCall, compute_dtype, dense_keep, last_dim_contiguous, unfused_call_reason
 from .selective import takes
@@ -30,45 +32,46 @@ BLOCK_OVERRIDE: tuple[int, int] | None = None
 
 class _SelFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, carry0, keep, causal: bool, head: int, scale: float, bos, selrow,
+    def forward(ctx, q, k, v, carry0, keep, causal: bool, head: int, scale: float, starts, selrow,
                 blocks: tuple[int, int]):
-        out, lse, colsums = fused_cpu.native_ops().sel_forward(q, k, v, keep, causal, head, scale, bos, selrow,
+        out, lse, colsums = fused_cpu.native_ops().sel_forward(q, k, v, keep, causal, head, scale, starts, selrow,
                                                                carry0, *blocks)
-        ctx.save_for_backward(q, k, v, keep, bos, selrow, carry0, colsums, out, lse)
+        ctx.save_for_backward(q, k, v, keep, starts, selrow, carry0, colsums, out, lse)
         ctx.meta = (causal, head, scale, blocks)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        q, k, v, keep, bos, selrow, carry0, colsums, out, lse = ctx.saved_tensors
+        q, k, v, keep, starts, selrow, carry0, colsums, out, lse = ctx.saved_tensors
         causal, head, scale, blocks = ctx.meta
-        dq, dk, dv, dcarry = fused_cpu.native_ops().sel_backward(q, k, v, keep, causal, head, scale, bos, selrow,
+        dq, dk, dv, dcarry = fused_cpu.native_ops().sel_backward(q, k, v, keep, causal, head, scale, starts, selrow,
                                                                  carry0, colsums, out, lse, dout.contiguous(),
                                                                  *blocks)
         return dq, dk, dv, (dcarry if ctx.needs_input_grad[3] else None), None, None, None, None, None, None, None
 
 
-_FAKES: dict[str, bool] = {"done": False}
+def _define_ops() -> None:
+    """The two ops (``fused_cpu.define_op``) with their shape-only implementations, at import."""
 
-
-def _register_fakes() -> None:
-    """Shape-only implementations of the two ops (once, eagerly), so torch.compile traces through them."""
-    if _FAKES["done"] or torch.compiler.is_compiling():
-        return
-    _FAKES["done"] = True
-
-    def forward_fake(q, k, v, keep, causal, head, scale, bos, selrow, carry0, block_q, block_k):
+    def forward_fake(q, k, v, keep, causal, head, scale, starts, selrow, carry0, block_q, block_k):
         B, H, Lq = q.shape[:3]
         return [q.new_empty((B, H, Lq, v.shape[-1])), q.new_empty((B, H, Lq)),
                 q.new_empty((B, -(-Lq // block_q), k.shape[2]))]
 
-    def backward_fake(q, k, v, keep, causal, head, scale, bos, selrow, carry0, colsums, out, lse, dout, block_q,
+    def backward_fake(q, k, v, keep, causal, head, scale, starts, selrow, carry0, colsums, out, lse, dout, block_q,
                       block_k):
         return [*(x.new_empty(x.shape) for x in (q, k, v)), q.new_empty((q.shape[0], k.shape[2]))]
 
-    torch.library.register_fake("hf_attnorm_fused::sel_forward")(forward_fake)
-    torch.library.register_fake("hf_attnorm_fused::sel_backward")(backward_fake)
+    fused_cpu.define_op("sel_forward(Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, int head, float scale, "
+                        "Tensor starts, Tensor selrow, Tensor? carry0, int block_q, int block_k) -> Tensor[]",
+                        forward_fake)
+    fused_cpu.define_op("sel_backward(Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, int head, "
+                        "float scale, Tensor starts, Tensor selrow, Tensor? carry0, Tensor colsums, Tensor out, "
+                        "Tensor lse, Tensor dout, int block_q, int block_k) -> Tensor[]", backward_fake)
+
+
+_define_ops()
 
 
 def carry_reason(call: AttnCall) -> str | None:
@@ -95,14 +98,11 @@ def accepts(call: AttnCall) -> str | None:
     reason = carry_reason(call)
     if reason is not None:
         return reason
-    reason = fused_cpu.unavailable_reason(warn=True)
-    if reason is None:
-        _register_fakes()  # an eager call (which also builds the extension) comes before any compiled one
-    return reason
+    return fused_cpu.unavailable_reason(warn=True)
 
 
 def selection_facts(call: AttnCall, head: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(bos int64 [B]: the first live key, selrow bool [B, Lq]: the query's own key i + Lk - Lq is live or outside
+    """(starts bool [B, Lk]: the BOS keys, selrow bool [B, Lq]: the query's own key i + Lk - Lq is live or outside
     the keys), as ``normalizers.selective.selection_parts`` decides them: a key is live when the selecting head's
     visibility lets some query see it."""
     m = call.mask
@@ -112,15 +112,16 @@ def selection_facts(call: AttnCall, head: int) -> tuple[torch.Tensor, torch.Tens
     if m.keep is None:
         live_n = min(Lq, Lk) if m.causal else Lk  # upper-left causal: keys >= Lq are unseen
         live = (torch.arange(Lk, device=dev) < live_n)[None]  # [1, Lk]
+        starts = (torch.arange(Lk, device=dev) == 0)[None]  # [1, Lk]: key 0 is the only BOS
     else:
         keep = m.keep.to(dev)
         ks = keep[:, head] if keep.shape[1] > 1 else keep[:, 0]
         live = ks.any(dim=-2)  # [b, Lk]
-    bos = live.to(torch.int8).argmax(dim=-1)  # [b]; 0 when none
+        starts = document_starts(ks)  # [b, Lk]: every document's first key (packing)
     own = torch.arange(Lq, device=dev) + (Lk - Lq)
     inside = (own >= 0) & (own < Lk)
     selrow = torch.where(inside, live[:, own.clamp(0, Lk - 1)], True)  # [b, Lq]
-    return bos.expand(B).contiguous(), selrow.expand(B, Lq).contiguous()
+    return starts.expand(B, Lk).contiguous(), selrow.expand(B, Lq).contiguous()
 
 
 def selective_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
@@ -137,11 +138,11 @@ def selective_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     B, H, Lq, _ = q.shape
     keep = dense_keep(call, B, H, Lq, k.shape[2])
     causal = keep is None and call.mask.causal
-    bos, selrow = selection_facts(call, head)
+    starts, selrow = selection_facts(call, head)
     carry = getattr(call, "selective_carry", None)
     if carry is not None:
         carry = carry.to(dt).expand(B, k.shape[2]).contiguous()
-    out = _SelFn.apply(q, k, v, carry, keep, causal, head, scale, bos, selrow, BLOCK_OVERRIDE or BLOCKS)
+    out = _SelFn.apply(q, k, v, carry, keep, causal, head, scale, starts, selrow, BLOCK_OVERRIDE or BLOCKS)
     return out.to(call.q.dtype), None
 
 

@@ -37,14 +37,8 @@ class _SBFn(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
-_FAKES: dict[str, bool] = {"done": False}
-
-
-def _register_fakes() -> None:
-    """Shape-only implementations of the two ops (once, eagerly), so torch.compile traces through them."""
-    if _FAKES["done"] or torch.compiler.is_compiling():
-        return
-    _FAKES["done"] = True
+def _define_ops() -> None:
+    """The two ops (``fused_cpu.define_op``) with their shape-only implementations, at import."""
 
     def forward_fake(q, k, v, keep, own, attend_current, remainder, block_q, block_k):
         B, H, Lq = q.shape[:3]
@@ -53,8 +47,13 @@ def _register_fakes() -> None:
     def backward_fake(q, k, v, keep, own, attend_current, remainder, c, dout, block_q, block_k):
         return [x.new_empty(x.shape) for x in (q, k, v)]
 
-    torch.library.register_fake("hf_attnorm_fused::sb_forward")(forward_fake)
-    torch.library.register_fake("hf_attnorm_fused::sb_backward")(backward_fake)
+    fused_cpu.define_op("sb_forward(Tensor q, Tensor k, Tensor v, Tensor? keep, Tensor own, bool attend_current, "
+                        "bool remainder, int block_q, int block_k) -> Tensor[]", forward_fake)
+    fused_cpu.define_op("sb_backward(Tensor q, Tensor k, Tensor v, Tensor? keep, Tensor own, bool attend_current, "
+                        "bool remainder, Tensor c, Tensor dout, int block_q, int block_k) -> Tensor[]", backward_fake)
+
+
+_define_ops()
 
 
 def accepts(call: AttnCall) -> str | None:
@@ -64,10 +63,7 @@ def accepts(call: AttnCall) -> str | None:
     reason = fused_cpu.cpu_call_reason(call)
     if reason is not None:
         return reason
-    reason = fused_cpu.unavailable_reason(warn=True)
-    if reason is None:
-        _register_fakes()  # an eager call (which also builds the extension) comes before any compiled one
-    return reason
+    return fused_cpu.unavailable_reason(warn=True)
 
 
 def stickbreaking_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:

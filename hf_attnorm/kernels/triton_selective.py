@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from ..normalizers.base import Normalizer
+from ..normalizers.selective import document_starts
 from . import triton_attn as ta
 from .base import AttnCall, score_mod_reason
 from .selective import takes as selective_takes
@@ -75,7 +76,7 @@ def _visible(KEEP, b, h, rows, cols, rmask, cmask, sm_b, sm_h, sm_l,
     return ok
 
 
-def _select_tile(Q, K, KEEP, ROWSEL, b, h0, hk0, bos, m, kb, H, HKV, LQ, LK, OFF, DH, sm_b, sm_h, sm_l,
+def _select_tile(Q, K, KEEP, ROWSEL, b, h0, hk0, STARTS, m, kb, H, HKV, LQ, LK, OFF, DH, sm_b, sm_h, sm_l,
                  HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_D: tl.constexpr):
     """The selecting head's tile (query block m, key block kb): (s0 [BM, BN], sel [BM, BN] where R may be > 0,
@@ -93,11 +94,12 @@ def _select_tile(Q, K, KEEP, ROWSEL, b, h0, hk0, bos, m, kb, H, HKV, LQ, LK, OFF
     s0 = tl.dot(q0, tl.trans(k0), input_precision="ieee")
     rowsel = tl.load(ROWSEL + b * LQ + rows, mask=rmask, other=0) != 0
     sel = _visible(KEEP, b, h0, rows, cols, rmask, cmask, sm_b, sm_h, sm_l, HAS_MASK, CAUSAL)
-    sel = sel & rowsel[:, None] & (cols[None, :] != bos) & (cols[None, :] != (rows + OFF)[:, None])
+    not_bos = tl.load(STARTS + b * LK + cols, mask=cmask, other=0) == 0  # BOS: every document's first key
+    sel = sel & rowsel[:, None] & not_bos[None, :] & (cols[None, :] != (rows + OFF)[:, None])
     return s0, sel, q0, k0
 
 
-def _colsum_kernel(Q, K, KEEP, ROWSEL, BOS, CS, H, HKV, GROUPS, LQ, LK, OFF, DH, H0, NQ, sm_b, sm_h, sm_l,
+def _colsum_kernel(Q, K, KEEP, ROWSEL, STARTS, CS, H, HKV, GROUPS, LQ, LK, OFF, DH, H0, NQ, sm_b, sm_h, sm_l,
                    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr):
     """CS[b, m, cols] = column sums of R over query block m's rows (CS zero-initialised)."""
@@ -106,15 +108,14 @@ def _colsum_kernel(Q, K, KEEP, ROWSEL, BOS, CS, H, HKV, GROUPS, LQ, LK, OFF, DH,
     b = tl.program_id(2)
     # causal without a mask: a tile right of the block's last row selects nothing
     if (not CAUSAL) or HAS_MASK or kb * BLOCK_N <= m * BLOCK_M + BLOCK_M - 1:
-        bos = tl.load(BOS + b)
-        s0, sel, _, _ = _select_tile(Q, K, KEEP, ROWSEL, b, H0, H0 // GROUPS, bos, m, kb, H, HKV, LQ, LK, OFF, DH,
+        s0, sel, _, _ = _select_tile(Q, K, KEEP, ROWSEL, b, H0, H0 // GROUPS, STARTS, m, kb, H, HKV, LQ, LK, OFF, DH,
                                      sm_b, sm_h, sm_l, HAS_MASK, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D)
         r = tl.where(sel, tl.maximum(s0, 0.0), 0.0)
         cols = kb * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(CS + (b * NQ + m) * LK + cols, tl.sum(r, axis=0), mask=cols < LK)
 
 
-def _fwd_kernel(Q, K, V, KEEP, ROWSEL, BOS, CARRY, OUT, LSE, H, HKV, GROUPS, LQ, LK, OFF, DH, DV, H0, NQ,
+def _fwd_kernel(Q, K, V, KEEP, ROWSEL, STARTS, CARRY, OUT, LSE, H, HKV, GROUPS, LQ, LK, OFF, DH, DV, H0, NQ,
                 sm_b, sm_h, sm_l,
                 HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
@@ -130,7 +131,6 @@ def _fwd_kernel(Q, K, V, KEEP, ROWSEL, BOS, CARRY, OUT, LSE, H, HKV, GROUPS, LQ,
     offs_e = tl.arange(0, BLOCK_DV)
     dmask = offs_d < DH
     emask = offs_e < DV
-    bos = tl.load(BOS + b)
     q = tl.load(Q + (bh * LQ + rows)[:, None] * DH + offs_d[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -141,7 +141,7 @@ def _fwd_kernel(Q, K, V, KEEP, ROWSEL, BOS, CARRY, OUT, LSE, H, HKV, GROUPS, LQ,
     for kb in range(0, tl.cdiv(end, BLOCK_N)):
         cols = kb * BLOCK_N + offs_n
         cmask = cols < LK
-        s0, sel, _, _ = _select_tile(Q, K, KEEP, ROWSEL, b, H0, H0 // GROUPS, bos, m, kb, H, HKV, LQ, LK, OFF, DH,
+        s0, sel, _, _ = _select_tile(Q, K, KEEP, ROWSEL, b, H0, H0 // GROUPS, STARTS, m, kb, H, HKV, LQ, LK, OFF, DH,
                                      sm_b, sm_h, sm_l, HAS_MASK, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D)
         r = tl.where(sel, tl.maximum(s0, 0.0), 0.0)
         f = tl.load(CARRY + (b * NQ + m) * LK + cols, mask=cmask, other=0.0)[None, :] + tl.cumsum(r, axis=0) - r
@@ -165,7 +165,7 @@ def _fwd_kernel(Q, K, V, KEEP, ROWSEL, BOS, CARRY, OUT, LSE, H, HKV, GROUPS, LQ,
     tl.store(LSE + bh * LQ + rows, lse, mask=rmask)
 
 
-def _bwd_kernel(Q, K, V, KEEP, ROWSEL, BOS, CARRY, LSE, DELTA, DO, DQ, DK, DV_, DCARRY, H, HKV, GROUPS, LQ, LK, OFF,
+def _bwd_kernel(Q, K, V, KEEP, ROWSEL, STARTS, CARRY, LSE, DELTA, DO, DQ, DK, DV_, DCARRY, H, HKV, GROUPS, LQ, LK, OFF,
                 DH, DV, H0, NQ, sm_b, sm_h, sm_l,
                 HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
@@ -181,7 +181,6 @@ def _bwd_kernel(Q, K, V, KEEP, ROWSEL, BOS, CARRY, LSE, DELTA, DO, DQ, DK, DV_, 
     emask = offs_e < DV
     kmask = cmask[:, None] & dmask[None, :]
     vmask = cmask[:, None] & emask[None, :]
-    bos = tl.load(BOS + b)
     g = tl.zeros((BLOCK_N,), dtype=tl.float32)  # sum of dF over the rows of the later query blocks
     first = 0
     if CAUSAL and not HAS_MASK:
@@ -190,7 +189,7 @@ def _bwd_kernel(Q, K, V, KEEP, ROWSEL, BOS, CARRY, LSE, DELTA, DO, DQ, DK, DV_, 
         m = NQ - 1 - t
         rows = m * BLOCK_M + offs_m
         rmask = rows < LQ
-        s0, sel, q0, k0 = _select_tile(Q, K, KEEP, ROWSEL, b, H0, hk0, bos, m, kb, H, HKV, LQ, LK, OFF, DH,
+        s0, sel, q0, k0 = _select_tile(Q, K, KEEP, ROWSEL, b, H0, hk0, STARTS, m, kb, H, HKV, LQ, LK, OFF, DH,
                                        sm_b, sm_h, sm_l, HAS_MASK, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D)
         r = tl.where(sel, tl.maximum(s0, 0.0), 0.0)
         f = tl.load(CARRY + (b * NQ + m) * LK + cols, mask=cmask, other=0.0)[None, :] + tl.cumsum(r, axis=0) - r
@@ -274,14 +273,17 @@ class _Meta:
         if keep is None:
             live_n = min(self.lq, self.lk) if self.causal else self.lk  # upper-left causal: keys >= Lq are unseen
             live = (torch.arange(self.lk, device=dev) < live_n)[None].expand(B, self.lk)
+            starts = (torch.arange(self.lk, device=dev) == 0)[None]  # key 0 is the only BOS
             self.keep = None
         else:
             keep = keep.to(dev)
             ks = keep[:, self.head] if keep.shape[1] > 1 else keep[:, 0]
             live = ks.any(dim=-2).expand(B, self.lk)  # keys some query of the selecting head sees
+            starts = document_starts(ks)
             keep = (keep if keep.stride(-1) == 1 else keep.contiguous()).expand(B, H, self.lq, self.lk)
             self.keep = keep.view(torch.uint8)  # (a byte per entry either way; Triton loads u8, not i1)
-        self.bos = live.to(torch.int8).argmax(dim=-1).to(torch.int32).contiguous()  # first live key, [B]
+        # the BOS keys (every document's first key under packing), uint8 [B, Lk]
+        self.starts = starts.expand(B, self.lk).to(torch.uint8).contiguous()
         own = torch.arange(self.lq, device=dev) + (self.lk - self.lq)  # query i's own key
         inside = (own >= 0) & (own < self.lk)
         # a query whose own key is dead (padding) selects nothing: uint8 [B, Lq]
@@ -307,7 +309,7 @@ class _SelTriton(torch.autograd.Function):
                      BLOCK_D=ta._pow2(D))
         cs = torch.zeros(B, nq, Lk, device=q.device, dtype=torch.float32)
         ta.launch(kern._colsum_kernel, (nq, nk, B))(
-            q, k, keep, meta.rowsel, meta.bos, cs, H, Hkv, H // Hkv, Lq, Lk, Lk - Lq, D, meta.head, nq, sb, sh, sl,
+            q, k, keep, meta.rowsel, meta.starts, cs, H, Hkv, H // Hkv, Lq, Lk, Lk - Lq, D, meta.head, nq, sb, sh, sl,
             **flags, **_launch(q))
         carry = torch.cumsum(cs, dim=1) - cs  # exclusive over blocks: the sums entering each block
         if carry0 is not None:
@@ -316,7 +318,7 @@ class _SelTriton(torch.autograd.Function):
         out = torch.empty(B, H, Lq, Dv, device=q.device, dtype=torch.float32)
         lse = torch.empty(B, H, Lq, device=q.device, dtype=torch.float32)
         ta.launch(kern._fwd_kernel, (nq, B * H))(
-            q, k, v, keep, meta.rowsel, meta.bos, carry, out, lse, H, Hkv, H // Hkv, Lq, Lk, Lk - Lq, D, Dv, meta.head,
+            q, k, v, keep, meta.rowsel, meta.starts, carry, out, lse, H, Hkv, H // Hkv, Lq, Lk, Lk - Lq, D, Dv, meta.head,
             nq, sb, sh, sl, BLOCK_DV=ta._pow2(Dv), **flags, **_launch(q))
         ctx.save_for_backward(q, k, v, carry, out, lse)
         ctx.meta, ctx.blocks, ctx.has_carry = meta, (bm, bn), carry0 is not None
@@ -340,7 +342,7 @@ class _SelTriton(torch.autograd.Function):
         dcarry = torch.empty(B, Lk, device=q.device, dtype=torch.float32)
         keep, sb, sh, sl = meta.mask_args(meta.rowsel)
         ta.launch(kern._bwd_kernel, (nk, B))(
-            q, k, v, keep, meta.rowsel, meta.bos, carry, lse, delta, dout, dq, dk, dv, dcarry, H, Hkv, H // Hkv, Lq,
+            q, k, v, keep, meta.rowsel, meta.starts, carry, lse, delta, dout, dq, dk, dv, dcarry, H, Hkv, H // Hkv, Lq,
             Lk, Lk - Lq, D, Dv, meta.head, nq, sb, sh, sl, HAS_MASK=meta.keep is not None, CAUSAL=meta.causal,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=ta._pow2(D), BLOCK_DV=ta._pow2(Dv), **_launch(q))
         return dq, dk, dv, dcarry if ctx.has_carry else None, None

@@ -16,6 +16,8 @@ Choices where the paper is silent (documented in docs/kernels.md):
 * padding: a key no query sees is dead; BOS is the first live key of each sequence (key 0 without padding, the first
   real token with left padding); a query whose own key is dead (a padded position) selects nothing, and masked
   entries select nothing, so padding changes no live position's output;
+* packing (several documents in one row, a block-diagonal mask: ``document_starts``): every document's first key is
+  a BOS, so a packed document gets exactly the output it gets alone;
 * the accumulation runs over the queries of the call in order, for any mask (a bidirectional call is defined the
   same way: earlier queries penalise keys for later ones). A call after earlier ones (a cached decode step, a chunked
   prefill) gets what the earlier queries accumulated, the column sums C_j = sum_{earlier k} R_kj, as
@@ -39,16 +41,33 @@ SELECTIVE_HEAD = declare_option("selective_head", int, 0, "selective: the query 
                                 "(the paper: 0)", check=nonnegative)
 
 
+def document_starts(keep_sel: torch.Tensor) -> torch.Tensor:
+    """The BOS keys, bool [b, Lk], from the selecting head's visibility keep_sel: bool [b, Lq | 1, Lk].
+
+    Key j starts a document when some query sees it and every query that sees it sees no key before it. Without
+    packing that is the first live key only (key 0, or the first real token after left padding; a sliding window or
+    a cached call adds none: a query that sees a later key also sees an earlier one). With packing (transformers'
+    ``sdpa_mask`` turns ``position_ids`` restarting per document, with no attention mask and no cache, into a
+    block-diagonal mask) it is the first key of every document, so a packed document equals the same document
+    alone."""
+    lk = keep_sel.shape[-1]
+    j = torch.arange(lk, device=keep_sel.device)
+    first = keep_sel.to(torch.int8).argmax(dim=-1)  # [b, Lq | 1]: each query's first visible key (0 when none)
+    sees_earlier = keep_sel & (first[..., None] != j)  # the query sees j and a key before it
+    return keep_sel.any(dim=-2) & ~sees_earlier.any(dim=-2)
+
+
 def selection_parts(keep_sel: torch.Tensor, lq: int, lk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """keep_sel: bool [b, Lq | 1, Lk] (the selecting head's visibility) -> (live [b, Lk]: keys some query sees,
-    selects [b, Lq, Lk]: bool, where relu(S) may select: visible, not BOS, not the query's own key, and the query's
-    own key live)."""
+    selects [b, Lq, Lk]: bool, where relu(S) may select: visible, not a BOS (``document_starts``), not the query's
+    own key, and the query's own key live)."""
     live = keep_sel.any(dim=-2)  # [b, Lk]
-    bos = live.to(torch.int8).argmax(dim=-1)  # first live key (0 when none)
+    starts = document_starts(keep_sel)  # [b, Lk]
     j = torch.arange(lk, device=keep_sel.device)
     own = torch.arange(lq, device=keep_sel.device) + (lk - lq)  # query i's own key position
-    own_live = torch.where((own >= 0) & (own < lk), live[:, own.clamp(0, lk - 1)], True)  # [b, Lq]
-    selects = keep_sel & (j != bos[:, None])[:, None, :] & (j[None, :] != own[:, None])[None] & own_live[..., None]
+    # [b, Lq] (logical ops, not a where on bools: onnxruntime has no bool Where)
+    own_live = (own < 0) | (own >= lk) | live[:, own.clamp(0, lk - 1)]
+    selects = keep_sel & ~starts[:, None, :] & (j[None, :] != own[:, None])[None] & own_live[..., None]
     return live, selects
 
 
@@ -58,7 +77,10 @@ def selection_penalty(s_sel: torch.Tensor, keep_sel: torch.Tensor) -> torch.Tens
     lq, lk = s_sel.shape[-2:]
     _, selects = selection_parts(keep_sel, lq, lk)
     r = torch.where(selects, F.relu(s_sel), torch.zeros((), dtype=s_sel.dtype, device=s_sel.device))
-    return F.pad(torch.cumsum(r, dim=-2)[:, :-1], (0, 0, 1, 0))  # exclusive: row i sums rows k < i
+    # exclusive: row i sums rows k < i (a roll, as the paper's listing: a slice of Lq - 1 rows guards Lq != 2 under
+    # torch.export)
+    first_row = (torch.arange(lq, device=r.device) == 0)[:, None]
+    return torch.where(first_row, 0.0, torch.roll(torch.cumsum(r, dim=-2), 1, dims=-2))
 
 
 def check_carry(carry: torch.Tensor, batch: int, lk: int) -> torch.Tensor:

@@ -57,6 +57,12 @@ def own_key(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return last, keep & (idx == last)
 
 
+def idx_last(t: torch.Tensor) -> torch.Tensor:
+    """bool [Lk]: the last position of t's last dim."""
+    idx = torch.arange(t.shape[-1], device=t.device)
+    return idx == t.shape[-1] - 1
+
+
 def stickbreaking_weights(scores: torch.Tensor, keep: torch.Tensor, attend_current: bool,
                           remainder: bool) -> torch.Tensor:
     """Stick-breaking weights in log space. scores: [B, H, Lq, Lk] (scaled); keep: bool broadcastable to scores.
@@ -68,7 +74,8 @@ def stickbreaking_weights(scores: torch.Tensor, keep: torch.Tensor, attend_curre
     sp = masked_fill_zero(F.softplus(z), part)
     # sum over k > j of softplus(z_ik) for each j: the inclusive suffix sum shifted by one (no cancellation)
     incl = sp.flip(-1).cumsum(-1).flip(-1)
-    after = torch.cat([incl[..., 1:], torch.zeros_like(incl[..., :1])], dim=-1)
+    # (a roll, not a slice and a cat: under torch.export a slice of Lk - 1 keys guards Lk != 2)
+    after = torch.where(idx_last(incl), 0.0, torch.roll(incl, -1, dims=-1))
     w = masked_fill_zero(torch.exp(F.logsigmoid(z) - after), part)
     if remainder:
         w = w + masked_fill_zero(torch.exp(-incl[..., :1]), own)  # r_i = prod_k (1 - beta_ik) on the own key

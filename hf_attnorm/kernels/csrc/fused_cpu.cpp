@@ -1571,7 +1571,7 @@ std::vector<at::Tensor> fused_backward(int64_t kind, const at::Tensor& q, const 
 
 }  // namespace
 
-TORCH_LIBRARY(hf_attnorm_fused, m) {
+TORCH_LIBRARY(hf_attnorm_native, m) {
   m.def("blas_available() -> bool", &blas_available);
   m.def(
       "forward(int kind, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor c, Tensor? bias, "
@@ -1582,7 +1582,7 @@ TORCH_LIBRARY(hf_attnorm_fused, m) {
       "int block_q, int block_k) -> Tensor[]");
 }
 
-TORCH_LIBRARY_IMPL(hf_attnorm_fused, CPU, m) {
+TORCH_LIBRARY_IMPL(hf_attnorm_native, CPU, m) {
   m.impl("forward", &fused_forward);
   m.impl("backward", &fused_backward);
 }

@@ -27,7 +27,8 @@
 //
 // Shapes: q [B, H, Lq, D] contiguous (already scaled); k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv] (last dim contiguous;
 // head h uses kv head h / (H / Hkv)); keep: optional bool [B, H, Lq, Lk] (strides may be 0, last dim contiguous);
-// causal (with keep None): query i sees keys j <= i (upper-left); bos int64 [B]: the first live key; selrow bool
+// causal (with keep None): query i sees keys j <= i (upper-left); starts bool [B, Lk]: the BOS keys (every
+// document's first key under packing), which no query selects; selrow bool
 // [B, Lq]: the row may select (its own key, i + Lk - Lq, is live or outside the keys); carry0: optional [B, Lk],
 // column sums carried in from earlier queries (cached decoding).
 
@@ -124,7 +125,7 @@ struct Sel {
   const bool* keep;
   int64_t msb, msh, msl;
   bool causal;
-  const int64_t* bos;
+  const bool* starts;
   const bool* selrow;
   std::vector<int64_t> kend;  // [B * nqb]: the block's rows see keys < kend only
 
@@ -187,7 +188,7 @@ struct Sel {
   // selects and s > 0 (the relu's derivative) are written as 1, the others 0 (the backward's selection mask).
   void penalty_tile(int64_t b, int64_t i0, int64_t m, int64_t j0, int64_t nb, const T* s, const T* ma, T* run, T* f,
                     T* dr) const {
-    const int64_t bj = bos[b] - j0;
+    const bool* st = starts + b * Lk + j0;
     const bool* sr = selrow + b * Lq + i0;
     for (int64_t r = 0; r < m; ++r) {
       const T* s_r = s + r * nb;
@@ -202,7 +203,7 @@ struct Sel {
       const int64_t oj = i0 + r + Lk - Lq - j0;  // the row's own key in tile coordinates
 #pragma omp simd
       for (int64_t jj = 0; jj < nb; ++jj) {
-        bool on = s_r[jj] > T(0) && jj != oj && jj != bj;
+        bool on = s_r[jj] > T(0) && jj != oj && !st[jj];
         if (ma_r) on = on && ma_r[jj] == T(0);
         run[jj] += on ? s_r[jj] : T(0);
         if (d_r) d_r[jj] = on ? T(1) : T(0);
@@ -213,14 +214,14 @@ struct Sel {
 
 template <typename T>
 Sel<T> make_sel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& keep,
-                bool causal, int64_t head, double scale, const at::Tensor& bos, const at::Tensor& selrow,
+                bool causal, int64_t head, double scale, const at::Tensor& starts, const at::Tensor& selrow,
                 int64_t block_q, int64_t block_k) {
   Sel<T> p;
   p.scale = static_cast<T>(scale);
   bind_qkv<T>(p, q, k, v, keep, "selective");
   TORCH_CHECK(head >= 0 && head < p.H, "selective: selecting head ", head, " out of range 0..", p.H - 1);
-  TORCH_CHECK(bos.scalar_type() == at::kLong && bos.is_contiguous() && bos.numel() == p.B,
-              "selective: bos must be int64 [B]");
+  TORCH_CHECK(starts.scalar_type() == at::kBool && starts.is_contiguous() && starts.numel() == p.B * p.Lk,
+              "selective: starts must be bool [B, Lk]");
   TORCH_CHECK(selrow.scalar_type() == at::kBool && selrow.is_contiguous() && selrow.numel() == p.B * p.Lq,
               "selective: selrow must be bool [B, Lq]");
   TORCH_CHECK(block_q > 0 && block_k > 0, "selective: block sizes must be positive");
@@ -229,7 +230,7 @@ Sel<T> make_sel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   p.nqb = (p.Lq + p.BQ - 1) / p.BQ;
   p.hs = head;
   p.causal = causal;
-  p.bos = bos.data_ptr<int64_t>();
+  p.starts = starts.data_ptr<bool>();
   p.selrow = selrow.data_ptr<bool>();
   p.kend.resize(p.B * p.nqb);
   // a mask is scanned (from each row's end) in parallel; without one each block's end is a formula
@@ -551,7 +552,7 @@ void sum_parts(const T* src, T* dst, int64_t b, int64_t g, int64_t Hkv, int64_t 
 
 std::vector<at::Tensor> sel_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const std::optional<at::Tensor>& keep, bool causal, int64_t head, double scale,
-                                    const at::Tensor& bos, const at::Tensor& selrow,
+                                    const at::Tensor& starts, const at::Tensor& selrow,
                                     const std::optional<at::Tensor>& carry0, int64_t block_q, int64_t block_k) {
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2);
   const int64_t nqb = (Lq + block_q - 1) / block_q;
@@ -563,7 +564,7 @@ std::vector<at::Tensor> sel_forward(const at::Tensor& q, const at::Tensor& k, co
                     carry0->scalar_type() == q.scalar_type(),
                 "selective: carry0 must be contiguous [B, Lk] in q's dtype");
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "sel_forward", [&] {
-    auto p = make_sel<scalar_t>(q, k, v, keep, causal, head, scale, bos, selrow, block_q, block_k);
+    auto p = make_sel<scalar_t>(q, k, v, keep, causal, head, scale, starts, selrow, block_q, block_k);
     forward_impl<scalar_t>(p, carry0.has_value() ? carry0->data_ptr<scalar_t>() : nullptr,
                            colsums.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>());
   });
@@ -573,7 +574,7 @@ std::vector<at::Tensor> sel_forward(const at::Tensor& q, const at::Tensor& k, co
 // -> dq, dk, dv, dcarry0 [B, Lk] (the gradient of the carried-in column sums)
 std::vector<at::Tensor> sel_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      const std::optional<at::Tensor>& keep, bool causal, int64_t head,
-                                     double scale, const at::Tensor& bos, const at::Tensor& selrow,
+                                     double scale, const at::Tensor& starts, const at::Tensor& selrow,
                                      const std::optional<at::Tensor>& carry0, const at::Tensor& colsums,
                                      const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dout,
                                      int64_t block_q, int64_t block_k) {
@@ -596,7 +597,7 @@ std::vector<at::Tensor> sel_backward(const at::Tensor& q, const at::Tensor& k, c
   auto dfcol = at::empty({B, nqb, Lk}, q.options());
   auto dcarry = at::zeros({B, Lk}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "sel_backward", [&] {
-    auto p = make_sel<scalar_t>(q, k, v, keep, causal, head, scale, bos, selrow, block_q, block_k);
+    auto p = make_sel<scalar_t>(q, k, v, keep, causal, head, scale, starts, selrow, block_q, block_k);
     Lists lists(B);
     for (int64_t b = 0; b < B; ++b) lists[b] = assign_parts(p, b, parts);
     const scalar_t* c0 = carry0.has_value() ? carry0->data_ptr<scalar_t>() : nullptr;
@@ -628,18 +629,18 @@ std::vector<at::Tensor> sel_backward(const at::Tensor& q, const at::Tensor& k, c
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(hf_attnorm_fused, m) {
+TORCH_LIBRARY_FRAGMENT(hf_attnorm_native, m) {
   m.def(
-      "sel_forward(Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, int head, float scale, Tensor bos, "
+      "sel_forward(Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, int head, float scale, Tensor starts, "
       "Tensor selrow, "
       "Tensor? carry0, int block_q, int block_k) -> Tensor[]");
   m.def(
-      "sel_backward(Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, int head, float scale, Tensor bos, "
+      "sel_backward(Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, int head, float scale, Tensor starts, "
       "Tensor selrow, "
       "Tensor? carry0, Tensor colsums, Tensor out, Tensor lse, Tensor dout, int block_q, int block_k) -> Tensor[]");
 }
 
-TORCH_LIBRARY_IMPL(hf_attnorm_fused, CPU, m) {
+TORCH_LIBRARY_IMPL(hf_attnorm_native, CPU, m) {
   m.impl("sel_forward", &sel_forward);
   m.impl("sel_backward", &sel_backward);
 }

@@ -346,7 +346,7 @@ std::vector<at::Tensor> sb_backward(const at::Tensor& q, const at::Tensor& k, co
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(hf_attnorm_fused, m) {
+TORCH_LIBRARY_FRAGMENT(hf_attnorm_native, m) {
   m.def(
       "sb_forward(Tensor q, Tensor k, Tensor v, Tensor? keep, Tensor own, bool attend_current, bool remainder, "
       "int block_q, int block_k) -> Tensor[]");
@@ -355,7 +355,7 @@ TORCH_LIBRARY_FRAGMENT(hf_attnorm_fused, m) {
       "Tensor c, Tensor dout, int block_q, int block_k) -> Tensor[]");
 }
 
-TORCH_LIBRARY_IMPL(hf_attnorm_fused, CPU, m) {
+TORCH_LIBRARY_IMPL(hf_attnorm_native, CPU, m) {
   m.impl("sb_forward", &sb_forward);
   m.impl("sb_backward", &sb_backward);
 }
