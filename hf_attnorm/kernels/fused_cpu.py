@@ -31,6 +31,7 @@ import torch
 from ..normalizers.base import Normalizer
 from .base import AttnCall, compact_bias, compute_dtype, dense_keep, last_dim_contiguous
 from .kinds import FUSED_KINDS, THRESHOLD, WIDE, fused_takes, kind_id
+from .maps import compile_definitions, lookup_id
 
 logger = logging.getLogger("hf_attnorm")
 
@@ -64,7 +65,8 @@ def _cpu_fingerprint() -> str:
     # torch's JIT rebuilds when a source file changes but does not read the headers they include: hash those into
     # the build name, so an edited header (csrc/*.h) never links against a stale cached build
     headers = "".join(h.read_text() for h in sorted(_SOURCE.parent.glob("*.h")))
-    return hashlib.sha1(f"{flags}|{torch.__version__}|{headers}".encode()).hexdigest()[:10]
+    maps = " ".join(compile_definitions())  # (torch's JIT also rebuilds on changed flags; this keeps names apart)
+    return hashlib.sha1(f"{flags}|{torch.__version__}|{headers}|{maps}".encode()).hexdigest()[:10]
 
 
 def _compiler() -> str | None:
@@ -72,12 +74,13 @@ def _compiler() -> str | None:
 
 
 def _cflags() -> list[str]:
+    """Compiler flags, with the fused maps' facts (kernels/maps.py) as preprocessor definitions."""
     # -fno-trapping-math lets GCC vectorise floor() (in the exponential); on x86, 512-bit vectors where the CPU has
     # them (measured 5-10% faster at n = 4096 on an AVX-512 Xeon; a no-op without AVX-512)
     flags = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-math-errno", "-DNDEBUG"]
     if platform.machine().lower() in ("x86_64", "amd64", "x86", "i686"):
         flags.insert(-1, "-mprefer-vector-width=512")
-    return flags
+    return flags + compile_definitions()
 
 
 def native_ops(warn: bool = True) -> Any | None:
@@ -188,6 +191,7 @@ class _FusedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, c, bias, keep, slopes, cap: float, causal: bool, kind: int, blocks: tuple[int, int],
                 need_grad: bool):
         ops = _state["ops"]
+        lookup_id(kind)  # an id no map declares: a ValueError here, before the kernel (which also refuses it)
         # need_grad False (inference): the threshold maps skip U, which only the backward pass reads
         out, r1, r2, u = ops.forward(kind, q, k, v, keep, causal, c, bias, slopes, cap, *blocks, need_grad)
         ctx.save_for_backward(q, k, v, c, bias, keep, slopes, out, r1, r2, u)

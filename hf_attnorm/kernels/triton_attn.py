@@ -51,6 +51,7 @@ import torch
 from ..normalizers.base import Normalizer
 from .base import AttnCall, compact_bias
 from .kinds import FUSED_KINDS, NORMALISED, THRESHOLD, constant_name, fused_takes, kind_id
+from .maps import lookup_id
 
 # imported on first use (``_load_triton``): the plain package needs no triton, and triton fixes compiled vs
 # interpreted mode for its own library functions when it is imported
@@ -165,10 +166,12 @@ def _entry(s, r, keep, shift, KIND: tl.constexpr):
         pos = d > 0
         a = tl.where(pos, tl.exp(tl.log(tl.where(pos, d, 1.0)) / (r - 1.0)[:, None]), zero)
         b = a
-    else:  # entmax-1.5 [s/2 - tau]_+^2
+    elif KIND == K_ENTMAX15:  # entmax-1.5 [s/2 - tau]_+^2
         t = tl.where(keep, tl.maximum(s * 0.5 - shift[:, None], 0.0), zero)
         a = t * t
         b = a
+    else:  # a map id without a branch here: refuse to compile (the launcher refuses undeclared ids before this)
+        tl.static_assert(False, "hf_attnorm triton: no forward branch for this fused map KIND (see kernels/maps.py)")
     return a, b
 
 
@@ -234,11 +237,13 @@ def _slopes(s, r, keep, shift, KIND: tl.constexpr):
         a = tl.where(pos, tl.exp(tl.log(d1) / (r - 1.0)[:, None]), zero)
         da = tl.where(pos, a / d1, zero)
         db = da
-    else:
+    elif KIND == K_ENTMAX15:
         t = tl.where(keep, tl.maximum(s * 0.5 - shift[:, None], 0.0), zero)
         a = t * t
         da = t
         db = da
+    else:  # a map id without a branch here: refuse to compile (the launcher refuses undeclared ids before this)
+        tl.static_assert(False, "hf_attnorm triton: no backward branch for this fused map KIND (see kernels/maps.py)")
     return a, da, db
 
 
@@ -395,9 +400,11 @@ def _threshold_kernel(
                     elif KIND == K_ENTMAX15:
                         mass += tl.sum(t * t, 1)
                         slope += 2.0 * tl.sum(t, 1)
-                    else:
+                    elif KIND == K_SPARSEMAX:
                         mass += tl.sum(t, 1)
                         slope += tl.sum(tl.where(t > 0, 1.0, 0.0), 1)
+                    else:
+                        tl.static_assert(False, "hf_attnorm triton: no threshold search for this fused map KIND")
             f = mass - 1.0  # decreasing and convex in tau
             lo_t = tl.where(f >= 0, tau, lo_t)
             hi_t = tl.where(f >= 0, hi_t, tau)
@@ -911,6 +918,15 @@ class _Plan:
                     BLOCK_DV=self.bdv)
 
 
+def check_kind(kind: int) -> None:
+    """Refuses, before any launch, a map id that ``kernels/maps.py`` does not declare or that has no Triton device
+    code (ValueError naming it); the device code's per-map chains end in a ``static_assert`` as well."""
+    fmap = lookup_id(kind)
+    if fmap.name in NOT_IN_TRITON or f"K_{constant_name(fmap.name)}" not in KIND_CONSTANTS:
+        raise ValueError(f"fused map {fmap.name!r} (id {kind}) has no Triton device code: "
+                         f"{NOT_IN_TRITON.get(fmap.name, 'no K_ constant in triton_attn.py')}")
+
+
 def _only(consts: dict[str, Any], kernel: Any) -> dict[str, Any]:
     """The compile-time constants ``kernel`` takes."""
     return {k: v for k, v in consts.items() if k in kernel.arg_names}
@@ -926,6 +942,7 @@ class _TritonAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, c, r, bias, plan: _Plan):
+        check_kind(plan.kind)
         kern = _compiled()
         dev = q.device
         rows = (plan.B, plan.H, plan.LQ)

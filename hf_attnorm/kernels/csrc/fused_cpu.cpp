@@ -60,8 +60,22 @@ enum Kind : int64_t {
 };
 constexpr int64_t NUM_KINDS = 11;
 
-inline bool is_normalised(int64_t kind) { return kind <= SOFTPICK || kind == POWER || kind == SOFTPLUS; }
-inline bool is_threshold(int64_t kind) { return kind == ENTMAX15 || kind == SPARSEMAX || kind == ENTMAX_ALPHA; }
+// The facts of each map come from its declaration in ../maps.py (FusedMap), passed by ../fused_cpu.py as bit masks
+// (bit i: map id i; maps.compile_definitions); tests/test_fused_maps.py reads them back through map_facts.
+#if !defined(HF_MAPS_NUM_KINDS) || !defined(HF_MAPS_DECLARED) || !defined(HF_MAPS_NORMALISED) || \
+    !defined(HF_MAPS_THRESHOLD) || !defined(HF_MAPS_CONSTANT_ON_SINGLE_KEY) || !defined(HF_MAPS_SINGLE_KEY_NEGATIVE)
+#error "fused_cpu.cpp is built by hf_attnorm/kernels/fused_cpu.py, which defines the map facts of kernels/maps.py"
+#endif
+static_assert(HF_MAPS_NUM_KINDS == NUM_KINDS, "enum Kind and kernels/maps.py declare different numbers of maps");
+
+inline bool map_bit(unsigned long long mask, int64_t kind) { return kind >= 0 && kind < 64 && ((mask >> kind) & 1ULL); }
+inline bool is_declared(int64_t kind) { return map_bit(HF_MAPS_DECLARED, kind); }
+// rows divided by a denominator accumulated with them (FusedMap.normalised)
+inline bool is_normalised(int64_t kind) { return map_bit(HF_MAPS_NORMALISED, kind); }
+// a per-row threshold found by a search over the row (FusedMap.threshold)
+inline bool is_threshold(int64_t kind) { return map_bit(HF_MAPS_THRESHOLD, kind); }
+// the forward driver of map K (FusedMap.dispatch): 0 forward_tiles, 1 forward_threshold, 2 forward_alpha
+constexpr int64_t driver_of(int64_t K) { return K == ENTMAX_ALPHA ? 2 : (K == ENTMAX15 || K == SPARSEMAX) ? 1 : 0; }
 // alpha-entmax's U holds [U (Dv) | A = sum_j (d p_j / d alpha) v_j (Dv) | Z | H | M] per row (see forward_alpha)
 inline int64_t u_width(int64_t kind, int64_t Dv) { return kind == ENTMAX_ALPHA ? 2 * Dv + 3 : Dv; }
 
@@ -338,7 +352,8 @@ Problem<T> make_problem(int64_t kind, const at::Tensor& q, const at::Tensor& k, 
 
 void check_inputs(int64_t kind, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const std::optional<at::Tensor>& keep, const at::Tensor& c, int64_t block_q, int64_t block_k) {
-  TORCH_CHECK(kind >= 0 && kind < NUM_KINDS, "hf_attnorm fused_cpu: unknown kind ", kind);
+  TORCH_CHECK(is_declared(kind), "hf_attnorm fused_cpu: unknown fused map id ", kind,
+              " (not declared in kernels/maps.py)");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "fused_cpu: q, k, v must be 4-D");
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "fused_cpu: CPU tensors only");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
@@ -1118,17 +1133,15 @@ struct RowC {
 };
 
 // Maps whose weights are constant on a row with a single visible key (sum-normalised without an extra constant:
-// P = 1, or softpick's 0/1). Their gradient there is exactly 0, but dS = f'(s) (dP - delta) / D would be rounding
-// noise amplified by f'/D (2/s for squared): the row's c holds n, and such rows get dS = 0.
-inline bool constant_on_single_key(int64_t kind) {
-  return kind == SQUARED || kind == STABLEMAX || kind == SOFTPICK || is_threshold(kind) || kind == POWER ||
-         kind == SOFTPLUS;
-}
+// P = 1, or softpick's 0/1), FusedMap.constant_on_single_key. Their gradient there is exactly 0, but
+// dS = f'(s) (dP - delta) / D would be rounding noise amplified by f'/D (2/s for squared): such rows get dS = 0.
+inline bool constant_on_single_key(int64_t kind) { return map_bit(HF_MAPS_CONSTANT_ON_SINGLE_KEY, kind); }
 
-// whether a row's c marks it as having a single visible key: c = n, except power, whose c is -p there (else +p)
+// whether a row's value c marks it as having a single visible key (FusedMap.single_key_mark): c = n == 1, or, for
+// maps marked "negative" (power: c = -p there, +p elsewhere), c < 0
 template <typename T>
 inline bool single_key_row(int64_t kind, T c) {
-  return kind == POWER ? c < T(0) : c == T(1);
+  return map_bit(HF_MAPS_SINGLE_KEY_NEGATIVE, kind) ? c < T(0) : c == T(1);
 }
 
 // d/ds of one entry: P and dS from the score x and g = dO_i . v_j (branch-free, see the forward); dr: the entry's
@@ -1496,8 +1509,25 @@ void dispatch_kind(int64_t kind, const F& f) {
     case ENTMAX_ALPHA: f(std::integral_constant<int64_t, ENTMAX_ALPHA>{}); break;
     case POWER: f(std::integral_constant<int64_t, POWER>{}); break;
     case SOFTPLUS: f(std::integral_constant<int64_t, SOFTPLUS>{}); break;
-    default: TORCH_CHECK(false, "fused_cpu: unknown kind ", kind);
+    default:
+      TORCH_CHECK(false, "hf_attnorm fused_cpu: unknown fused map id ", kind,
+                  " (no case in dispatch_kind; the declared maps are in kernels/maps.py)");
   }
+}
+
+// What this build says about map ``kind``, for tests/test_fused_maps.py: [is_normalised, is_threshold,
+// constant_on_single_key, single_key_negative, driver] with driver 0 forward_tiles, 1 forward_threshold,
+// 2 forward_alpha (the driver fused_forward picks, through dispatch_kind). Raises for an unknown id.
+std::vector<int64_t> map_facts(int64_t kind) {
+  TORCH_CHECK(is_declared(kind), "hf_attnorm fused_cpu: unknown fused map id ", kind,
+              " (not declared in kernels/maps.py)");
+  int64_t driver = -1;
+  dispatch_kind(kind, [&](auto kc) {
+    constexpr int64_t K = decltype(kc)::value;
+    driver = driver_of(K);
+  });
+  return {is_normalised(kind), is_threshold(kind), constant_on_single_key(kind),
+          map_bit(HF_MAPS_SINGLE_KEY_NEGATIVE, kind), driver};
 }
 
 std::vector<at::Tensor> fused_forward(int64_t kind, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -1518,10 +1548,10 @@ std::vector<at::Tensor> fused_forward(int64_t kind, const at::Tensor& q, const a
     auto p = make_problem<scalar_t>(kind, q, k, v, keep, causal, c, block_q, block_k, bias, slopes, cap);
     dispatch_kind(kind, [&](auto kc) {
       constexpr int64_t K = decltype(kc)::value;
-      if constexpr (K == ENTMAX_ALPHA) {
+      if constexpr (driver_of(K) == 2) {
         forward_alpha<scalar_t>(p, out.data_ptr<scalar_t>(), r1.data_ptr<scalar_t>(), r2.data_ptr<scalar_t>(),
                                 need_u ? u.data_ptr<scalar_t>() : nullptr);
-      } else if constexpr (K == ENTMAX15 || K == SPARSEMAX) {
+      } else if constexpr (driver_of(K) == 1) {
         forward_threshold<scalar_t, K>(p, out.data_ptr<scalar_t>(), r1.data_ptr<scalar_t>(),
                                        r2.data_ptr<scalar_t>(), need_u ? u.data_ptr<scalar_t>() : nullptr);
       } else {
@@ -1573,6 +1603,7 @@ std::vector<at::Tensor> fused_backward(int64_t kind, const at::Tensor& q, const 
 
 TORCH_LIBRARY(hf_attnorm_fused, m) {
   m.def("blas_available() -> bool", &blas_available);
+  m.def("map_facts(int kind) -> int[]", &map_facts);
   m.def(
       "forward(int kind, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor c, Tensor? bias, "
       "Tensor? slopes, float cap, int block_q, int block_k, bool need_u=True) -> Tensor[]");
