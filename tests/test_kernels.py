@@ -439,26 +439,6 @@ def test_normalizers_declare_their_kernel_facts():
             assert norm.kernel_family == "softmax", name
 
 
-def test_cpp_kernel_ids_match_the_shared_table():
-    """The C++ enum Kind spells exactly kinds.FUSED_KINDS (names and values), and its helper sets match."""
-    import re
-    from pathlib import Path
-
-    src = (Path(fused_cpu.__file__).with_name("csrc") / "fused_cpu.cpp").read_text()
-    enum = re.search(r"enum Kind : int64_t \{(.*?)\};", src, re.S).group(1)
-    cpp = {m.group(1): int(m.group(2)) for m in re.finditer(r"(\w+) = (\d+)", enum)}
-    assert cpp == {kinds.constant_name(n): i for n, i in kinds.FUSED_KINDS.items()}
-    # ids are never reused, so the table may have gaps (a map another branch adds): NUM_KINDS bounds them
-    assert int(re.search(r"NUM_KINDS = (\d+);", src).group(1)) == max(kinds.FUSED_KINDS.values()) + 1
-    body = re.search(r"is_normalised\(int64_t kind\) \{ return (.*?); \}", src).group(1)
-    prefix = re.match(r"kind <= (\w+)", body).group(1)
-    normalised = {n for n, i in kinds.FUSED_KINDS.items() if i <= cpp[prefix]}
-    normalised |= {n for n in kinds.FUSED_KINDS if kinds.constant_name(n) in re.findall(r"kind == (\w+)", body)}
-    assert normalised == set(kinds.NORMALISED)
-    threshold = re.search(r"is_threshold\(int64_t kind\) \{ return (.*?); \}", src).group(1)
-    assert set(re.findall(r"kind == (\w+)", threshold)) == {kinds.constant_name(n) for n in kinds.THRESHOLD}
-
-
 def test_build_error_reports_the_compiler_lines():
     log = ("Error building extension 'x':\n[1/2] c++ -c fused_cpu.cpp\nFAILED: fused_cpu.o\n"
            "fused_cpu.cpp:12:3: error: 'foo' was not declared in this scope\n"

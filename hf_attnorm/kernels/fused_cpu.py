@@ -32,6 +32,7 @@ import torch
 from ..normalizers.base import Normalizer
 from .base import AttnCall, compact_bias, compute_dtype, dense_keep, last_dim_contiguous
 from .kinds import FUSED_KINDS, THRESHOLD, WIDE, fused_takes, kind_id
+from .maps import compile_definitions, lookup_id
 
 logger = logging.getLogger("hf_attnorm")
 
@@ -89,7 +90,8 @@ def _cpu_fingerprint() -> str:
     # torch's JIT rebuilds when a source file changes but does not read the headers they include: hash those into
     # the build name, so an edited header (csrc/*.h) never links against a stale cached build
     headers = "".join(h.read_text() for h in sorted(_SOURCE.parent.glob("*.h")))
-    return hashlib.sha1(f"{flags}|{torch.__version__}|{headers}".encode()).hexdigest()[:10]
+    maps = " ".join(compile_definitions())  # (torch's JIT also rebuilds on changed flags; this keeps names apart)
+    return hashlib.sha1(f"{flags}|{torch.__version__}|{headers}|{maps}".encode()).hexdigest()[:10]
 
 
 def _compiler() -> str | None:
@@ -97,12 +99,13 @@ def _compiler() -> str | None:
 
 
 def _cflags() -> list[str]:
+    """Compiler flags, with the fused maps' facts (kernels/maps.py) as preprocessor definitions."""
     # -fno-trapping-math lets GCC vectorise floor() (in the exponential); on x86, 512-bit vectors where the CPU has
     # them (measured 5-10% faster at n = 4096 on an AVX-512 Xeon; a no-op without AVX-512)
     flags = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-math-errno", "-DNDEBUG"]
     if platform.machine().lower() in ("x86_64", "amd64", "x86", "i686"):
         flags.insert(-1, "-mprefer-vector-width=512")
-    return flags
+    return flags + compile_definitions()
 
 
 def native_ops(warn: bool = True) -> Any | None:
@@ -168,19 +171,19 @@ def build_error_summary(exc: BaseException, max_lines: int = 12) -> str:
 def _define_ops() -> None:
     """The two ops with their shape-only implementations (torch.compile and torch.export trace through them)."""
 
-    def forward_fake(kind, q, k, v, keep, causal, c, bias, slopes, cap, block_q, block_k, need_u=True):
+    def forward_fake(kind, q, k, v, keep, causal, row_value, bias, slopes, cap, block_q, block_k, need_u=True):
         B, H, Lq = q.shape[:3]
         out = q.new_empty((B, H, Lq, v.shape[-1]))
         dv = v.shape[-1]
         width = 2 * dv + 3 if kind == kind_id("entmax_alpha") else dv  # alpha-entmax: [U | A | Z | H | M]
-        u = q.new_empty((B, H, Lq, width)) if kind in _THRESHOLD_KINDS and need_u else q.new_empty((0,))
-        return [out, q.new_empty((B, H, Lq)), q.new_empty((B, H, Lq)), u]
+        hv_sum = q.new_empty((B, H, Lq, width)) if kind in _THRESHOLD_KINDS and need_u else q.new_empty((0,))
+        return [out, q.new_empty((B, H, Lq)), q.new_empty((B, H, Lq)), hv_sum]
 
-    def backward_fake(kind, q, k, v, keep, causal, c, bias, slopes, cap, bias_grad, out, r1, r2, u, dout, block_q,
-                      block_k):
+    def backward_fake(kind, q, k, v, keep, causal, row_value, bias, slopes, cap, bias_grad, out, den_or_tau,
+                      shift_or_gsum, hv_sum, dout, block_q, block_k):
         # contiguous like the C++ at::empty(x.sizes()) (empty_like would keep a transposed input's strides)
         dbias = q.new_empty(bias.shape) if bias_grad else q.new_empty((0,))
-        return [*(x.new_empty(x.shape) for x in (q, k, v, c)), dbias]
+        return [*(x.new_empty(x.shape) for x in (q, k, v, row_value)), dbias]
 
     define_op("forward(int kind, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor c, Tensor? bias, "
               "Tensor? slopes, float cap, int block_q, int block_k, bool need_u=True) -> Tensor[]", forward_fake)
@@ -206,39 +209,45 @@ def unavailable_reason(warn: bool = False) -> str | None:
 
 
 class _FusedAttention(torch.autograd.Function):
-    """out = fused(q, k, v; c, bias) with gradients for q, k, v, the per-row constant c and the score bias (in
-    its own broadcast shape). slopes (ALiBi) and cap (soft-cap, 0 for none) are constants."""
+    """out = fused(q, k, v; row_value, bias) with gradients for q, k, v, the map's per-row value and the score bias
+    (in its own broadcast shape). slopes (ALiBi) and cap (soft-cap, 0 for none) are constants. Saved per row for
+    the backward pass (csrc/fused_cpu.cpp, above fused_forward): den_or_tau (the denominator, or the threshold),
+    shift_or_gsum (the weights' running shift, or the sum of the Jacobian weights) and hv_sum (threshold maps)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, c, bias, keep, slopes, cap: float, causal: bool, kind: int, blocks: tuple[int, int],
-                need_grad: bool):
+    def forward(ctx, q, k, v, row_value, bias, keep, slopes, cap: float, causal: bool, kind: int,
+                blocks: tuple[int, int], need_grad: bool):
         ops = _state["ops"]
-        # need_grad False (inference): the threshold maps skip U, which only the backward pass reads
-        out, r1, r2, u = ops.forward(kind, q, k, v, keep, causal, c, bias, slopes, cap, *blocks, need_grad)
-        ctx.save_for_backward(q, k, v, c, bias, keep, slopes, out, r1, r2, u)
+        lookup_id(kind)  # an id no map declares: a ValueError here, before the kernel (which also refuses it)
+        # need_grad False (inference): the threshold maps skip hv_sum, which only the backward pass reads
+        out, den_or_tau, shift_or_gsum, hv_sum = ops.forward(kind, q, k, v, keep, causal, row_value, bias, slopes,
+                                                             cap, *blocks, need_grad)
+        ctx.save_for_backward(q, k, v, row_value, bias, keep, slopes, out, den_or_tau, shift_or_gsum, hv_sum)
         ctx.meta = (causal, kind, blocks, cap)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        q, k, v, c, bias, keep, slopes, out, r1, r2, u = ctx.saved_tensors
+        q, k, v, row_value, bias, keep, slopes, out, den_or_tau, shift_or_gsum, hv_sum = ctx.saved_tensors
         causal, kind, blocks, cap = ctx.meta
         bias_grad = bias is not None and ctx.needs_input_grad[4]
-        dq, dk, dv, dc, dbias = _state["ops"].backward(kind, q, k, v, keep, causal, c, bias, slopes, cap, bias_grad,
-                                                       out, r1, r2, u, dout.contiguous(), *blocks)
-        return (dq, dk, dv, (dc if ctx.needs_input_grad[3] else None), (dbias if bias_grad else None),
+        dq, dk, dv, drow_value, dbias = _state["ops"].backward(
+            kind, q, k, v, keep, causal, row_value, bias, slopes, cap, bias_grad, out, den_or_tau, shift_or_gsum,
+            hv_sum, dout.contiguous(), *blocks)
+        return (dq, dk, dv, (drow_value if ctx.needs_input_grad[3] else None), (dbias if bias_grad else None),
                 None, None, None, None, None, None, None)
 
 
-def row_constant(call: AttnCall, dtype: torch.dtype) -> torch.Tensor:
-    """c [B, H, Lq] (contiguous): ``call.row_value`` (symax |eta_h|, sigmoid's bias, relu_len 1/n), else n (the
-    kernel zeroes the gradient of single-key rows, where those maps are constant)."""
+def row_value(call: AttnCall, dtype: torch.dtype) -> torch.Tensor:
+    """The map's per-row value [B, H, Lq] (contiguous): ``call.row_value`` (symax |eta_h|, sigmoid's bias, relu_len
+    1/n, ...; ``maps.FusedMap.row_value``), else n (the kernel zeroes the gradient of single-key rows, where those
+    maps are constant)."""
     B, H, Lq = call.q.shape[:3]
-    c = call.row_value(dtype)
-    if c is None:
-        c = call.mask.n.to(device=call.q.device, dtype=dtype)
-    return c.expand(B, H, Lq).contiguous()
+    value = call.row_value(dtype)
+    if value is None:
+        value = call.mask.n.to(device=call.q.device, dtype=dtype)
+    return value.expand(B, H, Lq).contiguous()
 
 
 def takes(norm: Normalizer) -> str | None:
@@ -287,12 +296,12 @@ def fused_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
         blocks = (min(BLOCKS["block_q_threshold"], max(8, Lq)), BLOCKS["block_k"])
     else:
         blocks = (BLOCKS["block_q"], BLOCKS["block_k"])
-    c = row_constant(call, dt)
+    rv = row_value(call, dt)
     bias = None if call.bias is None else compact_bias(call.bias, dt)
     slopes = None if call.alibi_slopes is None else call.alibi_slopes.detach().to(dt).contiguous()
     cap = 0.0 if call.softcap is None else float(call.softcap)
-    need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, c, bias))
-    out = _FusedAttention.apply(q, k, v, c, bias, keep, slopes, cap, causal, kind_id(kind), blocks, need_grad)
+    need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, rv, bias))
+    out = _FusedAttention.apply(q, k, v, rv, bias, keep, slopes, cap, causal, kind_id(kind), blocks, need_grad)
     return out.to(call.q.dtype), None
 
 

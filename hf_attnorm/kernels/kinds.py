@@ -1,30 +1,25 @@
-"""The one kernel-id table of the fused kernels, shared by the C++ (``csrc/fused_cpu.cpp``, ``enum Kind``) and the
-Triton kernels (``triton_attn.py``, compile-time ``KIND`` compared with the ``K_<NAME>`` constants made from this
-table). ``tests/test_kernels.py`` checks that the C++ enum spells exactly this table.
+"""The kernel-id table of the fused kernels and the sets the kernels branch on, derived from the map declarations in
+``maps.py`` (each map is declared there once). The C++ (``csrc/fused_cpu.cpp``, ``enum Kind``) and the Triton
+kernels (``triton_attn.py``, compile-time ``KIND`` compared with ``K_<NAME>`` constants made from this table) use
+these ids; ``tests/test_fused_maps.py`` checks both kernels against the declarations.
 
-A normalizer runs on the fused kernels by declaring ``kernel_family = "fused"`` and ``fused_kind = <a name here>``
-in its own file (several normalizers may share a map). A new map needs its elementwise code in both kernels, its
-name appended here and to the C++ enum, and, if it is sum-normalised or threshold-based, its name in the sets below.
+A normalizer runs on the fused kernels by declaring ``kernel_family = "fused"`` and ``fused_kind = <a map name>``
+in its own file (several normalizers may share a map). A new map: see ``maps.py`` and docs/extending.md.
 """
 
 from __future__ import annotations
 
 from ..normalizers.base import Normalizer
+from .maps import MAPS
 
-#: map name -> kernel id (the C++ enum value and the Triton KIND); ids are positions, never reuse one
-FUSED_KINDS: dict[str, int] = {
-    "symax": 0, "squared": 1, "stablemax": 2, "softpick": 3, "sigmoid": 4, "relu_len": 5,
-    "entmax15": 6, "sparsemax": 7, "entmax_alpha": 8,
-    "power": 9, "softplus": 10,
-}
+#: map name -> kernel id (the C++ enum value and the Triton KIND); ids are never reused
+FUSED_KINDS: dict[str, int] = {m.name: m.kernel_id for m in MAPS}
 #: maps whose rows are divided by a denominator accumulated with them (C++ ``is_normalised``)
-NORMALISED: frozenset[str] = frozenset({"symax", "squared", "stablemax", "softpick", "power", "softplus"})
+NORMALISED: frozenset[str] = frozenset(m.name for m in MAPS if m.normalised)
 #: maps with a per-row threshold found by a search over the row (C++ ``is_threshold``)
-THRESHOLD: frozenset[str] = frozenset({"entmax15", "sparsemax", "entmax_alpha"})
-#: maps the C++ kernel computes in float64 whatever the input dtype: alpha-entmax's weights are r^(1/(alpha-1)),
-#: which amplifies fp32 rounding of r by 1/(alpha-1); gradients of values that aggregate dq over every row (ASEntmax's
-#: delta, gamma) then drifted 5-20x past the fp32 reference's own error
-WIDE: frozenset[str] = frozenset({"entmax_alpha"})
+THRESHOLD: frozenset[str] = frozenset(m.name for m in MAPS if m.threshold)
+#: maps the C++ kernel computes in float64 whatever the input dtype (``FusedMap.wide``)
+WIDE: frozenset[str] = frozenset(m.name for m in MAPS if m.wide)
 
 
 def kind_id(name: str) -> int:

@@ -51,6 +51,7 @@ import torch
 from ..normalizers.base import Normalizer
 from .base import AttnCall, compact_bias
 from .kinds import FUSED_KINDS, NORMALISED, THRESHOLD, constant_name, fused_takes, kind_id
+from .maps import lookup_id
 
 # imported on first use (``_load_triton``): the plain package needs no triton, and triton fixes compiled vs
 # interpreted mode for its own library functions when it is imported
@@ -71,9 +72,14 @@ POW_NEG = -1e30
 K_ENTMAX_ALPHA = kind_id("entmax_alpha")
 #: maps of the shared table without Triton device code: takes() declines them with this reason (none today)
 NOT_IN_TRITON: dict[str, str] = {}
-#: constant name -> id, for every map of the shared table
+_missing = [name for name in FUSED_KINDS if name not in NOT_IN_TRITON and f"K_{constant_name(name)}" not in globals()]
+if _missing:
+    raise ImportError(f"hf_attnorm/kernels/triton_attn.py has no device code for the fused map(s) {_missing} "
+                      "declared in kernels/maps.py: add K_<NAME> = kind_id(name) and the map's branches in _entry "
+                      "and _slopes, or list it in NOT_IN_TRITON with the reason")
+#: constant name -> id, for every map of the shared table that has Triton device code
 KIND_CONSTANTS: dict[str, int] = {f"K_{constant_name(name)}": globals()[f"K_{constant_name(name)}"]
-                                  for name in FUSED_KINDS}
+                                  for name in FUSED_KINDS if name not in NOT_IN_TRITON}
 #: at most this many Newton passes for the sparse threshold (measured: sparsemax 3-5, entmax15 6-8, plus one max pass)
 THRESHOLD_STEPS = 30
 
@@ -234,10 +240,12 @@ def _entry(s, r, keep, shift, KIND: tl.constexpr):
         pos = d > 0
         a = tl.where(pos, tl.exp(tl.log(tl.where(pos, d, 1.0)) / (r - 1.0)[:, None]), zero)
         b = a
-    else:  # entmax-1.5 [s/2 - tau]_+^2
+    elif KIND == K_ENTMAX15:  # entmax-1.5 [s/2 - tau]_+^2
         t = tl.where(keep, tl.maximum(s * 0.5 - shift[:, None], 0.0), zero)
         a = t * t
         b = a
+    else:  # a map id without a branch here: refuse to compile (the launcher refuses undeclared ids before this)
+        tl.static_assert(False, "hf_attnorm triton: no forward branch for this fused map KIND (see kernels/maps.py)")
     return a, b
 
 
@@ -303,11 +311,13 @@ def _slopes(s, r, keep, shift, KIND: tl.constexpr):
         a = tl.where(pos, tl.exp(tl.log(d1) / (r - 1.0)[:, None]), zero)
         da = tl.where(pos, a / d1, zero)
         db = da
-    else:
+    elif KIND == K_ENTMAX15:
         t = tl.where(keep, tl.maximum(s * 0.5 - shift[:, None], 0.0), zero)
         a = t * t
         da = t
         db = da
+    else:  # a map id without a branch here: refuse to compile (the launcher refuses undeclared ids before this)
+        tl.static_assert(False, "hf_attnorm triton: no backward branch for this fused map KIND (see kernels/maps.py)")
     return a, da, db
 
 
@@ -464,9 +474,11 @@ def _threshold_kernel(
                     elif KIND == K_ENTMAX15:
                         mass += tl.sum(t * t, 1)
                         slope += 2.0 * tl.sum(t, 1)
-                    else:
+                    elif KIND == K_SPARSEMAX:
                         mass += tl.sum(t, 1)
                         slope += tl.sum(tl.where(t > 0, 1.0, 0.0), 1)
+                    else:
+                        tl.static_assert(False, "hf_attnorm triton: no threshold search for this fused map KIND")
             f = mass - 1.0  # decreasing and convex in tau
             lo_t = tl.where(f >= 0, tau, lo_t)
             hi_t = tl.where(f >= 0, hi_t, tau)
@@ -970,14 +982,23 @@ class _Plan:
                       DB_BN=dbias is not None and dbias.shape[3] == 1)
         return kw
 
-    def common(self, q, k, v, c) -> list:
-        return [*_strides4(q), *_strides4(k), *_strides4(v), c.stride(0), c.stride(1), c.stride(2),
-                *self.mask_strides, *self.table_strides]
+    def common(self, q, k, v, score_scale) -> list:
+        return [*_strides4(q), *_strides4(k), *_strides4(v), *score_scale.stride()[:3], *self.mask_strides,
+                *self.table_strides]
 
     def consts(self) -> dict[str, Any]:
         return dict(KIND=self.kind, NORMALISED=self.normalised, CAUSAL=self.causal, HAS_MASK=self.table.dim() == 4,
                     PREC=self.prec, UPCAST=self.upcast, BLOCK_M=self.bm, BLOCK_N=self.bn, BLOCK_D=self.bd,
                     BLOCK_DV=self.bdv)
+
+
+def check_kind(kind: int) -> None:
+    """Refuses, before any launch, a map id that ``kernels/maps.py`` does not declare or that has no Triton device
+    code (ValueError naming it); the device code's per-map chains end in a ``static_assert`` as well."""
+    fmap = lookup_id(kind)
+    if fmap.name in NOT_IN_TRITON or f"K_{constant_name(fmap.name)}" not in KIND_CONSTANTS:
+        raise ValueError(f"fused map {fmap.name!r} (id {kind}) has no Triton device code: "
+                         f"{NOT_IN_TRITON.get(fmap.name, 'no K_ constant in triton_attn.py')}")
 
 
 def _only(consts: dict[str, Any], kernel: Any) -> dict[str, Any]:
@@ -990,11 +1011,13 @@ def _grid_q(p: _Plan) -> tuple[int, int]:
 
 
 class _TritonAttention(torch.autograd.Function):
-    """(q, k, v, c, r, bias) -> out [B, H, Lq, Dv] fp32; c, r: fp32 [B, H, Lq] (score scale, normalizer row
-    value); bias: fp32 [B|1, H|1, Lq|1, Lk|1] or None (its gradient comes back in that shape)."""
+    """(q, k, v, score_scale, row_value, bias) -> out [B, H, Lq, Dv] fp32; score_scale (the device code's C: base
+    scaling x the per-query multiplier) and row_value (R: the map's per-row value, ``maps.FusedMap.row_value``): fp32
+    [B, H, Lq]; bias: fp32 [B|1, H|1, Lq|1, Lk|1] or None (its gradient comes back in that shape)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, c, r, bias, plan: _Plan):
+    def forward(ctx, q, k, v, score_scale, row_value, bias, plan: _Plan):
+        check_kind(plan.kind)
         kern = _compiled()
         dev = q.device
         rows = (plan.B, plan.H, plan.LQ)
@@ -1002,66 +1025,67 @@ class _TritonAttention(torch.autograd.Function):
         den = torch.empty(rows, dtype=torch.float32, device=dev)
         shift = torch.zeros(rows, dtype=torch.float32, device=dev)
         # alpha-entmax's row max M of the scores (written by the threshold kernel); other maps never read it and get
-        # c, which no kernel writes (Triton's interpreter copies each pointer argument back after a kernel, so a
-        # dummy aliasing an output would overwrite it)
-        rowmax = torch.zeros(rows, dtype=torch.float32, device=dev) if plan.kind == K_ENTMAX_ALPHA else c
-        common = plan.common(q, k, v, c)
+        # score_scale, which no kernel writes (Triton's interpreter copies each pointer argument back after a kernel,
+        # so a dummy aliasing an output would overwrite it)
+        rowmax = torch.zeros(rows, dtype=torch.float32, device=dev) if plan.kind == K_ENTMAX_ALPHA else score_scale
+        common = plan.common(q, k, v, score_scale)
         cst = plan.consts()
         grid = _grid_q(plan)
         if plan.name in THRESHOLD:
             # threshold kernel takes no V strides
             launch(kern._threshold_kernel, grid)(
-                q, k, c, plan.keep, plan.table, shift, *common[:8], *common[12:], plan.H, plan.groups, plan.LQ,
-                plan.LK, plan.DH, r, rowmax, STEPS=THRESHOLD_STEPS, **_only(cst, kern._threshold_kernel),
-                **plan.mods(kern._threshold_kernel, bias))
-        launch(kern._fwd_kernel, grid)(q, k, v, c, r, plan.keep, plan.table, shift, out, den, shift, *common,
-                               plan.H, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, rowmax, **cst,
-                               **plan.mods(kern._fwd_kernel, bias))
-        ctx.save_for_backward(q, k, v, c, r, bias, den, shift, rowmax)
+                q, k, score_scale, plan.keep, plan.table, shift, *common[:8], *common[12:], plan.H, plan.groups,
+                plan.LQ, plan.LK, plan.DH, row_value, rowmax, STEPS=THRESHOLD_STEPS,
+                **_only(cst, kern._threshold_kernel), **plan.mods(kern._threshold_kernel, bias))
+        launch(kern._fwd_kernel, grid)(q, k, v, score_scale, row_value, plan.keep, plan.table, shift, out, den, shift,
+                                       *common, plan.H, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, rowmax, **cst,
+                                       **plan.mods(kern._fwd_kernel, bias))
+        ctx.save_for_backward(q, k, v, score_scale, row_value, bias, den, shift, rowmax)
         ctx.plan = plan
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, c, r, bias, den, shift, rowmax = ctx.saved_tensors
+        q, k, v, score_scale, row_value, bias, den, shift, rowmax = ctx.saved_tensors
         plan: _Plan = ctx.plan
         kern = _compiled()
         dev = q.device
         do = dout.to(torch.float32).contiguous()
-        common = plan.common(q, k, v, c)
+        common = plan.common(q, k, v, score_scale)
         cst = plan.consts()
         grid = _grid_q(plan)
         delta = torch.zeros_like(den)  # written by the dq kernel (normalised and sparse kinds)
         dq = torch.empty(plan.B, plan.H, plan.LQ, plan.DH, dtype=torch.float32, device=dev)
-        dc = torch.empty_like(den)
-        dr = torch.empty_like(den)
+        dscore_scale = torch.empty_like(den)
+        drow_value = torch.empty_like(den)
         dbias = torch.zeros(bias.shape, dtype=torch.float32, device=dev) if ctx.needs_input_grad[5] else None
         launch(kern._bwd_dq_kernel, grid)(
-            q, k, v, c, r, plan.keep, plan.table, shift, den, delta, do, dq, dc, dr, *common, plan.H, plan.groups,
-            plan.LQ, plan.LK, plan.DH, plan.DV, rowmax, **cst, **plan.mods(kern._bwd_dq_kernel, bias, dbias))
+            q, k, v, score_scale, row_value, plan.keep, plan.table, shift, den, delta, do, dq, dscore_scale,
+            drow_value, *common, plan.H, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, rowmax, **cst,
+            **plan.mods(kern._bwd_dq_kernel, bias, dbias))
         dk = torch.empty(plan.B, plan.HKV, plan.LK, plan.DH, dtype=torch.float32, device=dev)
         dv = torch.empty(plan.B, plan.HKV, plan.LK, plan.DV, dtype=torch.float32, device=dev)
         launch(kern._bwd_dkdv_kernel, (_cdiv(plan.LK, plan.bn), plan.B * plan.HKV))(
-            q, k, v, c, r, plan.keep, plan.table, shift, den, delta, do, dk, dv, *common,
+            q, k, v, score_scale, row_value, plan.keep, plan.table, shift, den, delta, do, dk, dv, *common,
             plan.H, plan.HKV, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, rowmax, **cst,
             **plan.mods(kern._bwd_dkdv_kernel, bias))
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dc if ctx.needs_input_grad[3] else None,
-                dr if ctx.needs_input_grad[4] else None, dbias, None)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dscore_scale if ctx.needs_input_grad[3] else None,
+                drow_value if ctx.needs_input_grad[4] else None, dbias, None)
 
 
 def _row_values(call: AttnCall, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """c = base x multiplier and r = the normalizer's row value, both [B, H, Lq] fp32 (autograd-connected to the
-    per-head parameters and scale factors they come from)."""
+    """score_scale = base x multiplier and row_value = the normalizer's row value, both [B, H, Lq] fp32
+    (autograd-connected to the per-head parameters and scale factors they come from)."""
     B, H, LQ = call.q.shape[:3]
     dev = call.q.device
     if call.multiplier is None:
-        c = torch.full((B, H, LQ), float(call.base), dtype=dtype, device=dev)
+        score_scale = torch.full((B, H, LQ), float(call.base), dtype=dtype, device=dev)
     else:
-        c = (call.multiplier.to(dtype) * call.base).expand(B, H, LQ).contiguous()
-    r = call.row_value(dtype)
-    if r is None:
-        r = torch.zeros((), dtype=dtype, device=dev)
-    return c, r.expand(B, H, LQ).contiguous()
+        score_scale = (call.multiplier.to(dtype) * call.base).expand(B, H, LQ).contiguous()
+    row_value = call.row_value(dtype)
+    if row_value is None:
+        row_value = torch.zeros((), dtype=dtype, device=dev)
+    return score_scale, row_value.expand(B, H, LQ).contiguous()
 
 
 _WARNED: set[str] = set()
@@ -1113,9 +1137,9 @@ def triton_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     q, k, v = call.q, call.k, call.v
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():  # launch on q's GPU
         plan = _Plan(call)
-        c, r = _row_values(call)
+        score_scale, row_value = _row_values(call)
         bias = None if call.bias is None else compact_bias(call.bias.to(q.device), torch.float32)
-        out = _TritonAttention.apply(q, k, v, c, r, bias, plan)
+        out = _TritonAttention.apply(q, k, v, score_scale, row_value, bias, plan)
     return out.to(q.dtype), None
 
 

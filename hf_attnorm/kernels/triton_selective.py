@@ -318,8 +318,8 @@ class _SelTriton(torch.autograd.Function):
         out = torch.empty(B, H, Lq, Dv, device=q.device, dtype=torch.float32)
         lse = torch.empty(B, H, Lq, device=q.device, dtype=torch.float32)
         ta.launch(kern._fwd_kernel, (nq, B * H))(
-            q, k, v, keep, meta.rowsel, meta.starts, carry, out, lse, H, Hkv, H // Hkv, Lq, Lk, Lk - Lq, D, Dv, meta.head,
-            nq, sb, sh, sl, BLOCK_DV=ta._pow2(Dv), **flags, **_launch(q))
+            q, k, v, keep, meta.rowsel, meta.starts, carry, out, lse, H, Hkv, H // Hkv, Lq, Lk, Lk - Lq, D, Dv,
+            meta.head, nq, sb, sh, sl, BLOCK_DV=ta._pow2(Dv), **flags, **_launch(q))
         ctx.save_for_backward(q, k, v, carry, out, lse)
         ctx.meta, ctx.blocks, ctx.has_carry = meta, (bm, bn), carry0 is not None
         return out

@@ -60,8 +60,24 @@ enum Kind : int64_t {
 };
 constexpr int64_t NUM_KINDS = 11;
 
-inline bool is_normalised(int64_t kind) { return kind <= SOFTPICK || kind == POWER || kind == SOFTPLUS; }
-inline bool is_threshold(int64_t kind) { return kind == ENTMAX15 || kind == SPARSEMAX || kind == ENTMAX_ALPHA; }
+// The facts of each map come from its declaration in ../maps.py (FusedMap), passed by ../fused_cpu.py as bit masks
+// (bit i: map id i; maps.compile_definitions); tests/test_fused_maps.py reads them back through map_facts.
+#if !defined(HF_MAPS_NUM_KINDS) || !defined(HF_MAPS_DECLARED) || !defined(HF_MAPS_NORMALISED) || \
+    !defined(HF_MAPS_THRESHOLD) || !defined(HF_MAPS_CONSTANT_ON_SINGLE_KEY) || !defined(HF_MAPS_SINGLE_KEY_NEGATIVE)
+#error "fused_cpu.cpp is built by hf_attnorm/kernels/fused_cpu.py, which defines the map facts of kernels/maps.py"
+#endif
+static_assert(HF_MAPS_NUM_KINDS == NUM_KINDS, "enum Kind and kernels/maps.py declare different numbers of maps");
+
+inline bool map_bit(unsigned long long mask, int64_t kind) {
+  return kind >= 0 && kind < 64 && ((mask >> kind) & 1ULL);
+}
+inline bool is_declared(int64_t kind) { return map_bit(HF_MAPS_DECLARED, kind); }
+// rows divided by a denominator accumulated with them (FusedMap.normalised)
+inline bool is_normalised(int64_t kind) { return map_bit(HF_MAPS_NORMALISED, kind); }
+// a per-row threshold found by a search over the row (FusedMap.threshold)
+inline bool is_threshold(int64_t kind) { return map_bit(HF_MAPS_THRESHOLD, kind); }
+// the forward driver of map K (FusedMap.dispatch): 0 forward_tiles, 1 forward_threshold, 2 forward_alpha
+constexpr int64_t driver_of(int64_t K) { return K == ENTMAX_ALPHA ? 2 : (K == ENTMAX15 || K == SPARSEMAX) ? 1 : 0; }
 // alpha-entmax's U holds [U (Dv) | A = sum_j (d p_j / d alpha) v_j (Dv) | Z | H | M] per row (see forward_alpha)
 inline int64_t u_width(int64_t kind, int64_t Dv) { return kind == ENTMAX_ALPHA ? 2 * Dv + 3 : Dv; }
 
@@ -338,7 +354,8 @@ Problem<T> make_problem(int64_t kind, const at::Tensor& q, const at::Tensor& k, 
 
 void check_inputs(int64_t kind, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const std::optional<at::Tensor>& keep, const at::Tensor& c, int64_t block_q, int64_t block_k) {
-  TORCH_CHECK(kind >= 0 && kind < NUM_KINDS, "hf_attnorm fused_cpu: unknown kind ", kind);
+  TORCH_CHECK(is_declared(kind), "hf_attnorm fused_cpu: unknown fused map id ", kind,
+              " (not declared in kernels/maps.py)");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "fused_cpu: q, k, v must be 4-D");
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "fused_cpu: CPU tensors only");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
@@ -481,11 +498,11 @@ void add_dbias(const Problem<T>& p, const T* dS, int64_t b, int64_t h, int64_t i
 template <typename T, int64_t KIND>
 inline T fmap(T x, T ci) {
   if constexpr (KIND == SYMAX) return std::abs(x);
-  if constexpr (KIND == SQUARED) return x * x;
-  if constexpr (KIND == STABLEMAX) return x >= T(0) ? x + T(1) : T(1) / (T(1) - std::min(x, T(0)));
-  if constexpr (KIND == SIGMOID) return T(1) / (T(1) + vexp(-(x + ci)));
-  if constexpr (KIND == RELU_LEN) return std::max(x, T(0));
-  return T(0);
+  else if constexpr (KIND == SQUARED) return x * x;
+  else if constexpr (KIND == STABLEMAX) return x >= T(0) ? x + T(1) : T(1) / (T(1) - std::min(x, T(0)));
+  else if constexpr (KIND == SIGMOID) return T(1) / (T(1) + vexp(-(x + ci)));
+  else if constexpr (KIND == RELU_LEN) return std::max(x, T(0));
+  else static_assert(KIND < 0, "fmap: no forward formula for this fused map id (fwd_tile_row sends it here)");
 }
 
 // s[j] <- A_j = f(s_j) (0 where invisible); returns sum_j A_j
@@ -1118,17 +1135,15 @@ struct RowC {
 };
 
 // Maps whose weights are constant on a row with a single visible key (sum-normalised without an extra constant:
-// P = 1, or softpick's 0/1). Their gradient there is exactly 0, but dS = f'(s) (dP - delta) / D would be rounding
-// noise amplified by f'/D (2/s for squared): the row's c holds n, and such rows get dS = 0.
-inline bool constant_on_single_key(int64_t kind) {
-  return kind == SQUARED || kind == STABLEMAX || kind == SOFTPICK || is_threshold(kind) || kind == POWER ||
-         kind == SOFTPLUS;
-}
+// P = 1, or softpick's 0/1), FusedMap.constant_on_single_key. Their gradient there is exactly 0, but
+// dS = f'(s) (dP - delta) / D would be rounding noise amplified by f'/D (2/s for squared): such rows get dS = 0.
+inline bool constant_on_single_key(int64_t kind) { return map_bit(HF_MAPS_CONSTANT_ON_SINGLE_KEY, kind); }
 
-// whether a row's c marks it as having a single visible key: c = n, except power, whose c is -p there (else +p)
+// whether a row's value c marks it as having a single visible key (FusedMap.single_key_mark): c = n == 1, or, for
+// maps marked "negative" (power: c = -p there, +p elsewhere), c < 0
 template <typename T>
 inline bool single_key_row(int64_t kind, T c) {
-  return kind == POWER ? c < T(0) : c == T(1);
+  return map_bit(HF_MAPS_SINGLE_KEY_NEGATIVE, kind) ? c < T(0) : c == T(1);
 }
 
 // d/ds of one entry: P and dS from the score x and g = dO_i . v_j (branch-free, see the forward); dr: the entry's
@@ -1139,53 +1154,44 @@ inline void dmap(T x, T g, const RowC<T>& rc, T& pp, T& ds, T& dr) {
   if constexpr (KIND == SYMAX) {
     pp = std::abs(x) * invd;
     ds = (g - delta) * invd * sgn(x);
-  }
-  if constexpr (KIND == SQUARED) {
+  } else if constexpr (KIND == SQUARED) {
     pp = x * x * invd;
     ds = (g - delta) * invd * T(2) * x;
-  }
-  if constexpr (KIND == STABLEMAX) {
+  } else if constexpr (KIND == STABLEMAX) {
     const T w = T(1) / (T(1) - std::min(x, T(0)));
     const bool neg = x < T(0);
     pp = (neg ? w : x + T(1)) * invd;
     ds = (g - delta) * invd * (neg ? w * w : T(1));
-  }
-  if constexpr (KIND == SOFTPICK) {  // u = e^{s-M} - e^{-M}: P = relu(u)/D, d|u| = sign(u) e^{s-M}
+  } else if constexpr (KIND == SOFTPICK) {  // u = e^{s-M} - e^{-M}: P = relu(u)/D, d|u| = sign(u) e^{s-M}
     const T e = vexp(x - rc.m), u = e - rc.em;
     const T pos = u > T(0) ? T(1) : T(0), neg = u < T(0) ? T(1) : T(0);
     pp = u * pos * invd;
     ds = (g * pos - delta * (pos - neg)) * e * invd;
-  }
-  if constexpr (KIND == SIGMOID) {
+  } else if constexpr (KIND == SIGMOID) {
     const T a = T(1) / (T(1) + vexp(-(x + rc.c)));
     pp = a;
     ds = g * a * (T(1) - a);
-  }
-  if constexpr (KIND == RELU_LEN) {
+  } else if constexpr (KIND == RELU_LEN) {
     const T pos = x > T(0) ? rc.c : T(0);
     pp = x * pos;
     ds = g * pos;
-  }
-  if constexpr (KIND == ENTMAX15) {  // p = r^2 with r = [s/2 - tau]_+: dS = r (g - delta)
+  } else if constexpr (KIND == ENTMAX15) {  // p = r^2 with r = [s/2 - tau]_+: dS = r (g - delta)
     const T r = std::max(x * T(0.5) - rc.tau, T(0));
     pp = r * r;
     ds = r * (g - delta);
-  }
-  if constexpr (KIND == ENTMAX_ALPHA) {  // p = r^P / Z, r = [(alpha-1) s - tau]_+, dS = p^(2-alpha) (g - delta)
+  } else if constexpr (KIND == ENTMAX_ALPHA) {  // p = r^P / Z, r = [(alpha-1) s - tau]_+, dS = p^(2-alpha) (g - delta)
     // rc.m: M, as in the forward; powers through vpow_pos as there (vectorised; glibc pow was scalar)
     const T tiny = std::numeric_limits<T>::min();
     const T r = std::max((x - rc.m) * (rc.c - T(1)) - rc.tau, T(0));
     const T pr = r > T(0) ? vpow_pos(std::max(r, tiny), T(1) / (rc.c - T(1))) * invd : T(0);
     pp = pr;
     ds = pr > tiny ? vpow_pos(std::max(pr, tiny), T(2) - rc.c) * (g - delta) : T(0);
-  }
-  if constexpr (KIND == SPARSEMAX) {
+  } else if constexpr (KIND == SPARSEMAX) {
     const T r = x - rc.tau;
     const T pos = r > T(0) ? T(1) : T(0);
     pp = r * pos;
     ds = (g - delta) * pos;
-  }
-  if constexpr (KIND == POWER) {  // A = |s|^p e^-m: dA/ds = p A / s, dA/dp = A ln|s|
+  } else if constexpr (KIND == POWER) {  // A = |s|^p e^-m: dA/ds = p A / s, dA/dp = A ln|s|
     const T pw = std::abs(rc.c), ax = std::abs(x), tiny = std::numeric_limits<T>::min();
     const bool nz = ax >= tiny;
     const T lx = nz ? vlog(std::max(ax, tiny)) : T(0);  // (only the p-gradient needs it)
@@ -1204,8 +1210,7 @@ inline void dmap(T x, T g, const RowC<T>& rc, T& pp, T& ds, T& dr) {
     // sum_j P_j (g_j - delta) = 0, so ln|s| may be centred at the row's largest ln|s| (m / p): this keeps the
     // rounding of delta = dO . out from being amplified by large |ln|s|| (fp16 inputs: 4x closer to fp64)
     dr = gp * (lx - rc.m / pw);
-  }
-  if constexpr (KIND == SOFTPLUS) {  // softplus(s) e^-c, c = rc.m: d/ds = sigmoid(s) e^-c (SLOW: rows below SP_SLOW)
+  } else if constexpr (KIND == SOFTPLUS) {  // softplus(s) e^-c, c = rc.m: d/ds = sigmoid(s) e^-c (SLOW: below SP_SLOW)
     const T c = rc.m;
     const T u = vexp(-std::abs(x)), r = log1p_ratio(u);
     if constexpr (SLOW) {
@@ -1217,6 +1222,8 @@ inline void dmap(T x, T g, const RowC<T>& rc, T& pp, T& ds, T& dr) {
       pp = (std::max(x, T(0)) + u * r) * ec * invd;
       ds = (g - delta) * invd * ec * (x >= T(0) ? T(1) : u) * inv_one_plus(u);
     }
+  } else {
+    static_assert(KIND < 0, "dmap: no derivative for this fused map id: add its block above");
   }
   if constexpr (KIND != POWER) dr = ds;
 }
@@ -1496,89 +1503,119 @@ void dispatch_kind(int64_t kind, const F& f) {
     case ENTMAX_ALPHA: f(std::integral_constant<int64_t, ENTMAX_ALPHA>{}); break;
     case POWER: f(std::integral_constant<int64_t, POWER>{}); break;
     case SOFTPLUS: f(std::integral_constant<int64_t, SOFTPLUS>{}); break;
-    default: TORCH_CHECK(false, "fused_cpu: unknown kind ", kind);
+    default:
+      TORCH_CHECK(false, "hf_attnorm fused_cpu: unknown fused map id ", kind,
+                  " (no case in dispatch_kind; the declared maps are in kernels/maps.py)");
   }
 }
 
+// What this build says about map ``kind``, for tests/test_fused_maps.py: [is_normalised, is_threshold,
+// constant_on_single_key, single_key_negative, driver] with driver 0 forward_tiles, 1 forward_threshold,
+// 2 forward_alpha (the driver fused_forward picks, through dispatch_kind). Raises for an unknown id.
+std::vector<int64_t> map_facts(int64_t kind) {
+  TORCH_CHECK(is_declared(kind), "hf_attnorm fused_cpu: unknown fused map id ", kind,
+              " (not declared in kernels/maps.py)");
+  int64_t driver = -1;
+  dispatch_kind(kind, [&](auto kc) {
+    constexpr int64_t K = decltype(kc)::value;
+    driver = driver_of(K);
+  });
+  return {is_normalised(kind), is_threshold(kind), constant_on_single_key(kind),
+          map_bit(HF_MAPS_SINGLE_KEY_NEGATIVE, kind), driver};
+}
+
+// forward -> [out, den_or_tau, shift_or_gsum, hv_sum], per row (all [B, H, Lq] but hv_sum):
+//   den_or_tau: the denominator D (tiles maps) or the threshold tau (threshold maps);
+//   shift_or_gsum: the running shift m the weights are computed relative to (softpick: max(0, row max); power:
+//     p ln max|s|; softplus: min(0, row max); else 0), or, for threshold maps, sum_j g_j (g = p^(2 - alpha));
+//   hv_sum: threshold maps' sum_j h(p_ij) v_j ([B, H, Lq, u_width]; empty otherwise or when need_u is false).
+// row_value [B, H, Lq]: the map's per-row value (FusedMap.row_value); backward returns its gradient drow_value.
 std::vector<at::Tensor> fused_forward(int64_t kind, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                      const std::optional<at::Tensor>& keep, bool causal, const at::Tensor& c,
+                                      const std::optional<at::Tensor>& keep, bool causal, const at::Tensor& row_value,
                                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& slopes,
                                       double cap, int64_t block_q, int64_t block_k, bool need_u) {
-  check_inputs(kind, q, k, v, keep, c, block_q, block_k);
+  check_inputs(kind, q, k, v, keep, row_value, block_q, block_k);
   check_mods(q, k, bias, slopes, cap);
   TORCH_CHECK(block_q <= MAX_BQ, "fused_cpu: block_q must be <= ", MAX_BQ);
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Dv = v.size(3);
   auto out = at::empty({B, H, Lq, Dv}, q.options());
-  auto r1 = at::empty({B, H, Lq}, q.options());
-  auto r2 = at::empty({B, H, Lq}, q.options());
+  auto den_or_tau = at::empty({B, H, Lq}, q.options());
+  auto shift_or_gsum = at::empty({B, H, Lq}, q.options());
   // U (threshold maps) only feeds the backward pass: need_u false (inference) skips it and returns it empty
-  auto u = is_threshold(kind) && need_u ? at::empty({B, H, Lq, u_width(kind, Dv)}, q.options())
+  auto hv_sum = is_threshold(kind) && need_u ? at::empty({B, H, Lq, u_width(kind, Dv)}, q.options())
                                         : at::empty({0}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "hf_attnorm_fused_forward", [&] {
-    auto p = make_problem<scalar_t>(kind, q, k, v, keep, causal, c, block_q, block_k, bias, slopes, cap);
+    auto p = make_problem<scalar_t>(kind, q, k, v, keep, causal, row_value, block_q, block_k, bias, slopes, cap);
     dispatch_kind(kind, [&](auto kc) {
       constexpr int64_t K = decltype(kc)::value;
-      if constexpr (K == ENTMAX_ALPHA) {
-        forward_alpha<scalar_t>(p, out.data_ptr<scalar_t>(), r1.data_ptr<scalar_t>(), r2.data_ptr<scalar_t>(),
-                                need_u ? u.data_ptr<scalar_t>() : nullptr);
-      } else if constexpr (K == ENTMAX15 || K == SPARSEMAX) {
-        forward_threshold<scalar_t, K>(p, out.data_ptr<scalar_t>(), r1.data_ptr<scalar_t>(),
-                                       r2.data_ptr<scalar_t>(), need_u ? u.data_ptr<scalar_t>() : nullptr);
+      if constexpr (driver_of(K) == 2) {
+        forward_alpha<scalar_t>(p, out.data_ptr<scalar_t>(), den_or_tau.data_ptr<scalar_t>(),
+                                shift_or_gsum.data_ptr<scalar_t>(), need_u ? hv_sum.data_ptr<scalar_t>() : nullptr);
+      } else if constexpr (driver_of(K) == 1) {
+        forward_threshold<scalar_t, K>(p, out.data_ptr<scalar_t>(), den_or_tau.data_ptr<scalar_t>(),
+                                       shift_or_gsum.data_ptr<scalar_t>(),
+                                       need_u ? hv_sum.data_ptr<scalar_t>() : nullptr);
       } else {
-        forward_tiles<scalar_t, K>(p, out.data_ptr<scalar_t>(), r1.data_ptr<scalar_t>(), r2.data_ptr<scalar_t>());
+        forward_tiles<scalar_t, K>(p, out.data_ptr<scalar_t>(), den_or_tau.data_ptr<scalar_t>(),
+                                   shift_or_gsum.data_ptr<scalar_t>());
       }
     });
   });
-  return {out, r1, r2, u};
+  return {out, den_or_tau, shift_or_gsum, hv_sum};
 }
 
 std::vector<at::Tensor> fused_backward(int64_t kind, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                       const std::optional<at::Tensor>& keep, bool causal, const at::Tensor& c,
+                                       const std::optional<at::Tensor>& keep, bool causal, const at::Tensor& row_value,
                                        const std::optional<at::Tensor>& bias,
                                        const std::optional<at::Tensor>& slopes, double cap, bool bias_grad,
-                                       const at::Tensor& out, const at::Tensor& r1, const at::Tensor& r2,
-                                       const at::Tensor& u, const at::Tensor& dout, int64_t block_q,
+                                       const at::Tensor& out, const at::Tensor& den_or_tau,
+                                       const at::Tensor& shift_or_gsum, const at::Tensor& hv_sum,
+                                       const at::Tensor& dout, int64_t block_q,
                                        int64_t block_k) {
-  check_inputs(kind, q, k, v, keep, c, block_q, block_k);
+  check_inputs(kind, q, k, v, keep, row_value, block_q, block_k);
   check_mods(q, k, bias, slopes, cap);
   TORCH_CHECK(!bias_grad || bias.has_value(), "fused_cpu: bias_grad without a bias");
   TORCH_CHECK(block_q <= MAX_BQ, "fused_cpu: block_q must be <= ", MAX_BQ);
-  TORCH_CHECK(out.is_contiguous() && dout.is_contiguous() && r1.is_contiguous() && r2.is_contiguous(),
-              "fused_cpu: out, dout, r1, r2 must be contiguous");
+  TORCH_CHECK(out.is_contiguous() && dout.is_contiguous() && den_or_tau.is_contiguous() &&
+                  shift_or_gsum.is_contiguous(),
+              "fused_cpu: out, dout, den_or_tau, shift_or_gsum must be contiguous");
   TORCH_CHECK(dout.sizes() == out.sizes() && dout.scalar_type() == q.scalar_type(), "fused_cpu: bad dout");
-  TORCH_CHECK(!is_threshold(kind) || (u.is_contiguous() && u.dim() == 4 && u.size(3) == u_width(kind, v.size(3)) &&
-                                      u.size(2) == out.size(2)),
-              "fused_cpu: bad u");
+  TORCH_CHECK(!is_threshold(kind) || (hv_sum.is_contiguous() && hv_sum.dim() == 4 &&
+                                      hv_sum.size(3) == u_width(kind, v.size(3)) && hv_sum.size(2) == out.size(2)),
+              "fused_cpu: bad hv_sum");
   auto dq = at::empty(q.sizes(), q.options());
   auto dk = at::empty(k.sizes(), k.options());
   auto dv = at::empty(v.sizes(), v.options());
-  auto dc = at::empty(c.sizes(), c.options());
+  auto drow_value = at::empty(row_value.sizes(), row_value.options());
   // dbias has the bias's (broadcast) shape, contiguous; empty when not needed
   auto dbias = bias_grad ? at::zeros(bias->sizes(), q.options()) : at::empty({0}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "hf_attnorm_fused_backward", [&] {
-    auto p = make_problem<scalar_t>(kind, q, k, v, keep, causal, c, block_q, block_k, bias, slopes, cap,
+    auto p = make_problem<scalar_t>(kind, q, k, v, keep, causal, row_value, block_q, block_k, bias, slopes, cap,
                                     bias_grad ? &dbias : nullptr);
     dispatch_kind(kind, [&](auto kc) {
       constexpr int64_t K = decltype(kc)::value;
-      backward<scalar_t, K>(p, dout.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), r1.data_ptr<scalar_t>(),
-                            r2.data_ptr<scalar_t>(), is_threshold(kind) ? u.data_ptr<scalar_t>() : nullptr,
+      backward<scalar_t, K>(p, dout.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), den_or_tau.data_ptr<scalar_t>(),
+                            shift_or_gsum.data_ptr<scalar_t>(),
+                            is_threshold(kind) ? hv_sum.data_ptr<scalar_t>() : nullptr,
                             dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
-                            dc.data_ptr<scalar_t>());
+                            drow_value.data_ptr<scalar_t>());
     });
   });
-  return {dq, dk, dv, dc, dbias};
+  return {dq, dk, dv, drow_value, dbias};
 }
 
 }  // namespace
 
 TORCH_LIBRARY(hf_attnorm_native, m) {
   m.def("blas_available() -> bool", &blas_available);
+  m.def("map_facts(int kind) -> int[]", &map_facts);
   m.def(
-      "forward(int kind, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor c, Tensor? bias, "
+      "forward(int kind, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor row_value, Tensor? bias, "
       "Tensor? slopes, float cap, int block_q, int block_k, bool need_u=True) -> Tensor[]");
   m.def(
-      "backward(int kind, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor c, Tensor? bias, "
-      "Tensor? slopes, float cap, bool bias_grad, Tensor out, Tensor r1, Tensor r2, Tensor u, Tensor dout, "
+      "backward(int kind, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor row_value, Tensor? bias, "
+      "Tensor? slopes, float cap, bool bias_grad, Tensor out, Tensor den_or_tau, Tensor shift_or_gsum, "
+      "Tensor hv_sum, Tensor dout, "
       "int block_q, int block_k) -> Tensor[]");
 }
 

@@ -1,0 +1,217 @@
+"""The fused maps, each declared once: what the C++ (``csrc/fused_cpu.cpp``) and Triton (``triton_attn.py``) kernels
+compute per score entry, and the facts they branch on.
+
+A fused map turns a score s (q . k with every scale applied) and the row's value r (one number per query row,
+``Normalizer.row_value``; n when the normalizer gives none) into a weight. ``FusedMap`` states it once:
+
+* ``weight(s, r)`` and ``slope(s, r)`` = d weight / ds: the numerator term of one visible key (0 for invisible keys);
+  ``den_term`` / ``den_slope`` when the denominator sums another term (softpick: |e^s - 1|);
+* ``normalised``: rows are divided by ``den_offset(r) + sum_j den_term(s_j, r)``; else the weights are used as they
+  are (``threshold`` maps: ``weight(s_j - t, r)`` with the per-row t that makes them sum to 1);
+* ``constant_on_single_key``: the kernels set the score gradients of rows with one visible key to exactly 0 (the
+  map's weights do not depend on the scores there; computed, they would be rounding noise amplified by f'/D),
+  ``single_key_mark``: how the row value tells the kernels which rows those are (alpha-entmax's weights are
+  constant there too, but its row value is alpha, which marks nothing: its kernels compute those gradients);
+* ``row_value``: what r holds, ``row_value_for(n)``: the value a normalizer with default options passes for rows
+  with n visible keys, ``row_value_has_gradient``: whether the kernels return d out / d r;
+* ``dispatch``: which C++ driver runs it ("tiles": one blocked pass; "threshold": a threshold search, then a pass;
+  "alpha": alpha-entmax's search in float64), ``wide``: computed in float64 whatever the input dtype.
+
+How the kernels read it: ``kinds.py`` derives the id table and sets from ``MAPS``; ``fused_cpu.py`` compiles the C++
+with the facts as preprocessor definitions (``compile_definitions``), so ``is_normalised``, ``is_threshold``,
+``constant_on_single_key`` and ``single_key_row`` are this table; the C++ ``enum Kind``, the ``dispatch_kind``
+switch and the elementwise code cannot be generated, so ``tests/test_fused_maps.py`` evaluates every map here
+through both kernels (forward and gradients against ``weight`` / ``slope``) and asks the compiled C++ for its facts
+per id (``map_facts``). An id outside this table raises in both kernels.
+
+Adding a map: one ``FusedMap`` entry below (next free id, never reuse one), its ``enum Kind`` entry, its
+``dispatch_kind`` case and its elementwise code in the C++, its branches in ``_entry`` / ``_slopes`` of
+``triton_attn.py`` (see docs/extending.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Tensor = torch.Tensor
+#: elementwise function of the score s [..., Lk] and the row value r (broadcast to s)
+EntryFn = Callable[[Tensor, Tensor], Tensor]
+Dispatch = Literal["tiles", "threshold", "alpha"]
+#: "n == 1": the row value is n there (maps that read no row value); "negative": the row value is negated there
+SingleKeyMark = Literal["n == 1", "negative", "none"]
+DISPATCH_IDS: dict[str, int] = {"tiles": 0, "threshold": 1, "alpha": 2}
+
+
+@dataclass(frozen=True)
+class FusedMap:
+    name: str
+    kernel_id: int
+    weight: EntryFn
+    slope: EntryFn
+    normalised: bool
+    threshold: bool
+    constant_on_single_key: bool
+    single_key_mark: SingleKeyMark
+    row_value: str
+    row_value_for: Callable[[Tensor], Tensor]
+    row_value_has_gradient: bool
+    dispatch: Dispatch
+    den_term: EntryFn | None = None
+    den_slope: EntryFn | None = None
+    den_offset: Callable[[Tensor], Tensor] | None = None
+    wide: bool = False
+
+    def __post_init__(self) -> None:
+        if self.threshold == self.normalised and self.threshold:
+            raise ValueError(f"fused map {self.name!r}: a threshold map is not also divided by a denominator")
+        if (self.dispatch == "tiles") == self.threshold:
+            raise ValueError(f"fused map {self.name!r}: threshold maps dispatch to 'threshold' or 'alpha', the "
+                             f"others to 'tiles' (got dispatch={self.dispatch!r}, threshold={self.threshold})")
+        if self.constant_on_single_key == (self.single_key_mark == "none"):
+            raise ValueError(f"fused map {self.name!r}: constant_on_single_key needs a single_key_mark, and only it")
+
+
+def _n(n: Tensor) -> Tensor:
+    return n.to(torch.float64)
+
+
+def _stablemax(s: Tensor, r: Tensor) -> Tensor:
+    return torch.where(s >= 0, s.clamp(min=0) + 1, 1 / (1 - s.clamp(max=0)))
+
+
+def _alpha_weight(x: Tensor, alpha: Tensor) -> Tensor:
+    return torch.relu((alpha - 1) * x) ** (1 / (alpha - 1))
+
+
+def _alpha_slope(x: Tensor, alpha: Tensor) -> Tensor:
+    return torch.relu((alpha - 1) * x) ** ((2 - alpha) / (alpha - 1))
+
+
+_ROW_IS_N = "n, the keys the query sees (the map reads no row value; n == 1 marks single-key rows)"
+#: power's default p and alpha-entmax's default alpha (normalizers/power.py, normalizers/entmax_alpha.py)
+_P, _ALPHA = 2.0, 1.5
+
+MAPS: tuple[FusedMap, ...] = (
+    FusedMap("symax", 0, lambda s, r: s.abs(), lambda s, r: s.sign(), normalised=True, threshold=False,
+             constant_on_single_key=False, single_key_mark="none", den_offset=lambda r: r,
+             row_value="eta (|eta_h| >= 0), added to the denominator", row_value_for=lambda n: torch.ones_like(_n(n)),
+             row_value_has_gradient=True, dispatch="tiles"),
+    FusedMap("squared", 1, lambda s, r: s * s, lambda s, r: 2 * s, normalised=True, threshold=False,
+             constant_on_single_key=True, single_key_mark="n == 1", row_value=_ROW_IS_N, row_value_for=_n,
+             row_value_has_gradient=False, dispatch="tiles"),
+    FusedMap("stablemax", 2, _stablemax, lambda s, r: torch.where(s >= 0, 1.0, 1 / (1 - s.clamp(max=0)) ** 2),
+             normalised=True, threshold=False, constant_on_single_key=True, single_key_mark="n == 1",
+             row_value=_ROW_IS_N, row_value_for=_n, row_value_has_gradient=False, dispatch="tiles"),
+    FusedMap("softpick", 3, lambda s, r: torch.relu(torch.expm1(s)), lambda s, r: torch.where(s > 0, s.exp(), 0.0),
+             den_term=lambda s, r: torch.expm1(s).abs(), den_slope=lambda s, r: torch.expm1(s).sign() * s.exp(),
+             normalised=True, threshold=False, constant_on_single_key=True, single_key_mark="n == 1",
+             row_value=_ROW_IS_N, row_value_for=_n, row_value_has_gradient=False, dispatch="tiles"),
+    FusedMap("sigmoid", 4, lambda s, r: torch.sigmoid(s + r),
+             lambda s, r: torch.sigmoid(s + r) * (1 - torch.sigmoid(s + r)), normalised=False, threshold=False,
+             constant_on_single_key=False, single_key_mark="none", row_value="the bias b added to every score "
+             "(-ln n by default)", row_value_for=lambda n: -torch.log(_n(n)), row_value_has_gradient=True,
+             dispatch="tiles"),
+    FusedMap("relu_len", 5, lambda s, r: torch.relu(s) * r, lambda s, r: (s > 0).to(s.dtype) * r, normalised=False,
+             threshold=False, constant_on_single_key=False, single_key_mark="none",
+             row_value="1 / n, the factor on relu(s)", row_value_for=lambda n: 1 / _n(n),
+             row_value_has_gradient=True, dispatch="tiles"),
+    FusedMap("entmax15", 6, lambda x, r: (torch.relu(x) / 2) ** 2, lambda x, r: torch.relu(x) / 2,
+             normalised=False, threshold=True, constant_on_single_key=True, single_key_mark="n == 1",
+             row_value=_ROW_IS_N, row_value_for=_n, row_value_has_gradient=False, dispatch="threshold"),
+    FusedMap("sparsemax", 7, lambda x, r: torch.relu(x), lambda x, r: (x > 0).to(x.dtype), normalised=False,
+             threshold=True, constant_on_single_key=True, single_key_mark="n == 1", row_value=_ROW_IS_N,
+             row_value_for=_n, row_value_has_gradient=False, dispatch="threshold"),
+    FusedMap("entmax_alpha", 8, _alpha_weight, _alpha_slope, normalised=False, threshold=True,
+             constant_on_single_key=False, single_key_mark="none", row_value="alpha (1 < alpha <= 2, per head)",
+             row_value_for=lambda n: torch.full_like(_n(n), _ALPHA), row_value_has_gradient=True, dispatch="alpha",
+             wide=True),
+    FusedMap("power", 9, lambda s, r: s.abs() ** r.abs(),
+             lambda s, r: torch.where(s != 0, r.abs() * s.abs() ** r.abs() / torch.where(s != 0, s, 1.0), 0.0),
+             normalised=True, threshold=False, constant_on_single_key=True, single_key_mark="negative",
+             row_value="+p on rows with more than one visible key, -p on rows with one",
+             row_value_for=lambda n: torch.where(_n(n) > 1, _P, -_P), row_value_has_gradient=True, dispatch="tiles"),
+    FusedMap("softplus", 10, lambda s, r: torch.nn.functional.softplus(s), lambda s, r: torch.sigmoid(s),
+             normalised=True, threshold=False, constant_on_single_key=True, single_key_mark="n == 1",
+             row_value=_ROW_IS_N, row_value_for=_n, row_value_has_gradient=False, dispatch="tiles"),
+)
+
+BY_NAME: dict[str, FusedMap] = {m.name: m for m in MAPS}
+BY_ID: dict[int, FusedMap] = {m.kernel_id: m for m in MAPS}
+if len(BY_NAME) != len(MAPS) or len(BY_ID) != len(MAPS):
+    raise ValueError("kernels/maps.py: every fused map needs its own name and its own kernel_id")
+
+
+def lookup_id(kernel_id: int) -> FusedMap:
+    """The map with ``kernel_id``; ValueError naming the declared ids otherwise (the launchers call this before
+    handing an id to a kernel)."""
+    try:
+        return BY_ID[int(kernel_id)]
+    except (KeyError, TypeError, ValueError):
+        known = ", ".join(f"{m.kernel_id} ({m.name})" for m in MAPS)
+        raise ValueError(f"unknown fused map id {kernel_id!r}: the declared ids are {known}") from None
+
+
+def _mask(pred: Callable[[FusedMap], bool]) -> int:
+    return sum(1 << m.kernel_id for m in MAPS if pred(m))
+
+
+def compile_definitions() -> list[str]:
+    """The map facts as C++ preprocessor definitions (bit i: map id i), read by ``csrc/fused_cpu.cpp``."""
+    defs = {
+        "HF_MAPS_NUM_KINDS": max(BY_ID) + 1,
+        "HF_MAPS_DECLARED": _mask(lambda m: True),
+        "HF_MAPS_NORMALISED": _mask(lambda m: m.normalised),
+        "HF_MAPS_THRESHOLD": _mask(lambda m: m.threshold),
+        "HF_MAPS_CONSTANT_ON_SINGLE_KEY": _mask(lambda m: m.constant_on_single_key),
+        "HF_MAPS_SINGLE_KEY_NEGATIVE": _mask(lambda m: m.single_key_mark == "negative"),
+    }
+    return [f"-D{name}={value}ULL" if name != "HF_MAPS_NUM_KINDS" else f"-D{name}={value}"
+            for name, value in defs.items()]
+
+
+def threshold_weights(fmap: FusedMap, s: Tensor, r: Tensor, keep: Tensor, iters: int = 200) -> Tensor:
+    """A threshold map's weights ``weight(s_j - t, r)`` over the visible keys, with the per-row t that makes them sum
+    to 1 (float64; rows without a visible key give 0). s, keep: [..., Lk]; r: broadcastable to [..., 1].
+
+    t is found by bisection, then moved by one Newton step t + (sum_j weight(s_j - t, r) - 1) / sum_j slope(s_j - t,
+    r) taken with autograd on: its value stays t (the sum is 1 there) and its derivatives are the implicit ones,
+    dt/ds_j = slope_j / sum slope and dt/dr = sum d weight/dr / sum slope, so gradients through the result are the
+    map's Jacobian (built from the declared ``slope``)."""
+    s = s.to(torch.float64)
+    with torch.no_grad():
+        masked = torch.where(keep, s, -math.inf)
+        top = masked.max(dim=-1, keepdim=True).values
+        live = torch.isfinite(top)
+        top = torch.where(live, top, 0.0)
+        lo, hi = top - 1e4, top.clone()  # at t = max the sum is 0; far below it, above 1 for every map here
+        for _ in range(iters):
+            mid = (lo + hi) / 2
+            above = torch.where(keep, fmap.weight(s - mid, r), 0.0).sum(-1, keepdim=True) > 1
+            lo, hi = torch.where(above, mid, lo), torch.where(above, hi, mid)
+        t0 = (lo + hi) / 2
+    mass = torch.where(keep, fmap.weight(s - t0, r), 0.0).sum(-1, keepdim=True)
+    slope = torch.where(keep, fmap.slope(s - t0, r), 0.0).sum(-1, keepdim=True).detach()
+    t = t0 + (mass - 1) / torch.where(slope > 0, slope, 1.0)
+    return torch.where(keep & live, fmap.weight(s - t, r), 0.0)
+
+
+def declared_weights(fmap: FusedMap, s: Tensor, r: Tensor, keep: Tensor) -> Tensor:
+    """The attention weights the declaration defines, [..., Lk] (float64, autograd-connected to s and r): the
+    numerator over the denominator for normalised maps (0 where it is 0), threshold weights, or the weights as
+    they are. s, keep: [..., Lk]; r: [...] (one value per row)."""
+    r = r.unsqueeze(-1)
+    if fmap.threshold:
+        return threshold_weights(fmap, s, r, keep)
+    a = torch.where(keep, fmap.weight(s, r), 0.0)
+    if not fmap.normalised:
+        return a
+    term = fmap.den_term or fmap.weight
+    den = torch.where(keep, term(s, r), 0.0).sum(-1, keepdim=True)
+    if fmap.den_offset is not None:
+        den = den + fmap.den_offset(r)
+    return torch.where(den != 0, a / torch.where(den != 0, den, 1.0), 0.0)
