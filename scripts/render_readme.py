@@ -35,7 +35,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 #: the documents that carry generated blocks, relative to the repository root
-DOCUMENTS = ["README.md", "docs/options.md", "docs/architecture.md", "docs/benchmarks.md", "bench/compare/README.md"]
+DOCUMENTS = ["README.md", "docs/options.md", "docs/architecture.md", "docs/benchmarks.md", "bench/compare/README.md",
+             "docs/families.md"]
 BLOCK = re.compile(r"(<!-- generated:(?P<name>[a-z0-9_-]+) -->\n)(?P<body>.*?)(<!-- /generated:(?P=name) -->)", re.S)
 
 #: the kernel benchmark run the README summarises (the JSON holds the numbers and the machine; command and date are
@@ -199,6 +200,20 @@ def _main_section(name: str) -> Callable[[], str]:
     return render
 
 
+def keyword_scan() -> str:
+    """The keyword scan of transformers' attention classes (bench/families/keywords.json, scripts/scan_keywords.py)."""
+    scan = json.loads((ROOT / "bench" / "families" / "keywords.json").read_text())
+    by_keyword: dict[str, list[str]] = {}
+    for row in scan["classes"]:
+        for k in row["refused"]:
+            by_keyword.setdefault(k, []).append(row["folder"])
+    refused = "; ".join(f"`{k}` ({', '.join(sorted(set(v)))})" for k, v in sorted(by_keyword.items()))
+    return (f"`{scan['command']}` on transformers {scan['transformers']}, {scan['date']} ([bench/families/keywords.md]"
+            f"(../bench/families/keywords.md)): {scan['attention_classes']} attention classes in {scan['folders']} "
+            f"model folders call the interface; {scan['refused_classes']} pass a keyword hf_attnorm refuses, and "
+            f"their families are refused at load naming it: {refused}.")
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
     **{name: _main_section(name) for name in ("implementations", "options", "learned", "versions")},
     "families": families,
@@ -206,6 +221,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "performance": performance,
     **{f"compare-{task}": task_table(task) for task in ("mqar", "passkey", "lm")},
     "compare-claims": claims,
+    "keyword-scan": keyword_scan,
     "kernels-run1": kernel_table("bench/kernels/bench_kernels.json"),
     "kernels-run3": kernel_table("bench/kernels_wave3/bench_kernels.json"),
 }

@@ -11,6 +11,7 @@ Run it after a transformers release: a new refused keyword names the families wh
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib
 import inspect
 import json
@@ -82,13 +83,15 @@ def main(argv: list[str] | None = None) -> None:
                          "refused": {k: r.why for k, r in roles.items() if not r.accepted}})
     refused = [r for r in rows if r["refused"]]
     result = {"transformers": transformers.__version__, "torch": torch.__version__,
+              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
               "command": "python scripts/scan_keywords.py " + " ".join(sys.argv[1:]),
               "attention_classes": len(rows), "folders": len(found), "refused_classes": len(refused),
               "import_failures": failed, "classes": rows}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "keywords.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [f"# Attention keywords of transformers {transformers.__version__}", "",
-             f"`{result['command']}`: {len(rows)} attention classes in {len(found)} model folders call the attention "
+             f"`{result['command']}` ({result['date']}): {len(rows)} attention classes in {len(found)} model "
+             "folders call the attention "
              f"interface; {len(refused)} pass a keyword hf_attnorm refuses (their families are refused at load "
              f"with the keyword named). {len(failed)} modeling files did not import here.", "",
              "| folder | class | refused keyword | why |", "|---|---|---|---|"]
