@@ -208,7 +208,7 @@ def test_the_keyword_declarations_hf_attnorm_reads_exist():
     attention = compat.attention_function_keywords()
     for k in ("num_items_in_batch", "output_hidden_states"):
         assert k in declared, broken(f"{k!r} is no longer declared in TransformersKwargs",
-                                     "keyword classification (compat.keyword_role)")
+                                     "keyword classification (compat.keyword_roles)")
     assert "shift_labels" in declared, broken("ForCausalLMLoss no longer declares 'shift_labels'",
                                               "keyword classification: loss keywords pass through")
     for k in ("dropout", "scaling", "is_causal", "softcap", "s_aux", "sliding_window"):

@@ -4,7 +4,7 @@ convention of transformers' call path that the integration reads (the ONE place 
 * the argument that carries the KV cache into an attention module (``cache`` since 5.24, ``past_key_values``
   before) and the cache's layer API the cache-bound states use (``cache_of_call``, ``cache_layer``,
   ``plain_dynamic_layer``, ``layer_tensors``);
-* what a keyword reaching the attention function means (``keyword_role``): read from transformers' own
+* what a keyword reaching the attention function means (``keyword_roles``): read from transformers' own
   declarations (its attention functions' parameters, the ``TransformersKwargs``/``FlashAttentionKwargs`` typed
   dicts, the loss functions' parameters) of the installed version, not from a list frozen at one release;
 * the continuous-batching entry point (``CONTINUOUS_BATCHING_ENTRY``), which runs only transformers' own
@@ -260,29 +260,23 @@ def declared_passthrough_keywords() -> dict[str, str]:
     return out
 
 
-_ROLES: dict[str, KeywordRole] = {}
-
-
 def keyword_roles(implemented: frozenset[str], ignored: Mapping[str, str]) -> dict[str, KeywordRole]:
     """The role of every keyword transformers declares, given what hf_attnorm implements and deliberately ignores
     (``families.IMPLEMENTED_KEYWORDS`` / ``IGNORED_KEYWORDS``): implemented > ignored (with its reason) > a
     parameter of transformers' attention functions (refused: it would change attention) > declared elsewhere
-    (passed through, as transformers' own attention functions do). Built once per process."""
-    if not _ROLES:
-        roles = {k: KeywordRole(PASSTHROUGH, why) for k, why in declared_passthrough_keywords().items()}
-        roles.update({k: KeywordRole(ATTENTION, why) for k, why in attention_function_keywords().items()})
-        roles.update({k: KeywordRole(IGNORED, why) for k, why in ignored.items()})
-        roles.update({k: KeywordRole(IMPLEMENTED, "implemented by hf_attnorm") for k in implemented})
-        _ROLES.update(roles)
-    return _ROLES
+    (passed through, as transformers' own attention functions do). A keyword missing from the table is
+    ``unknown_keyword``."""
+    roles = {k: KeywordRole(PASSTHROUGH, why) for k, why in declared_passthrough_keywords().items()}
+    roles.update({k: KeywordRole(ATTENTION, why) for k, why in attention_function_keywords().items()})
+    roles.update({k: KeywordRole(IGNORED, why) for k, why in ignored.items()})
+    roles.update({k: KeywordRole(IMPLEMENTED, "implemented by hf_attnorm") for k in implemented})
+    return roles
 
 
-def keyword_role(name: str, implemented: frozenset[str], ignored: Mapping[str, str]) -> KeywordRole:
-    """What keyword ``name`` means for the attention function (see ``keyword_roles``); an undeclared keyword is
-    UNKNOWN and refused: it could change what attention computes."""
-    why = (f"transformers {transformers.__version__} declares no keyword {name!r} in its attention functions, "
-           "TransformersKwargs, FlashAttentionKwargs or loss functions")
-    return keyword_roles(implemented, ignored).get(name, KeywordRole(UNKNOWN, why))
+def unknown_keyword(name: str) -> KeywordRole:
+    """The role of a keyword transformers does not declare: refused, since it could change what attention computes."""
+    return KeywordRole(UNKNOWN, f"transformers {transformers.__version__} declares no keyword {name!r} in its "
+                                "attention functions, TransformersKwargs, FlashAttentionKwargs or loss functions")
 
 
 # ------------------------------------------------------------------------------------------------ continuous batching

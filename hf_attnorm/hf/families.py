@@ -50,7 +50,7 @@ IMPLEMENTED_KEYWORDS: frozenset[str] = frozenset({
 
 #: keywords of transformers' attention functions (or of a module's own call) that carry nothing for a non-flash
 #: attention function, each with the reason; keywords transformers declares elsewhere (``TransformersKwargs``, loss
-#: functions, the cache argument) pass through by ``compat.keyword_role``, as they do through transformers' own
+#: functions, the cache argument) pass through by ``compat.keyword_roles``, as they do through transformers' own
 #: attention functions
 IGNORED_KEYWORDS: dict[str, str] = {
     **{k: "flash-attention varlen metadata: like sdpa and eager, the boolean mask (sdpa_mask) is what counts"
@@ -66,20 +66,25 @@ IGNORED_KEYWORDS: dict[str, str] = {
 }
 
 
+#: ``compat.keyword_roles`` for this process's transformers, built at the first lookup (module load time of the first
+#: model: it reads transformers' signatures)
+_ROLES: dict[str, compat.KeywordRole] = {}
+
+
 def keyword_role(name: str) -> compat.KeywordRole:
     """What a keyword reaching the attention function means (implemented, ignored with a reason, passed through as
-    transformers declares it, or refused: see ``compat.keyword_role``)."""
-    return compat.keyword_role(name, IMPLEMENTED_KEYWORDS, IGNORED_KEYWORDS)
+    transformers declares it, or refused: see ``compat.keyword_roles``)."""
+    if not _ROLES:
+        _ROLES.update(compat.keyword_roles(IMPLEMENTED_KEYWORDS, IGNORED_KEYWORDS))
+    role = _ROLES.get(name)
+    return role if role is not None else compat.unknown_keyword(name)
 
 
 def refused_keywords(names: object) -> list[str]:
-    """The keywords among ``names`` that hf_attnorm must refuse, each with why (sorted)."""
-    out = []
-    for k in sorted(names):  # type: ignore[call-overload]
-        role = keyword_role(k)
-        if not role.accepted:
-            out.append(f"{k!r} ({role.why})")
-    return out
+    """The keywords among ``names`` that hf_attnorm must refuse, each with why (sorted; checked per attention call,
+    so the accepted ones cost one lookup each)."""
+    refused = [k for k in names if not keyword_role(k).accepted]  # type: ignore[attr-defined]
+    return [f"{k!r} ({keyword_role(k).why})" for k in sorted(refused)]
 
 
 #: model families that compute attention themselves (no ``ALL_ATTENTION_FUNCTIONS`` call): refused at load/set time

@@ -185,10 +185,11 @@ def step_handle(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value
     reason: the O(1) step must not turn itself off silently."""
     if torch.compiler.is_compiling():
         return None
-    attached = _pre_hook in module._forward_pre_hooks.values()
     pending = module.__dict__.pop(PENDING_ATTR, None)
-    decoding = (attached and query.shape[2] == 1 and key.shape[2] > 1 and not torch.is_grad_enabled()
-                and getattr(module, "is_causal", True) is not False)  # (cross-attention keeps no state)
+    # (cross-attention keeps no state; the hook scan comes last: every attention call of every module passes here)
+    decoding = (query.shape[2] == 1 and key.shape[2] > 1 and not torch.is_grad_enabled()
+                and getattr(module, "is_causal", True) is not False
+                and _pre_hook in module._forward_pre_hooks.values())
     if pending is None:
         if decoding and supports(module):
             _warn_off(module, "no transformers Cache reached the attention module's forward (looked for the "
