@@ -81,6 +81,10 @@ def main() -> None:
                   "num_params": n_params, "partitioned": partitioned, "attnorm_values": values, "world": world}
         (out / "result.json").write_text(json.dumps(result))
     dist.barrier()
+    # without an explicit teardown, gloo's worker threads can still hold work at interpreter exit and abort the
+    # process (SIGABRT, "terminate called without an active exception") after everything above succeeded
+    engine.destroy()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
