@@ -36,7 +36,7 @@ if str(ROOT) not in sys.path:
 
 #: the documents that carry generated blocks, relative to the repository root
 DOCUMENTS = ["README.md", "docs/options.md", "docs/architecture.md", "docs/benchmarks.md", "bench/compare/README.md",
-             "docs/families.md"]
+             "docs/families.md", "bench/convert/README.md"]
 BLOCK = re.compile(r"(<!-- generated:(?P<name>[a-z0-9_-]+) -->\n)(?P<body>.*?)(<!-- /generated:(?P=name) -->)", re.S)
 
 #: the kernel benchmark run the README summarises (the JSON holds the numbers and the machine; command and date are
@@ -87,6 +87,40 @@ def main_job() -> str:
             f"(paired t-test by seed, 5%).\n\n"
             f"{report.headline_sentence(res)}\n\n{report.headline_table(res)}\n\n"
             f"Published claims checked at this scale:\n\n{report.verdicts_table(rows)}\n\n{plots}")
+
+
+def conversion() -> str:
+    """The conversion study's table, finding and claim, from bench/convert/results.json."""
+    from hf_attnorm.lab import conversion_study as study
+
+    data = json.loads((ROOT / "bench" / "convert" / "results.json").read_text())
+    s = data["settings"]
+    seconds = [r for row in data["rows"].values() for r in row["convert_seconds"].values()]
+    slowest = max(seconds) / 60 if seconds else float("nan")
+    return (f"{data['model']}, perplexity at {s['eval_lengths'][0]} tokens on {s['eval_tokens']} held-out tokens "
+            f"({data['data']}); {s['seeds']} seeds, cells mean [min, max]. From "
+            f"[bench/convert/results.json](bench/convert/results.json) (`{data['command']}`, {data['date'][:10]}, "
+            f"{data['machine']['cpus']}-core CPU; per-run commands and timings: "
+            f"[bench/convert/README.md](bench/convert/README.md)). The slowest conversion took {slowest:.1f} min.\n\n"
+            f"{study.summary_sentence(data)}\n\n{study.table(data)}\n\n"
+            f"The claim beside it: {data['claim']}.")
+
+
+def conversion_runs() -> str:
+    """Every run of the conversion study: its command, seconds per stage, the machine's load and peak memory."""
+    lines = ["| implementation | run | seed | seconds (stage 1 / stage 2 / whole run with evaluation) | load average "
+             "at start → end | peak RSS MB after stage 1 / 2 |", "|---|---|---|---|---|---|"]
+    commands = []
+    for path in sorted((ROOT / "bench" / "convert" / "runs").glob("*/*/conversion.json")):
+        run = json.loads(path.read_text())
+        kind, seed = path.parent.name.rsplit("-seed", 1)
+        sec, rss = run["seconds"], run["max_rss_mb"]
+        stage1 = f"{sec['transfer']:.0f}" if run["steps"]["transfer"] else "—"
+        lines.append(f"| `{run['implementation']}` | {kind} | {seed} | {stage1} / {sec['finetune']:.0f} / "
+                     f"{run['wall_seconds']:.0f} | {run['load_average_start']} → {run['load_average_end']} | "
+                     f"{rss.get('after transfer', '—')} / {rss.get('after finetune', '—')} |")
+        commands.append(f"* `{run['command']}`")
+    return "\n".join(lines) + "\n\nCommands:\n\n" + "\n".join(commands)
 
 
 def _compare_results():
@@ -218,6 +252,8 @@ GENERATORS: dict[str, Callable[[], str]] = {
     **{name: _main_section(name) for name in ("implementations", "options", "learned", "versions")},
     "families": families,
     "main-job": main_job,
+    "conversion": conversion,
+    "conversion-runs": conversion_runs,
     "performance": performance,
     **{f"compare-{task}": task_table(task) for task in ("mqar", "passkey", "lm")},
     "compare-claims": claims,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -15,6 +15,7 @@ from torch import nn
 from ..attention import make_call
 from ..kernels import attend
 from ..registry import NORMALIZERS, AttnormError
+from ..settings import AttnormSettings, resolve_settings
 from .families import refused_keywords
 from .recurrent import step_handle
 from .selective_cache import step_for as selective_step
@@ -44,6 +45,10 @@ class _LastCall:
 LAST_CALL = _LastCall()
 
 
+#: the signature of an attention observer (see ``hf_attention_forward``)
+AttentionObserver = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+
 def hf_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -57,8 +62,24 @@ def hf_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The AttentionInterface function. query [B, H, Lq, D], key/value [B, Hkv, Lk, D] -> (out [B, Lq, H, Dv],
-    weights [B, H, Lq, Lk] when output_attentions is requested, else None)."""
+    weights [B, H, Lq, Lk] when output_attentions is requested, else None).
+
+    An observer set on the module's state (``module.attnorm.observer``, e.g. attention transfer in
+    ``hf_attnorm.lab.convert``) is called instead, as ``observer(module, query, key, value, attention_mask, scaling,
+    kwargs, student)`` where ``student()`` computes this function's own result; it returns what the layer gets."""
     state = state_of(module, implementation)
+    observer = state.observer
+    if observer is not None:
+        def student() -> tuple[torch.Tensor, torch.Tensor | None]:
+            return _attend(module, state, query, key, value, attention_mask, scaling, dropout, kwargs)
+
+        return observer(module, query, key, value, attention_mask, scaling, kwargs, student)
+    return _attend(module, state, query, key, value, attention_mask, scaling, dropout, kwargs)
+
+
+def _attend(module: nn.Module, state: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            attention_mask: object, scaling: float | None, dropout: float,
+            kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
     causal = kwargs.get("is_causal")
     if causal is None:
         causal = bool(getattr(module, "is_causal", True))
@@ -95,6 +116,27 @@ def hf_attention_forward(
         coupled.after(call)
     LAST_CALL.path = path
     return out.transpose(1, 2).contiguous(), weights
+
+
+@functools.cache
+def _softmax_settings() -> AttnormSettings:
+    return resolve_settings("softmax", {})
+
+
+def softmax_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: object, scaling: float | None, kwargs: Mapping[str, Any]) -> torch.Tensor:
+    """Plain softmax attention of the same call, as the model's own attention computes it (its mask, scaling,
+    causality, softcap, sinks and position bias), without dropout: query [B, H, Lq, D], key/value [B, Hkv, Lk, D]
+    -> [B, Lq, H, Dv]. The teacher of attention transfer (``hf_attnorm.lab.convert``)."""
+    state = module._modules.get("attnorm")
+    info = getattr(state, "module_info", None) or {}
+    causal = kwargs.get("is_causal")
+    if causal is None:
+        causal = bool(getattr(module, "is_causal", True))
+    call = make_call(query, key, value, _softmax_settings(), {}, attention_mask, causal, scaling, 0.0, False, info,
+                     bias=kwargs.get("position_bias"), softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
+    out, _, _ = attend(call)
+    return out.transpose(1, 2).contiguous()
 
 
 @functools.cache

@@ -1,0 +1,745 @@
+"""Convert a pretrained causal LM to another attention normalizer: attention transfer, then fine-tuning.
+
+``python scripts/convert.py --attn_implementation symax --output_dir runs/smollm2-symax`` takes the embedded
+SmolLM2-135M (or any causal-LM folder), swaps its attention to an hf_attnorm implementation and trains it back:
+
+* **stage 1, attention transfer** (the first stage of LoLCATs, Zhang et al., arXiv 2410.10254; Hedgehog, Zhang et al.,
+  arXiv 2402.04347): the model's own softmax attention (computed on the same layer inputs with the same weights,
+  its mask, scaling, softcap, sinks and position bias included) is the teacher. In every attention call the new
+  normalizer's output is trained to match the teacher's output (relative mean squared error, averaged over
+  layers), while the teacher's output goes on to the next layer, so every layer sees the original model's inputs.
+  Trained: the normalizer's learnable per-head values and, by default, LoRA (peft) on q/k, merged at the end of
+  the stage. With LoRA, the teacher outputs of a batch are recorded in a first pass with the adapters off (the
+  original q, k, v), then the student pass reads them: one model, no second copy. The LM head does not run.
+* **stage 2, fine-tuning**: next-token loss on text, LoRA (merged at the end) or the full model.
+
+Output: ``<output_dir>/final`` (an ordinary hf_attnorm checkpoint: ``from_pretrained`` reloads it exactly, settings
+and learned values included) and ``<output_dir>/conversion.json`` (losses, per-layer transfer errors, perplexities
+after each stage, seconds, peak memory). ``<output_dir>/checkpoints`` holds the newest resumable checkpoint
+(``--resume_from_checkpoint latest``). Runs under ``python`` or ``accelerate launch`` (gradients of the trained
+tensors are averaged over processes; evaluation runs on the main process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import resource
+import shutil
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from ..fileio import atomic_write
+from ..hf.families import CAUSAL_LM, attention_modules, lm_task
+from ..hf.forward import softmax_attention
+from ..registry import PRESETS, AttnormError, canonical, is_ours
+from ..settings import resolve_settings
+from . import data as data_lib
+from .evaluation import EvaluationError, causal_lm_perplexity, spread_chunks
+from .training.args import TrainingError, parse_attnorm_options
+from .training.setup import resolve_model_path
+
+SUMMARY_FILE = "conversion.json"
+ARGS_FILE = "conversion_args.json"
+CHECKPOINTS = "checkpoints"
+#: the stage-1 result kept for a resume inside stage 2 (never rotated)
+TRANSFER_DONE = "transfer_done"
+STAGES = ("transfer", "finetune")
+#: the default stage-2 learning rate per --finetune_mode (LoRA adapters start at zero and take a larger one)
+FINETUNE_LR = {"lora": 2e-3, "full": 5e-5}
+#: where evaluation can happen: before any training, after each stage
+EVAL_POINTS = ("swapped", *STAGES)
+#: flags that may differ between a run and its resumption
+RESUME_MAY_DIFFER = ("output_dir", "resume_from_checkpoint", "torch_threads", "overwrite_output_dir")
+
+
+class ConvertError(ValueError):
+    """Bad conversion input, detected before any training step."""
+
+
+# ------------------------------------------------------------------------------------------------------ arguments
+
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def _names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("must name at least one module, e.g. q_proj,k_proj")
+    return names
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        values = [int(n) for n in text.split(",") if n.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated token counts, e.g. 512,2048; got {text!r}") \
+            from None
+    if not values or min(values) < 2:
+        raise argparse.ArgumentTypeError(f"must be comma-separated token counts >= 2, got {text!r}")
+    return values
+
+
+def _stage_names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in EVAL_POINTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}; choose among {', '.join(EVAL_POINTS)}")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="convert.py", description=__doc__.split("\n\n")[0],
+        epilog="Stage 2 alone (the control of the conversion study): --transfer_steps 0. Swap only and evaluate: "
+               "--transfer_steps 0 --finetune_steps 0. Every option: docs/convert.md.")
+    g = p.add_argument_group("model")
+    g.add_argument("--model_name_or_path", default="smollm2",
+                   help="causal-LM folder to convert, or 'smollm2' (the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--attn_implementation", required=True,
+                   help="the hf_attnorm implementation to convert to (`python -m hf_attnorm` lists them)")
+    g.add_argument("--attnorm", action="append", default=[], metavar="KEY=VALUE",
+                   help="an attnorm option of the new implementation (repeatable), e.g. --attnorm eta_learnable=true")
+    g = p.add_argument_group("data")
+    g.add_argument("--train_file", default=None,
+                   help="training text (.txt, .json/.jsonl, .csv); default: the embedded Shakespeare training plays")
+    g.add_argument("--validation_file", default=None,
+                   help="held-out text for perplexity and transfer errors (with --train_file); default: the embedded "
+                        "Shakespeare validation plays (or 5%% of --train_file)")
+    g.add_argument("--block_size", type=_int_at_least(2), default=512, help="tokens per training sequence")
+    g.add_argument("--per_device_train_batch_size", type=_int_at_least(1), default=1,
+                   help="sequences per process per optimizer step")
+    g = p.add_argument_group("stage 1: attention transfer")
+    g.add_argument("--transfer_steps", type=_int_at_least(0), default=20,
+                   help="optimizer steps of attention transfer (0 = skip the stage)")
+    g.add_argument("--transfer_learning_rate", type=_positive_float, default=2e-2,
+                   help="peak AdamW learning rate of stage 1 (cosine decay to 10%%)")
+    g.add_argument("--transfer_lora_r", type=_int_at_least(0), default=8,
+                   help="LoRA rank on --transfer_lora_targets in stage 1 (0 = train only the normalizer's learnable "
+                        "values)")
+    g.add_argument("--transfer_lora_targets", type=_names, default=["q_proj", "k_proj"],
+                   help="comma-separated module names that get LoRA in stage 1")
+    g = p.add_argument_group("stage 2: fine-tuning")
+    g.add_argument("--finetune_steps", type=_int_at_least(0), default=20,
+                   help="optimizer steps of next-token fine-tuning (0 = skip the stage)")
+    g.add_argument("--finetune_mode", choices=["lora", "full"], default="lora",
+                   help="stage 2 trains LoRA adapters (merged at the end) or every weight")
+    g.add_argument("--finetune_learning_rate", type=_positive_float, default=None,
+                   help="peak AdamW learning rate of stage 2 (cosine decay to 10%%); default "
+                        f"{FINETUNE_LR['lora']} with LoRA, {FINETUNE_LR['full']} for --finetune_mode full")
+    g.add_argument("--lora_r", type=_int_at_least(1), default=8, help="LoRA rank of stage 2 (--finetune_mode lora)")
+    g.add_argument("--finetune_lora_targets", type=_names, default=["q_proj", "k_proj", "v_proj", "o_proj"],
+                   help="comma-separated module names that get LoRA in stage 2")
+    g.add_argument("--weight_decay", type=float, default=0.0, help="AdamW weight decay (both stages)")
+    g.add_argument("--max_grad_norm", type=float, default=1.0, help="gradient clipping norm (0 = none)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the data order and of the LoRA initialisation")
+    g = p.add_argument_group("evaluation and output")
+    g.add_argument("--eval_lengths", type=_lengths, default=[512],
+                   help="comma-separated contexts at which perplexity is measured, e.g. 512,2048")
+    g.add_argument("--eval_stages", type=_stage_names, default=list(EVAL_POINTS),
+                   help="after which points perplexity and layer errors are measured, comma-separated among "
+                        f"{', '.join(EVAL_POINTS)} (swapped = before any training)")
+    g.add_argument("--eval_tokens", type=_int_at_least(2), default=8192,
+                   help="held-out tokens scored per context (chunks spread evenly over the validation text)")
+    g.add_argument("--error_blocks", type=_int_at_least(1), default=2,
+                   help="held-out blocks of --block_size tokens on which the per-layer transfer error is measured")
+    g.add_argument("--output_dir", required=True, help="where checkpoints, the final model and conversion.json go")
+    g.add_argument("--overwrite_output_dir", action="store_true",
+                   help="delete a previous conversion in --output_dir first")
+    g.add_argument("--checkpointing_steps", type=_int_at_least(0), default=10,
+                   help="save a resumable checkpoint every N optimizer steps and at the end of each stage (0 = only "
+                        "at the end of each stage); only the newest is kept")
+    g.add_argument("--resume_from_checkpoint", default=None,
+                   help="'latest' (the newest checkpoint in --output_dir) or a checkpoint folder")
+    g.add_argument("--no_save_model", action="store_true",
+                   help="do not write <output_dir>/final (sweeps that keep only conversion.json)")
+    g.add_argument("--torch_threads", type=_int_at_least(1), default=None,
+                   help="torch.set_num_threads per process (default: torch's choice)")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    impl = canonical(args.attn_implementation)
+    if impl not in PRESETS or not is_ours(impl):
+        raise ConvertError(f"--attn_implementation {args.attn_implementation!r} is not an hf_attnorm implementation; "
+                           f"registered: {', '.join(PRESETS)}")
+    args.attn_implementation = impl
+    if args.finetune_learning_rate is None:
+        args.finetune_learning_rate = FINETUNE_LR[args.finetune_mode]
+    try:
+        args.options = parse_attnorm_options(args.attnorm)
+        args.settings = resolve_settings(impl, args.options).to_dict()
+    except (TrainingError, AttnormError) as exc:
+        raise ConvertError(str(exc)) from exc
+    if args.validation_file and not args.train_file:
+        raise ConvertError("--validation_file needs --train_file")
+    if args.max_grad_norm < 0 or args.weight_decay < 0:
+        raise ConvertError("--max_grad_norm and --weight_decay must be >= 0")
+    if args.resume_from_checkpoint is not None and args.overwrite_output_dir:
+        raise ConvertError("--resume_from_checkpoint and --overwrite_output_dir contradict each other")
+    return args
+
+
+def recorded_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags as run (what ``conversion_args.json`` keeps and a resume compares)."""
+    return {k: v for k, v in sorted(vars(args).items()) if k not in ("options",)}
+
+
+# --------------------------------------------------------------------------------------------- attention transfer
+
+
+def _teacher(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: object,
+             scaling: float | None, kwargs: dict[str, Any]) -> torch.Tensor:
+    with torch.no_grad():
+        return softmax_attention(module, query, key, value, attention_mask, scaling, kwargs)
+
+
+class Transfer:
+    """The observer put on every attention module (``module.attnorm.observer``) for attention transfer.
+
+    ``mode``: ``"record"`` keeps the teacher outputs of one pass (and gives them to the next layer); ``"student"``
+    computes the new normalizer's output, records its error against the recorded teacher output (or, with none
+    recorded, the teacher computed on the same q, k, v) and gives the teacher output to the next layer."""
+
+    def __init__(self) -> None:
+        self.mode = "student"
+        self.teacher: list[torch.Tensor] = []
+        self.errors: list[torch.Tensor] = []  # per layer: mean squared error / mean squared teacher output
+        self.calls = 0
+
+    def reset(self, mode: str) -> None:
+        self.mode, self.calls, self.errors = mode, 0, []
+        if mode == "record":
+            self.teacher = []
+
+    def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: object, scaling: float | None, kwargs: dict[str, Any],
+                 student: Callable[[], tuple[torch.Tensor, Any]]) -> tuple[torch.Tensor, None]:
+        if self.mode == "record":
+            target = _teacher(module, query, key, value, attention_mask, scaling, kwargs)
+            self.teacher.append(target)
+            return target, None
+        if self.teacher:
+            target = self.teacher[self.calls]
+        else:
+            target = _teacher(module, query, key, value, attention_mask, scaling, kwargs)
+        self.calls += 1
+        out = student()[0].float()
+        reference = target.float()
+        self.errors.append((out - reference).pow(2).mean() / reference.pow(2).mean().clamp_min(1e-12))
+        return target, None
+
+
+def install_observer(model: nn.Module, observer: Transfer | None) -> int:
+    """Put ``observer`` on (None: take it off) every hf_attnorm attention module of ``model``; returns how many."""
+    count = 0
+    for _, mod in attention_modules(model):
+        state = getattr(mod, "attnorm", None)
+        if state is not None and hasattr(state, "observer"):
+            state.observer = observer
+            count += 1
+    return count
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The decoder stack of a causal LM (``model.model`` for Llama), under a peft wrapper too: the transfer stage
+    does not run the LM head."""
+    hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return hf_model.base_model
+
+
+def transfer_errors(model: nn.Module, transfer: Transfer, ids: torch.Tensor, lora: bool,
+                    teacher: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """One transfer pass on ids [B, L]: the per-layer relative errors [layers] (with the graph, for training).
+
+    teacher: recorded outputs of the original model for these ids (then they are the targets); else, with
+    ``lora`` the teacher is recorded now with the adapters off, without it computed inline from the same q, k, v."""
+    decoder = decoder_of(model)
+    transfer.teacher = teacher or []
+    if teacher is None and lora:
+        transfer.reset("record")
+        with torch.no_grad(), model.disable_adapter():
+            decoder(input_ids=ids, use_cache=False)
+    transfer.reset("student")
+    decoder(input_ids=ids, use_cache=False)
+    if not transfer.errors:
+        raise ConvertError("no attention call went through hf_attnorm during attention transfer; the model's "
+                           "attention modules do not call transformers' attention interface")
+    return torch.stack(transfer.errors)
+
+
+# ---------------------------------------------------------------------------------------------------- the run
+
+
+@dataclasses.dataclass
+class History:
+    """What conversion.json records; saved in every checkpoint, so a resumed run continues it."""
+
+    stage: str = "transfer"
+    step: int = 0
+    losses: dict[str, list[list[float]]] = dataclasses.field(default_factory=lambda: {s: [] for s in STAGES})
+    seconds: dict[str, float] = dataclasses.field(default_factory=lambda: {s: 0.0 for s in STAGES})
+    perplexity: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    layer_errors: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    max_rss_mb: dict[str, float] = dataclasses.field(default_factory=dict)
+    trained: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+
+
+def _max_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+
+
+def _lr(peak: float, step: int, total: int) -> float:
+    """Cosine decay from ``peak`` to 10% of it over ``total`` steps."""
+    return peak * (0.1 + 0.45 * (1.0 + math.cos(math.pi * step / max(1, total))))
+
+
+class Converter:
+    """One conversion: model, data, the two stages, evaluation and checkpoints (see the module docstring)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.out = Path(args.output_dir)
+        self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
+        self.main = self.accelerator.is_main_process
+        self.history = History()
+        self._prepare_output()
+        self.model, self.tokenizer = self._load_model()
+        self.train_blocks, self.validation_stream = self._load_data()
+        self.error_ids = self._error_blocks()
+        #: the original model's attention outputs on the error blocks, recorded before anything is trained
+        self._reference = self._record_reference()
+
+    # ---------------------------------------------------------------- setup
+    def _prepare_output(self) -> None:
+        a = self.args
+        args_file = self.out / ARGS_FILE
+        if a.resume_from_checkpoint is None and self.out.exists() and any(self.out.iterdir()):
+            if not a.overwrite_output_dir:
+                raise ConvertError(f"--output_dir {self.out} is not empty; pass --overwrite_output_dir to replace it "
+                                   "or --resume_from_checkpoint latest to continue it")
+            if not (args_file.is_file() or (self.out / SUMMARY_FILE).is_file()):
+                raise ConvertError(f"--output_dir {self.out} holds files that are not a conversion; "
+                                   "--overwrite_output_dir only replaces a previous conversion")
+            if self.main:
+                shutil.rmtree(self.out)
+        self.accelerator.wait_for_everyone()
+        if a.resume_from_checkpoint is not None and args_file.is_file():
+            before = json.loads(args_file.read_text())
+            now = recorded_args(a)
+            changed = sorted(k for k in set(before) | set(now)
+                             if k not in RESUME_MAY_DIFFER and before.get(k) != now.get(k))
+            if changed:
+                raise ConvertError(f"--resume_from_checkpoint: the run in {self.out} was started with other values "
+                                   f"of {', '.join('--' + k for k in changed)}; resume with the same flags")
+        if self.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            atomic_write(args_file, json.dumps(recorded_args(a), indent=1))
+
+    def _load_model(self) -> tuple[nn.Module, Any]:
+        a = self.args
+        try:
+            path = resolve_model_path(a.model_name_or_path)
+        except TrainingError as exc:
+            raise ConvertError(str(exc)) from exc
+        config = AutoConfig.from_pretrained(path)
+        if lm_task(config) != CAUSAL_LM:
+            raise ConvertError(f"{path} is a {config.model_type} model without a causal-LM head; convert.py converts "
+                               "causal LMs (the teacher is the model's own causal softmax attention)")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=a.attn_implementation,
+                                                         attnorm=dict(a.options), dtype=torch.float32)
+        except AttnormError as exc:
+            raise ConvertError(str(exc)) from exc
+        n_layers = sum(1 for _ in attention_modules(model))
+        if install_observer(model, None) != n_layers or n_layers == 0:
+            raise ConvertError(f"{config.model_type}: {n_layers} attention modules, not all run by hf_attnorm")
+        positions = getattr(config, "max_position_embeddings", None)
+        longest = max([a.block_size, *a.eval_lengths])
+        if isinstance(positions, int) and longest > positions:
+            raise ConvertError(f"--block_size/--eval_lengths up to {longest} tokens, but the model has "
+                               f"{positions} positions")
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        if len(tokenizer) > config.vocab_size:
+            raise ConvertError(f"{path}: the tokenizer has {len(tokenizer)} tokens but the model only "
+                               f"{config.vocab_size} embeddings")
+        return model.to(self.accelerator.device), tokenizer
+
+    def _load_data(self) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.args
+        with self.accelerator.main_process_first():
+            try:
+                train, val, column, _ = data_lib.load_text_datasets(
+                    train_file=a.train_file, validation_file=a.validation_file)
+                train_ds, val_ds = data_lib.build_lm_datasets(train, val, column, self.tokenizer,
+                                                              block_size=a.block_size, masked_lm=False)
+            except data_lib.DataError as exc:
+                raise ConvertError(str(exc)) from exc
+        blocks = train_ds.with_format("torch")["input_ids"][:].long()  # [N, block_size]
+        stream = val_ds.with_format("torch")["input_ids"][:].long().reshape(-1)
+        if len(blocks) == 0:
+            raise ConvertError(f"the training text has fewer than --block_size {a.block_size} tokens")
+        for length in a.eval_lengths:
+            if len(stream) < length:
+                raise ConvertError(f"the validation text has {len(stream)} tokens, fewer than --eval_lengths {length}")
+        return blocks, stream
+
+    def _error_blocks(self) -> torch.Tensor:
+        n = min(self.args.error_blocks, len(self.validation_stream) // self.args.block_size)
+        if n < 1:
+            raise ConvertError(f"the validation text has fewer than --block_size {self.args.block_size} tokens")
+        return spread_chunks(self.validation_stream, self.args.block_size, n * self.args.block_size).view(n, -1)
+
+    # ---------------------------------------------------------------- data order
+    def batch(self, stage: str, step: int) -> torch.Tensor:
+        """The ids [b, block_size] this process trains on at ``step`` of ``stage``: a permutation of the training
+        blocks per (seed, stage, epoch), cut into consecutive per-process slices (a resume continues it exactly)."""
+        a, acc = self.args, self.accelerator
+        per_step = a.per_device_train_batch_size * acc.num_processes
+        n = len(self.train_blocks)
+        start = step * per_step + acc.process_index * a.per_device_train_batch_size
+        rows = []
+        for i in range(start, start + a.per_device_train_batch_size):
+            epoch, j = divmod(i, n)
+            g = torch.Generator().manual_seed(a.seed * 1_000_003 + STAGES.index(stage) * 10_007 + epoch)
+            rows.append(int(torch.randperm(n, generator=g)[j]))
+        return self.train_blocks[rows].to(acc.device)
+
+    # ---------------------------------------------------------------- evaluation
+    def evaluate(self, name: str) -> None:
+        """Perplexity at each --eval_lengths and the per-layer transfer error, recorded under ``name``."""
+        if name in self.history.perplexity or name not in self.args.eval_stages:
+            return  # done before a resume, or not asked for
+        model = self.model
+        if self.main:
+            ppl = {}
+            for length in self.args.eval_lengths:
+                ids = spread_chunks(self.validation_stream, length, max(length, self.args.eval_tokens))
+                try:
+                    res = causal_lm_perplexity(model, input_ids=[ids], max_length=length)
+                except EvaluationError as exc:
+                    raise ConvertError(str(exc)) from exc
+                ppl[str(length)] = res.perplexity
+            self.history.perplexity[name] = ppl
+            self.history.layer_errors[name] = self.layer_errors()
+            self.history.max_rss_mb[f"after {name}"] = round(_max_rss_mb(), 1)
+            errors = self.history.layer_errors
+            if name == "transfer" and "swapped" in errors and sum(errors["transfer"]) > sum(errors["swapped"]):
+                warnings.warn(f"stage 1 raised the held-out per-layer error of {self.args.attn_implementation} from "
+                              f"{sum(errors['swapped']) / len(errors['swapped']):.4g} to "
+                              f"{sum(errors['transfer']) / len(errors['transfer']):.4g}: the learning rate overshoots "
+                              "a normalizer this close to softmax; lower --transfer_learning_rate or skip the stage "
+                              "(--transfer_steps 0)", stacklevel=2)
+            shown = ", ".join(f"{k} tokens {v:.2f}" for k, v in ppl.items())
+            print(f"[convert] {name}: perplexity {shown}; mean layer error "
+                  f"{sum(self.history.layer_errors[name]) / len(self.history.layer_errors[name]):.4f}",
+                  file=sys.stderr)
+        self.accelerator.wait_for_everyone()
+
+    def layer_errors(self) -> list[float]:
+        """Relative error of each layer's attention output against the original model's, on the held-out error
+        blocks, every layer fed the original model's inputs: mean over blocks, one value per layer."""
+        transfer = Transfer()
+        install_observer(self.model, transfer)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                per_block = [transfer_errors(self.model, transfer, ids[None].to(self.accelerator.device), False,
+                                             teacher=self._reference[i]) for i, ids in enumerate(self.error_ids)]
+        finally:
+            install_observer(self.model, None)
+            self.model.train(was_training)
+        return [round(float(v), 6) for v in torch.stack(per_block).mean(0)]
+
+    def _record_reference(self) -> list[list[torch.Tensor]]:
+        """The original model's attention outputs on the error blocks (recorded before any training)."""
+        transfer = Transfer()
+        install_observer(self.model, transfer)
+        out = []
+        try:
+            with torch.no_grad():
+                for ids in self.error_ids:
+                    transfer.reset("record")
+                    decoder_of(self.model)(input_ids=ids[None].to(self.accelerator.device), use_cache=False)
+                    out.append(list(transfer.teacher))
+        finally:
+            install_observer(self.model, None)
+        return out
+
+    # ---------------------------------------------------------------- stages
+    def _wrap(self, stage: str) -> bool:
+        """Make the model trainable for ``stage``: LoRA where asked (seeded, so a resume rebuilds the same adapters
+        before loading their values), the normalizer's learnable values always. Returns whether LoRA is on."""
+        a = self.args
+        lora_r = a.transfer_lora_r if stage == "transfer" else (a.lora_r if a.finetune_mode == "lora" else 0)
+        targets = a.transfer_lora_targets if stage == "transfer" else a.finetune_lora_targets
+        torch.manual_seed(a.seed * 1_000_003 + STAGES.index(stage))
+        if lora_r:
+            try:
+                import peft
+            except ImportError as exc:
+                raise ConvertError("LoRA needs peft (pip install peft, or pip install 'hf_attnorm[train]'); or pass "
+                                   "--transfer_lora_r 0 / --finetune_mode full") from exc
+            present = {n.rsplit(".", 1)[-1] for n, m in self.model.named_modules() if isinstance(m, nn.Linear)}
+            missing = [t for t in targets if t not in present]
+            if missing:
+                raise ConvertError(f"LoRA targets {missing} are not linear modules of this model; its linear "
+                                   f"modules: {', '.join(sorted(present))}")
+            config = peft.LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.0, target_modules=targets,
+                                     bias="none")
+            self.model = peft.get_peft_model(self.model, config)
+        full = stage == "finetune" and a.finetune_mode == "full"
+        for name, p in self.model.named_parameters():
+            p.requires_grad_(full or ".attnorm." in name or (lora_r > 0 and "lora_" in name))
+        return lora_r > 0
+
+    def _unwrap(self) -> None:
+        """Merge LoRA into the weights (the model is an ordinary hf_attnorm model again)."""
+        if hasattr(self.model, "merge_and_unload"):
+            self.model = self.model.merge_and_unload()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+
+    def _rebuild(self, stage: str, folder: Path | None) -> None:
+        if folder is None or not (folder / "trainable.safetensors").is_file():
+            raise ConvertError(f"cannot resume: the trained tensors of the finished {stage} stage are missing "
+                               f"({folder})")
+        self._wrap(stage)
+        self._load_trainable(folder, self._trainable())
+        self._unwrap()
+
+    def _trainable(self) -> dict[str, nn.Parameter]:
+        return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def run_stage(self, stage: str, resume: Path | None) -> None:
+        a, acc, h = self.args, self.accelerator, self.history
+        total = a.transfer_steps if stage == "transfer" else a.finetune_steps
+        lora = self._wrap(stage)
+        params = self._trainable()
+        if not params:
+            raise ConvertError(f"stage 1 has nothing to train: {a.attn_implementation} has no learnable values and "
+                               "--transfer_lora_r is 0; give LoRA a rank, make a value learnable (--attnorm "
+                               "<name>_learnable=true) or skip the stage with --transfer_steps 0")
+        h.trained[stage] = {"tensors": len(params), "parameters": sum(p.numel() for p in params.values()),
+                            "lora": lora}
+        optimizer = torch.optim.AdamW(list(params.values()), lr=a.transfer_learning_rate if stage == "transfer"
+                                      else a.finetune_learning_rate, weight_decay=a.weight_decay)
+        peak = optimizer.param_groups[0]["lr"]
+        if resume is not None:
+            self._load_trainable(resume, params)
+            optimizer.load_state_dict(torch.load(resume / "optimizer.pt", map_location=acc.device))
+        transfer = Transfer() if stage == "transfer" else None
+        install_observer(self.model, transfer)
+        self.model.train()
+        bar = _progress(total, h.step, f"{stage} ({a.attn_implementation})", acc.is_local_main_process)
+        start = time.perf_counter()
+        try:
+            while h.step < total:
+                for group in optimizer.param_groups:
+                    group["lr"] = _lr(peak, h.step, total)
+                ids = self.batch(stage, h.step)
+                if transfer is not None:
+                    loss = transfer_errors(self.model, transfer, ids, lora).mean()
+                else:
+                    loss = self.model(input_ids=ids, labels=ids, use_cache=False).loss
+                loss.backward()
+                if acc.num_processes > 1:  # the model is not wrapped in DDP: average the trained tensors' gradients
+                    for p in params.values():
+                        if p.grad is not None:
+                            p.grad = acc.reduce(p.grad, reduction="mean")
+                if a.max_grad_norm > 0:
+                    torch.nn.utils.clip_grad_norm_(list(params.values()), a.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                value = float(acc.reduce(loss.detach(), reduction="mean"))
+                if not math.isfinite(value):
+                    raise ConvertError(f"{stage} step {h.step + 1}: the loss is {value}; lower "
+                                       f"--{stage}_learning_rate")
+                h.step += 1
+                h.losses[stage].append([h.step, round(value, 6)])
+                bar.update(1)
+                bar.set_postfix(loss=f"{value:.4f}")
+                if a.checkpointing_steps and h.step % a.checkpointing_steps == 0 and h.step < total:
+                    h.seconds[stage] += time.perf_counter() - start
+                    start = time.perf_counter()
+                    self.checkpoint(params, optimizer)
+        finally:
+            bar.close()
+            install_observer(self.model, None)
+        h.seconds[stage] += time.perf_counter() - start
+        h.max_rss_mb[f"after {stage}"] = round(_max_rss_mb(), 1)
+        self.checkpoint(params, optimizer, stage_done=True)
+        self._unwrap()
+
+    # ---------------------------------------------------------------- checkpoints
+    def checkpoint(self, params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer,
+                   stage_done: bool = False) -> None:
+        """The newest resumable state (trained tensors, optimizer, history) in checkpoints/step_<stage>_<N>; the
+        end of stage 1 also in checkpoints/transfer_done (what a resume inside stage 2 rebuilds from)."""
+        acc, h = self.accelerator, self.history
+        acc.wait_for_everyone()
+        if self.main:
+            root = self.out / CHECKPOINTS
+            name = TRANSFER_DONE if stage_done and h.stage == "transfer" else f"{h.stage}_{h.step:06d}"
+            tmp = root / f".tmp-{name}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            tensors = {n: p.detach().cpu().contiguous() for n, p in params.items()}
+            save_file(tensors, str(tmp / "trainable.safetensors"))
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+            state = dataclasses.asdict(h)
+            if stage_done:  # what a resume does next: the following stage, from its first step
+                state["stage_done"] = h.stage
+            atomic_write(tmp / "state.json", json.dumps(state))
+            shutil.rmtree(root / name, ignore_errors=True)
+            tmp.rename(root / name)
+            for old in root.iterdir():  # only the newest is kept (and the stage-1 result)
+                if old.name not in (name, TRANSFER_DONE):
+                    shutil.rmtree(old, ignore_errors=True)
+        acc.wait_for_everyone()
+
+    def _load_trainable(self, folder: Path, params: dict[str, nn.Parameter]) -> None:
+        saved = load_file(str(folder / "trainable.safetensors"))
+        if set(saved) != set(params):
+            raise ConvertError(f"checkpoint {folder} holds other trained tensors than this run trains "
+                               f"({len(saved)} vs {len(params)}); resume with the flags it was made with")
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(saved[n].to(p.device, p.dtype))
+
+    def _resume_point(self) -> Path | None:
+        a = self.args
+        if a.resume_from_checkpoint is None:
+            return None
+        root = self.out / CHECKPOINTS
+        if a.resume_from_checkpoint == "latest":
+            found = [p for p in root.iterdir() if not p.name.startswith(".")] if root.is_dir() else []
+            if not found:
+                print(f"[convert] no checkpoint in {root}: starting from the beginning", file=sys.stderr)
+                return None
+            return max(found, key=lambda p: p.stat().st_mtime_ns)
+        folder = Path(a.resume_from_checkpoint)
+        if not (folder / "state.json").is_file():
+            raise ConvertError(f"--resume_from_checkpoint {folder}: not a conversion checkpoint (no state.json)")
+        return folder
+
+    # ---------------------------------------------------------------- the whole run
+    def run(self) -> dict[str, Any]:
+        a = self.args
+        resume = self._resume_point()
+        resume_stage = None  # the stage whose steps the checkpoint is inside
+        if resume is not None:
+            state = json.loads((resume / "state.json").read_text())
+            done = state.pop("stage_done", None)
+            self.history = History(**state)
+            if done is not None:
+                self.history.stage, self.history.step = {"transfer": "finetune", "finetune": "done"}[done], 0
+            else:
+                resume_stage = self.history.stage
+            print(f"[convert] resuming from {resume} ({self.history.stage}, step {self.history.step})",
+                  file=sys.stderr)
+        h = self.history
+        h.max_rss_mb.setdefault("after load", round(_max_rss_mb(), 1))
+        # rebuild what finished stages made (their trained tensors, merged again)
+        if h.stage in ("finetune", "done") and a.transfer_steps:
+            self._rebuild("transfer", self.out / CHECKPOINTS / TRANSFER_DONE)
+        if h.stage == "done" and a.finetune_steps:
+            self._rebuild("finetune", resume)
+        self.evaluate("swapped")
+        if h.stage == "transfer":
+            if a.transfer_steps:
+                self.run_stage("transfer", resume if resume_stage == "transfer" else None)
+                self.evaluate("transfer")
+            h.stage, h.step = "finetune", 0
+        if h.stage == "finetune":
+            if a.finetune_steps:
+                self.run_stage("finetune", resume if resume_stage == "finetune" else None)
+                self.evaluate("finetune")
+            h.stage, h.step = "done", 0
+        summary = self.summary()
+        if self.main:
+            if not a.no_save_model:
+                final = self.out / "final"
+                self.model.save_pretrained(final)
+                self.tokenizer.save_pretrained(final)
+            atomic_write(self.out / SUMMARY_FILE, json.dumps(summary, indent=1))
+        self.accelerator.wait_for_everyone()
+        return summary
+
+    def summary(self) -> dict[str, Any]:
+        a, h = self.args, self.history
+        stages = [s for s, n in (("transfer", a.transfer_steps), ("finetune", a.finetune_steps)) if n]
+        tokens = a.block_size * a.per_device_train_batch_size * self.accelerator.num_processes
+        return {
+            "implementation": a.attn_implementation, "settings": a.settings, "model": a.model_name_or_path,
+            "seed": a.seed, "stages": stages, "steps": {"transfer": a.transfer_steps, "finetune": a.finetune_steps},
+            "tokens_per_step": tokens, "finetune_mode": a.finetune_mode, "perplexity": h.perplexity,
+            "layer_errors": h.layer_errors, "losses": h.losses,
+            "seconds": {k: round(v, 2) for k, v in h.seconds.items()},
+            "max_rss_mb": h.max_rss_mb, "trained": h.trained, "processes": self.accelerator.num_processes,
+            "torch_threads": torch.get_num_threads(), "args": recorded_args(a),
+        }
+
+
+def _progress(total: int, done: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=done, desc=desc, unit="step", disable=not enabled or total == 0,
+                dynamic_ncols=True)
+
+
+def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Convert with the flags of ``scripts/convert.py`` (``--help``); returns the summary (conversion.json).
+    Raises ``ConvertError`` (a ValueError) on bad input, before training."""
+    args = parse_args(argv)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    return Converter(args).run()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Script entry point: bad input -> ``convert.py: error: ...`` and exit code 2; Ctrl-C -> 130."""
+    try:
+        run(argv)
+    except (ConvertError, data_lib.DataError, AttnormError) as exc:
+        print(f"convert.py: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("convert.py: interrupted", file=sys.stderr)
+        return 130
+    return 0
+

@@ -1,0 +1,332 @@
+"""scripts/convert.py (hf_attnorm.lab.convert): attention transfer then fine-tuning, on tiny models.
+
+The teacher is the original model (a softmax target gives zero error, the stream the next layers see is the original
+model's, on every causal-LM family); stage 1 lowers the per-layer error for every registered implementation; the
+saved model reloads to identical logits; a resumed conversion equals an uninterrupted one; bad input fails first."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from family_zoo import FAMILIES, build, inputs
+
+import hf_attnorm  # noqa: F401
+from hf_attnorm.lab import convert
+from hf_attnorm.lab.convert import Converter, ConvertError, Transfer, install_observer, parse_args
+from hf_attnorm.registry import PRESETS, is_ours
+
+REPO = Path(__file__).resolve().parents[1]
+OURS = [name for name in PRESETS if is_ours(name)]
+CAUSAL = [name for name, fam in FAMILIES.items() if fam.kind == "causal"]
+#: a few steps on short blocks of a micro Llama with GPT-2's tokenizer: a conversion takes about a second
+FAST = ["--block_size", "32", "--eval_lengths", "32,64", "--eval_tokens", "256", "--error_blocks", "2",
+        "--transfer_learning_rate", "1e-2", "--finetune_learning_rate", "1e-2"]
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    """A micro Llama (random weights, its SDPA attention is the teacher) with the GPT-2 tokenizer, as a folder."""
+    from hf_attnorm.lab import data as data_lib
+    from hf_attnorm.lab.model_zoo import build_model
+
+    folder = tmp_path_factory.mktemp("source")
+    tokenizer = data_lib.load_tokenizer("gpt2")
+    model = build_model("llama", "micro", attn_implementation="sdpa", seed=0, vocab_size=len(tokenizer),
+                        max_positions=128)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _args(source: Path, out: Path, implementation: str, *extra: str) -> list[str]:
+    return ["--model_name_or_path", str(source), "--attn_implementation", implementation, "--output_dir", str(out),
+            *FAST, *extra]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+# --------------------------------------------------------------------------------------------- the teacher
+
+
+@pytest.mark.parametrize("family", CAUSAL)
+def test_the_teacher_is_the_original_model_and_every_layer_sees_its_inputs(family):
+    """Under the transfer observer the decoder's output equals the original (eager) model's: each layer
+    passes the teacher's output on. One error per attention layer, finite, with a gradient to learnable values."""
+    student = build(family, "symax", attnorm={"eta_learnable": True})
+    original = build(family, "eager")
+    feed, _ = inputs(family, pad=False)
+    ids = feed["input_ids"]
+    transfer = Transfer()
+    layers = install_observer(student, transfer)
+    assert layers == student.config.num_hidden_layers if hasattr(student.config, "num_hidden_layers") else layers
+    transfer.reset("student")
+    with torch.no_grad():
+        expected = convert.decoder_of(original)(input_ids=ids, use_cache=False).last_hidden_state
+    got = convert.decoder_of(student)(input_ids=ids, use_cache=False).last_hidden_state
+    assert len(transfer.errors) == layers > 0
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    loss = torch.stack(transfer.errors).mean()
+    assert torch.isfinite(loss) and loss > 0
+    loss.backward()
+    grads = [p.grad for n, p in student.named_parameters() if n.endswith("symax_eta")]
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+def test_a_softmax_target_has_zero_error(source, tmp_path):
+    """hf_attnorm's softmax computes what the teacher computes: its swapped error is 0."""
+    s = convert.run(_args(source, tmp_path / "o", "softmax", "--transfer_steps", "0", "--finetune_steps", "0",
+                          "--no_save_model"))
+    assert max(s["layer_errors"]["swapped"]) < 1e-10, s["layer_errors"]
+
+
+def test_a_stage_1_that_raises_the_error_says_so(source, tmp_path):
+    """A learning rate far too large for the normalizer makes stage 1 worse than the swap: the run warns, naming
+    the flag to change."""
+    with pytest.warns(UserWarning, match="stage 1 raised the held-out per-layer error of softmax1 from .* lower "
+                                         "--transfer_learning_rate"):
+        s = convert.run(_args(source, tmp_path / "o", "softmax1", "--transfer_steps", "3", "--finetune_steps", "0",
+                              "--transfer_learning_rate", "3", "--max_grad_norm", "0", "--no_save_model"))
+    assert _mean(s["layer_errors"]["transfer"]) > _mean(s["layer_errors"]["swapped"])
+
+
+# ------------------------------------------------------------------------------------------------ stage 1
+
+
+def _lowers(source: Path, out: Path, implementation: str) -> dict:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the stage-1 warning of softmax-equal implementations)
+        s = convert.run(_args(source, out, implementation, "--transfer_steps", "12", "--finetune_steps", "0",
+                          "--no_save_model", "--checkpointing_steps", "0"))
+    before, after = _mean(s["layer_errors"]["swapped"]), _mean(s["layer_errors"]["transfer"])
+    if before > 1e-8:  # (an implementation equal to softmax on this model has nothing to transfer)
+        assert after < before, (implementation, before, after)
+    assert s["trained"]["transfer"]["lora"] and s["trained"]["transfer"]["parameters"] > 0
+    return s
+
+
+@pytest.mark.parametrize("implementation", ["symax", "ssmax", "stickbreaking"])
+def test_attention_transfer_lowers_the_per_layer_error(source, tmp_path, implementation):
+    _lowers(source, tmp_path / "o", implementation)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("implementation", OURS)
+def test_attention_transfer_lowers_the_per_layer_error_of_every_implementation(source, tmp_path, implementation):
+    _lowers(source, tmp_path / "o", implementation)
+
+
+def test_transfer_without_lora_trains_only_the_learnable_values(source, tmp_path):
+    s = convert.run(_args(source, tmp_path / "o", "ssmax", "--transfer_steps", "12", "--transfer_lora_r", "0",
+                          "--finetune_steps", "0", "--no_save_model"))
+    heads = 4 * 2  # micro Llama: 4 heads x 2 layers, one ssmax_s per head
+    assert s["trained"]["transfer"] == {"tensors": 2, "parameters": heads, "lora": False}
+    assert _mean(s["layer_errors"]["transfer"]) < _mean(s["layer_errors"]["swapped"])
+
+
+# ----------------------------------------------------------------------------- both stages, saving, reload
+
+
+def test_both_stages_then_the_saved_model_reloads_to_identical_logits(source, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "o"
+    conv = Converter(parse_args(_args(source, out, "symax", "--attnorm", "eta_learnable=true", "--transfer_steps",
+                                      "6", "--finetune_steps", "6")))
+    s = conv.run()
+    assert set(s["perplexity"]) == {"swapped", "transfer", "finetune"} and s["stages"] == ["transfer", "finetune"]
+    first, last = s["losses"]["finetune"][0][1], s["losses"]["finetune"][-1][1]
+    assert last < first, s["losses"]["finetune"]
+    assert all(len(v) == 2 for v in s["layer_errors"].values())
+    assert json.loads((out / "conversion.json").read_text())["perplexity"] == s["perplexity"]
+    eta = [p for n, p in conv.model.named_parameters() if n.endswith("symax_eta")]
+    assert eta and any((p - 1.0).abs().max() > 1e-4 for p in eta), "the learnable eta did not train"
+    assert not any("lora" in n for n, _ in conv.model.named_parameters()), "LoRA must be merged"
+    again = AutoModelForCausalLM.from_pretrained(out / "final")  # settings come from config.attnorm
+    assert again.config._attn_implementation == "symax" and again.config.attnorm["eta_learnable"] is True
+    ids = torch.randint(0, 1000, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(again.eval()(input_ids=ids).logits, conv.model.eval()(input_ids=ids).logits)
+
+
+def test_full_fine_tuning_and_the_control_without_transfer(source, tmp_path):
+    s = convert.run(_args(source, tmp_path / "o", "softmax1", "--transfer_steps", "0", "--finetune_steps", "4",
+                          "--finetune_mode", "full", "--finetune_learning_rate", "1e-3", "--eval_stages",
+                          "finetune", "--no_save_model"))
+    assert s["stages"] == ["finetune"] and set(s["perplexity"]) == {"finetune"}
+    assert s["trained"]["finetune"]["lora"] is False
+    assert s["trained"]["finetune"]["parameters"] > 1_000_000  # every weight of the micro model, embeddings included
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("stage,at", [("transfer", 8), ("finetune", 7)])
+def test_a_resumed_conversion_equals_an_uninterrupted_one(source, tmp_path, monkeypatch, stage, at):
+    flags = ["--attnorm", "eta_learnable=true", "--transfer_steps", "10", "--finetune_steps", "10",
+             "--checkpointing_steps", "5", "--eval_stages", "transfer,finetune"]
+    whole = Converter(parse_args(_args(source, tmp_path / "whole", "symax", *flags)))
+    expected = whole.run()
+
+    original = Converter.batch
+
+    def interrupted(self, which: str, step: int):
+        if which == stage and step == at:
+            raise _Stop
+        return original(self, which, step)
+
+    monkeypatch.setattr(Converter, "batch", interrupted)
+    with pytest.raises(_Stop):
+        Converter(parse_args(_args(source, tmp_path / "cut", "symax", *flags))).run()
+    assert not (tmp_path / "cut" / "conversion.json").exists()
+    monkeypatch.setattr(Converter, "batch", original)
+    resumed = Converter(parse_args(_args(source, tmp_path / "cut", "symax", *flags, "--resume_from_checkpoint",
+                                         "latest")))
+    got = resumed.run()
+    assert got["losses"] == expected["losses"]
+    assert got["perplexity"] == expected["perplexity"]
+    a, b = whole.model.state_dict(), resumed.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resuming_with_other_flags_is_refused(source, tmp_path):
+    out = tmp_path / "o"
+    convert.run(_args(source, out, "ssmax", "--transfer_steps", "2", "--finetune_steps", "0", "--no_save_model"))
+    with pytest.raises(ConvertError, match="other values of --transfer_steps"):
+        convert.run(_args(source, out, "ssmax", "--transfer_steps", "3", "--finetune_steps", "0", "--no_save_model",
+                          "--resume_from_checkpoint", "latest"))
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--attn_implementation", "nosuch"], "'nosuch' is not an hf_attnorm implementation; registered: softmax"),
+    (["--attn_implementation", "sdpa"], "'sdpa' is not an hf_attnorm implementation"),
+    (["--attnorm", "nosuch=1"], "unknown option 'nosuch'"),
+    (["--attnorm", "eta=-1"], "eta.*must be >= 0"),
+    (["--transfer_lora_targets", "wq,k_proj"], r"LoRA targets \['wq'\] are not linear modules of this model; "
+                                               "its linear modules: .*q_proj"),
+    (["--transfer_lora_r", "0", "--attn_implementation", "softmax1"], "stage 1 has nothing to train"),
+    (["--eval_lengths", "512"], "--eval_lengths up to 512 tokens, but the model has 128 positions"),
+])
+def test_bad_input_fails_before_training(source, tmp_path, extra, match):
+    out = tmp_path / "o"
+    argv = _args(source, out, "symax", "--transfer_steps", "2", "--finetune_steps", "2")
+    with pytest.raises(ConvertError, match=match):
+        convert.run([*argv, *extra])
+    assert not (out / "final").exists() and not (out / convert.SUMMARY_FILE).exists()
+
+
+def test_bad_input_fails_clearly(tmp_path, source):
+    with pytest.raises(ConvertError, match="is not empty; pass --overwrite_output_dir"):
+        (tmp_path / "full").mkdir()
+        (tmp_path / "full" / "mine.txt").write_text("x")
+        convert.run(_args(source, tmp_path / "full", "symax"))
+    with pytest.raises(ConvertError, match="is not a folder"):
+        convert.run(_args(tmp_path / "missing", tmp_path / "o", "symax"))
+    from hf_attnorm.lab.model_zoo import build_model
+
+    build_model("bert", "micro", attn_implementation="sdpa", seed=0).save_pretrained(tmp_path / "bert")
+    with pytest.raises(ConvertError, match="without a causal-LM head"):
+        convert.run(_args(tmp_path / "bert", tmp_path / "o2", "symax"))
+
+
+def test_the_script_help_and_error_exit():
+    env_cmd = [sys.executable, str(REPO / "scripts" / "convert.py")]
+    helped = subprocess.run([*env_cmd, "--help"], capture_output=True, text=True, timeout=120)
+    assert helped.returncode == 0
+    assert "--transfer_steps" in helped.stdout and "--finetune_mode" in helped.stdout
+    bad = subprocess.run([*env_cmd, "--attn_implementation", "nosuch", "--output_dir", "x"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("convert.py: error: --attn_implementation 'nosuch'")
+
+
+def test_every_flag_has_help():
+    for action in convert.build_parser()._actions:
+        assert action.help, action.option_strings
+
+
+# ------------------------------------------------------------------------------------- the published study
+
+BENCH = REPO / "bench" / "convert"
+
+
+def _study_runs() -> dict:
+    runs: dict = {}
+    for path in sorted((BENCH / "runs").glob("*/*/conversion.json")):
+        kind, seed = path.parent.name.rsplit("-seed", 1)
+        runs.setdefault(path.parent.parent.name, {}).setdefault(kind, {})[int(seed)] = json.loads(path.read_text())
+    return runs
+
+
+def test_the_published_study_is_generated_from_its_runs():
+    """bench/convert/results.json's rows are what its run files aggregate to; results.md is its rendering; every
+    implementation of the plan ran with every seed, both kinds, and recorded its command."""
+    from hf_attnorm.lab import conversion_study as study
+
+    results = json.loads((BENCH / "results.json").read_text())
+    runs = _study_runs()
+    length = str(results["settings"]["eval_lengths"][0])
+    rebuilt = json.loads(json.dumps(study.aggregate(runs, length)))
+    assert rebuilt == results["rows"]
+    assert set(runs) == {study.REFERENCE, *study.PLAN}
+    seeds = set(range(results["settings"]["seeds"]))
+    for impl, kinds in runs.items():
+        expected = {"control"} if impl == study.REFERENCE else {"convert", "control"}
+        assert set(kinds) == expected and all(set(by_seed) == seeds for by_seed in kinds.values()), impl
+        for by_seed in kinds.values():
+            for run in by_seed.values():
+                assert run["command"].startswith("python scripts/convert.py") and run["wall_seconds"] > 0
+                assert run["settings"] == {**run["settings"], **study.PLAN.get(impl, {})}
+    assert (BENCH / "results.md").read_text() == f"{study.summary_sentence(results)}\n\n{study.table(results)}\n"
+
+
+def test_the_study_verdict_is_paired_by_seed():
+    from hf_attnorm.lab.conversion_study import verdict
+
+    row = {"convert": {0: 10.0, 1: 20.0}, "control": {0: 20.0, 1: 40.0}}
+    assert verdict(row).startswith("transfer helps: 50% lower")
+    assert verdict({**row, "control": {0: 5.0, 1: 10.0}}).startswith("transfer hurts: 100% higher")
+    assert verdict({**row, "control": {0: 5.0, 1: 40.0}}) == "no consistent difference between the seeds"
+    assert verdict({"convert": {}, "control": {0: 5.0}}) == "no stage 1 (reference)"
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process(source, tmp_path):
+    """accelerate launch, 2 gloo processes x 1 block per step = 1 process x 2 blocks: the same blocks per step, the
+    gradients averaged over processes, so the same losses and the same converted weights."""
+    import os
+
+    flags = [*FAST, "--model_name_or_path", str(source), "--attn_implementation", "ssmax", "--transfer_steps", "4",
+             "--finetune_steps", "4", "--eval_stages", "finetune", "--torch_threads", "1"]
+    one = convert.run([*flags, "--per_device_train_batch_size", "2", "--output_dir", str(tmp_path / "one")])
+    env = dict(os.environ, ACCELERATE_USE_CPU="true", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               TQDM_DISABLE="1", OMP_NUM_THREADS="1")
+    two = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+         "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+         str(REPO / "scripts" / "convert.py"), *flags, "--per_device_train_batch_size", "1", "--output_dir",
+         str(tmp_path / "two")], env=env, cwd=str(REPO), capture_output=True, text=True, timeout=900)
+    assert two.returncode == 0, (two.stdout + two.stderr)[-4000:]
+    got = json.loads((tmp_path / "two" / convert.SUMMARY_FILE).read_text())
+    assert got["processes"] == 2 and one["processes"] == 1 and got["tokens_per_step"] == one["tokens_per_step"]
+    for stage in ("transfer", "finetune"):
+        a = torch.tensor([v for _, v in one["losses"][stage]])
+        b = torch.tensor([v for _, v in got["losses"][stage]])
+        # the gradients are reduced in another order; Adam turns such float differences of near-zero gradients
+        # into full steps, so the losses (about 10.8) agree to ~3e-4 after 4 steps, not to float precision
+        assert torch.allclose(a, b, rtol=1e-4, atol=0), (stage, (a - b).abs().max())
+    from safetensors.torch import load_file
+
+    wa = load_file(str(tmp_path / "one" / "final" / "model.safetensors"))
+    wb = load_file(str(tmp_path / "two" / "final" / "model.safetensors"))
+    assert wa.keys() == wb.keys() and max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-3
