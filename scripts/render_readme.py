@@ -103,24 +103,32 @@ def conversion() -> str:
             f"{data['machine']['cpus']}-core CPU; per-run commands and timings: "
             f"[bench/convert/README.md](bench/convert/README.md)). The slowest conversion took {slowest:.1f} min.\n\n"
             f"{study.summary_sentence(data)}\n\n{study.table(data)}\n\n"
-            f"The claim beside it: {data['claim']}.")
+            f"The claim beside it: {data['claim']}. Here: {study.claim_finding(data)}.")
 
 
 def conversion_runs() -> str:
-    """Every run of the conversion study: its command, seconds per stage, the machine's load and peak memory."""
-    lines = ["| implementation | run | seed | seconds (stage 1 / stage 2 / whole run with evaluation) | load average "
-             "at start → end | peak RSS MB after stage 1 / 2 |", "|---|---|---|---|---|---|"]
+    """Every run of the conversion study (its command, seconds per stage, the machine's load), then the default
+    conversion measured alone in a fresh process (time and peak memory per phase)."""
+    lines = ["| implementation | run | seed | seconds: stage 1 / stage 2 / whole run with evaluation | load average "
+             "at start → end |", "|---|---|---|---|---|"]
     commands = []
     for path in sorted((ROOT / "bench" / "convert" / "runs").glob("*/*/conversion.json")):
         run = json.loads(path.read_text())
         kind, seed = path.parent.name.rsplit("-seed", 1)
-        sec, rss = run["seconds"], run["max_rss_mb"]
+        sec = run["seconds"]
         stage1 = f"{sec['transfer']:.0f}" if run["steps"]["transfer"] else "—"
         lines.append(f"| `{run['implementation']}` | {kind} | {seed} | {stage1} / {sec['finetune']:.0f} / "
-                     f"{run['wall_seconds']:.0f} | {run['load_average_start']} → {run['load_average_end']} | "
-                     f"{rss.get('after transfer', '—')} / {rss.get('after finetune', '—')} |")
+                     f"{run['wall_seconds']:.0f} | {run['load_average_start']} → {run['load_average_end']} |")
         commands.append(f"* `{run['command']}`")
-    return "\n".join(lines) + "\n\nCommands:\n\n" + "\n".join(commands)
+    alone = json.loads((ROOT / "bench" / "convert" / "default_run" / "conversion.json").read_text())
+    peaks = ", ".join(f"{k} {v:.0f}" for k, v in alone["peak_rss_mb"].items())
+    sec = alone["seconds"]
+    return ("\n".join(lines) + "\n\nCommands:\n\n" + "\n".join(commands) +
+            f"\n\n**One conversion at the default budget, alone in a fresh process** (`{alone['command']}`, load "
+            f"average {alone['load_average_start']} at its start; [default_run/conversion.json]"
+            f"(default_run/conversion.json)): stage 1 {sec['transfer']:.0f} s, stage 2 {sec['finetune']:.0f} s, "
+            f"{alone['wall_seconds'] / 60:.1f} min in all with loading and the three evaluations. Peak resident "
+            f"memory (MB) during each phase: {peaks}.")
 
 
 def _compare_results():

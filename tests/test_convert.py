@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -31,7 +30,8 @@ FAST = ["--block_size", "32", "--eval_lengths", "32,64", "--eval_tokens", "256",
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> Path:
-    """A micro Llama (random weights, its SDPA attention is the teacher) with the GPT-2 tokenizer, as a folder."""
+    """A micro Llama (random weights, q/k scaled up; its softmax attention is the teacher) with the GPT-2 tokenizer,
+    as a folder."""
     from hf_attnorm.lab import data as data_lib
     from hf_attnorm.lab.model_zoo import build_model
 
@@ -39,6 +39,10 @@ def source(tmp_path_factory) -> Path:
     tokenizer = data_lib.load_tokenizer("gpt2")
     model = build_model("llama", "micro", attn_implementation="sdpa", seed=0, vocab_size=len(tokenizer),
                         max_positions=128)
+    with torch.no_grad():  # sharper attention than a fresh init's near-uniform one, as in a trained model: every
+        for name, p in model.named_parameters():  # normalizer then starts measurably away from softmax
+            if "q_proj" in name or "k_proj" in name:
+                p.mul_(4.0)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
@@ -101,13 +105,19 @@ def test_a_stage_1_that_raises_the_error_says_so(source, tmp_path):
 
 
 def _lowers(source: Path, out: Path, implementation: str) -> dict:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (the stage-1 warning of softmax-equal implementations)
-        s = convert.run(_args(source, out, implementation, "--transfer_steps", "12", "--finetune_steps", "0",
-                          "--no_save_model", "--checkpointing_steps", "0"))
-    before, after = _mean(s["layer_errors"]["swapped"]), _mean(s["layer_errors"]["transfer"])
-    if before > 1e-8:  # (an implementation equal to softmax on this model has nothing to transfer)
-        assert after < before, (implementation, before, after)
+    """Stage 1 lowers the held-out per-layer error. A normalizer that starts close to softmax gets a smaller learning
+    rate (as the warning of such a run advises: a large one overshoots)."""
+    swap = convert.run(_args(source, out / "swap", implementation, "--transfer_steps", "0", "--finetune_steps", "0",
+                             "--no_save_model"))
+    before = _mean(swap["layer_errors"]["swapped"])
+    if before < 1e-8:  # equal to softmax on this model: nothing to transfer
+        return swap
+    lr = "1e-2" if before > 0.05 else "1e-3"
+    s = convert.run(_args(source, out / "run", implementation, "--transfer_steps", "12", "--finetune_steps", "0",
+                          "--no_save_model", "--checkpointing_steps", "0", "--transfer_learning_rate", lr))
+    after = _mean(s["layer_errors"]["transfer"])
+    assert _mean(s["layer_errors"]["swapped"]) == before
+    assert after < before, (implementation, lr, before, after)
     assert s["trained"]["transfer"]["lora"] and s["trained"]["transfer"]["parameters"] > 0
     return s
 
@@ -145,6 +155,8 @@ def test_both_stages_then_the_saved_model_reloads_to_identical_logits(source, tm
     first, last = s["losses"]["finetune"][0][1], s["losses"]["finetune"][-1][1]
     assert last < first, s["losses"]["finetune"]
     assert all(len(v) == 2 for v in s["layer_errors"].values())
+    assert set(s["peak_rss_mb"]) == {"load", "evaluation swapped", "transfer", "evaluation transfer", "finetune",
+                                     "evaluation finetune"} and min(s["peak_rss_mb"].values()) > 0
     assert json.loads((out / "conversion.json").read_text())["perplexity"] == s["perplexity"]
     eta = [p for n, p in conv.model.named_parameters() if n.endswith("symax_eta")]
     assert eta and any((p - 1.0).abs().max() > 1e-4 for p in eta), "the learnable eta did not train"
@@ -163,6 +175,7 @@ def test_full_fine_tuning_and_the_control_without_transfer(source, tmp_path):
     assert s["stages"] == ["finetune"] and set(s["perplexity"]) == {"finetune"}
     assert s["trained"]["finetune"]["lora"] is False
     assert s["trained"]["finetune"]["parameters"] > 1_000_000  # every weight of the micro model, embeddings included
+    assert s["command"].startswith("python scripts/convert.py --model_name_or_path ") and s["wall_seconds"] > 0
 
 
 class _Stop(Exception):
@@ -324,9 +337,21 @@ def test_two_processes_match_one_process(source, tmp_path):
         b = torch.tensor([v for _, v in got["losses"][stage]])
         # the gradients are reduced in another order; Adam turns such float differences of near-zero gradients
         # into full steps, so the losses (about 10.8) agree to ~3e-4 after 4 steps, not to float precision
-        assert torch.allclose(a, b, rtol=1e-4, atol=0), (stage, (a - b).abs().max())
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (stage, (a - b).abs().max())
     from safetensors.torch import load_file
 
     wa = load_file(str(tmp_path / "one" / "final" / "model.safetensors"))
     wb = load_file(str(tmp_path / "two" / "final" / "model.safetensors"))
     assert wa.keys() == wb.keys() and max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-3
+
+
+def test_the_claim_finding_compares_linear_with_the_softmax_fine_tune():
+    from hf_attnorm.lab.conversion_study import claim_finding
+
+    rows = {"softmax": {"convert": {}, "control": {0: 10.0, 1: 10.0}},
+            "linear": {"convert": {0: 15.0, 1: 25.0}, "control": {0: 30.0, 1: 40.0}, "verdict": "transfer helps"}}
+    assert claim_finding({"rows": rows}).endswith("2.0x that of the softmax model fine-tuned as long: the quality "
+                                                  "is recovered")
+    rows["linear"]["convert"] = {0: 30.0, 1: 31.0}
+    assert "not recovered at this budget" in claim_finding({"rows": rows})
+    assert claim_finding({"rows": {}}).startswith("not measured")

@@ -122,6 +122,23 @@ def table(results: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+#: the implementation the claim is about (a linearised model)
+CLAIM_SUBJECT = "linear"
+
+
+def claim_finding(results: Mapping[str, Any]) -> str:
+    """Our finding on the claim, for its own setting (``linear``): the paired verdict and how far the converted model
+    stays from the softmax model fine-tuned as long ("recovered" = within 2x its perplexity)."""
+    rows = results["rows"]
+    row, ref = rows.get(CLAIM_SUBJECT), rows.get(REFERENCE)
+    if not row or not row["convert"] or not ref or not ref["control"]:
+        return f"not measured (`{CLAIM_SUBJECT}` or `{REFERENCE}` missing)"
+    ratio = statistics.fmean(row["convert"].values()) / statistics.fmean(ref["control"].values())
+    recovered = "recovered" if ratio <= 2 else "not recovered at this budget"
+    return (f"for `{CLAIM_SUBJECT}`, {row['verdict']}; after both stages its perplexity is {ratio:.1f}x that of the "
+            f"softmax model fine-tuned as long: the quality is {recovered}")
+
+
 def summary_sentence(results: Mapping[str, Any]) -> str:
     """Which normalizers transfer helped, hurt, or neither; and how close the best conversions come to softmax."""
     rows = results["rows"]

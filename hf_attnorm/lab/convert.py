@@ -26,7 +26,9 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import resource
+import shlex
 import shutil
 import sys
 import time
@@ -237,7 +239,8 @@ class Transfer:
     def __init__(self) -> None:
         self.mode = "student"
         self.teacher: list[torch.Tensor] = []
-        self.errors: list[torch.Tensor] = []  # per layer: mean squared error / mean squared teacher output
+        #: per layer: mean squared error / mean squared teacher output, per sequence, averaged over the batch
+        self.errors: list[torch.Tensor] = []
         self.calls = 0
 
     def reset(self, mode: str) -> None:
@@ -259,7 +262,10 @@ class Transfer:
         self.calls += 1
         out = student()[0].float()
         reference = target.float()
-        self.errors.append((out - reference).pow(2).mean() / reference.pow(2).mean().clamp_min(1e-12))
+        # per sequence, then the batch mean: B processes x 1 sequence give the loss of 1 process x B sequences
+        per_sequence = (out - reference).pow(2).flatten(1).mean(1) / reference.pow(2).flatten(1).mean(1).clamp_min(
+            1e-12)
+        self.errors.append(per_sequence.mean())
         return target, None
 
 
@@ -314,12 +320,29 @@ class History:
     seconds: dict[str, float] = dataclasses.field(default_factory=lambda: {s: 0.0 for s in STAGES})
     perplexity: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     layer_errors: dict[str, list[float]] = dataclasses.field(default_factory=dict)
-    max_rss_mb: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: the process's peak resident memory (MB) during each phase: loading, each evaluation, each stage
+    peak_rss_mb: dict[str, float] = dataclasses.field(default_factory=dict)
     trained: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
-def _max_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+def _reset_peak_rss() -> None:
+    """Start a new peak-memory window (Linux: writing 5 to clear_refs resets VmHWM; elsewhere the peak stays the
+    process's since its start)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _peak_rss_mb() -> float:
+    """The process's peak resident memory since the last ``_reset_peak_rss`` (MB)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024.0, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1)  # Linux: KiB
 
 
 def _lr(peak: float, step: int, total: int) -> float:
@@ -330,7 +353,9 @@ def _lr(peak: float, step: int, total: int) -> float:
 class Converter:
     """One conversion: model, data, the two stages, evaluation and checkpoints (see the module docstring)."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, command: str | None = None) -> None:
+        self._started, self._load_start = time.perf_counter(), round(os.getloadavg()[0], 2)
+        self.command = command
         self.args = args
         self.out = Path(args.output_dir)
         self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
@@ -445,6 +470,7 @@ class Converter:
             return  # done before a resume, or not asked for
         model = self.model
         if self.main:
+            _reset_peak_rss()
             ppl = {}
             for length in self.args.eval_lengths:
                 ids = spread_chunks(self.validation_stream, length, max(length, self.args.eval_tokens))
@@ -455,7 +481,7 @@ class Converter:
                 ppl[str(length)] = res.perplexity
             self.history.perplexity[name] = ppl
             self.history.layer_errors[name] = self.layer_errors()
-            self.history.max_rss_mb[f"after {name}"] = round(_max_rss_mb(), 1)
+            self.history.peak_rss_mb[f"evaluation {name}"] = _peak_rss_mb()
             errors = self.history.layer_errors
             if name == "transfer" and "swapped" in errors and sum(errors["transfer"]) > sum(errors["swapped"]):
                 warnings.warn(f"stage 1 raised the held-out per-layer error of {self.args.attn_implementation} from "
@@ -566,6 +592,7 @@ class Converter:
         install_observer(self.model, transfer)
         self.model.train()
         bar = _progress(total, h.step, f"{stage} ({a.attn_implementation})", acc.is_local_main_process)
+        _reset_peak_rss()
         start = time.perf_counter()
         try:
             while h.step < total:
@@ -601,7 +628,7 @@ class Converter:
             bar.close()
             install_observer(self.model, None)
         h.seconds[stage] += time.perf_counter() - start
-        h.max_rss_mb[f"after {stage}"] = round(_max_rss_mb(), 1)
+        h.peak_rss_mb[stage] = max(h.peak_rss_mb.get(stage, 0.0), _peak_rss_mb())
         self.checkpoint(params, optimizer, stage_done=True)
         self._unwrap()
 
@@ -673,7 +700,7 @@ class Converter:
             print(f"[convert] resuming from {resume} ({self.history.stage}, step {self.history.step})",
                   file=sys.stderr)
         h = self.history
-        h.max_rss_mb.setdefault("after load", round(_max_rss_mb(), 1))
+        h.peak_rss_mb.setdefault("load", _peak_rss_mb())
         # rebuild what finished stages made (their trained tensors, merged again)
         if h.stage in ("finetune", "done") and a.transfer_steps:
             self._rebuild("transfer", self.out / CHECKPOINTS / TRANSFER_DONE)
@@ -710,8 +737,10 @@ class Converter:
             "tokens_per_step": tokens, "finetune_mode": a.finetune_mode, "perplexity": h.perplexity,
             "layer_errors": h.layer_errors, "losses": h.losses,
             "seconds": {k: round(v, 2) for k, v in h.seconds.items()},
-            "max_rss_mb": h.max_rss_mb, "trained": h.trained, "processes": self.accelerator.num_processes,
+            "peak_rss_mb": h.peak_rss_mb, "trained": h.trained, "processes": self.accelerator.num_processes,
             "torch_threads": torch.get_num_threads(), "args": recorded_args(a),
+            "wall_seconds": round(time.perf_counter() - self._started, 1), "load_average_start": self._load_start,
+            "load_average_end": round(os.getloadavg()[0], 2), "command": self.command,
         }
 
 
@@ -728,7 +757,8 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
-    return Converter(args).run()
+    shown = list(sys.argv[1:] if argv is None else argv)
+    return Converter(args, command="python scripts/convert.py " + shlex.join(shown)).run()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
