@@ -76,13 +76,7 @@ def _one(out: Path, impl: str, kind: str, seed: int, a: argparse.Namespace, step
     argv = ["--attn_implementation", impl, *options, *argv_steps, "--seed", str(seed), "--eval_tokens",
             str(a.eval_tokens), "--eval_lengths", a.eval_lengths, "--eval_stages", ",".join(points),
             "--output_dir", str(folder), "--no_save_model", "--checkpointing_steps", "0", "--overwrite_output_dir"]
-    load = os.getloadavg()[0]
-    start = time.perf_counter()
-    summary = convert.run(argv)
-    summary["wall_seconds"] = round(time.perf_counter() - start, 1)
-    summary["load_average_start"], summary["load_average_end"] = round(load, 2), round(os.getloadavg()[0], 2)
-    summary["command"] = "python scripts/convert.py " + " ".join(argv)
-    done.write_text(json.dumps(summary, indent=1))
+    summary = convert.run(argv)  # writes <folder>/conversion.json with its command, seconds and load
     print(f"[convert_study] {impl} {kind} seed {seed}: {summary['perplexity']} in {summary['wall_seconds']} s",
           file=sys.stderr)
     return summary

@@ -77,12 +77,21 @@ def hf_attention_forward(
     return _attend(module, state, query, key, value, attention_mask, scaling, dropout, kwargs)
 
 
+def _causal(module: nn.Module, kwargs: Mapping[str, Any]) -> bool:
+    """The call's causality: its ``is_causal`` keyword, else the module's attribute (default True)."""
+    causal = kwargs.get("is_causal")
+    return bool(getattr(module, "is_causal", True)) if causal is None else causal
+
+
+def _score_modifiers(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The keywords of the call that change the scores, as ``make_call`` takes them."""
+    return {"bias": kwargs.get("position_bias"), "softcap": kwargs.get("softcap"), "sinks": kwargs.get("s_aux")}
+
+
 def _attend(module: nn.Module, state: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             attention_mask: object, scaling: float | None, dropout: float,
             kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    causal = kwargs.get("is_causal")
-    if causal is None:
-        causal = bool(getattr(module, "is_causal", True))
+    causal = _causal(module, kwargs)
     refused = refused_keywords(kwargs)
     if refused:  # a backstop: modules are checked at load/set time, but **kwargs can carry anything
         raise AttnormError(f"{type(module).__name__} passed {', '.join(refused)} to the attention function, which "
@@ -101,7 +110,7 @@ def _attend(module: nn.Module, state: Any, query: torch.Tensor, key: torch.Tenso
     call = make_call(
         query, key, value, state.settings, state(query.device), attention_mask, causal, scaling,
         dropout if module.training else 0.0, _weights_requested(kwargs), state.module_info,
-        bias=kwargs.get("position_bias"), softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"),
+        **_score_modifiers(kwargs),
     )
     # linear attention: a decode step on a cache layer holding a recurrent state of its keys (hf/recurrent.py)
     handle = step_handle(module, query, key, value)
@@ -130,11 +139,8 @@ def softmax_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     -> [B, Lq, H, Dv]. The teacher of attention transfer (``hf_attnorm.lab.convert``)."""
     state = module._modules.get("attnorm")
     info = getattr(state, "module_info", None) or {}
-    causal = kwargs.get("is_causal")
-    if causal is None:
-        causal = bool(getattr(module, "is_causal", True))
-    call = make_call(query, key, value, _softmax_settings(), {}, attention_mask, causal, scaling, 0.0, False, info,
-                     bias=kwargs.get("position_bias"), softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
+    call = make_call(query, key, value, _softmax_settings(), {}, attention_mask, _causal(module, kwargs), scaling,
+                     0.0, False, info, **_score_modifiers(kwargs))
     out, _, _ = attend(call)
     return out.transpose(1, 2).contiguous()
 

@@ -62,8 +62,8 @@ def aggregate(runs: Mapping[str, Mapping[str, Mapping[int, Mapping[str, Any]]]],
     for impl, kinds in runs.items():
         conv, ctrl = kinds.get("convert", {}), kinds.get("control", {})
         seeds = sorted(set(conv) | set(ctrl))
-        swapped = next((_ppl(s, "swapped", length) for s in (*conv.values(), *ctrl.values())
-                        if _ppl(s, "swapped", length) is not None), None)
+        swapped = next((p for p in (_ppl(s, "swapped", length) for s in (*conv.values(), *ctrl.values()))
+                        if p is not None), None)
         errors = next((s["layer_errors"] for s in conv.values() if "swapped" in s.get("layer_errors", {})), {})
         after = [statistics.fmean(s["layer_errors"]["transfer"]) for s in conv.values()
                  if "transfer" in s.get("layer_errors", {})]

@@ -23,6 +23,7 @@ tensors are averaged over processes; evaluation runs on the main process).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -33,7 +34,7 @@ import shutil
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -280,6 +281,16 @@ def install_observer(model: nn.Module, observer: Transfer | None) -> int:
     return count
 
 
+@contextlib.contextmanager
+def observing(model: nn.Module, observer: Transfer | None) -> Iterator[Transfer | None]:
+    """``observer`` on every attention module of ``model`` for the block, taken off after it (also on an error)."""
+    install_observer(model, observer)
+    try:
+        yield observer
+    finally:
+        install_observer(model, None)
+
+
 def decoder_of(model: nn.Module) -> nn.Module:
     """The decoder stack of a causal LM (``model.model`` for Llama), under a peft wrapper too: the transfer stage
     does not run the LM head."""
@@ -498,32 +509,24 @@ class Converter:
     def layer_errors(self) -> list[float]:
         """Relative error of each layer's attention output against the original model's, on the held-out error
         blocks, every layer fed the original model's inputs: mean over blocks, one value per layer."""
-        transfer = Transfer()
-        install_observer(self.model, transfer)
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad():
+            with observing(self.model, Transfer()) as transfer, torch.no_grad():
                 per_block = [transfer_errors(self.model, transfer, ids[None].to(self.accelerator.device), False,
                                              teacher=self._reference[i]) for i, ids in enumerate(self.error_ids)]
         finally:
-            install_observer(self.model, None)
             self.model.train(was_training)
         return [round(float(v), 6) for v in torch.stack(per_block).mean(0)]
 
     def _record_reference(self) -> list[list[torch.Tensor]]:
         """The original model's attention outputs on the error blocks (recorded before any training)."""
-        transfer = Transfer()
-        install_observer(self.model, transfer)
         out = []
-        try:
-            with torch.no_grad():
-                for ids in self.error_ids:
-                    transfer.reset("record")
-                    decoder_of(self.model)(input_ids=ids[None].to(self.accelerator.device), use_cache=False)
-                    out.append(list(transfer.teacher))
-        finally:
-            install_observer(self.model, None)
+        with observing(self.model, Transfer()) as transfer, torch.no_grad():
+            for ids in self.error_ids:
+                transfer.reset("record")
+                decoder_of(self.model)(input_ids=ids[None].to(self.accelerator.device), use_cache=False)
+                out.append(list(transfer.teacher))
         return out
 
     # ---------------------------------------------------------------- stages
@@ -588,13 +591,11 @@ class Converter:
         if resume is not None:
             self._load_trainable(resume, params)
             optimizer.load_state_dict(torch.load(resume / "optimizer.pt", map_location=acc.device))
-        transfer = Transfer() if stage == "transfer" else None
-        install_observer(self.model, transfer)
         self.model.train()
-        bar = _progress(total, h.step, f"{stage} ({a.attn_implementation})", acc.is_local_main_process)
         _reset_peak_rss()
         start = time.perf_counter()
-        try:
+        with observing(self.model, Transfer() if stage == "transfer" else None) as transfer, \
+                _progress(total, h.step, f"{stage} ({a.attn_implementation})", acc.is_local_main_process) as bar:
             while h.step < total:
                 for group in optimizer.param_groups:
                     group["lr"] = _lr(peak, h.step, total)
@@ -624,9 +625,6 @@ class Converter:
                     h.seconds[stage] += time.perf_counter() - start
                     start = time.perf_counter()
                     self.checkpoint(params, optimizer)
-        finally:
-            bar.close()
-            install_observer(self.model, None)
         h.seconds[stage] += time.perf_counter() - start
         h.peak_rss_mb[stage] = max(h.peak_rss_mb.get(stage, 0.0), _peak_rss_mb())
         self.checkpoint(params, optimizer, stage_done=True)
