@@ -165,6 +165,21 @@ def test_relative_links_in_user_documents_exist():
     assert not missing, "broken links:\n" + "\n".join(missing)
 
 
+def test_published_evidence_is_not_git_ignored():
+    """Everything under bench/, docs/ and model_cards/ ships with a clone: a file there that .gitignore matches
+    exists on the machine that measured it and is missing from every checkout, so the tables built from it break."""
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    listed = subprocess.run(["git", "ls-files", "--others", "--ignored", "--exclude-standard", "--",
+                             "bench", "docs", "model_cards", "README.md"],
+                            cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    ignored = [p for p in listed if "__pycache__" not in p]
+    assert not ignored, "published files that .gitignore hides from every clone:\n" + "\n".join(ignored[:20])
+
+
 def test_docs_list_the_main_jobs_default_implementations():
     """docs/evaluation.md names the default implementations of scripts/compare.py by hand: they must agree."""
     spec = importlib.util.spec_from_file_location("compare_script_for_docs", ROOT / "scripts" / "compare.py")
