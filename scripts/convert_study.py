@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -79,6 +80,8 @@ def _one(out: Path, impl: str, kind: str, seed: int, a: argparse.Namespace, step
             str(a.eval_tokens), "--eval_lengths", a.eval_lengths, "--eval_stages", ",".join(points),
             "--output_dir", str(folder), "--no_save_model", "--checkpointing_steps", "0", "--overwrite_output_dir"]
     summary = convert.run(argv)  # writes <folder>/conversion.json with its command, seconds and load
+    # a finished run is cached by its conversion.json; its resumable checkpoints (megabytes) are not needed again
+    shutil.rmtree(folder / "checkpoints", ignore_errors=True)
     print(f"[convert_study] {impl} {kind} seed {seed}: {summary['perplexity']} in {summary['wall_seconds']} s",
           file=sys.stderr)
     return summary

@@ -123,17 +123,23 @@ def conversion_longer() -> str:
 def conversion_runs() -> str:
     """Every run of the conversion study (its command, seconds per stage, the machine's load), then the default
     conversion measured alone in a fresh process (time and peak memory per phase)."""
-    lines = ["| implementation | run | seed | seconds: stage 1 / stage 2 / whole run with evaluation | load average "
-             "at start → end |", "|---|---|---|---|---|"]
-    commands = []
+    lines = ["| implementation | run | seed | seconds: stage 1 / stage 2 / whole run with evaluation | peak memory "
+             "(MB): stage 1 / stage 2 | load average at start → end |", "|---|---|---|---|---|---|"]
+    commands, loads = [], []
     for path in sorted((ROOT / "bench" / "convert" / "runs").glob("*/*/conversion.json")):
         run = json.loads(path.read_text())
         kind, seed = path.parent.name.rsplit("-seed", 1)
-        sec = run["seconds"]
+        sec, peak = run["seconds"], run.get("peak_rss_mb", {})
         stage1 = f"{sec['transfer']:.0f}" if run["steps"]["transfer"] else "—"
+        memory = " / ".join(f"{peak[k]:.0f}" if k in peak else "—" for k in ("transfer", "finetune"))
         lines.append(f"| `{run['implementation']}` | {kind} | {seed} | {stage1} / {sec['finetune']:.0f} / "
-                     f"{run['wall_seconds']:.0f} | {run['load_average_start']} → {run['load_average_end']} |")
+                     f"{run['wall_seconds']:.0f} | {memory} | {run['load_average_start']} → "
+                     f"{run['load_average_end']} |")
         commands.append(f"* `{run['command']}`")
+        loads += [run["load_average_start"], run["load_average_end"]]
+    if loads:
+        lines.append(f"\nLoad average over the runs: {min(loads)} to {max(loads)} (the study's own 2 threads give "
+                     f"about 2; above that, something else shared the cores and the seconds are upper bounds).")
     alone = json.loads((ROOT / "bench" / "convert" / "default_run" / "conversion.json").read_text())
     peaks = ", ".join(f"{k} {v:.0f}" for k, v in alone["peak_rss_mb"].items())
     sec = alone["seconds"]

@@ -380,7 +380,8 @@ def test_the_study_renders_each_evaluated_context():
     assert results["longer"]["2048"]["ssmax"]["verdict"].startswith("transfer hurts")
     assert study.rows_at(results, 2048) is results["longer"]["2048"] and study.rows_at(results) is results["rows"]
     text = study.markdown(results)
-    assert text.count("| implementation |") == 2 and "Scored at 2048 tokens, 4x the blocks trained on:" in text
+    assert text.count("| implementation |") == 2
+    assert "Scored at 2048 tokens (4x the blocks trained on). At 20 + 20 steps" in text
     assert "| `ssmax` | — | 80 [60, 100] | 40 [30, 50] | 35 [25, 45] |" in study.table(results, "2048")
     with pytest.raises(KeyError, match="no perplexity at 4096 tokens.*evaluated: \\[512, 2048\\]"):
         study.rows_at(results, 4096)

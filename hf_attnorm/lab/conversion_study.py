@@ -188,5 +188,5 @@ def summary_sentence(results: Mapping[str, Any], length: int | str | None = None
         parts.append(f"Within 25% of the softmax model fine-tuned as long ({_num(ref_mean)}): "
                      f"{', '.join(close) or 'none'}.")
     if length is not None and rows is not results["rows"]:
-        parts.insert(0, f"Scored at {length} tokens, {int(length) / s['block_size']:g}x the blocks trained on:")
+        parts.insert(0, f"Scored at {length} tokens ({int(length) / s['block_size']:g}x the blocks trained on).")
     return " ".join(parts)
