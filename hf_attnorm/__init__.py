@@ -12,12 +12,20 @@ On plain tensors: ``from hf_attnorm.attention import attention``.
 
 from __future__ import annotations
 
-from . import normalizers, scales  # noqa: F401  (registers every normalizer and scale)
-from .hf.integration import apply, register
-from .hf.state import AttnormState
-from .registry import NORMALIZERS, PRESETS, SCALES, AttnormError, UnknownNameError, first_line
-from .settings import OPTIONS, AttnormSettings, resolve_settings
-from .version import __version__
+import torch as _torch
+
+from .supported import MIN_TORCH as _MIN_TORCH
+from .supported import torch_problem as _torch_problem
+
+if (_problem := _torch_problem(_torch.__version__)) is not None:  # (pip refuses it too; a source checkout may not)
+    raise ImportError(f"{_problem}. Install a supported torch, e.g. pip install 'torch>={_MIN_TORCH}'")
+
+from . import normalizers, scales  # noqa: E402, F401  (registers every normalizer and scale)
+from .hf.integration import apply, register  # noqa: E402
+from .hf.state import AttnormState  # noqa: E402
+from .registry import NORMALIZERS, PRESETS, SCALES, AttnormError, UnknownNameError, first_line  # noqa: E402
+from .settings import OPTIONS, AttnormSettings, resolve_settings  # noqa: E402
+from .version import __version__  # noqa: E402
 
 
 def available(kind: str = "implementations") -> dict[str, str]:

@@ -11,8 +11,8 @@ import argparse
 import re
 
 import hf_attnorm
+from hf_attnorm import supported
 from hf_attnorm.attention import param_specs
-from hf_attnorm.hf import compat
 from hf_attnorm.kernels import PATHS, paths_for
 from hf_attnorm.registry import NORMALIZERS, PRESETS, SCALES
 from hf_attnorm.settings import GLOBAL_OPTIONS, OPTIONS, resolve_settings
@@ -102,10 +102,16 @@ def learned_list() -> str:
 
 
 def versions_line() -> str:
-    """The supported transformers range and the versions CI tests, read from ``hf_attnorm.hf.compat``."""
-    *others, newest = compat.CI_VERSIONS
-    return (f"transformers >= {compat.MIN_TRANSFORMERS}, no upper cap; CI runs the whole suite on the newest release "
-            f"(last: {newest}) and the parts that read transformers' internals on {' and '.join(others)}")
+    """The supported Python/torch/triton/transformers ranges and the versions CI runs, read from
+    ``hf_attnorm.supported`` (the same data .ci/run installs)."""
+    envs = "; ".join(f"torch {p['torch']} / triton {p['triton']} / transformers {p['transformers']} ({what})"
+                     for p, what in supported.CI_ENVIRONMENTS.values())
+    return (f"Supported: Python >= 3.10; torch >= {supported.MIN_TORCH}, no upper cap; triton: the version your "
+            f"torch pins (the GPU kernels need it; nothing else does); transformers >= {supported.MIN_TRANSFORMERS}, "
+            f"no upper cap. CI runs the whole suite on torch {supported.MAIN_TORCH} (CPU build) with triton "
+            f"{supported.TESTED_TRITON} and the newest transformers (last: {supported.TESTED_NEWEST}), and the "
+            f"torch-dependent tests (kernels against the reference, C++ build, compile, export, interpreted Triton "
+            f"kernels, the transformers contract) on {envs}.")
 
 
 #: ``--markdown`` sections: name -> generator

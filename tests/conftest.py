@@ -14,8 +14,12 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import hf_attnorm  # noqa: E402,F401  (registers everything)
 from hf_attnorm.lab.model_zoo import build_model  # noqa: E402
+from hf_attnorm.torch_compat import compile_problem  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+#: marks the torch.compile tests: skipped, with the reason, on a torch whose compiler cannot compile the models
+needs_compile = pytest.mark.skipif(compile_problem() is not None, reason=compile_problem() or "")
 
 #: (family, task) of every tiny model the generic tests run on
 MODEL_KINDS = [("gpt2", "causal_lm"), ("bert", "encoder"), ("bert", "masked_lm"), ("llama", "causal_lm")]

@@ -21,6 +21,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import needs_compile
 from family_zoo import FAMILIES, REFUSED, build, inputs, make_config, output
 
 import hf_attnorm
@@ -369,6 +370,7 @@ COMPILE_FAMILIES = [n for n in ("gemma2", "gpt_oss", "t5") if n in FAMILIES]
 
 
 @pytest.mark.slow
+@needs_compile
 @pytest.mark.parametrize("backend", ["inductor", "aot_eager"])  # aot_eager: no kernel generation hides a bad view
 @pytest.mark.parametrize("impl", ["softmax", "symax"])
 @pytest.mark.parametrize("family", COMPILE_FAMILIES)

@@ -25,32 +25,57 @@ sys.modules.setdefault("gpu_setup", gpu_setup)  # (its dataclass looks its modul
 _spec.loader.exec_module(gpu_setup)
 
 FUSED = declared_normalizers("triton")[0]  # a normalizer with a Triton kernel (first of the registry)
-BARE = {"torch": None, "triton": None, "transformers": None, "pytest": None, "pytest-xdist": None,
-        "flash-attn": None, "hf_attnorm": False, "torch_cuda_build": None, "cuda_available": False}
+BARE = {"torch": None, "triton": None, "transformers": None, "pytest": None, "pytest-xdist": None, "numpy": None,
+        "flash-attn": None, "setuptools": None, "hf_attnorm": None, "python": "3.12.3", "torch_cuda_build": None,
+        "cuda_available": False, "device_count": 0}
+#: the GPU machine's image (docs/triton.md)
+GPU_IMAGE = {**BARE, "torch": "2.11.0+cu130", "torch_cuda_build": "13.0", "cuda_available": True, "device_count": 1,
+             "triton": "3.6.0", "transformers": "5.17.0", "pytest": "9.1.1", "pytest-xdist": "3.8.0",
+             "numpy": "2.5.2", "setuptools": "80.0"}
 
 
-def test_setup_plan_against_the_torch_installed_here():
-    """The probe sees this machine's torch; a CPU-only build is replaced by PyPI's CUDA build, nothing else is."""
+def _verdicts(env: dict, dry_run: bool = False) -> dict[str, tuple[bool, bool]]:
+    return {c.name: (c.ok, c.required) for c in gpu_setup.checks(env, dry_run)}
+
+
+def test_setup_never_asks_an_index():
+    """Every pip call the plan can make is offline: --no-index, and the environment switches any index off."""
+    steps = gpu_setup.plan(BARE, wheels=ROOT / "tests", flash_attn=True)
+    assert [s.name for s in steps] == ["wheels", "hf_attnorm"]
+    assert all("--no-index" in s.pip_args for s in steps)
+    assert "--no-deps" in steps[1].pip_args and "--no-build-isolation" in steps[1].pip_args
+    assert gpu_setup.OFFLINE_ENV["PIP_NO_INDEX"] == "1"
+    assert "install" not in " ".join(a for s in steps for a in s.pip_args if a.startswith(("torch", "triton")))
+
+
+def test_setup_accepts_the_gpu_images_versions_and_installs_only_the_checkout():
+    verdicts = _verdicts(GPU_IMAGE)
+    assert all(ok for ok, _ in verdicts.values()), verdicts
+    assert [s.name for s in gpu_setup.plan(GPU_IMAGE)] == ["hf_attnorm"]
+    here = {**GPU_IMAGE, "hf_attnorm": str(ROOT / "hf_attnorm" / "__init__.py")}
+    assert gpu_setup.plan(here) == []  # already this checkout
+
+
+def test_setup_refuses_what_it_cannot_fix_offline_with_the_reason():
+    old = {**GPU_IMAGE, "torch": "2.5.1", "transformers": "5.3.0", "pytest": None}
+    found = {c.name: c for c in gpu_setup.checks(old)}
+    assert not found["torch"].ok and f"needs torch >= {gpu_setup.supported.MIN_TORCH}" in found["torch"].message
+    assert not found["transformers"].ok and "--wheels" in found["transformers"].message
+    assert not found["pytest"].ok and found["pytest"].required
+    cpu = {**GPU_IMAGE, "torch_cuda_build": None}
+    assert _verdicts(cpu)["torch"] == (False, True) and _verdicts(cpu, dry_run=True)["torch"] == (True, True)
+    # optional pieces are warnings: no triton, no xdist, an old triton's interpreter beside numpy >= 2.4
+    lean = {**GPU_IMAGE, "triton": None, "pytest-xdist": None}
+    assert _verdicts(lean)["triton"] == (False, False) and _verdicts(lean)["pytest-xdist"] == (False, False)
+    assert _verdicts(GPU_IMAGE, dry_run=True)["numpy"] == (False, False)
+    assert "numpy" not in _verdicts({**GPU_IMAGE, "numpy": "2.3.5"}, dry_run=True)
+
+
+def test_setup_against_the_python_running_this_test():
+    """The probe reads this interpreter's versions; the checks agree with supported.py about them."""
     env = gpu_setup.probe(sys.executable)
     assert env["torch"] == torch.__version__ and env["cuda_available"] == torch.cuda.is_available()
-    steps = {s.name: s for s in gpu_setup.plan(env)}
-    if torch.version.cuda is None:
-        assert steps["torch-cpu-out"].pip_args == ["uninstall", "-y", "torch"]
-        assert "CPU-only build" in steps["torch-cpu-out"].why
-        assert steps["torch"].pip_args == ["install", gpu_setup.TORCH]
-    else:
-        assert "torch" not in steps and "torch-cpu-out" not in steps
-    assert "hf_attnorm" not in steps  # importable here (the editable install)
-
-
-def test_setup_plan_on_a_bare_machine_and_with_flash_attn():
-    steps = gpu_setup.plan(BARE, flash_attn=True)
-    assert [s.name for s in steps] == ["torch", "triton", "hf_attnorm", "pytest", "flash-attn"]
-    assert steps[1].pip_args == ["install", gpu_setup.TRITON]
-    assert steps[-1].pip_args[:2] == ["install", "--only-binary=:all:"] and not steps[-1].required
-    ready = {**BARE, "torch": "2.13.0", "torch_cuda_build": "12.8", "triton": gpu_setup.TRITON_VERSION,
-             "transformers": "5.24.0", "hf_attnorm": True, "pytest": "9", "pytest-xdist": "3"}
-    assert gpu_setup.plan(ready) == []
+    assert _verdicts(env, dry_run=True)["torch"] == (True, True)
 
 
 def test_setup_dry_run_prints_the_plan_and_installs_nothing(tmp_path):
@@ -59,11 +84,16 @@ def test_setup_dry_run_prints_the_plan_and_installs_nothing(tmp_path):
                           str(record), "--quick"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stderr
     rec = json.loads(record.read_text())
-    assert rec["dry_run"] and not any(s["ran"] for s in rec["steps"])
+    assert rec["dry_run"] and rec["offline"] and not any(s["ran"] for s in rec["steps"])
     for step in rec["steps"]:
         assert f"would run: {step['command']}" in res.stdout
-    if not torch.cuda.is_available():
-        assert "no CUDA device visible to torch" in res.stdout
+    assert f"ok: torch {torch.__version__.split('+')[0]}" in res.stdout.replace("+cpu", "")
+
+
+def test_wheels_folder_must_exist(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        gpu_setup.parse_args(["--wheels", str(tmp_path / "missing")])
+    assert "not a folder" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

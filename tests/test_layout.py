@@ -14,7 +14,7 @@ PKG = Path(__file__).resolve().parents[1] / "hf_attnorm"
 
 #: layer of each core module (a module may import only from lower or equal layers; equal = inside a package)
 LAYERS = {
-    "version": 0, "fileio": 0, "registry": 0,
+    "version": 0, "supported": 0, "fileio": 0, "registry": 0, "torch_compat": 0,
     "settings": 1,
     "masks": 2, "normalizers": 2, "scales": 2,
     "kernels": 3,

@@ -171,3 +171,87 @@ def test_fused_maps_run_natively():
         call = make_call(q, k, v, resolve_settings(impl), {"power_p": torch.full((H,), 2.5, dtype=torch.float64)}
                          if impl == "power" else {}, None, True, None, module_info={"max_positions": 8})
         assert attend(call)[2] == "fused_cpu", impl
+
+
+def _sp(s: float) -> float:
+    """softplus(s) = ln(1 + e^s), written out (no torch)."""
+    return max(s, 0.0) + math.log1p(math.exp(-abs(s)))
+
+
+def _sigmoid(s: float) -> float:
+    return 1.0 / (1.0 + math.exp(-s)) if s >= 0 else math.exp(s) / (1.0 + math.exp(s))
+
+
+# scores placed where an op with a kink may sit on the gradient path: the row max of rows whose every visible score
+# is negative (there s - c = 0 for the shift c = min(0, row max)), exact zeros (|s| and max(s, 0) kinks), scores
+# beyond F.softplus's linear threshold (20), very negative rows (the kernels' slow form below -650), masked keys
+# above the visible max, and a row with one visible key
+_SP_ROWS = [
+    [-0.3, -1.2, -2.5, -0.7, -4.0, -0.31, -9.0, -1.0],
+    [0.0, -1.0, 0.5, 2.0, -0.25, 0.0, 1.5, -3.0],
+    [25.0, 21.0, 19.5, -3.0, 0.0, 40.0, 20.0, 3.0],
+    [-700.0, -701.5, -700.25, -702.0, -703.0, -700.5, -701.0, -702.5],
+    [-2.0, 3.0, -0.5, 1.0, -1.5, 4.0, -0.75, 2.0],
+    [0.0, -0.5, -1.0, -1.5, -2.0, -2.5, -3.0, -3.5],
+    [-0.6, -5.0, -0.2, -3.0, -1.0, -7.0, -0.4, -2.0],
+]
+_SP_KEEP_OFF = {4: (1, 3, 5, 7), 6: (0, 1, 3, 4, 5, 6, 7)}  # row 4: the positive keys masked; row 6: one key left
+
+
+@pytest.mark.parametrize("path", ["reference", "chunked", "fused_cpu"])
+def test_softplus_gradient_is_the_formula_at_kinks(path):
+    """Forward and every gradient in fp64 against a transcription: w_i = sp(s_i) / S, S = sum_j sp(s_j), and
+    dL/ds_i = (g_i - sum_j g_j w_j) sigmoid(s_i) / S (g = dL/dw), at the points above. torch 2.14 passes no gradient
+    through clamp(x, max=0) at x = 0 (2.13 passed 1): the reference, written with that clamp, then lost the
+    e^(s - c) term of every negative row's max (dq off by 0.8 in test_kernels' L17 case)."""
+    if path == "fused_cpu" and fused_cpu.unavailable_reason():
+        pytest.skip(fused_cpu.unavailable_reason())
+    lq, lk, dv = len(_SP_ROWS), len(_SP_ROWS[0]), 3
+    s = torch.tensor(_SP_ROWS, dtype=torch.float64)
+    keep = torch.ones(lq, lk, dtype=torch.bool)
+    for i, off in _SP_KEEP_OFF.items():
+        keep[i, list(off)] = False
+    g = torch.Generator().manual_seed(11)
+    v = torch.randn(1, 1, lk, dv, generator=g, dtype=torch.float64)
+    gout = torch.randn(1, 1, lq, dv, generator=g, dtype=torch.float64)
+    # q = s, k = identity, scaling 1: the scores are s exactly
+    q = s.clone()[None, None].requires_grad_(True)
+    k = torch.eye(lk, dtype=torch.float64)[None, None].requires_grad_(True)
+    vl = v.clone().requires_grad_(True)
+    out, _ = attention(q, k, vl, "softplus", attention_mask=keep[None, None], scaling=1.0, path=path)
+    out.backward(gout)
+
+    w_want = torch.zeros(lq, lk, dtype=torch.float64)
+    ds_want = torch.zeros(lq, lk, dtype=torch.float64)
+    gw = (gout[0, 0] @ v[0, 0].T).tolist()  # dL/dw_ij = gout_i . v_j
+    for i, row in enumerate(_SP_ROWS):
+        js = [j for j in range(lk) if keep[i, j]]
+        den = sum(_sp(row[j]) for j in js)
+        w = {j: _sp(row[j]) / den for j in js}
+        delta = sum(gw[i][j] * w[j] for j in js)
+        for j in js:
+            w_want[i, j] = w[j]
+            ds_want[i, j] = (gw[i][j] - delta) * _sigmoid(row[j]) / den
+    torch.testing.assert_close(q.grad[0, 0], ds_want, atol=1e-13, rtol=1e-9)  # k = I: dq = dS
+    torch.testing.assert_close(out[0, 0], w_want @ v[0, 0], atol=1e-13, rtol=1e-10)
+    torch.testing.assert_close(vl.grad[0, 0], w_want.T @ gout[0, 0], atol=1e-13, rtol=1e-10)
+    torch.testing.assert_close(k.grad[0, 0], ds_want.T @ s, atol=1e-11, rtol=1e-9)
+
+
+def test_piecewise_maps_have_the_formulas_derivative_at_their_kinks():
+    """elu+1 (linear's feature map), stablemax's g and power's max(p, 1) at their kinks: the derivative of the
+    published formula's branch that holds there (1 in each case), independent of how torch defines clamp's gradient at
+    its bound (it changed in torch 2.14)."""
+    from hf_attnorm.normalizers.linear import elu_feature
+    from hf_attnorm.normalizers.power import power_exponent
+    from hf_attnorm.normalizers.stablemax import stablemax_g
+
+    x = torch.tensor([-3.0, 0.0, 2.0], dtype=torch.float64, requires_grad=True)
+    for fn, derivative in ((elu_feature, lambda t: torch.where(t > 0, 1.0, torch.exp(t))),
+                           (stablemax_g, lambda t: torch.where(t >= 0, 1.0, 1 / (1 - t) ** 2))):
+        (grad,) = torch.autograd.grad(fn(x).sum(), x)
+        torch.testing.assert_close(grad, derivative(x.detach()), msg=fn.__name__)
+    p = torch.tensor([0.5, 1.0, 2.5], dtype=torch.float64, requires_grad=True)
+    ctx = type("Ctx", (), {"heads": {"power_p": p}})()
+    (grad,) = torch.autograd.grad(power_exponent(ctx).sum(), p)
+    assert grad.tolist() == [0.0, 1.0, 1.0]

@@ -190,14 +190,18 @@ def test_docs_list_the_main_jobs_default_implementations():
     assert re.findall(r"`([^`]+)`", listed.group(1)) == compare.DEFAULT_IMPLEMENTATIONS
 
 
-def test_versions_line_reads_compat(monkeypatch):
+def test_versions_line_reads_supported(monkeypatch):
+    """The README's Supported line is generated from hf_attnorm.supported, the data .ci/run installs."""
+    from hf_attnorm import supported
     from hf_attnorm.__main__ import versions_line
-    from hf_attnorm.hf import compat
 
-    monkeypatch.setattr(compat, "CI_VERSIONS", ("5.4.0", "5.9.0", "9.9.0"))
+    monkeypatch.setattr(supported, "CI_ENVIRONMENTS", {
+        "floor": ({"torch": "2.1.0", "triton": "2.9.0", "transformers": "5.0.0"}, "lowest")})
+    monkeypatch.setattr(supported, "MIN_TORCH", "2.1.0")
     line = versions_line()
-    assert line == (f"transformers >= {compat.MIN_TRANSFORMERS}, no upper cap; CI runs the whole suite on the newest "
-                    "release (last: 9.9.0) and the parts that read transformers' internals on 5.4.0 and 5.9.0")
+    assert line.startswith("Supported: Python >= 3.10; torch >= 2.1.0, no upper cap;")
+    assert line.endswith("on torch 2.1.0 / triton 2.9.0 / transformers 5.0.0 (lowest).")
+    assert f"whole suite on torch {supported.MAIN_TORCH} (CPU build) with triton {supported.TESTED_TRITON}" in line
 
 
 def test_documented_example_value():

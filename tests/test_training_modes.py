@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import model_output, tiny
+from conftest import model_output, needs_compile, tiny
 
 from hf_attnorm.hf.forward import LAST_CALL
 from hf_attnorm.registry import NORMALIZERS, PRESETS
@@ -64,6 +64,7 @@ BACKENDS = ["inductor", "aot_eager"]
 
 
 @pytest.mark.slow
+@needs_compile
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("impl", IMPLS)
 def test_torch_compile_with_padding_mask_matches_eager_and_trains(impl, backend):
@@ -106,6 +107,7 @@ def test_torch_compile_with_padding_mask_matches_eager_and_trains(impl, backend)
 
 
 @pytest.mark.slow
+@needs_compile
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("impl", IMPLS)
 def test_static_cache_generation_compiles_and_matches_eager(impl, backend):

@@ -131,14 +131,40 @@ def test_unsupported_transformers_leaves_other_models_alone_and_refuses_ours():
 
 
 def test_ci_runs_every_version_it_claims():
-    """compat.CI_VERSIONS (what the README and docs/internals.md state as tested) is what .ci/run installs: the
-    newest release in the main environment (the README's command), the others in the version loop."""
+    """hf_attnorm.supported (what the README states as tested) is what .ci/run installs: the README's command in the
+    main environment, then one environment per entry of CI_ENVIRONMENTS, each pinned by supported.py itself; the
+    floors agree with pyproject.toml, and docs/triton.md records the GPU image's versions that CI rehearses."""
     import re
 
+    from hf_attnorm import supported
+
     ci = (REPO / ".ci" / "run").read_text()
-    loop = re.search(r"^for version in ([0-9. ]+); do$", ci, re.M)
-    assert loop is not None, ".ci/run has no 'for version in ...; do' loop over transformers versions"
-    assert tuple(loop.group(1).split()) == compat.CI_VERSIONS[:-1]
-    assert compat.CI_VERSIONS[0] == compat.MIN_TRANSFORMERS
-    assert compat.release(compat.CI_VERSIONS[-1]) >= compat.release(compat.CI_VERSIONS[-2])
-    assert f'"transformers>={compat.MIN_TRANSFORMERS}"' in (REPO / "pyproject.toml").read_text()
+    assert "ENVS=$(python3 hf_attnorm/supported.py names)" in ci
+    assert ci.count('python3 hf_attnorm/supported.py requirements "$env"') == 2  # installed, then held as constraints
+    assert 'pip install torch==2.13.0 && pip install -e ".[dev]"' in ci and supported.MAIN_TORCH == "2.13.0"
+    names = subprocess.run([sys.executable, str(REPO / "hf_attnorm" / "supported.py"), "names"], capture_output=True,
+                           text=True, check=True).stdout.split()
+    assert names == list(supported.CI_ENVIRONMENTS)
+    pins = {name: dict(p) for name, (p, _) in supported.CI_ENVIRONMENTS.items()}
+    assert (pins["floor"]["torch"], pins["floor"]["transformers"]) == (supported.MIN_TORCH, supported.MIN_TRANSFORMERS)
+    assert supported.CI_VERSIONS[0] == compat.MIN_TRANSFORMERS == supported.MIN_TRANSFORMERS
+    assert supported.CI_TORCH[0] == supported.MIN_TORCH
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert f'"transformers>={compat.MIN_TRANSFORMERS}"' in pyproject
+    floor = re.search(r'"torch>=([0-9.]+)"', pyproject)
+    assert floor and supported.release(floor.group(1)) == supported.release(supported.MIN_TORCH)
+    image = pins["gpu-image"]
+    triton_doc = (REPO / "docs" / "triton.md").read_text()
+    for name in ("torch", "triton", "transformers"):
+        assert f"{name} {image[name]}" in triton_doc, f"docs/triton.md does not record the GPU image's {name}"
+    assert supported.requirements("floor")[0] == f"torch=={supported.MIN_TORCH}"
+
+
+def test_an_unsupported_torch_is_named_with_what_is_allowed():
+    from hf_attnorm import supported
+
+    assert supported.torch_problem(supported.MIN_TORCH) is None
+    assert supported.torch_problem("2.99.0+cu130") is None
+    below = supported.torch_problem("2.5.1+cu124")
+    assert below.startswith(f"hf_attnorm needs torch >= {supported.MIN_TORCH}") and "2.5.1" in below
+

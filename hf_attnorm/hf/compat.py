@@ -29,30 +29,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import transformers
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .. import supported
 from ..registry import AttnormError
 
-#: the lowest transformers version hf_attnorm supports (tested in CI's second environment)
-MIN_TRANSFORMERS = "5.4.0"
-#: the newest version the test suite ran on (CI's main environment); newer ones are allowed, not yet tested
-TESTED_NEWEST = "5.24.0"
-#: every version CI runs: the README's full test command on the newest release pip picks that day, and a subset
-#: (tests/test_transformers_contract.py, test_versions.py, test_stacks.py and the cache-bound decoding tests) on these
-CI_VERSIONS = (MIN_TRANSFORMERS, "5.23.0", TESTED_NEWEST)
-
-
-def release(version: str) -> tuple[int, int, int]:
-    """``"5.4.0"`` -> (5, 4, 0); pre-releases and local tags count as their release (``"5.24.0.dev0"`` -> 5.24.0)."""
-    m = re.match(r"\s*v?(\d+)(?:\.(\d+))?(?:\.(\d+))?", version)
-    if m is None:
-        raise ValueError(f"not a version number: {version!r}")
-    return tuple(int(x or 0) for x in m.groups())  # type: ignore[return-value]
+# the supported range and the versions CI runs live in hf_attnorm/supported.py (one place, read by .ci/run too)
+MIN_TRANSFORMERS = supported.MIN_TRANSFORMERS
+TESTED_NEWEST = supported.TESTED_NEWEST
+CI_VERSIONS = supported.CI_VERSIONS
+release = supported.release
 
 
 def transformers_version_string() -> str:

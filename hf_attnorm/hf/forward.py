@@ -39,6 +39,7 @@ def _weights_requested(kwargs: Mapping[str, Any]) -> bool:
 @dataclasses.dataclass
 class _LastCall:
     path: str = ""
+    mask: str = ""  # MaskInfo.kind of that call: "given", "causal" or "none"
 
 
 #: the path the most recent call took (for tests and benchmarks)
@@ -123,7 +124,7 @@ def _attend(module: nn.Module, state: Any, query: torch.Tensor, key: torch.Tenso
         handle.after(call, path)
     if coupled is not None:
         coupled.after(call)
-    LAST_CALL.path = path
+    LAST_CALL.path, LAST_CALL.mask = path, call.mask.kind
     return out.transpose(1, 2).contiguous(), weights
 
 

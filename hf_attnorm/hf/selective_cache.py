@@ -364,12 +364,12 @@ def step_for(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: t
              name: str) -> SelectiveStep | None:
     """For a causal call of a query-coupled normalizer: the step on its cache layer; None when there is no cache
     and no earlier key (a plain call). Raises ``AttnormError`` for a call with earlier keys that cannot be exact."""
-    pending = module.__dict__.pop(PENDING_ATTR, None)
     past = key.shape[2] > query.shape[2]
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # (before touching __dict__: Dynamo of torch 2.11 cannot trace its pop)
         if past:
             raise _refuse(name, query, key, "under torch.compile the column sums cannot be kept across calls")
         return None
+    pending = module.__dict__.pop(PENDING_ATTR, None)
     if pending is None:
         if past:
             raise _refuse(name, query, key, "no transformers Cache reached the attention module's forward "

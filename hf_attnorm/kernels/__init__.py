@@ -77,6 +77,7 @@ import torch
 
 from ..normalizers.base import Normalizer
 from ..registry import NORMALIZERS
+from ..torch_compat import is_exporting
 from .base import AttnCall
 from .reference import reference_attention
 
@@ -175,7 +176,7 @@ def _auto_candidates(call: AttnCall) -> list[Path]:
         norm = call.normalizer
         found = [p for p in _ORDER if key[1] not in p.auto_exclude and p.takes(norm) is None]
         _AUTO[key] = found
-    if torch.compiler.is_exporting():  # portable graphs: no custom op, no length-sized loop (docs/export.md);
+    if is_exporting():  # portable graphs: no custom op, no length-sized loop (docs/export.md);
         # auto_exclude is about speed on a device, so it does not apply here (sdpa_sinkcol takes the sinks)
         return [p for p in _ORDER if p.exportable and p.takes(call.normalizer) is None]
     return found

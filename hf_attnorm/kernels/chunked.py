@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..normalizers.base import Ctx, Normalizer
+from ..torch_compat import is_exporting
 from .base import AttnCall, compute_dtype, modify_scores, normalize
 
 #: scores per chunk (B x H x chunk x Lk); 2^22 fp32 scores are 16 MB per temporary
@@ -156,7 +157,7 @@ def _set_rng_state(device: torch.device, state) -> None:
 def accepts(call: AttnCall) -> str | None:
     if call.q.numel() == 0 or call.k.shape[2] == 0:
         return "empty inputs"
-    if torch.compiler.is_exporting():
+    if is_exporting():
         return None  # torch.export traces the chunk loop below (fixed lengths: the loop follows the sequence length)
     if torch.compiler.is_compiling() and torch.is_grad_enabled() and any(
             t.requires_grad for t in (call.q, call.k, call.v, *call.heads.values())):

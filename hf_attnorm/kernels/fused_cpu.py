@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ..normalizers.base import Normalizer
+from ..torch_compat import register_export_ops
 from .base import AttnCall, compact_bias, compute_dtype, dense_keep, last_dim_contiguous
 from .kinds import FUSED_KINDS, THRESHOLD, WIDE, fused_takes, kind_id
 from .maps import compile_definitions, lookup_id
@@ -57,6 +58,7 @@ _state: dict[str, Any] = {"ops": None, "error": None, "warned": False}
 #: the namespace ``hf_attnorm_native``) on its first call.
 OPS_NAMESPACE = "hf_attnorm_fused"
 _LIB = torch.library.Library(OPS_NAMESPACE, "DEF")
+register_export_ops()  # (and torch's own op that such programs hold, on a torch that defines it late)
 
 
 def define_op(schema: str, fake: Callable[..., Any]) -> None:

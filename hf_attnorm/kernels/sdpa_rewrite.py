@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..normalizers.base import Normalizer
+from ..torch_compat import FLASH_CPU_GQA, is_exporting
 from .base import AttnCall, compute_dtype, repeat_kv
 
 
@@ -94,7 +95,7 @@ def _uses_flash_cpu(call: AttnCall) -> bool:
 def accepts(call: AttnCall) -> str | None:
     """sdpa: softmax / cosine anywhere (dropout ok); a sink only through SDPA's CPU flash kernel."""
     why = _common(call)
-    if why is None and _has_sink(call) and torch.compiler.is_exporting():
+    if why is None and _has_sink(call) and is_exporting():
         # the lse rewrite's CPU flash op does not translate to ONNX with a sink; the extra-column rewrite does
         return "a sink under torch.export (sdpa_sinkcol exports it as plain SDPA)"
     if why is None and _has_sink(call) and not _uses_flash_cpu(call):
@@ -107,16 +108,20 @@ def accepts(call: AttnCall) -> str | None:
 
 
 def _prepare(call: AttnCall, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
-    """(q, k, v, scale): q, k transformed, all in ``dtype``; the per-query factor base x multiplier multiplied into q,
-    or, when it is one number (no per-query scale), left to SDPA's ``scale`` (no extra pass over q)."""
-    q, k, v = call.q.to(dtype), call.k.to(dtype), call.v.to(dtype)
+    """(q, k, v, scale) for SDPA in ``dtype``: q, k transformed and the per-query factor base x multiplier multiplied
+    into q, or, when it is one number (no per-query scale), left to SDPA's ``scale`` (no extra pass over q).
+    The transform and the factor are computed in fp32 when ``dtype`` is fp16/bf16 (a GPU's SDPA runs in the model
+    dtype) and rounded once: a norm taken in bf16, or a learned scale whose gradient sums bf16 products, loses
+    several bits more than SDPA itself."""
+    work = compute_dtype(dtype)
+    q, k, v = call.q.to(work), call.k.to(work), call.v.to(dtype)
     norm = call.normalizer
     if type(norm).transform_qk is not Normalizer.transform_qk:
         q, k = norm.transform_qk(q, k, call.ctx())  # row-wise (cosine: l2-normalise), so fine on unrepeated k
-    factor = call.q_factor(dtype)
+    factor = call.q_factor(work)
     if isinstance(factor, float):
-        return q, k, v, factor
-    return q * factor, k, v, 1.0
+        return q.to(dtype), k.to(dtype), v, factor
+    return (q * factor).to(dtype), k.to(dtype), v, 1.0
 
 
 def _sdpa_mask(call: AttnCall) -> tuple[torch.Tensor | None, bool]:
@@ -148,6 +153,9 @@ class _FlashCPU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, lam, mask, causal: bool, scale: float):
+        ctx.kv_heads = k.shape[1]
+        if not FLASH_CPU_GQA:  # (older kernels corrupt memory in the backward with fewer k/v heads than q heads)
+            k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])
         out, lse = _FLASH(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
         if lam is not None:
             lam_b = lam.view(1, -1, 1) if lam.dim() == 1 else lam
@@ -167,6 +175,8 @@ class _FlashCPU(torch.autograd.Function):
         q, k, v, out, lse, mask, lam = ctx.saved_tensors
         dq, dk, dv = _FLASH_BWD(dout.contiguous(), q, k, v, out.contiguous(), lse, 0.0, ctx.causal,
                                 attn_mask=mask, scale=ctx.scale)
+        if dk.shape[1] != ctx.kv_heads:  # k/v were repeated in the forward: sum each group's gradients
+            dk, dv = dk.unflatten(1, (ctx.kv_heads, -1)).sum(2), dv.unflatten(1, (ctx.kv_heads, -1)).sum(2)
         dlam = None
         if lam is not None and ctx.needs_input_grad[3]:
             lam_b = lam.view(1, -1, 1) if lam.dim() == 1 else lam
@@ -193,7 +203,7 @@ def sdpa_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     # not under torch.export: torch.onnx (torch 2.13) translates the CPU flash op with fewer key/value heads than
     # query heads and a mask into a graph onnxruntime rejects ("MatMul Incompatible dimensions"); plain SDPA with
     # enable_gqa translates correctly (tests/test_export.py checks that the bug is still there)
-    if _uses_flash_cpu(call) and not torch.compiler.is_exporting():
+    if _uses_flash_cpu(call) and not is_exporting():
         dt = compute_dtype(call.q.dtype)
         lam = sink_logit(call, dt) if _has_sink(call) else None
         q, k, v, scale = _prepare(call, dt)
@@ -235,7 +245,7 @@ def sdpa_sinkcol_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
         return out.to(call.q.dtype), None
     q = q * scale  # the sink column must not be scaled
     B, H, Lq, _ = q.shape
-    if torch.compiler.is_exporting():
+    if is_exporting():
         # GQA SDPA repeats the k/v heads of Lk + 1 keys inside, and export cannot prove that reshape's stride guards
         # for a dynamic length; repeated here, on Lk keys, they export
         k, v = repeat_kv(k, H // k.shape[1]), repeat_kv(v, H // v.shape[1])

@@ -156,8 +156,13 @@ def launch(kernel: Any, grid: tuple[int, ...]) -> Any:
     return run
 
 
+#: looked up once at import (without importing triton): the paths' accepts ask on every call, also while Dynamo
+#: traces, and Dynamo refuses to trace importlib's find_spec
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
+
 def triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_INSTALLED
 
 
 def interpreter_requested() -> bool:
@@ -174,13 +179,22 @@ def _load_triton() -> None:
         triton, tl = _triton, _tl
 
 
+def jit_interprets() -> bool:
+    """Whether ``triton.jit`` now makes interpreted functions (triton loaded): ``triton.knobs`` since triton 3.4;
+    before it, jit read the variable itself, interpreting only for exactly "1"."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def interpreter_consistent() -> bool:
     """Triton's library functions (tl.sum ...) were jitted in the mode now requested. False when
     ``TRITON_INTERPRET=1`` was set after triton had been imported (or unset after): interpreted kernels calling
     compiled library functions cannot run."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    return isinstance(tl.sum, InterpretedFunction) == bool(triton.knobs.runtime.interpret)
+    return isinstance(tl.sum, InterpretedFunction) == jit_interprets()
 
 
 # ---------------------------------------------------------------------------------------------------- device code
@@ -446,7 +460,7 @@ def _threshold_kernel(
         hi_t = tl.zeros([BLOCK_M], tl.float32)
         lo_t = hi_t - 1.0
     tau = lo_t
-    done = ~has_keys  # fully masked rows: p = 0 whatever tau is
+    done = has_keys == 0  # fully masked rows: p = 0 whatever tau is (not ~has_keys: triton 3.2 cannot interpret it)
     for _ in range(STEPS):
         if tl.max(tl.where(done, 0, 1)) != 0:
             mass = tl.zeros([BLOCK_M], tl.float32)
@@ -869,7 +883,7 @@ def _compiled() -> types.SimpleNamespace:
     other by name.
     """
     _load_triton()
-    mode = bool(triton.knobs.runtime.interpret)
+    mode = jit_interprets()
     if mode not in _COMPILED:
         constants = {name: tl.constexpr(value) for name, value in KIND_CONSTANTS.items()}
         constants.update(TINY=tl.constexpr(TINY), POW_NEG=tl.constexpr(POW_NEG))  # jitted code reads constexprs only
@@ -888,6 +902,10 @@ def jit_namespace(module_globals: dict[str, Any], names: tuple[str, ...], helper
         raw = module_globals[name]
         fn = types.FunctionType(raw.__code__, ns, name, raw.__defaults__)
         fn.__module__, fn.__qualname__, fn.__doc__ = raw.__module__, raw.__qualname__, raw.__doc__
+        # the compiled launcher reads which parameters are tl.constexpr from the annotations (the interpreter does
+        # not): a FunctionType built from the code object has none until they are copied
+        fn.__annotations__ = dict(raw.__annotations__)
+        fn.__kwdefaults__ = raw.__kwdefaults__
         ns[name] = triton.jit(fn)
         if mode and name in helpers:
             # interpreted: call device helpers as their rewritten Python functions; going through
@@ -960,7 +978,7 @@ class _Plan:
         # fp32 inputs: exact fp32 products unless the user allowed TF32 for matmuls, as torch does
         self.prec = "tf32" if (q.is_cuda and torch.backends.cuda.matmul.allow_tf32) else "ieee"
         # triton 3.9's interpreter computes tl.dot on bf16 operands wrongly: upcast there (GPUs use bf16 as is)
-        self.upcast = q.dtype == torch.bfloat16 and bool(triton.knobs.runtime.interpret)
+        self.upcast = q.dtype == torch.bfloat16 and jit_interprets()
         # score modifiers (the bias itself is a differentiable input of _TritonAttention)
         self.cap = call.softcap
         self.slopes = (None if call.alibi_slopes is None

@@ -229,6 +229,9 @@ def _bwd_kernel(Q, K, V, KEEP, ROWSEL, STARTS, CARRY, LSE, DELTA, DO, DQ, DK, DV
 
 _JIT = ("_visible", "_select_tile", "_colsum_kernel", "_fwd_kernel", "_bwd_kernel")
 _HELPERS = ("_visible", "_select_tile")
+#: False: torch.compile calls are declined (the host-side plan and the launches inside an autograd.Function are not
+#: traced), so a compiled model runs another path; read by tests/test_gpu.py's compile check
+TRACEABLE = False
 _COMPILED: dict[bool, types.SimpleNamespace] = {}
 
 
@@ -237,7 +240,7 @@ def _compiled() -> types.SimpleNamespace:
     global tl
     ta._load_triton()
     tl = ta.tl
-    mode = bool(ta.triton.knobs.runtime.interpret)
+    mode = ta.jit_interprets()
     if mode not in _COMPILED:
         _COMPILED[mode] = ta.jit_namespace(globals(), _JIT, _HELPERS, mode)
     return _COMPILED[mode]
@@ -376,7 +379,7 @@ def accepts(call: AttnCall) -> str | None:
         return "q, k, v on different devices"
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"dtype {q.dtype}: the Triton kernels take float32, float16 and bfloat16"
-    if torch.compiler.is_compiling():  # (host-side plan and launches inside an autograd.Function: not traced)
+    if torch.compiler.is_compiling() and not TRACEABLE:
         return "torch.compile (the Triton selective kernels are not traced; the selective path's forward is)"
     carry = getattr(call, "selective_carry", None)
     if carry is not None and (carry.dim() != 2 or carry.shape[0] not in (1, q.shape[0]) or carry.shape[1] != k.shape[2]

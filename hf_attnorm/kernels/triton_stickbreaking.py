@@ -180,7 +180,7 @@ def _compiled() -> types.SimpleNamespace:
     global tl
     ta._load_triton()
     tl = ta.tl
-    mode = bool(ta.triton.knobs.runtime.interpret)
+    mode = ta.jit_interprets()
     if mode not in _COMPILED:
         _COMPILED[mode] = ta.jit_namespace(globals(), _JIT, _HELPERS, mode)
     return _COMPILED[mode]

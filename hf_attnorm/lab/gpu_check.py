@@ -2,10 +2,10 @@
 results under ``bench/gpu/<device name>/`` (results.json, results.md, command.txt). Entry point:
 ``scripts/gpu_check.sh`` (which first runs scripts/gpu_setup.py) or ``python -m hf_attnorm.lab.gpu_check``.
 
-Modes: ``--quick`` (default: the suite's ``gpu and not slow`` subset and a small grid, sized for ~6-8 minutes on an
-H100 after setup), ``--full`` (every gpu test and the grid B 1-8, H 8-32, d 64/128, n 1k-16k, causal and not) and
-``--dry-run`` (CPU: collects the suite and lists its skip reasons, runs the benchmark machinery at a toy size on the
-CPU, writes the same files; no CUDA needed).
+Modes: ``--quick`` (default: the suite's ``gpu and not slow`` subset and a small grid, about 6 minutes on an H100:
+measured 247 s for the suite on 12 processes, then the benchmark budget), ``--full`` (every gpu test and the grid
+B 1-8, H 8-32, d 64/128, n 1k-16k, causal and not) and ``--dry-run`` (CPU: collects the suite and lists its skip
+reasons, runs the benchmark machinery at a toy size on the CPU, writes the same files; no CUDA needed).
 
 Benchmark: per normalizer (its preset, the path the automatic rule picks) and per shape, forward (no grad) and
 forward + backward; times are medians over ``--repeats`` after ``--warmup`` (CUDA events on a GPU). FLOPs as
@@ -302,10 +302,12 @@ def bench_rows(flash_attn: bool, only: list[str] | None = None) -> list[str]:
 
 
 def run_bench(shapes: list[Shape], rows: list[str], device: torch.device, repeats: int, warmup: int,
-              budget_s: float) -> list[dict[str, Any]]:
-    """One record per (shape, row); see the module docstring."""
+              budget_s: float, records: list[dict[str, Any]] | None = None,
+              on_record: Any = None) -> list[dict[str, Any]]:
+    """One record per (shape, row), appended to ``records`` as each finishes (``on_record()`` is called then, so a
+    run cut short keeps what finished); see the module docstring."""
     t0 = time.perf_counter()
-    records = []
+    records = [] if records is None else records
     for shape in shapes:
         base: dict[str, float] = {}
         for row in rows:
@@ -335,6 +337,8 @@ def run_bench(shapes: list[Shape], rows: list[str], device: torch.device, repeat
             finally:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+                if on_record is not None:
+                    on_record()
     return records
 
 
@@ -356,6 +360,9 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["## Setup", "", "| step | ran | seconds | exit | why |", "|---|---|---|---|---|"]
         lines += [f"| `{s['command']}` | {s['ran']} | {s['seconds']} | {_fmt(s['returncode'])} | {s['why']} |"
                   for s in setup.get("steps", [])] or ["| (nothing to install) | | | | |"]
+        lines.append("")
+        lines += [f"- {'ok' if c['ok'] else 'REQUIRED' if c['required'] else 'warning'}: {c['message']}"
+                  for c in setup.get("checks", [])]
         lines.append("")
     if suite:
         lines += ["## Test suite", "", f"`{suite['command']}`: " + ", ".join(
@@ -404,7 +411,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bench-budget", type=float, default=None,
                    help="seconds after which no new benchmark point starts (default: 150 quick, 1200 full, 300 dry)")
     p.add_argument("--workers", type=int, default=None,
-                   help="pytest-xdist processes for the suite (Triton compiles on the CPU; default: min(8, CPUs), "
+                   help="pytest-xdist processes for the suite (Triton compiles on the CPU; default: min(12, CPUs), "
                         "1 without pytest-xdist or in a dry run)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per measurement (default 10, dry run 1)")
     p.add_argument("--warmup", type=int, default=None, help="untimed runs before timing (default 3, dry run 1)")
@@ -415,6 +422,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--setup-record", type=Path, default=None,
                    help="JSON written by scripts/gpu_setup.py (merged into the results)")
     p.add_argument("--no-setup", action="store_true", help="(for scripts/gpu_setup.py: install nothing)")
+    p.add_argument("--wheels", type=Path, default=None,
+                   help="(for scripts/gpu_setup.py: a folder of wheels installed first, offline)")
     args = p.parse_args(argv)
     args.mode = "full" if args.full else "dry-run" if args.dry_run else "quick"
     phases = [x for x in args.phases.split(",") if x]
@@ -459,12 +468,24 @@ def main(argv: list[str] | None = None) -> int:
                               "device": dev, "versions": versions()}
     if args.setup_record and args.setup_record.exists():
         result["setup"] = json.loads(args.setup_record.read_text())
+
+    def save() -> None:
+        """Write the results so far (called after each phase and each benchmark point)."""
+        result["seconds"] = round(time.perf_counter() - t0, 1)
+        (out_dir / "results.json").write_text(json.dumps(result, indent=1))
+        (out_dir / "results.md").write_text(markdown(result))
+        (out_dir / "command.txt").write_text(result["command"] + "\n")
+
+    save()
     if "suite" in args.phase_list:
-        workers = args.workers or (min(8, os.cpu_count() or 1) if cuda and _xdist_available() else 1)
+        workers = args.workers or (min(12, os.cpu_count() or 1) if cuda and _xdist_available() else 1)
         print(f"gpu_check: test suite ({args.mode}, {workers} worker(s), timeout {args.suite_timeout:.0f} s)",
               flush=True)
         result["suite"] = run_suite(args.mode, out_dir, args.suite_timeout, workers)
         print(f"gpu_check: suite {result['suite']['counts']} in {result['suite']['seconds']} s", flush=True)
+        for failure in result["suite"]["failures"]:
+            print(f"gpu_check: FAILED {failure['test']}: {failure['message'][:300]}", flush=True)
+        save()
     if "bench" in args.phase_list:
         device = torch.device("cuda" if cuda else "cpu")
         flash = args.flash_attn
@@ -479,17 +500,29 @@ def main(argv: list[str] | None = None) -> int:
         rows = bench_rows(flash, args.rows)
         print(f"gpu_check: benchmark, {len(shapes)} shapes x {len(rows)} rows, budget {args.bench_budget:.0f} s",
               flush=True)
+        records: list[dict[str, Any]] = []
         result["bench"] = {"rows": rows, "shapes": [dataclasses.asdict(s) for s in shapes], "repeats": args.repeats,
                            "warmup": args.warmup, "budget_s": args.bench_budget, "flash_attn_note": note,
-                           "records": run_bench(shapes, rows, device, args.repeats, args.warmup, args.bench_budget)}
-    result["seconds"] = round(time.perf_counter() - t0, 1)
-    (out_dir / "results.json").write_text(json.dumps(result, indent=1))
-    (out_dir / "results.md").write_text(markdown(result))
-    (out_dir / "command.txt").write_text(result["command"] + "\n")
+                           "records": records}
+        run_bench(shapes, rows, device, args.repeats, args.warmup, args.bench_budget, records, save)
+        for rec in records:
+            if rec["status"].startswith("error"):
+                label = Shape(rec["B"], rec["H"], rec["n"], rec["d"], rec["causal"], rec["dtype"]).label
+                print(f"gpu_check: benchmark {rec['row']} {label}: {rec['status']}", flush=True)
+    save()
     print(f"gpu_check: wrote {out_dir}/results.json, results.md, command.txt", flush=True)
+    return 1 if failed_parts(result) else 0
+
+
+def failed_parts(result: dict[str, Any]) -> list[str]:
+    """What went wrong in ``result``: a failed or cut suite, a benchmark point that raised (empty: all good)."""
+    out = []
     suite = result.get("suite")
-    failed = bool(suite and (suite["failures"] or suite["timed_out"] or suite["returncode"] not in (0, 5)))
-    return 1 if failed else 0
+    if suite and (suite["failures"] or suite["timed_out"] or suite["returncode"] not in (0, 5)):
+        out.append("suite")
+    if any(r["status"].startswith("error") for r in (result.get("bench") or {}).get("records", [])):
+        out.append("bench")
+    return out
 
 
 if __name__ == "__main__":

@@ -19,9 +19,11 @@ from .base import Ctx, Normalizer, masked_fill_zero, safe_divide
 
 def elu_feature(x: torch.Tensor) -> torch.Tensor:
     """elu(x) + 1, computed as x + 1 (x > 0) or e^x (x <= 0): F.elu(x) + 1 = (e^x - 1) + 1 rounds to 0 below x ~ -37
-    in fp64 (-17 in fp32), which would turn rows into 0/0. Written as exp(min(x, 0)) + relu(x) (the same values and
-    gradients, 1 at x = 0) because torch.where is several times slower than exp on CPU (it is on every decode step)."""
-    return torch.exp(x.clamp_max(0)) + torch.relu(x)
+    in fp64 (-17 in fp32), which would turn rows into 0/0. Written as exp(x - relu(x)) + relu(x) (the same values, and
+    the gradient 1 at x = 0 on every torch: relu's gradient at 0 is 0 everywhere, while clamp's at its bound changed
+    in torch 2.14) because torch.where is several times slower than exp on CPU (it is on every decode step)."""
+    pos = torch.relu(x)
+    return torch.exp(x - pos) + pos
 
 
 @register_normalizer

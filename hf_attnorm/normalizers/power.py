@@ -33,8 +33,11 @@ POWER_LEARNABLE = declare_option("power_learnable", bool, True, "power: learn p 
 
 
 def power_exponent(ctx: Ctx) -> torch.Tensor:
-    """p_h = max(p_h, 1), [H] fp32 (autograd-connected to a learned p)."""
-    return ctx.heads["power_p"].clamp(min=1.0)
+    """p_h = max(p_h, 1), [H] fp32 (autograd-connected to a learned p). Written p + relu(1 - p) so that p = 1 gets
+    the gradient 1 on every torch: clamp's gradient at its bound is a torch convention (1 before torch 2.14, 0 since),
+    and p starts at 1 when power_p = 1."""
+    p = ctx.heads["power_p"]
+    return p + torch.relu(1.0 - p)
 
 
 @register_normalizer

@@ -21,7 +21,6 @@ softplus underflows) still get their (then softmax-like) weights.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..registry import register_normalizer
 from .base import Ctx, Normalizer, masked_fill_zero, masked_max, safe_divide
@@ -45,12 +44,19 @@ class Softplus(Normalizer):
         score is very negative, softplus(s) = ln(1 + e^s) underflows while the weights (then ~ softmax(s)) do not.
         """
         c = masked_max(scores, keep).clamp(max=0.0)
-        u = torch.exp(-scores.abs())
-        # e^-c softplus(s): for s > 0 (then c = 0) softplus itself; for s <= 0, e^(s - c) log1p(u) / u, u = e^s
-        # (-> e^(s - c) where u underflows)
+        # Written with torch.where, never clamp/abs/max on the gradient path: at their kinks the subgradient is a
+        # torch convention (torch 2.14 passes 0 through clamp(x, max=0) at x = 0, 2.13 passed 1), and the kinks
+        # here sit on reachable points (s = 0; s - c = 0 at the max of a row of negative scores).
+        pos = scores > 0
+        t = torch.where(pos, -scores, scores)  # -|s|
+        u = torch.exp(t)  # e^-|s| in (0, 1]
         # log1p(u) / u; its series below 1e-5 (error < u^3 / 4), where the quotient's gradient would be inf - inf
         big = u > 1e-5
         ratio = torch.where(big, torch.log1p(u) / torch.where(big, u, torch.ones_like(u)), 1.0 - u / 2 + u * u / 3)
-        neg = torch.exp(torch.clamp(scores - c, max=0.0)) * ratio
-        a = masked_fill_zero(torch.where(scores > 0, F.softplus(scores), neg), keep)
+        # e^-c softplus(s): for s > 0 (then c = 0) s + log1p(e^-s) (exact: F.softplus is linear above its
+        # threshold); for s <= 0, e^(s - c) log1p(u) / u, u = e^s (-> e^(s - c) where u underflows). s - c <= 0 at
+        # every visible key; the where only keeps masked keys above the row max from overflowing.
+        d = t - c
+        neg = torch.exp(torch.where(d > 0, torch.zeros_like(d), d)) * ratio
+        a = masked_fill_zero(torch.where(pos, scores + u * ratio, neg), keep)
         return safe_divide(a, a.sum(dim=-1, keepdim=True))

@@ -10,8 +10,9 @@ from .base import Ctx, Normalizer, masked_fill_zero, safe_divide
 
 
 def stablemax_g(x: torch.Tensor) -> torch.Tensor:
-    # each branch sees only its own half-line, so the unused branch never produces inf (no NaN gradients)
-    return torch.where(x >= 0, x.clamp_min(0) + 1, 1 / (1 - x.clamp_max(0)))
+    # the negative branch sees min(x, 0) = x - relu(x), so it never produces inf (no NaN gradients); no clamp on the
+    # selected branch: clamp's gradient at its bound is a torch convention that changed in torch 2.14 (g'(0) = 1)
+    return torch.where(x >= 0, x + 1, 1 / (1 - (x - torch.relu(x))))
 
 
 @register_normalizer

@@ -1,0 +1,80 @@
+"""The versions hf_attnorm supports and the environments CI runs, in one module that imports nothing: .ci/run reads
+the pins from it (``python3 hf_attnorm/supported.py requirements <environment>``), scripts/gpu_setup.py reads the
+floors before torch exists, and the README's "Supported" line is generated from it. tests/test_versions.py fails
+when pyproject.toml, .ci/run or the docs drift from it.
+
+Floors are measured, not inherited: ``MIN_TORCH`` is the lowest torch on which the package installs without
+touching the torch already there and its torch-dependent tests pass (CI's ``floor`` environment, with
+``MIN_TRANSFORMERS``).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+#: the lowest torch the package installs on and its torch-dependent tests pass on (CI's floor environment)
+MIN_TORCH = "2.11.0"
+#: the lowest transformers version hf_attnorm supports (CI's floor environment)
+MIN_TRANSFORMERS = "5.4.0"
+#: the newest transformers the whole suite ran on (CI's main environment); newer ones are allowed, not yet tested
+TESTED_NEWEST = "5.24.0"
+#: the torch of the README's recipe (a CPU build on disk here): CI's main environment runs the whole suite on it
+MAIN_TORCH = "2.13.0"
+#: the triton pip picked for the main environment when the suite last ran (the CPU build of torch pins none)
+TESTED_TRITON = "3.9.0"
+#: the first triton whose interpreter runs beside numpy >= 2.4 (older ones call int() on a one-element array, which
+#: numpy 2.4 refuses; triton-lang/triton#9171): only Triton's CPU interpreter (the tests) is affected
+TRITON_INTERPRETER_NUMPY24 = "3.7.0"
+
+#: CI's environments beside the main one: name -> (pins, what it is). Each gets torch first (a CUDA build: it runs
+#: on the CPU), then the package over it without touching torch, then the torch-dependent tests (.ci/run).
+#: triton is the version that torch pins; numpy < 2.4 where that triton's interpreter needs it.
+CI_ENVIRONMENTS: dict[str, tuple[dict[str, str], str]] = {
+    "floor": ({"torch": MIN_TORCH, "triton": "3.6.0", "transformers": MIN_TRANSFORMERS, "numpy": "<2.4"},
+              "the lowest supported torch and transformers"),
+    "gpu-image": ({"torch": "2.11.0", "triton": "3.6.0", "transformers": "5.17.0", "numpy": "<2.4"},
+                  "the software of the GPU the kernels were checked on, installed offline, with the GPU check's "
+                  "dry run"),
+    "newest-torch": ({"torch": "2.14.1", "triton": "3.8.0", "transformers": TESTED_NEWEST},
+                     "the newest torch pip installs here"),
+}
+#: every torch CI runs, lowest first
+CI_TORCH = tuple(sorted({MAIN_TORCH, *(pins["torch"] for pins, _ in CI_ENVIRONMENTS.values())},
+                        key=lambda v: tuple(int(x) for x in v.split("."))))
+#: every transformers CI runs: the newest release pip picks that day in the main environment (last:
+#: TESTED_NEWEST) and the ones pinned in the other environments, lowest first
+CI_VERSIONS = tuple(sorted({TESTED_NEWEST, *(pins["transformers"] for pins, _ in CI_ENVIRONMENTS.values())},
+                           key=lambda v: tuple(int(x) for x in v.split("."))))
+
+
+def release(version: str) -> tuple[int, int, int]:
+    """``"5.4.0"`` -> (5, 4, 0); pre-releases and local tags count as their release (``"2.11.0+cu130"`` -> 2.11.0)."""
+    m = re.match(r"\s*v?(\d+)(?:\.(\d+))?(?:\.(\d+))?", version)
+    if m is None:
+        raise ValueError(f"not a version number: {version!r}")
+    return tuple(int(x or 0) for x in m.groups())  # type: ignore[return-value]
+
+
+def torch_problem(version: str) -> str | None:
+    """None when torch ``version`` is supported, else why not (one line, with what is allowed)."""
+    if release(version) < release(MIN_TORCH):
+        return f"hf_attnorm needs torch >= {MIN_TORCH} (CI runs {', '.join(CI_TORCH)}); this is torch {version}"
+    return None
+
+
+def requirements(environment: str) -> list[str]:
+    """pip requirement specifiers of a CI environment: ``["torch==2.6.0", "triton==3.2.0", ...]``."""
+    if environment not in CI_ENVIRONMENTS:
+        raise SystemExit(f"unknown CI environment {environment!r}; known: {', '.join(CI_ENVIRONMENTS)}")
+    pins, _ = CI_ENVIRONMENTS[environment]
+    return [f"{name}{v if v[0] in '<>=!~' else '==' + v}" for name, v in pins.items()]
+
+
+if __name__ == "__main__":  # for .ci/run: `names`, or `requirements <environment>`
+    if sys.argv[1:] == ["names"]:
+        print(" ".join(CI_ENVIRONMENTS))
+    elif len(sys.argv) == 3 and sys.argv[1] == "requirements":
+        print(" ".join(requirements(sys.argv[2])))
+    else:
+        raise SystemExit("usage: python3 hf_attnorm/supported.py names | requirements <environment>")
