@@ -50,6 +50,13 @@ def register_export_ops() -> None:
         importlib.import_module("torch._higher_order_ops.wrap")  # (defines it)
 
 
+#: the first torch on which torch.export with a dynamic sequence length works with hf_attnorm attention (measured:
+#: 2.13.0 and 2.14.1 pass, 2.11.0 fails with "Constraints violated (seq)", also on the newest transformers; 2.12 was
+#: not measured)
+DYNAMIC_EXPORT_TORCH = "2.13.0"
+DYNAMIC_EXPORT = torch_at_least(DYNAMIC_EXPORT_TORCH)
+
+
 # ------------------------------------------------------------------------------------------------ kernels
 
 #: the first torch whose CPU flash-attention kernel takes fewer key/value heads than query heads (GQA); older ones

@@ -76,8 +76,8 @@ from collections.abc import Callable, Collection
 import torch
 
 from ..normalizers.base import Normalizer
-from ..registry import NORMALIZERS
-from ..torch_compat import is_exporting
+from ..registry import NORMALIZERS, AttnormError
+from ..torch_compat import DYNAMIC_EXPORT, DYNAMIC_EXPORT_TORCH, is_exporting
 from .base import AttnCall
 from .reference import reference_attention
 
@@ -177,6 +177,10 @@ def _auto_candidates(call: AttnCall) -> list[Path]:
         found = [p for p in _ORDER if key[1] not in p.auto_exclude and p.takes(norm) is None]
         _AUTO[key] = found
     if is_exporting():  # portable graphs: no custom op, no length-sized loop (docs/export.md);
+        if not DYNAMIC_EXPORT and any(isinstance(n, torch.SymInt) for n in (*call.q.shape, *call.k.shape)):
+            raise AttnormError(f"torch.export with dynamic shapes needs torch >= {DYNAMIC_EXPORT_TORCH} with "
+                               f"hf_attnorm attention; this is torch {torch.__version__}. Export with fixed shapes "
+                               "(no dynamic_shapes), or upgrade torch")
         # auto_exclude is about speed on a device, so it does not apply here (sdpa_sinkcol takes the sinks)
         return [p for p in _ORDER if p.exportable and p.takes(call.normalizer) is None]
     return found
