@@ -5,22 +5,16 @@ compared with ``torch_at_least`` only where no attribute reveals the fact)."""
 from __future__ import annotations
 
 import importlib
-import re
 
 import torch
+
+from .supported import release
 
 
 def torch_at_least(version: str) -> bool:
     """Whether the installed torch is ``version`` or newer; pre-releases and local tags count as their release
     (``"2.9.0.dev20250801+cpu"`` -> 2.9.0). For the facts no attribute reveals (a kernel's behaviour)."""
-    return _release(torch.__version__) >= _release(version)
-
-
-def _release(version: str) -> tuple[int, ...]:
-    m = re.match(r"\s*(\d+)(?:\.(\d+))?(?:\.(\d+))?", version)
-    if m is None:
-        raise ValueError(f"not a version number: {version!r}")
-    return tuple(int(x or 0) for x in m.groups())
+    return release(torch.__version__) >= release(version)
 
 
 # ------------------------------------------------------------------------------------------------ torch.export
