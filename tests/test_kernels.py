@@ -3,7 +3,7 @@
 Generic over the registries: the (path, normalizer) pairs come from the paths' own declarations
 (``hf_attnorm.kernels.declared_normalizers``, from each path's ``takes``), scales from ``SCALES``.
 
-Error criterion (issue 3): with e(x) = max |x - x64| against a float64 reference computed from the same inputs,
+Error criterion: with e(x) = max |x - x64| against a float64 reference computed from the same inputs,
 e(fast fp32) <= 5 e(reference fp32) + 1e-5, and in fp16/bf16 e(fast) <= 2 e(reference in that dtype) (+1e-6).
 """
 

@@ -1,4 +1,4 @@
-"""The scales of issue 16 item 7 and LSSA's length scale: YaRN's temperature (refused where the model applies it),
+"""The position-dependent scales and LSSA's length scale: YaRN's temperature (refused where the model applies it),
 the position-based Llama-4 scale as Ministral 3 applies it (compared with the model's own), log_train_n."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""power and softplus / LSSA (issue 16 item 5): references against independent transcriptions, squared as power with
+"""power and softplus / LSSA: references against independent transcriptions, squared as power with
 p = 2, the gradient with respect to p, option validation, and the fused maps (the generic matrix in test_kernels /
 test_triton compares every path with the reference, including d power_p)."""
 

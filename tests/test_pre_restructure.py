@@ -77,7 +77,7 @@ def test_old_checkpoint_folder_is_accepted_for_resume(old_run) -> None:
 def test_old_checkpoint_resumes_exactly(old_run) -> None:
     """Today's code continues the old step_2 (weights, AdamW state, scheduler, RNG, data position) to step 4 with
     the losses of the old code's uninterrupted run: the recorded steps and the first resumed step (3) bit for bit,
-    the next ones to fp32 rounding (the sink path's kernel arithmetic changed with issue 14's SDPA rewrite, so the
+    the next ones to fp32 rounding (the sink path's kernel arithmetic changed when it moved onto SDPA, so the
     step-3 update differs in the last bits; a resume of a run by the same code stays bit-exact:
     tests/test_training.py::test_sigkill_and_resume_gives_bit_identical_losses)."""
     expected = json.loads((FIXTURES / "char_run" / "uninterrupted.json").read_text())

@@ -1,4 +1,4 @@
-"""Property tests over every implementation and every attention path that claims it (issue 8, items 1, 2, 5, 6).
+"""Property tests over every implementation and every attention path that claims it.
 
 Hypothesis draws shapes (B, H, Hkv for GQA, Lq, Lk including 1, D), random boolean masks with all-false rows,
 causal or not, and value scales up to 1e4; a fixed list of adversarial cases runs beside it deterministically.

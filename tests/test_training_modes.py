@@ -1,4 +1,4 @@
-"""Gradient checkpointing and torch.compile with every implementation (issue 8, items 3 and 4)."""
+"""Gradient checkpointing and torch.compile with every implementation."""
 
 from __future__ import annotations
 

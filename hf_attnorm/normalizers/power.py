@@ -1,7 +1,7 @@
 """power: |s_i|^p / sum_j |s_j|^p with p >= 1 per head (optionally learned); ``squared`` is p = 2.
 
 Polynomial instead of exponential weights, so a row's weights depend on the score ratios |s_i| / |s_j| only.
-Source: issue 16 item 5 (the generalisation of ``squared`` to a real, per-head p); the integer-degree form
+Source: the generalisation of ``squared`` to a real, per-head p; the integer-degree form
 (q.k)^p / sum (q.k)^p with even p is Kacham, Mirrokni and Zhong, "PolySketchFormer" (arXiv 2310.01655), and
 |s|^p equals it for even p. Rows whose visible scores are all 0 (0/0) give weights 0 by convention, as ``squared``.
 
