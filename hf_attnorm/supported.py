@@ -27,18 +27,31 @@ TESTED_TRITON = "3.9.0"
 #: numpy 2.4 refuses; triton-lang/triton#9171): only Triton's CPU interpreter (the tests) is affected
 TRITON_INTERPRETER_NUMPY24 = "3.7.0"
 
-#: CI's environments beside the main one: name -> (pins, what it is). Each gets torch first (a CUDA build: it runs
-#: on the CPU), then the package over it without touching torch, then the torch-dependent tests (.ci/run).
-#: triton is the version that torch pins; numpy < 2.4 where that triton's interpreter needs it.
+#: CI's environments beside the main one, in the order .ci/run runs them: name -> (pins, what it is). Environments
+#: with the same torch, triton and numpy share one virtual environment (torch, a CUDA build of several GB that runs on
+#: the CPU, is installed once): the next one only swaps transformers. The package goes in over torch without touching
+#: it. triton is the version that torch pins; numpy < 2.4 where that triton's interpreter needs it.
 CI_ENVIRONMENTS: dict[str, tuple[dict[str, str], str]] = {
+    "gpu-image": ({"torch": "2.11.0", "triton": "3.6.0", "transformers": "5.17.0", "numpy": "<2.4"},
+                  "the GPU machine's software, the package installed offline, with the GPU check's dry run"),
     "floor": ({"torch": MIN_TORCH, "triton": "3.6.0", "transformers": MIN_TRANSFORMERS, "numpy": "<2.4"},
               "the lowest supported torch and transformers"),
-    "gpu-image": ({"torch": "2.11.0", "triton": "3.6.0", "transformers": "5.17.0", "numpy": "<2.4"},
-                  "the software of the GPU the kernels were checked on, installed offline, with the GPU check's "
-                  "dry run"),
     "newest-torch": ({"torch": "2.14.1", "triton": "3.8.0", "transformers": TESTED_NEWEST},
                      "the newest torch pip installs here"),
 }
+#: which tests each environment runs (.ci/run holds the files of each group): "torch" = the tests that depend on
+#: torch (kernels against the reference forward and backward, the fused C++ build, compile, export, the interpreted
+#: Triton kernels with that torch's triton); "transformers" = the ones that read transformers' internals (contract,
+#: versions, training stacks, cache-bound decoding)
+CI_RUNS: dict[str, tuple[str, ...]] = {
+    "gpu-image": ("torch",),
+    "floor": ("transformers",),
+    "newest-torch": ("torch", "transformers"),
+}
+#: what each group of CI_RUNS covers, in words (the README's Supported line)
+CI_GROUPS = {"torch": "the torch-dependent tests (kernels against the reference, C++ build, compile, export, "
+                      "interpreted Triton kernels)",
+             "transformers": "the transformers contract, training stacks and cache-bound decoding"}
 #: every torch CI runs, lowest first
 CI_TORCH = tuple(sorted({MAIN_TORCH, *(pins["torch"] for pins, _ in CI_ENVIRONMENTS.values())},
                         key=lambda v: tuple(int(x) for x in v.split("."))))
@@ -63,18 +76,40 @@ def torch_problem(version: str) -> str | None:
     return None
 
 
-def requirements(environment: str) -> list[str]:
-    """pip requirement specifiers of a CI environment: ``["torch==2.6.0", "triton==3.2.0", ...]``."""
+def _environment(environment: str) -> dict[str, str]:
     if environment not in CI_ENVIRONMENTS:
         raise SystemExit(f"unknown CI environment {environment!r}; known: {', '.join(CI_ENVIRONMENTS)}")
-    pins, _ = CI_ENVIRONMENTS[environment]
-    return [f"{name}{v if v[0] in '<>=!~' else '==' + v}" for name, v in pins.items()]
+    return CI_ENVIRONMENTS[environment][0]
 
 
-if __name__ == "__main__":  # for .ci/run: `names`, or `requirements <environment>`
+def requirements(environment: str) -> list[str]:
+    """pip requirement specifiers of a CI environment: ``["torch==2.6.0", "triton==3.2.0", ...]``."""
+    return [f"{name}{v if v[0] in '<>=!~' else '==' + v}" for name, v in _environment(environment).items()]
+
+
+def base_requirements(environment: str) -> list[str]:
+    """The specifiers its virtual environment is created with: all but transformers (swapped per environment)."""
+    return [r for r in requirements(environment) if not r.startswith("transformers")]
+
+
+def venv(environment: str) -> str:
+    """The virtual environment's directory: one per distinct torch/triton/numpy (``.venv-torch-2.11.0``, with a
+    suffix when two environments share a torch but not the rest)."""
+    base = base_requirements(environment)
+    same_torch = sorted({tuple(base_requirements(e)) for e in CI_ENVIRONMENTS
+                         if _environment(e)["torch"] == _environment(environment)["torch"]})
+    suffix = f"-{same_torch.index(tuple(base))}" if len(same_torch) > 1 else ""
+    return f".venv-torch-{_environment(environment)['torch']}{suffix}"
+
+
+_COMMANDS = {"requirements": requirements, "base-requirements": base_requirements, "venv": lambda e: [venv(e)],
+             "runs": lambda e: list(CI_RUNS[e])}
+
+
+if __name__ == "__main__":  # for .ci/run: `names`, or `<command> <environment>` (commands: _COMMANDS)
     if sys.argv[1:] == ["names"]:
         print(" ".join(CI_ENVIRONMENTS))
-    elif len(sys.argv) == 3 and sys.argv[1] == "requirements":
-        print(" ".join(requirements(sys.argv[2])))
+    elif len(sys.argv) == 3 and sys.argv[1] in _COMMANDS:
+        print(" ".join(_COMMANDS[sys.argv[1]](sys.argv[2])))
     else:
-        raise SystemExit("usage: python3 hf_attnorm/supported.py names | requirements <environment>")
+        raise SystemExit(f"usage: python3 hf_attnorm/supported.py names | {{{'|'.join(_COMMANDS)}}} <environment>")

@@ -28,9 +28,9 @@ IMPLS = list(PRESETS)
 FAST = [i for i in ("symax", "entmax15", "selective", "softmax") if i in IMPLS]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_ONNX = all(importlib.util.find_spec(m) for m in ("onnx", "onnxscript", "onnxruntime"))
-#: non-strict tracing, the default since torch 2.7; torch 2.6's default (strict: Dynamo) cannot trace transformers'
+#: non-strict tracing, pinned rather than left to torch's default: strict tracing (Dynamo) cannot trace transformers'
 #: model wrappers ("Unsupported: call_method ... co_varnames __contains__"), and only non-strict tracing tells
-#: hf_attnorm it is exporting there (torch_compat.is_exporting)
+#: hf_attnorm it is exporting (torch_compat.is_exporting)
 STRICT = False
 needs_onnx = pytest.mark.skipif(not HAS_ONNX, reason="onnx, onnxscript and onnxruntime are not installed "
                                 "(pip install -e '.[dev]')")

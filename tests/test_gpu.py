@@ -20,6 +20,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import needs_compile
 
 from hf_attnorm.attention import constant_heads, make_call, param_specs
 from hf_attnorm.kernels import PATHS, attend, explain, paths_for
@@ -215,6 +216,7 @@ def _compile_cases():
     return cases
 
 
+@needs_compile
 @pytest.mark.parametrize("implementation", _compile_cases())
 def test_torch_compile_fullgraph_llama_train_step(implementation):
     """A tiny Llama (GQA) train step under torch.compile(fullgraph=True) on CUDA: the loss equals eager's, every

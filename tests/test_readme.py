@@ -197,10 +197,12 @@ def test_versions_line_reads_supported(monkeypatch):
 
     monkeypatch.setattr(supported, "CI_ENVIRONMENTS", {
         "floor": ({"torch": "2.1.0", "triton": "2.9.0", "transformers": "5.0.0"}, "lowest")})
+    monkeypatch.setattr(supported, "CI_RUNS", {"floor": ("torch", "transformers")})
     monkeypatch.setattr(supported, "MIN_TORCH", "2.1.0")
     line = versions_line()
     assert line.startswith("Supported: Python >= 3.10; torch >= 2.1.0, no upper cap;")
-    assert line.endswith("on torch 2.1.0 / triton 2.9.0 / transformers 5.0.0 (lowest).")
+    assert line.endswith(f"on torch 2.1.0 / triton 2.9.0 / transformers 5.0.0 (lowest): "
+                         f"{supported.CI_GROUPS['torch']} and {supported.CI_GROUPS['transformers']}.")
     assert f"whole suite on torch {supported.MAIN_TORCH} (CPU build) with triton {supported.TESTED_TRITON}" in line
 
 

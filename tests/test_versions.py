@@ -132,21 +132,30 @@ def test_unsupported_transformers_leaves_other_models_alone_and_refuses_ours():
 
 def test_ci_runs_every_version_it_claims():
     """hf_attnorm.supported (what the README states as tested) is what .ci/run installs: the README's command in the
-    main environment, then one environment per entry of CI_ENVIRONMENTS, each pinned by supported.py itself; the
-    floors agree with pyproject.toml, and docs/triton.md records the GPU image's versions that CI rehearses."""
+    main environment, then every entry of CI_ENVIRONMENTS in its order, pinned by supported.py itself, each running
+    its groups of CI_RUNS; the floors agree with pyproject.toml, and docs/triton.md records the GPU image's versions
+    that CI rehearses."""
     import re
 
     from hf_attnorm import supported
 
     ci = (REPO / ".ci" / "run").read_text()
     assert "ENVS=$(python3 hf_attnorm/supported.py names)" in ci
-    assert ci.count('python3 hf_attnorm/supported.py requirements "$env"') == 2  # installed, then held as constraints
+    assert 'python3 hf_attnorm/supported.py base-requirements "$env"' in ci  # the shared torch installs
+    assert 'python3 hf_attnorm/supported.py requirements "$env"' in ci  # each environment's transformers
+    assert 'for group in $(python3 hf_attnorm/supported.py runs "$env")' in ci
+    assert '[ "$group" = torch ]' in ci
     assert 'pip install torch==2.13.0 && pip install -e ".[dev]"' in ci and supported.MAIN_TORCH == "2.13.0"
     names = subprocess.run([sys.executable, str(REPO / "hf_attnorm" / "supported.py"), "names"], capture_output=True,
                            text=True, check=True).stdout.split()
-    assert names == list(supported.CI_ENVIRONMENTS)
+    assert names == list(supported.CI_ENVIRONMENTS) == list(supported.CI_RUNS)
+    assert {g for runs in supported.CI_RUNS.values() for g in runs} == set(supported.CI_GROUPS)
+    for group in supported.CI_GROUPS:  # every group runs on the lowest torch and on the newest
+        torches = [supported.CI_ENVIRONMENTS[e][0]["torch"] for e, runs in supported.CI_RUNS.items() if group in runs]
+        assert supported.CI_TORCH[0] in torches and supported.CI_TORCH[-1] in torches, group
     pins = {name: dict(p) for name, (p, _) in supported.CI_ENVIRONMENTS.items()}
     assert (pins["floor"]["torch"], pins["floor"]["transformers"]) == (supported.MIN_TORCH, supported.MIN_TRANSFORMERS)
+    assert "transformers" in supported.CI_RUNS["floor"]
     assert supported.CI_VERSIONS[0] == compat.MIN_TRANSFORMERS == supported.MIN_TRANSFORMERS
     assert supported.CI_TORCH[0] == supported.MIN_TORCH
     pyproject = (REPO / "pyproject.toml").read_text()
@@ -158,6 +167,21 @@ def test_ci_runs_every_version_it_claims():
     for name in ("torch", "triton", "transformers"):
         assert f"{name} {image[name]}" in triton_doc, f"docs/triton.md does not record the GPU image's {name}"
     assert supported.requirements("floor")[0] == f"torch=={supported.MIN_TORCH}"
+
+
+def test_ci_environments_with_one_torch_share_one_virtual_environment():
+    """A CUDA torch is several GB and minutes to install: .ci/run installs each distinct torch/triton/numpy once."""
+    from hf_attnorm import supported
+
+    by_venv: dict[str, set[tuple[str, ...]]] = {}
+    for env in supported.CI_ENVIRONMENTS:
+        by_venv.setdefault(supported.venv(env), set()).add(tuple(supported.base_requirements(env)))
+        assert not any(r.startswith("transformers") for r in supported.base_requirements(env))
+    assert all(len(bases) == 1 for bases in by_venv.values())  # one venv holds one torch/triton/numpy
+    assert len(by_venv) == len({next(iter(bases)) for bases in by_venv.values()})  # and each torch gets one venv
+    assert supported.venv("floor") == supported.venv("gpu-image")  # today's floor is the GPU image's torch
+    with pytest.raises(SystemExit, match="unknown CI environment 'nope'; known: gpu-image"):
+        supported.venv("nope")
 
 
 def test_an_unsupported_torch_is_named_with_what_is_allowed():
