@@ -102,8 +102,14 @@ def venv(environment: str) -> str:
     return f".venv-torch-{_environment(environment)['torch']}{suffix}"
 
 
+def runs(environment: str) -> list[str]:
+    """The groups of tests the environment runs (CI_RUNS)."""
+    _environment(environment)
+    return list(CI_RUNS[environment])
+
+
 _COMMANDS = {"requirements": requirements, "base-requirements": base_requirements, "venv": lambda e: [venv(e)],
-             "runs": lambda e: list(CI_RUNS[e])}
+             "runs": runs}
 
 
 if __name__ == "__main__":  # for .ci/run: `names`, or `<command> <environment>` (commands: _COMMANDS)

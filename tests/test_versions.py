@@ -180,8 +180,9 @@ def test_ci_environments_with_one_torch_share_one_virtual_environment():
     assert all(len(bases) == 1 for bases in by_venv.values())  # one venv holds one torch/triton/numpy
     assert len(by_venv) == len({next(iter(bases)) for bases in by_venv.values()})  # and each torch gets one venv
     assert supported.venv("floor") == supported.venv("gpu-image")  # today's floor is the GPU image's torch
-    with pytest.raises(SystemExit, match="unknown CI environment 'nope'; known: gpu-image"):
-        supported.venv("nope")
+    for command in (supported.venv, supported.runs, supported.requirements):
+        with pytest.raises(SystemExit, match="unknown CI environment 'nope'; known: gpu-image"):
+            command("nope")
 
 
 def test_an_unsupported_torch_is_named_with_what_is_allowed():
