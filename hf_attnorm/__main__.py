@@ -105,8 +105,8 @@ def versions_line() -> str:
     """The supported Python/torch/triton/transformers ranges and the versions CI runs, read from
     ``hf_attnorm.supported`` (the same data .ci/run installs)."""
     envs = "; ".join(f"torch {p['torch']} / triton {p['triton']} / transformers {p['transformers']} ({what}): "
-                     f"{' and '.join(supported.CI_GROUPS[g] for g in supported.CI_RUNS[name])}"
-                     for name, (p, what) in supported.CI_ENVIRONMENTS.items())
+                     f"{' and '.join(supported.CI_GROUPS[g] for g in groups)}"
+                     for p, what, groups in supported.CI_ENVIRONMENTS.values())
     return (f"Supported: Python >= 3.10; torch >= {supported.MIN_TORCH}, no upper cap; triton: the version your "
             f"torch pins (the GPU kernels need it; nothing else does); transformers >= {supported.MIN_TRANSFORMERS}, "
             f"no upper cap. CI runs the whole suite on torch {supported.MAIN_TORCH} (CPU build) with triton "

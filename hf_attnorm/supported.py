@@ -27,37 +27,31 @@ TESTED_TRITON = "3.9.0"
 #: numpy 2.4 refuses; triton-lang/triton#9171): only Triton's CPU interpreter (the tests) is affected
 TRITON_INTERPRETER_NUMPY24 = "3.7.0"
 
-#: CI's environments beside the main one, in the order .ci/run runs them: name -> (pins, what it is). Environments
-#: with the same torch, triton and numpy share one virtual environment (torch, a CUDA build of several GB that runs on
-#: the CPU, is installed once): the next one only swaps transformers. The package goes in over torch without touching
-#: it. triton is the version that torch pins; numpy < 2.4 where that triton's interpreter needs it.
-CI_ENVIRONMENTS: dict[str, tuple[dict[str, str], str]] = {
+#: CI's environments beside the main one, in the order .ci/run runs them: name -> (pins, what it is, the groups of
+#: tests it runs: CI_GROUPS). Environments with the same torch share one virtual environment (torch, a CUDA build of
+#: several GB that runs on the CPU, is installed once), so they must pin the same triton and numpy
+#: (tests/test_versions.py checks it): the next one only swaps transformers. The package goes in over torch without
+#: touching it. triton is the version that torch pins; numpy < 2.4 where that triton's interpreter needs it.
+CI_ENVIRONMENTS: dict[str, tuple[dict[str, str], str, tuple[str, ...]]] = {
     "gpu-image": ({"torch": "2.11.0", "triton": "3.6.0", "transformers": "5.17.0", "numpy": "<2.4"},
-                  "the GPU machine's software, the package installed offline, with the GPU check's dry run"),
+                  "the GPU machine's software, the package installed offline, with the GPU check's dry run",
+                  ("torch",)),
     "floor": ({"torch": MIN_TORCH, "triton": "3.6.0", "transformers": MIN_TRANSFORMERS, "numpy": "<2.4"},
-              "the lowest supported torch and transformers"),
+              "the lowest supported torch and transformers", ("transformers",)),
     "newest-torch": ({"torch": "2.14.1", "triton": "3.8.0", "transformers": TESTED_NEWEST},
-                     "the newest torch pip installs here"),
+                     "the newest torch pip installs here", ("torch", "transformers")),
 }
-#: which tests each environment runs (.ci/run holds the files of each group): "torch" = the tests that depend on
-#: torch (kernels against the reference forward and backward, the fused C++ build, compile, export, the interpreted
-#: Triton kernels with that torch's triton); "transformers" = the ones that read transformers' internals (contract,
-#: versions, training stacks, cache-bound decoding)
-CI_RUNS: dict[str, tuple[str, ...]] = {
-    "gpu-image": ("torch",),
-    "floor": ("transformers",),
-    "newest-torch": ("torch", "transformers"),
-}
-#: what each group of CI_RUNS covers, in words (the README's Supported line)
+#: the groups of tests an environment can run (.ci/run holds the files of each), in words (the README's Supported
+#: line): "torch" = the tests that depend on torch; "transformers" = the ones that read transformers' internals
 CI_GROUPS = {"torch": "the torch-dependent tests (kernels against the reference, C++ build, compile, export, "
                       "interpreted Triton kernels)",
              "transformers": "the transformers contract, training stacks and cache-bound decoding"}
 #: every torch CI runs, lowest first
-CI_TORCH = tuple(sorted({MAIN_TORCH, *(pins["torch"] for pins, _ in CI_ENVIRONMENTS.values())},
+CI_TORCH = tuple(sorted({MAIN_TORCH, *(pins["torch"] for pins, *_ in CI_ENVIRONMENTS.values())},
                         key=lambda v: tuple(int(x) for x in v.split("."))))
 #: every transformers CI runs: the newest release pip picks that day in the main environment (last:
 #: TESTED_NEWEST) and the ones pinned in the other environments, lowest first
-CI_VERSIONS = tuple(sorted({TESTED_NEWEST, *(pins["transformers"] for pins, _ in CI_ENVIRONMENTS.values())},
+CI_VERSIONS = tuple(sorted({TESTED_NEWEST, *(pins["transformers"] for pins, *_ in CI_ENVIRONMENTS.values())},
                            key=lambda v: tuple(int(x) for x in v.split("."))))
 
 
@@ -93,19 +87,14 @@ def base_requirements(environment: str) -> list[str]:
 
 
 def venv(environment: str) -> str:
-    """The virtual environment's directory: one per distinct torch/triton/numpy (``.venv-torch-2.11.0``, with a
-    suffix when two environments share a torch but not the rest)."""
-    base = base_requirements(environment)
-    same_torch = sorted({tuple(base_requirements(e)) for e in CI_ENVIRONMENTS
-                         if _environment(e)["torch"] == _environment(environment)["torch"]})
-    suffix = f"-{same_torch.index(tuple(base))}" if len(same_torch) > 1 else ""
-    return f".venv-torch-{_environment(environment)['torch']}{suffix}"
+    """The virtual environment's directory, one per torch: ``.venv-torch-2.11.0``."""
+    return f".venv-torch-{_environment(environment)['torch']}"
 
 
 def runs(environment: str) -> list[str]:
-    """The groups of tests the environment runs (CI_RUNS)."""
+    """The groups of tests the environment runs (keys of CI_GROUPS)."""
     _environment(environment)
-    return list(CI_RUNS[environment])
+    return list(CI_ENVIRONMENTS[environment][2])
 
 
 _COMMANDS = {"requirements": requirements, "base-requirements": base_requirements, "venv": lambda e: [venv(e)],

@@ -196,8 +196,8 @@ def test_versions_line_reads_supported(monkeypatch):
     from hf_attnorm.__main__ import versions_line
 
     monkeypatch.setattr(supported, "CI_ENVIRONMENTS", {
-        "floor": ({"torch": "2.1.0", "triton": "2.9.0", "transformers": "5.0.0"}, "lowest")})
-    monkeypatch.setattr(supported, "CI_RUNS", {"floor": ("torch", "transformers")})
+        "floor": ({"torch": "2.1.0", "triton": "2.9.0", "transformers": "5.0.0"}, "lowest",
+                  ("torch", "transformers"))})
     monkeypatch.setattr(supported, "MIN_TORCH", "2.1.0")
     line = versions_line()
     assert line.startswith("Supported: Python >= 3.10; torch >= 2.1.0, no upper cap;")

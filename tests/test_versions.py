@@ -133,7 +133,7 @@ def test_unsupported_transformers_leaves_other_models_alone_and_refuses_ours():
 def test_ci_runs_every_version_it_claims():
     """hf_attnorm.supported (what the README states as tested) is what .ci/run installs: the README's command in the
     main environment, then every entry of CI_ENVIRONMENTS in its order, pinned by supported.py itself, each running
-    its groups of CI_RUNS; the floors agree with pyproject.toml, and docs/triton.md records the GPU image's versions
+    its groups of tests; the floors agree with pyproject.toml, and docs/triton.md records the GPU image's versions
     that CI rehearses."""
     import re
 
@@ -148,14 +148,14 @@ def test_ci_runs_every_version_it_claims():
     assert 'pip install torch==2.13.0 && pip install -e ".[dev]"' in ci and supported.MAIN_TORCH == "2.13.0"
     names = subprocess.run([sys.executable, str(REPO / "hf_attnorm" / "supported.py"), "names"], capture_output=True,
                            text=True, check=True).stdout.split()
-    assert names == list(supported.CI_ENVIRONMENTS) == list(supported.CI_RUNS)
-    assert {g for runs in supported.CI_RUNS.values() for g in runs} == set(supported.CI_GROUPS)
+    assert names == list(supported.CI_ENVIRONMENTS)
+    assert {g for *_, groups in supported.CI_ENVIRONMENTS.values() for g in groups} == set(supported.CI_GROUPS)
     for group in supported.CI_GROUPS:  # every group runs on the lowest torch and on the newest
-        torches = [supported.CI_ENVIRONMENTS[e][0]["torch"] for e, runs in supported.CI_RUNS.items() if group in runs]
+        torches = [p["torch"] for p, _, groups in supported.CI_ENVIRONMENTS.values() if group in groups]
         assert supported.CI_TORCH[0] in torches and supported.CI_TORCH[-1] in torches, group
-    pins = {name: dict(p) for name, (p, _) in supported.CI_ENVIRONMENTS.items()}
+    pins = {name: dict(p) for name, (p, *_) in supported.CI_ENVIRONMENTS.items()}
     assert (pins["floor"]["torch"], pins["floor"]["transformers"]) == (supported.MIN_TORCH, supported.MIN_TRANSFORMERS)
-    assert "transformers" in supported.CI_RUNS["floor"]
+    assert "transformers" in supported.runs("floor")
     assert supported.CI_VERSIONS[0] == compat.MIN_TRANSFORMERS == supported.MIN_TRANSFORMERS
     assert supported.CI_TORCH[0] == supported.MIN_TORCH
     pyproject = (REPO / "pyproject.toml").read_text()
