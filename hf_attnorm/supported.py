@@ -46,21 +46,21 @@ CI_ENVIRONMENTS: dict[str, tuple[dict[str, str], str, tuple[str, ...]]] = {
 CI_GROUPS = {"torch": "the torch-dependent tests (kernels against the reference, C++ build, compile, export, "
                       "interpreted Triton kernels)",
              "transformers": "the transformers contract, training stacks and cache-bound decoding"}
-#: every torch CI runs, lowest first
-CI_TORCH = tuple(sorted({MAIN_TORCH, *(pins["torch"] for pins, *_ in CI_ENVIRONMENTS.values())},
-                        key=lambda v: tuple(int(x) for x in v.split("."))))
-#: every transformers CI runs: the newest release pip picks that day in the main environment (last:
-#: TESTED_NEWEST) and the ones pinned in the other environments, lowest first
-CI_VERSIONS = tuple(sorted({TESTED_NEWEST, *(pins["transformers"] for pins, *_ in CI_ENVIRONMENTS.values())},
-                           key=lambda v: tuple(int(x) for x in v.split("."))))
-
-
 def release(version: str) -> tuple[int, int, int]:
     """``"5.4.0"`` -> (5, 4, 0); pre-releases and local tags count as their release (``"2.11.0+cu130"`` -> 2.11.0)."""
     m = re.match(r"\s*v?(\d+)(?:\.(\d+))?(?:\.(\d+))?", version)
     if m is None:
         raise ValueError(f"not a version number: {version!r}")
     return tuple(int(x or 0) for x in m.groups())  # type: ignore[return-value]
+
+
+#: every torch CI runs, lowest first
+CI_TORCH = tuple(sorted({MAIN_TORCH, *(pins["torch"] for pins, *_ in CI_ENVIRONMENTS.values())},
+                        key=release))
+#: every transformers CI runs: the newest release pip picks that day in the main environment (last:
+#: TESTED_NEWEST) and the ones pinned in the other environments, lowest first
+CI_VERSIONS = tuple(sorted({TESTED_NEWEST, *(pins["transformers"] for pins, *_ in CI_ENVIRONMENTS.values())},
+                           key=release))
 
 
 def torch_problem(version: str) -> str | None:
