@@ -80,8 +80,6 @@ def _compile_cases(every_implementation: bool) -> list:
     return cases
 
 
-
-
 @pytest.mark.slow
 @needs_compile
 @pytest.mark.parametrize("impl, backend", _compile_cases(every_implementation=True))
