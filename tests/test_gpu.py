@@ -5,7 +5,9 @@ skipped with the reason where torch sees no CUDA device, see conftest.py). Run b
 Per implementation (generic over the registries) and scenario: the automatic path and, where the normalizer has a
 Triton path that takes the call, that path forced; forward and the gradients of q, k, v, a learned score bias and
 every learnable per-head value. Criterion per tensor (max abs error against float64):
-``err <= factor x err(reference path in the same dtype) + atol`` (fp32: 5 x + 1e-5; fp16/bf16: 3 x + 1e-4).
+``err <= factor x err(reference path in the same dtype) + atol`` (fp32: 5 x + 1e-5; fp16/bf16: 3 x + 1e-4); the
+gradients of learnable per-head values (sums over every row) also get a fraction of their magnitude
+(``HEAD_VALUE_RELATIVE``).
 Each test asserts the path that ran: the Triton path where one takes the call (or a higher-priority specialised
 path, e.g. ``decode`` on one query), never the materialised reference. Plus a determinism check for the Triton
 paths whose module declares ``DETERMINISTIC = True`` and ``torch.compile(fullgraph=True)`` of a tiny Llama train
@@ -37,6 +39,14 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HOST_MASK_READERS = {"linear_chunked"}
 #: (factor, atol) of the criterion per dtype
 TOLERANCE = {torch.float32: (5.0, 1e-5), torch.bfloat16: (3.0, 1e-4), torch.float16: (3.0, 1e-4)}
+#: the gradient of a learnable per-head value sums a product over every query row and head dimension (ssmax's s:
+#: sum of log(n) q.dq), so a fused backward's rounding adds up coherently; measured on an H100 (bench/gpu/*/README.md)
+#: with ssmax through SDPA: fp32, the math backend gave the reference's dq and dk exactly yet 2.5 x its error on s
+#: (5.9e-4 of 83), the efficient backend 8.4 x (2.0e-3, a relative 2.4e-5); bf16 flash/cuDNN had a smaller dq error
+#: than the reference but 5.4-6.9 x its error on s (9.1-11.5 of 122). These gradients may also differ from the
+#: float64 reference by this fraction of their largest magnitude.
+HEAD_VALUE_RELATIVE = {torch.float32: 1e-4, torch.bfloat16: 0.1, torch.float16: 0.1}
+LEAF_GRADIENTS = {"out", "dq", "dk", "dv", "dbias"}
 
 
 def _is_triton(path: str) -> bool:
@@ -145,8 +155,9 @@ def _compare(label: str, got: dict, ref: dict, ref64: dict, dtype: torch.dtype) 
         assert torch.isfinite(a).all(), f"{label}: non-finite {key}"
         err = (a.double() - want).abs().max().item()
         base = (b.double() - want).abs().max().item()
-        assert err <= factor * base + atol, (f"{label}: {key} error {err:.3e} > {factor} x reference error "
-                                             f"{base:.3e} + {atol}")
+        slack = atol if key in LEAF_GRADIENTS else atol + HEAD_VALUE_RELATIVE[dtype] * want.abs().max().item()
+        assert err <= factor * base + slack, (f"{label}: {key} error {err:.3e} > {factor} x reference error "
+                                              f"{base:.3e} + {slack:.3g}")
 
 
 @pytest.mark.parametrize("scen, dtype_name, head_dim", CASES)

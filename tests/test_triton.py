@@ -145,6 +145,35 @@ if not INTERPRETED:
             flagged_somewhere |= bool(declared)
         assert flagged_somewhere  # the check saw constexpr parameters at all
 
+    @pytest.mark.parametrize("module", ["triton_attn", "triton_selective", "triton_stickbreaking"])
+    def test_accepts_traces_under_torch_compile_and_declines_as_declared(module):
+        """A compiled model asks every candidate path's ``accepts`` while Dynamo traces (on a GPU too, before any
+        device check could decline): it must trace without a graph break (Dynamo cannot trace ``isinstance`` on a
+        Triton function nor triton's knobs), and a module declaring ``TRACEABLE = False`` declines with the reason."""
+        import importlib
+
+        mod = importlib.import_module(f"hf_attnorm.kernels.{module}")
+        name = "stickbreaking" if module.endswith("stickbreaking") else "selective" if module.endswith("selective") \
+            else "symax"
+        call = _call(name)
+        ta._load_triton()
+        reasons: list[str | None] = []
+
+        @torch.compile(fullgraph=True, backend="eager")
+        def ask(x: torch.Tensor) -> torch.Tensor:
+            reasons.append(mod.accepts(call))
+            reasons.append(str(ta.interpreter_consistent()))
+            return x + 1
+
+        torch._dynamo.reset()
+        ask(torch.zeros(2))
+        assert reasons[1] == str(ta.interpreter_consistent())
+        if mod.TRACEABLE:
+            assert reasons[0] is None or "torch.compile" not in reasons[0]
+        else:
+            assert reasons[0] is not None and reasons[0].startswith("torch.compile: the Triton"), reasons[0]
+        assert mod.accepts(call) is None or "torch.compile" not in mod.accepts(call)  # eager: not this reason
+
     def test_interpreter_switched_on_after_import_is_refused_with_a_warning(monkeypatch):
         ta._load_triton()  # triton imported in compiled mode in this process
         monkeypatch.setenv("TRITON_INTERPRET", "1")

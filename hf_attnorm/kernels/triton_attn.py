@@ -188,6 +188,7 @@ def jit_interprets() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@torch.compiler.assume_constant_result  # Dynamo cannot trace isinstance on a Triton function nor triton's knobs
 def interpreter_consistent() -> bool:
     """Triton's library functions (tl.sum ...) were jitted in the mode now requested. False when
     ``TRITON_INTERPRET=1`` was set after triton had been imported (or unset after): interpreted kernels calling
@@ -872,6 +873,9 @@ def _bwd_dkdv_kernel(
 _JIT_FUNCTIONS = ("_entry", "_slopes", "_tanh", "_mods", "_score_block", "_threshold_kernel", "_fwd_kernel",
                   "_bwd_dq_kernel", "_bwd_dkdv_kernel")
 _HELPERS = ("_entry", "_slopes", "_tanh", "_mods", "_score_block")
+#: False: torch.compile calls are declined (the host-side plan and the launches inside an autograd.Function are not
+#: traced), so a compiled model runs another path; read by tests/test_gpu.py's compile check
+TRACEABLE = False
 _COMPILED: dict[bool, types.SimpleNamespace] = {}
 
 
@@ -1125,6 +1129,8 @@ def accepts(call: AttnCall) -> str | None:
     """None, or why not: weights requested, dropout > 0 (the weights are never formed), fp64, empty inputs, CPU
     tensors without Triton's interpreter, triton missing (one-time warning on CUDA) or imported before
     ``TRITON_INTERPRET`` changed (one-time warning)."""
+    if torch.compiler.is_compiling() and not TRACEABLE:
+        return "torch.compile: the Triton fused maps kernels are not traced (TRACEABLE = False); another path is"
     q, k, v = call.q, call.k, call.v
     if call.sinks is not None:  # the chunked path applies them
         return "the Triton kernels do not apply attention sinks (s_aux)"

@@ -364,6 +364,8 @@ def accepts(call: AttnCall) -> str | None:
     """None, or why not: score modifiers, dropout, empty inputs, CPU tensors without the interpreter, fp64,
     torch.compile, a ``selective_carry`` not a float [B | 1, Lk], triton missing or imported before
     ``TRITON_INTERPRET`` changed."""
+    if torch.compiler.is_compiling() and not TRACEABLE:
+        return "torch.compile: the Triton selective kernels are not traced (TRACEABLE = False); another path is"
     why = score_mod_reason(call)
     if why:
         return why
@@ -379,8 +381,6 @@ def accepts(call: AttnCall) -> str | None:
         return "q, k, v on different devices"
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"dtype {q.dtype}: the Triton kernels take float32, float16 and bfloat16"
-    if torch.compiler.is_compiling() and not TRACEABLE:
-        return "torch.compile (the Triton selective kernels are not traced; the selective path's forward is)"
     carry = getattr(call, "selective_carry", None)
     if carry is not None and (carry.dim() != 2 or carry.shape[0] not in (1, q.shape[0]) or carry.shape[1] != k.shape[2]
                               or not carry.is_floating_point()):

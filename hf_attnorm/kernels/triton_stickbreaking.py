@@ -172,6 +172,9 @@ def _sb_bwd_kernel(Q, K, V, KEEP, OWN, C, DO, DQ, DK, DV_, H, GROUPS, HKV, LQ, L
 
 _JIT = ("_softplus_parts", "_tile", "_sb_fwd_kernel", "_sb_bwd_kernel")
 _HELPERS = ("_softplus_parts", "_tile")
+#: False: torch.compile calls are declined (the host-side plan and the launches inside an autograd.Function are not
+#: traced), so a compiled model runs another path (the chunked one); read by tests/test_gpu.py's compile check
+TRACEABLE = False
 _COMPILED: dict[bool, types.SimpleNamespace] = {}
 
 
@@ -241,6 +244,8 @@ class _SBTriton(torch.autograd.Function):
 def accepts(call: AttnCall) -> str | None:
     """None, or why not: the shared reasons (score modifiers, dropout, empty), CPU tensors without the interpreter,
     fp64, triton missing or imported before ``TRITON_INTERPRET`` changed."""
+    if torch.compiler.is_compiling() and not TRACEABLE:
+        return "torch.compile: the Triton stick-breaking kernels are not traced (TRACEABLE = False); another path is"
     reason = common_reason(call)
     if reason is not None:
         return reason
