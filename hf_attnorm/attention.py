@@ -54,10 +54,13 @@ def make_call(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    heads_checked: bool = False,
 ) -> AttnCall:
     """Resolve one call: mask -> keep/n, scale -> multiplier, per-head factors, score modifiers. Shapes as
     ``attention``. A float mask is split into visibility (entries <= finfo.min / 2 or -inf are masked) and a
-    bias (its other values), so a float mask holding a position bias acts as in eager attention."""
+    bias (its other values), so a float mask holding a position bias acts as in eager attention. ``heads_checked``:
+    the normalizer's check against the head count already ran (a model's modules, when the implementation was set),
+    so it is not repeated per call."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be 4-D [B, H, L, D]; got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
     B, H, Lq, D = q.shape
@@ -65,7 +68,8 @@ def make_call(
     if H % Hkv != 0 or v.shape[1] != Hkv or v.shape[2] != Lk or k.shape[-1] != D:
         raise ValueError(f"incompatible shapes q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
     norm, sc = NORMALIZERS.get(settings.normalizer), SCALES.get(settings.scale)
-    norm.check_heads(settings, H)
+    if not heads_checked:  # (a model's modules were checked when the implementation was set: hf/state.py)
+        norm.check_heads(settings, H)
     if isinstance(attention_mask, torch.Tensor) and attention_mask.is_floating_point():
         attention_mask, mask_bias = split_float_mask(attention_mask)
         bias = _add_bias(bias, mask_bias)

@@ -103,24 +103,24 @@ def timed(fn) -> float:
 
 
 def measure(model, impl: str, ids: torch.Tensor, new_tokens: int) -> dict[str, float]:
-    from hf_attnorm.hf.forward import LAST_CALL
+    from hf_attnorm.hf.forward import record_paths
 
     switch(model, impl)
-    LAST_CALL.path = ""
-    prefill = timed(lambda: model(ids, use_cache=False))
-    path = LAST_CALL.path
-    gen = timed(lambda: model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False))
-    decode_path = LAST_CALL.path
+    with record_paths() as prefill_rec:
+        prefill = timed(lambda: model(ids, use_cache=False))
+    with record_paths() as gen_rec:
+        gen = timed(lambda: model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                           do_sample=False))
     first = timed(lambda: model.generate(ids, max_new_tokens=1, do_sample=False))  # generate's own prefill
     return {"prefill": prefill, "generate": gen, "decode_per_token": max(gen - first, 0.0) / max(new_tokens - 1, 1),
-            "path": path or "sdpa", "decode_path": decode_path or "sdpa"}
+            "path": prefill_rec.path or "sdpa", "decode_path": gen_rec.path or "sdpa"}
 
 
 def decode_steps(model, impl: str, ids: torch.Tensor, steps: int) -> tuple[float, str]:
     """Median seconds of one cached decode step after a prefill of ``ids`` [1, L], and the path it took."""
     from transformers import DynamicCache
 
-    from hf_attnorm.hf.forward import LAST_CALL
+    from hf_attnorm.hf.forward import record_paths
     from hf_attnorm.kernels import set_forced_path
 
     switch(model, impl)
@@ -130,15 +130,15 @@ def decode_steps(model, impl: str, ids: torch.Tensor, steps: int) -> tuple[float
             out = model(ids, **compat.cache_kwargs(model, cache), use_cache=True)
             tok = out.logits[:, -1:].argmax(-1)
             times = []
-            LAST_CALL.path = ""
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                out = model(tok, **compat.cache_kwargs(model, cache), use_cache=True)
-                times.append(time.perf_counter() - t0)
-                tok = out.logits[:, -1:].argmax(-1)
+            with record_paths() as rec:
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    out = model(tok, **compat.cache_kwargs(model, cache), use_cache=True)
+                    times.append(time.perf_counter() - t0)
+                    tok = out.logits[:, -1:].argmax(-1)
     finally:
         set_forced_path("auto")
-    return statistics.median(times), LAST_CALL.path or "sdpa"
+    return statistics.median(times), rec.path or "sdpa"
 
 
 def curve(args: argparse.Namespace) -> None:

@@ -13,6 +13,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import hf_attnorm  # noqa: E402,F401  (registers everything)
+from hf_attnorm.hf.forward import PathRecord, record_paths  # noqa: E402
 from hf_attnorm.lab.model_zoo import build_model  # noqa: E402
 from hf_attnorm.torch_compat import compile_problem  # noqa: E402
 
@@ -24,6 +25,18 @@ needs_compile = pytest.mark.skipif(compile_problem() is not None, reason=compile
 #: (family, task) of every tiny model the generic tests run on
 MODEL_KINDS = [("gpt2", "causal_lm"), ("bert", "encoder"), ("bert", "masked_lm"), ("llama", "causal_lm")]
 MODEL_IDS = [f"{f}-{t}" for f, t in MODEL_KINDS]
+
+
+#: the path (and mask kind) of the most recent attention call of the running test (tests reset ``.path`` to "" before
+#: a check); written for every test by the autouse fixture below
+LAST_CALL = PathRecord()
+
+
+@pytest.fixture(autouse=True)
+def _record_attention_paths():
+    LAST_CALL.path, LAST_CALL.mask, LAST_CALL.paths = "", "", []
+    with record_paths(LAST_CALL):
+        yield
 
 
 def model_output(out) -> torch.Tensor:

@@ -13,10 +13,9 @@ import pickle
 
 import pytest
 import torch
-from conftest import tiny
+from conftest import LAST_CALL, tiny
 
 import hf_attnorm
-from hf_attnorm.hf.forward import LAST_CALL
 from hf_attnorm.registry import PRESETS, AttnormError
 from hf_attnorm.settings import ConfigSettings
 

@@ -9,10 +9,10 @@ import warnings
 
 import pytest
 import torch
+from conftest import LAST_CALL
 from transformers import LlamaForCausalLM
 
 from hf_attnorm.attention import attention, constant_heads
-from hf_attnorm.hf.forward import LAST_CALL
 from hf_attnorm.kernels import _WARNED_DROPOUT, PATHS, paths_for
 from hf_attnorm.lab.model_zoo import make_config
 from hf_attnorm.registry import PRESETS

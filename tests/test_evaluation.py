@@ -455,7 +455,7 @@ def test_load_model_is_the_one_loader(tmp_path):
     from hf_attnorm.lab.evaluation import EvaluationError, load_model
     from hf_attnorm.lab.model_zoo import build_model
 
-    fixture = Path(__file__).resolve().parent / "fixtures" / "pre_restructure" / "gpt2_ssmax"
+    fixture = Path(__file__).resolve().parent / "fixtures" / "written_by_e546e6f" / "gpt2_ssmax"
     lm = load_model(fixture)
     base = load_model(fixture, head=False, dtype=torch.float32)
     assert type(lm).__name__ == "GPT2LMHeadModel" and type(base).__name__ == "GPT2Model"

@@ -13,10 +13,10 @@ import warnings
 
 import pytest
 import torch
+from conftest import LAST_CALL
 from family_zoo import V, build
 from torch.export import Dim
 
-from hf_attnorm.hf.forward import LAST_CALL
 from hf_attnorm.kernels import PATHS, fused_cpu, set_forced_path
 from hf_attnorm.registry import NORMALIZERS, PRESETS
 from hf_attnorm.settings import resolve_settings
@@ -146,9 +146,9 @@ def _onnx_run(module: torch.nn.Module, args: tuple[torch.Tensor, ...], tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(module, args, str(path), dynamo=True, verbose=False)
-    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    names = [i.name for i in session.get_inputs()]
-    return session.run(None, {n: a.numpy() for n, a in zip(names, args)})
+    runtime = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [i.name for i in runtime.get_inputs()]
+    return runtime.run(None, {n: a.numpy() for n, a in zip(names, args)})
 
 
 def _check_onnx(impl: str, tmp_path) -> None:

@@ -21,13 +21,12 @@ import warnings
 
 import pytest
 import torch
-from conftest import needs_compile
+from conftest import LAST_CALL, needs_compile
 from family_zoo import FAMILIES, REFUSED, build, inputs, make_config, output
 
 import hf_attnorm
 from hf_attnorm.attention import param_specs
 from hf_attnorm.hf.families import attention_modules, num_heads_of, rope_parameters
-from hf_attnorm.hf.forward import LAST_CALL
 from hf_attnorm.hf.state import AttnormState
 from hf_attnorm.registry import NORMALIZERS, PRESETS, SCALES, AttnormError
 from hf_attnorm.settings import resolve_settings

@@ -23,6 +23,7 @@ import warnings
 import pytest
 import torch
 from conftest import needs_compile
+from numerics import assert_all_within_reference_error
 
 from hf_attnorm.attention import constant_heads, make_call, param_specs
 from hf_attnorm.kernels import PATHS, attend, explain, paths_for
@@ -145,19 +146,8 @@ def _run(implementation, scen, dtype, head_dim, path):
 
 def _compare(label: str, got: dict, ref: dict, ref64: dict, dtype: torch.dtype) -> None:
     factor, atol = TOLERANCE[dtype]
-    assert got.keys() == ref64.keys(), label
-    for key, want in ref64.items():
-        a, b = got[key], ref[key]
-        if want is None:
-            assert a is None, f"{label}: {key} has a gradient on this path only"
-            continue
-        assert a is not None, f"{label}: no gradient for {key}"
-        assert torch.isfinite(a).all(), f"{label}: non-finite {key}"
-        err = (a.double() - want).abs().max().item()
-        base = (b.double() - want).abs().max().item()
-        slack = atol if key in LEAF_GRADIENTS else atol + HEAD_VALUE_RELATIVE[dtype] * want.abs().max().item()
-        assert err <= factor * base + slack, (f"{label}: {key} error {err:.3e} > {factor} x reference error "
-                                              f"{base:.3e} + {slack:.3g}")
+    relative = {key: HEAD_VALUE_RELATIVE[dtype] for key in ref64 if key not in LEAF_GRADIENTS}
+    assert_all_within_reference_error(label, got, ref, ref64, factor, atol, relative)
 
 
 @pytest.mark.parametrize("scen, dtype_name, head_dim", CASES)
@@ -232,9 +222,7 @@ def _compile_cases():
 def test_torch_compile_fullgraph_llama_train_step(implementation):
     """A tiny Llama (GQA) train step under torch.compile(fullgraph=True) on CUDA: the loss equals eager's, every
     gradient is finite, and the attention path is the one eager mode runs."""
-    from conftest import tiny
-
-    from hf_attnorm.hf.forward import LAST_CALL
+    from conftest import LAST_CALL, tiny
 
     torch._dynamo.reset()
     model = tiny("llama", "causal_lm", implementation).to(DEV).train()

@@ -17,9 +17,10 @@ import warnings
 
 import pytest
 import torch
+from conftest import LAST_CALL
+from numerics import assert_within_reference_error
 
 from hf_attnorm.attention import attention, constant_heads, make_call
-from hf_attnorm.hf.forward import LAST_CALL
 from hf_attnorm.kernels import (
     ENV_VAR,
     PATHS,
@@ -194,12 +195,7 @@ def _compare(path, name, case, dtype=torch.float32, scale=None, seed=0, perturb=
     labels = ["out", "dq", "dk", "dv", *[f"d{n}" for n in heads]]
     factor, absolute = (5.0, 1e-5) if dtype == torch.float32 else (2.0, 1e-6)
     for label, e, r, f in zip(labels, exact, ref, fast):
-        assert torch.isfinite(f).all(), f"{label}: non-finite values"
-        err_ref = (r - e).abs().max().item() if e.numel() else 0.0
-        err_fast = (f - e).abs().max().item() if e.numel() else 0.0
-        assert err_fast <= factor * err_ref + absolute, (
-            f"{path}/{name}/{case}/{dtype} {label}: fast error {err_fast:.3g} > {factor} x reference error "
-            f"{err_ref:.3g} + {absolute}")
+        assert_within_reference_error(f"{path}/{name}/{case}/{dtype} {label}", f, r, e, factor, absolute)
     if mask is not None and mask.shape[1] == 1:  # fully masked rows give exactly 0
         dead = ~mask.any(-1)  # [B, 1, Lq]
         if dead.any():
@@ -632,3 +628,23 @@ def test_mask_facts_made_under_inference_mode_do_not_reach_training(path):
         out.sum().backward()
         assert q.grad is not None and torch.isfinite(q.grad).all()
         q.grad = None
+
+
+def test_record_paths_records_the_calls_inside_its_block_only():
+    """``record_paths`` (nestable) sees every attention call of the block, in order; after the block nothing is
+    written to its record."""
+    from conftest import tiny
+
+    from hf_attnorm.hf.forward import record_paths
+
+    model = tiny("llama", "causal_lm", "symax")
+    ids = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(0))
+    layers = model.config.num_hidden_layers
+    with torch.no_grad(), record_paths() as outer:
+        with record_paths() as inner:
+            model(ids)
+        model(ids)
+    with torch.no_grad():
+        model(ids)
+    assert inner.paths == [inner.path] * layers and inner.path in PATHS and inner.mask == "causal"
+    assert outer.paths == inner.paths * 2

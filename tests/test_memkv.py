@@ -10,11 +10,10 @@ import json
 
 import pytest
 import torch
-from conftest import tiny
+from conftest import LAST_CALL, tiny
 
 from hf_attnorm.attention import constant_heads, make_call
 from hf_attnorm.hf import forward, persistence
-from hf_attnorm.hf.forward import LAST_CALL
 from hf_attnorm.kernels import attend
 from hf_attnorm.kernels.base import alibi_bias, repeat_kv
 from hf_attnorm.registry import AttnormError

@@ -8,11 +8,11 @@ import warnings
 
 import pytest
 import torch
+from conftest import LAST_CALL
 from transformers import LlamaConfig, LlamaForCausalLM, Ministral3Config, Ministral3ForCausalLM
 
 import hf_attnorm  # noqa: F401  (registers the implementations)
 from hf_attnorm.attention import attention
-from hf_attnorm.hf.forward import LAST_CALL
 from hf_attnorm.registry import AttnormError
 from hf_attnorm.settings import resolve_settings
 

@@ -27,7 +27,7 @@ README_BLOCKS = {"versions", "implementations", "families", "learned", "main-job
 PROCESS_PATTERNS = [
     r"\bissues? #?\d+", r"\bissue's\b", r"\bthe helper\b", r"\bhelper's\b", r"\bsessions?\b",
     r"\bI (?:checked|measured|ran|found|tried)\b", r"\bengineers?\b", r"\bfinal report\b", r"\bthis task\b",
-    r"\blent to\b", r"\bthe lead\b", r"\bthis branch\b",
+    r"\blent to\b", r"\bthe lead\b", r"\bthis branch\b", r"\bissue-\d+", r"\bof branch\b",
 ]
 
 
@@ -126,20 +126,27 @@ def test_every_method_names_its_paper(kind):
         assert paper.split(",")[0] in table, (kind, name)
 
 
-def test_user_documents_carry_no_process_notes():
+def code_files() -> list[Path]:
+    """The package, the scripts and the tests (this file excepted: it holds the patterns and their samples)."""
+    here = Path(__file__).resolve()
+    return [p for d in ("hf_attnorm", "scripts", "tests") for p in sorted((ROOT / d).rglob("*"))
+            if p.is_file() and p.suffix in (".py", ".cpp", ".h", ".sh", ".md") and p.resolve() != here]
+
+
+def test_user_documents_and_code_carry_no_process_notes():
     found = []
-    for doc in user_documents():
+    for doc in [*user_documents(), *code_files()]:
         for lineno, line in enumerate(doc.read_text().splitlines(), 1):
             for pattern in PROCESS_PATTERNS:
                 if re.search(pattern, line, re.I):
                     found.append(f"{doc.relative_to(ROOT)}:{lineno}: {line.strip()[:100]}")
-    assert not found, "process notes in user documents:\n" + "\n".join(found)
+    assert not found, "process notes in user documents or code:\n" + "\n".join(found)
 
 
 def test_process_scan_catches_each_pattern():
     samples = ["issue 16's rows", "the issue's fix", "the helper measured", "the helper's run", "this session",
                "I checked it", "five other engineers", "the final report", "none was lent to this task",
-               "the lead adjusts", "before this branch"]
+               "the lead adjusts", "before this branch", "before the issue-13 restructure", "commits of branch hmkv"]
     for text in samples:
         assert any(re.search(p, text, re.I) for p in PROCESS_PATTERNS), text
     for text in ["three tasks", "task: causal_lm", "helpers as plain functions", "silently"]:

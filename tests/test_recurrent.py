@@ -12,12 +12,11 @@ import warnings
 import pytest
 import torch
 import transformers
-from conftest import needs_compile, tiny
+from conftest import LAST_CALL, needs_compile, tiny
 from transformers import DynamicCache
 
 from hf_attnorm.attention import constant_heads, make_call
 from hf_attnorm.hf import compat
-from hf_attnorm.hf.forward import LAST_CALL
 from hf_attnorm.hf.recurrent import STATE_ATTR, drop_states
 from hf_attnorm.kernels import PATHS, attend, explain, set_forced_path
 from hf_attnorm.kernels.linear_recurrent import build_state
@@ -281,8 +280,8 @@ def test_static_cache_takes_the_exact_path(model, counted):
 def test_hook_follows_the_implementation(model):
     """The pre-hook is installed with linear attention and removed when the model leaves it."""
     import hf_attnorm
+    from hf_attnorm.hf.cache_state import _pre_hook
     from hf_attnorm.hf.families import attention_modules
-    from hf_attnorm.hf.recurrent import _pre_hook
 
     m = tiny("llama", "causal_lm", implementation="linear")
     mods = [mod for _, mod in attention_modules(m)]

@@ -394,8 +394,8 @@ def test_a_cache_with_sums_pickles_as_a_plain_cache(model):
 def test_hook_follows_the_implementation():
     """The pre-hook is installed with a query-coupled normalizer and removed when the model leaves it."""
     import hf_attnorm
+    from hf_attnorm.hf.cache_state import _pre_hook
     from hf_attnorm.hf.families import attention_modules
-    from hf_attnorm.hf.selective_cache import _pre_hook
 
     m = tiny("llama", "causal_lm", implementation="selective")
     mods = [mod for _, mod in attention_modules(m)]

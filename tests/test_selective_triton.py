@@ -8,13 +8,13 @@ run in a child pytest process with TRITON_INTERPRET=1 (set before triton is impo
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from numerics import assert_within_reference_error, run_interpreted  # noqa: E402
 
 from hf_attnorm.attention import constant_heads, make_call  # noqa: E402
 from hf_attnorm.kernels import attend, candidate_paths  # noqa: E402
@@ -22,7 +22,6 @@ from hf_attnorm.kernels import triton_attn as ta  # noqa: E402
 from hf_attnorm.settings import resolve_settings  # noqa: E402
 
 HERE = os.path.abspath(__file__)
-ROOT = os.path.dirname(os.path.dirname(HERE))
 PATH = "selective_triton"
 
 
@@ -40,21 +39,14 @@ def _run(q, k, v, mask, causal, head, gout, path):
 
 if not ta.interpreter_requested():
 
-    def _child(marker: str) -> None:
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        cmd = [sys.executable, "-m", "pytest", HERE, "-q", "-m", marker, "-p", "no:cacheprovider"]
-        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500, cwd=ROOT)
-        assert res.returncode == 0, f"interpreted tests failed:\n{res.stdout[-8000:]}\n{res.stderr[-3000:]}"
-        assert " passed" in res.stdout and " skipped" not in res.stdout, res.stdout[-2000:]
-
     def test_kernels_interpreted():
         """Three kernel scenarios below in a child process with TRITON_INTERPRET=1 (~10 s; the rest: the slow
         twin)."""
-        _child("not slow")
+        run_interpreted(HERE, "not slow")
 
     @pytest.mark.slow
     def test_kernels_interpreted_slow():
-        _child("slow")
+        run_interpreted(HERE, "slow")
 
     def test_cpu_calls_are_declined_without_the_interpreter(monkeypatch):
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -154,9 +146,7 @@ else:
         ran, got = _run(q32, k32, v32, mask, causal, head, gout, PATH)
         assert ran == PATH
         for label, e, r, f in zip(("out", "dq", "dk", "dv"), exact, ref32, got):
-            assert torch.isfinite(f).all(), f"{scenario} {label}: not finite"
-            err, err_ref = (f - e).abs().max().item(), (r - e).abs().max().item()
-            assert err <= 5 * err_ref + 1e-5, f"{scenario} {label}: {err:.3g} vs reference fp32 {err_ref:.3g}"
+            assert_within_reference_error(f"{scenario} {label}", f, r, e, 5.0, 1e-5)
         if mask is not None:
             dead = ~mask.any(-1).expand(B, H, Lq)
             assert (dead.any() or make_mask is _packed) and (got[0][dead] == 0).all()
@@ -218,9 +208,8 @@ else:
     def test_model_with_padding_matches_reference():
         """A whole tiny llama (GQA, causal, left padding through transformers' mask function, selecting head 1),
         forward and the gradients of every parameter, with every attention call forced onto the Triton path."""
-        from conftest import model_output, tiny
+        from conftest import LAST_CALL, model_output, tiny
 
-        from hf_attnorm.hf.forward import LAST_CALL
         from hf_attnorm.kernels import set_forced_path
 
         model = tiny("llama", "causal_lm", "selective", attnorm={"selective_head": 1})

@@ -191,8 +191,9 @@ def test_encoder_modules_warn_and_causal_models_do_not():
     causal LM loads silently and its forward takes the fused path."""
     import warnings
 
+    from conftest import LAST_CALL
+
     from hf_attnorm.hf import state
-    from hf_attnorm.hf.forward import LAST_CALL
     from hf_attnorm.kernels import fused_cpu
     from hf_attnorm.lab.model_zoo import build_model
 

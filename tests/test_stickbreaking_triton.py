@@ -7,13 +7,13 @@ tests run in a child pytest process with TRITON_INTERPRET=1 (set before triton i
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from numerics import assert_within_reference_error, run_interpreted  # noqa: E402
 
 from hf_attnorm.attention import constant_heads, make_call  # noqa: E402
 from hf_attnorm.kernels import attend  # noqa: E402
@@ -21,7 +21,6 @@ from hf_attnorm.kernels import triton_attn as ta  # noqa: E402
 from hf_attnorm.settings import resolve_settings  # noqa: E402
 
 HERE = os.path.abspath(__file__)
-ROOT = os.path.dirname(os.path.dirname(HERE))
 PATH = "stickbreaking_triton"
 
 
@@ -36,19 +35,13 @@ def _run(q, k, v, mask, causal, opts, gout, path):
 
 if not ta.interpreter_requested():
 
-    def _child(marker: str) -> None:
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        cmd = [sys.executable, "-m", "pytest", HERE, "-q", "-m", marker, "-p", "no:cacheprovider"]
-        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500, cwd=ROOT)
-        assert res.returncode == 0, f"interpreted tests failed:\n{res.stdout[-8000:]}\n{res.stderr[-3000:]}"
-
     def test_kernels_interpreted():
         """The default options in a child process with TRITON_INTERPRET=1 (the other options: the slow twin)."""
-        _child("not slow")
+        run_interpreted(HERE, "not slow")
 
     @pytest.mark.slow
     def test_kernels_interpreted_slow():
-        _child("slow")
+        run_interpreted(HERE, "slow")
 
     def test_cpu_calls_are_declined_without_the_interpreter():
         q = torch.randn(1, 2, 5, 16)
@@ -115,8 +108,7 @@ else:
         ran, got = _run(q32.float(), k32.float(), v32.float(), mask, causal, opts, gout, PATH)
         assert ran == PATH
         for label, e, r, f in zip(("out", "dq", "dk", "dv"), exact, ref32, got):
-            err, err_ref = (f - e).abs().max().item(), (r - e).abs().max().item()
-            assert err <= 5 * err_ref + 1e-5, f"{scenario} {label}: {err:.3g} vs reference fp32 {err_ref:.3g}"
+            assert_within_reference_error(f"{scenario} {label}", f, r, e, 5.0, 1e-5)
         if mask is not None:
             dead = ~mask.any(-1)
             assert (got[0][dead.expand(B, H, Lq)] == 0).all()

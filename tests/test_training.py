@@ -147,7 +147,12 @@ def _kill_after(proc: subprocess.Popen, marker: Path, sig: int, timeout: float =
         assert time.time() < deadline, f"{marker} never appeared"
         time.sleep(0.05)
     proc.send_signal(sig)
-    proc.communicate(timeout=timeout)
+    try:
+        proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out = proc.communicate()[0]
+        raise AssertionError(f"signal {sig} did not end the run within {timeout} s:\n{out[-3000:]}") from None
 
 
 @pytest.mark.parametrize("family", ["bert", pytest.param("gpt2", marks=pytest.mark.slow)])
@@ -181,9 +186,12 @@ def test_sigkill_and_resume_gives_bit_identical_losses(family, tmp_path) -> None
 
 def test_ctrl_c_leaves_no_half_written_files(tmp_path) -> None:
     out = tmp_path / "o"
+    # a suite started from a background job hands its children SIGINT ignored, and Python then installs no
+    # KeyboardInterrupt handler: the child restores the default first, as a terminal's Ctrl-C would find it
     proc = _script("pretrain", [*FAST, "--model_type", "llama", "--max_train_steps", "100000",
-                                "--checkpointing_steps", "3", "--output_dir", str(out)])
-    _kill_after(proc, out / "step_3", signal.SIGINT)
+                                "--checkpointing_steps", "3", "--output_dir", str(out)],
+                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    _kill_after(proc, out / "step_3", signal.SIGINT, timeout=120)
     assert proc.returncode == 130
     assert not list(out.glob(".tmp-*"))
     assert not (out / "config.json").exists() and not (out / "training_summary.json").exists()

@@ -6,9 +6,8 @@ import warnings
 
 import pytest
 import torch
-from conftest import model_output, needs_compile, tiny
+from conftest import LAST_CALL, model_output, needs_compile, tiny
 
-from hf_attnorm.hf.forward import LAST_CALL
 from hf_attnorm.registry import NORMALIZERS, PRESETS
 from hf_attnorm.settings import resolve_settings
 

@@ -14,14 +14,14 @@ Criterion (fp32): |triton - float64 reference| <= 5 x |fp32 reference - float64 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import warnings
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from numerics import assert_all_within_reference_error, run_interpreted  # noqa: E402
 
 from hf_attnorm.attention import attention, constant_heads, make_call, param_specs  # noqa: E402
 from hf_attnorm.kernels import attend, candidate_paths, declared_normalizers, kinds, paths_for  # noqa: E402
@@ -32,15 +32,6 @@ from hf_attnorm.settings import resolve_settings  # noqa: E402
 NAMES = declared_normalizers("triton")
 INTERPRETED = ta.interpreter_requested()
 HERE = os.path.abspath(__file__)
-ROOT = os.path.dirname(os.path.dirname(HERE))
-
-
-def _child(marker: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", HERE, "-q", "-m", marker, "-p", "no:cacheprovider"]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500, cwd=ROOT)
-    assert res.returncode == 0, f"interpreted Triton tests failed ({' '.join(cmd)}):\n{res.stdout[-8000:]}\n" \
-                                f"{res.stderr[-3000:]}"
 
 
 # ------------------------------------------------------------------------------ tests in the normal pytest process
@@ -49,11 +40,11 @@ if not INTERPRETED:
 
     def test_kernels_interpreted():
         """Every non-slow test below, in a child process with TRITON_INTERPRET=1."""
-        _child("not slow")
+        run_interpreted(HERE, "not slow", allow_skips=True)
 
     @pytest.mark.slow
     def test_kernels_interpreted_slow():
-        _child("slow")
+        run_interpreted(HERE, "slow", allow_skips=True)
 
     def test_every_map_of_the_shared_table_has_its_triton_constant():
         """The device code compares KIND with K_<MAP> constants taken from kinds.FUSED_KINDS: one per map, same id,
@@ -338,22 +329,6 @@ def _run(name, q, k, v, up, heads, path, dtype, kwargs, opts):
     return res
 
 
-def _compare(name, scenario, got, ref, ref64, factor, atol_abs=1e-5):
-    assert got.keys() == ref64.keys()
-    for key, want in ref64.items():
-        a, b = got[key], ref[key]
-        if want is None:
-            assert a is None and b is None, f"{name}/{scenario}: {key} has a gradient on one path only"
-            continue
-        assert a is not None, f"{name}/{scenario}: triton gave no gradient for {key}"
-        assert torch.isfinite(a).all(), f"{name}/{scenario}: non-finite {key}"
-        err = (a.double() - want).abs().max().item()
-        base = (b.double() - want).abs().max().item()
-        bound = factor * base + atol_abs
-        assert err <= bound, (f"{name}/{scenario}: {key} error {err:.3e} > {factor} x reference error {base:.3e} "
-                              f"+ tolerance = {bound:.3e}")
-
-
 def _check_scenario(name, scen, sid, extra_opts=None, dtype=torch.float32):
     B, H, Hkv, Lq, Lk, D, Dv, make_kwargs, opts = scen
     learn = {spec.learnable_option: True for spec in NORMALIZERS.get(name).params}  # gradients of eta, bias...
@@ -364,10 +339,8 @@ def _check_scenario(name, scen, sid, extra_opts=None, dtype=torch.float32):
     ref64 = _run(name, q, k, v, up, heads, "reference", torch.float64, kwargs, opts)
     ref = _run(name, q, k, v, up, heads, "reference", dtype, kwargs, opts)
     got = _run(name, q, k, v, up, heads, "triton", dtype, kwargs, opts)
-    if dtype == torch.float32:
-        _compare(name, sid, got, ref, ref64, 5.0)
-    else:
-        _compare(name, sid, got, ref, ref64, 2.0, atol_abs=1e-6)
+    factor, atol = (5.0, 1e-5) if dtype == torch.float32 else (2.0, 1e-6)
+    assert_all_within_reference_error(f"{name}/{sid}", got, ref, ref64, factor, atol)
     if "attention_mask" in kwargs:  # fully masked query rows give exactly 0
         keep = kwargs["attention_mask"]
         dead = ~keep.any(-1).expand(B, H, Lq)
@@ -444,7 +417,7 @@ if INTERPRETED:  # the kernel tests proper: only where the interpreter was on be
                                {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         finally:
             set_forced_path()
-        from hf_attnorm.hf.forward import LAST_CALL
+        from conftest import LAST_CALL
 
         assert LAST_CALL.path == "triton"
         (o_ref, g_ref), (o_tri, g_tri) = grads["reference"], grads["triton"]

@@ -19,13 +19,13 @@ Tolerances (fp32 inputs, compared with the reference path in float64; measured w
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from numerics import run_interpreted  # noqa: E402
 
 from hf_attnorm.attention import attention, constant_heads  # noqa: E402
 from hf_attnorm.kernels import triton_attn as ta  # noqa: E402
@@ -33,27 +33,19 @@ from hf_attnorm.normalizers.entmax_alpha import entmax_alpha_threshold  # noqa: 
 from hf_attnorm.settings import resolve_settings  # noqa: E402
 
 HERE = os.path.abspath(__file__)
-ROOT = os.path.dirname(os.path.dirname(HERE))
 EPS32 = torch.finfo(torch.float32).eps
 #: max error / largest entry, per tensor (see the module docstring)
 REL_TOL = 2e-5
 
 if not ta.interpreter_requested():
 
-    def _child(marker: str) -> None:
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        cmd = [sys.executable, "-m", "pytest", HERE, "-q", "-m", marker, "-p", "no:cacheprovider"]
-        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500, cwd=ROOT)
-        assert res.returncode == 0, f"interpreted tests failed ({' '.join(cmd)}):\n{res.stdout[-8000:]}\n" \
-                                    f"{res.stderr[-3000:]}"
-
     def test_interpreted():
         """Every non-slow test below, in a child process with TRITON_INTERPRET=1."""
-        _child("not slow")
+        run_interpreted(HERE, "not slow")
 
     @pytest.mark.slow
     def test_interpreted_slow():
-        _child("slow")
+        run_interpreted(HERE, "slow")
 
 else:
 

@@ -10,7 +10,6 @@ the normal process with the CUDA queries monkeypatched.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import types
 
@@ -19,13 +18,14 @@ import torch
 
 pytest.importorskip("triton")
 
+from numerics import run_interpreted  # noqa: E402
+
 from hf_attnorm.attention import attention  # noqa: E402
 from hf_attnorm.kernels import PATHS, declared_normalizers  # noqa: E402
 from hf_attnorm.kernels import triton_attn as ta  # noqa: E402
 
 INTERPRETED = ta.interpreter_requested()
 HERE = os.path.abspath(__file__)
-ROOT = os.path.dirname(os.path.dirname(HERE))
 #: every registered path whose kernel lives in a Triton module (kernels/triton_*.py)
 TRITON_PATHS = sorted(n for n, p in PATHS.items() if p.kernel.__module__.rsplit(".", 1)[-1].startswith("triton"))
 
@@ -64,11 +64,8 @@ if not INTERPRETED:
 
     def test_interpreted_error_tests():
         """The tests below that need Triton's interpreter, in a child process with TRITON_INTERPRET=1."""
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        cmd = [sys.executable, "-m", "pytest", HERE, "-q", "-p", "no:cacheprovider"]
-        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
-        assert res.returncode == 0, f"{' '.join(cmd)} failed:\n{res.stdout[-6000:]}\n{res.stderr[-2000:]}"
-        assert f"{len(TRITON_PATHS) + 2} passed" in res.stdout, res.stdout[-2000:]
+        out = run_interpreted(HERE, timeout=900)
+        assert f"{len(TRITON_PATHS) + 2} passed" in out, out[-2000:]
 
     def test_old_gpu_is_refused_naming_device_and_escape(monkeypatch):
         """A GPU below MIN_CAPABILITY (simulated: the CUDA queries monkeypatched) is refused with the device named."""

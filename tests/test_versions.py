@@ -64,7 +64,7 @@ def test_softmax_equals_sdpa_with_padding_and_values_exist_at_build_time(kind):
 
 
 def test_a_fast_path_runs_inside_a_model():
-    from hf_attnorm.hf.forward import LAST_CALL
+    from conftest import LAST_CALL
 
     model = tiny("llama", "causal_lm", implementation="softmax1")
     LAST_CALL.path = ""

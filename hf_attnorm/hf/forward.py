@@ -4,9 +4,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -14,11 +15,11 @@ from torch import nn
 
 from ..attention import make_call
 from ..kernels import attend
-from ..registry import NORMALIZERS, AttnormError
+from ..registry import AttnormError
 from ..settings import AttnormSettings, resolve_settings
+from . import recurrent, selective_cache  # noqa: F401  (register their cache state kinds)
+from .cache_state import steps_for
 from .families import refused_keywords
-from .recurrent import step_handle
-from .selective_cache import step_for as selective_step
 from .state import state_of
 
 try:  # transformers' collector of requested outputs (private; looked up once, not per call)
@@ -36,14 +37,35 @@ def _weights_requested(kwargs: Mapping[str, Any]) -> bool:
     return isinstance(collected, dict) and ("attentions" in collected or "cross_attentions" in collected)
 
 
-@dataclasses.dataclass
-class _LastCall:
+@dataclasses.dataclass(eq=False)  # (records are removed by identity)
+class PathRecord:
+    """What the most recent attention call under ``record_paths`` ran: its path and ``MaskInfo.kind`` ("given",
+    "causal" or "none"); ``paths``: every call's path, in order."""
+
     path: str = ""
-    mask: str = ""  # MaskInfo.kind of that call: "given", "causal" or "none"
+    mask: str = ""
+    paths: list[str] = dataclasses.field(default_factory=list)
 
 
-#: the path the most recent call took (for tests and benchmarks)
-LAST_CALL = _LastCall()
+#: the records being written (record_paths); empty, the attention calls write nothing
+_RECORDS: list[PathRecord] = []
+
+
+@contextlib.contextmanager
+def record_paths(record: PathRecord | None = None) -> Iterator[PathRecord]:
+    """Record which path each attention call takes inside the block (also inside ``torch.compile``d code)::
+
+        with record_paths() as rec:
+            model(**batch)
+        rec.path, rec.paths  # e.g. "fused_cpu", ["fused_cpu", "fused_cpu"]
+
+    ``explain(call)`` says why a path was chosen; this says which ran."""
+    record = PathRecord() if record is None else record
+    _RECORDS.append(record)
+    try:
+        yield record
+    finally:
+        _RECORDS.remove(record)
 
 
 #: the signature of an attention observer (see ``hf_attention_forward``)
@@ -104,27 +126,23 @@ def _attend(module: nn.Module, state: Any, query: torch.Tensor, key: torch.Tenso
         raise AttnormError(f"{type(module).__name__}: sliding_window={window} with {key.shape[2]} keys but no "
                            "mask; hf_attnorm would attend beyond the window. Build the model's masks with "
                            "transformers' mask functions (sdpa_mask).")
-    # selective attention: the earlier queries' column sums, kept on the cache layer (hf/selective_cache.py)
-    coupled = None
-    if causal and NORMALIZERS.get(state.settings.normalizer).query_coupled:
-        coupled = selective_step(module, query, key, value, state.settings.normalizer)
+    # state kept on the cache across decoding (hf/cache_state.py): linear attention's recurrent state, selective
+    # attention's column sums; a call that cannot be exact is refused here, before any work
+    steps = steps_for(module, query, key, value, state.settings, causal)
     call = make_call(
         query, key, value, state.settings, state(query.device), attention_mask, causal, scaling,
         dropout if module.training else 0.0, _weights_requested(kwargs), state.module_info,
-        **_score_modifiers(kwargs),
+        **_score_modifiers(kwargs), heads_checked=True,
     )
-    # linear attention: a decode step on a cache layer holding a recurrent state of its keys (hf/recurrent.py)
-    handle = step_handle(module, query, key, value)
-    if handle is not None:
-        call.recurrent = handle.state_for(query, key)
-    if coupled is not None:
-        coupled.begin(call, query, key)
+    for step in steps:
+        step.begin(call, query, key)
     out, weights, path = attend(call)
-    if handle is not None:
-        handle.after(call, path)
-    if coupled is not None:
-        coupled.after(call)
-    LAST_CALL.path, LAST_CALL.mask = path, call.mask.kind
+    for step in steps:
+        step.after(call, path)
+    if _RECORDS:  # (nothing to do unless record_paths is active)
+        for record in _RECORDS:
+            record.path, record.mask = path, call.mask.kind
+            record.paths.append(path)
     return out.transpose(1, 2).contiguous(), weights
 
 

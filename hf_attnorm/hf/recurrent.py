@@ -7,14 +7,15 @@ of the layer at that time (weak references and their version counters) and the a
 So the state lives and dies with the cache (a new ``generate`` call makes a new cache, hence a new state) and is
 used only when it corresponds to exactly the cached keys:
 
-* a forward pre-hook on the attention module (``attach``; the attention function never sees the cache) looks at the
-  layer BEFORE the module appends its new keys: the state is armed only if the layer still holds the very tensors
-  the state was made from, unchanged in place (``_version``). Anything transformers does to a cache between steps
-  (``reorder_cache`` for beam search, ``crop``, ``batch_select_indices``, ``batch_repeat_interleave``, ``reset``,
-  offloading) replaces those tensors or changes them in place, so it disarms (and drops) the state;
-* the attention function (``StepHandle``) then requires that the layer is a plain ``DynamicLayer`` (it appends by
-  concatenation; sliding-window, static, quantized and other layers keep the exact O(Lk) step), that the keys and
-  values it received are the layer's, one query, and Lk = the state's length + 1;
+* the attention module's forward pre-hook (hf/cache_state.py, the protocol every cache-kept state follows; the
+  attention function never sees the cache) looks at the layer BEFORE the module appends its new keys: the state is
+  armed only if the layer still holds the very tensors the state was made from, unchanged in place (``_version``).
+  Anything transformers does to a cache between steps (``reorder_cache`` for beam search, ``crop``,
+  ``batch_select_indices``, ``batch_repeat_interleave``, ``reset``, offloading) replaces those tensors or changes them
+  in place, so it disarms (and drops) the state;
+* the attention function (``RecurrentKind.step``, a ``StepHandle``) then requires that the layer is a plain
+  ``DynamicLayer`` (it appends by concatenation; sliding-window, static, quantized and other layers keep the exact
+  O(Lk) step), that the keys and values it received are the layer's, one query, and Lk = the state's length + 1;
 * after the call: a recurrent step leaves the state advanced by one key; any other call rebuilds it from all the
   cached keys when it is a prefill (several queries, or the layer's first keys), else drops it (so after a beam
   reorder decoding stays on the exact path).
@@ -40,14 +41,13 @@ from transformers.cache_utils import Cache, DynamicLayer
 from ..kernels.base import AttnCall
 from ..kernels.linear_recurrent import LinearState, build_state
 from ..kernels.linear_recurrent import takes as recurrent_takes
-from ..registry import NORMALIZERS
-from . import compat
-from .hooks import add_pre_hook, remove_pre_hook
+from ..normalizers.base import Normalizer
+from ..settings import AttnormSettings
+from . import cache_state, compat
+from .cache_state import _none  # (what a pickled state becomes: None)
 
 #: attribute of a transformers cache layer holding its ``_Owned`` state
 STATE_ATTR = "_hf_attnorm_linear"
-#: attribute of an attention module: what its pre-hook saw of the cache for the call in progress
-PENDING_ATTR = "_hf_attnorm_pending"
 #: the path name of the recurrent step (kernels/linear_recurrent.py)
 RECURRENT_PATH = "linear_recurrent"
 
@@ -75,63 +75,6 @@ class _Owned:
 
 
 @dataclasses.dataclass(eq=False)
-class _Pending:
-    cache: weakref.ref
-    layer_idx: int
-    armed: LinearState | None
-
-    def __reduce__(self):
-        return _none, ()
-
-
-def _none() -> None:
-    return None
-
-
-def supports(module: nn.Module) -> bool:
-    """Whether the module's current hf_attnorm normalizer has a recurrent step."""
-    settings = getattr(module._modules.get("attnorm"), "settings", None)
-    return settings is not None and recurrent_takes(NORMALIZERS.get(settings.normalizer)) is None
-
-
-def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    if torch.compiler.is_compiling():
-        return None
-    cache = compat.cache_of_call(args, kwargs)
-    idx = getattr(module, "layer_idx", None)
-    if cache is None or not isinstance(idx, int) or not supports(module):
-        module.__dict__[PENDING_ATTR] = None
-        return None
-    layer = compat.cache_layer(cache, idx)
-    owned = getattr(layer, STATE_ATTR, None)
-    armed = None
-    if isinstance(owned, _Owned):
-        if compat.plain_dynamic_layer(layer) and owned.matches(layer, module):
-            armed = owned.state
-        else:
-            delattr(layer, STATE_ATTR)  # stale: the cache changed under it
-    module.__dict__[PENDING_ATTR] = _Pending(weakref.ref(cache), idx, armed)
-    return None
-
-
-def attach(module: nn.Module) -> None:
-    """Install the pre-hook on an attention module (once; a module-level function, so models still deepcopy and
-    pickle)."""
-    add_pre_hook(module, _pre_hook)
-
-
-def detach(module: nn.Module) -> None:
-    remove_pre_hook(module, _pre_hook, PENDING_ATTR)
-
-
-def drop_states(cache: Cache) -> None:
-    """Forget every recurrent state held by ``cache`` (the next steps take the exact path until a prefill)."""
-    for layer in compat.cache_layers(cache):
-        if hasattr(layer, STATE_ATTR):
-            delattr(layer, STATE_ATTR)
-
-
-@dataclasses.dataclass(eq=False)
 class StepHandle:
     """The cache layer of one attention call and its armed state (None: not armed)."""
 
@@ -139,12 +82,11 @@ class StepHandle:
     module: nn.Module
     armed: LinearState | None
 
-    def state_for(self, query: torch.Tensor, key: torch.Tensor) -> LinearState | None:
-        """The state to pass as ``AttnCall.recurrent``: armed and exactly one key short of this call."""
+    def begin(self, call: AttnCall, query: torch.Tensor, key: torch.Tensor) -> None:
+        """``AttnCall.recurrent``: the armed state when it is exactly one key short of this call."""
         st = self.armed
-        if st is None or query.shape[2] != 1 or key.shape[2] != st.length + 1:
-            return None
-        return st
+        if st is not None and query.shape[2] == 1 and key.shape[2] == st.length + 1:
+            call.recurrent = st
 
     def after(self, call: AttnCall, path: str) -> None:
         """Record the state for the layer's current tensors: advanced (recurrent step), rebuilt (prefill), or
@@ -178,35 +120,61 @@ def _warn_off(module: nn.Module, why: str) -> None:
                       "O(1).", stacklevel=4)
 
 
-def step_handle(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> StepHandle | None:
-    """For the attention function: the cache layer this call's keys are, when it can hold a state; None otherwise
-    (no cache, another layer type, keys that are not the layer's, under torch.compile). A cached decode step (one
-    query, earlier keys, no grad) of a module that has the state's pre-hook but cannot use the state warns once per
-    reason: the O(1) step must not turn itself off silently."""
-    if torch.compiler.is_compiling():
-        return None
-    pending = module.__dict__.pop(PENDING_ATTR, None)
-    # (cross-attention keeps no state; the hook scan comes last: every attention call of every module passes here)
-    decoding = (query.shape[2] == 1 and key.shape[2] > 1 and not torch.is_grad_enabled()
-                and getattr(module, "is_causal", True) is not False
-                and _pre_hook in module._forward_pre_hooks.values())
-    if pending is None:
-        if decoding and supports(module):
-            _warn_off(module, "no transformers Cache reached the attention module's forward (looked for the "
-                              f"keywords {', '.join(compat.CACHE_ARGUMENTS)} and positional arguments)")
-        return None
-    layer = compat.cache_layer(pending.cache(), pending.layer_idx)
-    if layer is None or not compat.plain_dynamic_layer(layer):
-        if decoding:
-            kind = type(layer).__name__ if layer is not None else type(pending.cache()).__name__
-            _warn_off(module, f"its cache layer is a {kind}, not a DynamicLayer (the state follows only the "
-                              "default DynamicCache's layers)")
-        return None
-    keys, values = compat.layer_tensors(layer)
-    if keys is not key or values is not value:
+class RecurrentKind(cache_state.CacheStateKind):
+    """Linear attention's recurrent state (module docstring)."""
+
+    name = "linear_recurrent"
+
+    def serves(self, normalizer: Normalizer) -> bool:
+        return recurrent_takes(normalizer) is None
+
+    def arm(self, layer: DynamicLayer, module: nn.Module) -> tuple[LinearState | None, str]:
+        owned = getattr(layer, STATE_ATTR, None)
+        if isinstance(owned, _Owned):
+            if compat.plain_dynamic_layer(layer) and owned.matches(layer, module):
+                return owned.state, ""
+            delattr(layer, STATE_ATTR)  # stale: the cache changed under it
+        return None, "the cache layer holds no state for its keys"
+
+    def drop(self, layer: DynamicLayer) -> None:
         if hasattr(layer, STATE_ATTR):
             delattr(layer, STATE_ATTR)
-        if decoding:
-            _warn_off(module, "the keys the module passed are not its cache layer's tensors")
-        return None
-    return StepHandle(layer, module, pending.armed)
+
+    def step(self, module: nn.Module, pending: cache_state.Pending | None, query: torch.Tensor, key: torch.Tensor,
+             value: torch.Tensor, settings: AttnormSettings, causal: bool) -> StepHandle | None:
+        """The cache layer this call's keys are, when it can hold a state; None otherwise (no cache, another layer
+        type, keys that are not the layer's, under torch.compile). A cached decode step (one query, earlier keys, no
+        grad) of a module that has the pre-hook but cannot use the state warns once per reason: the O(1) step must
+        not turn itself off silently."""
+        if torch.compiler.is_compiling():
+            return None
+        # (cross-attention keeps no state; the hook scan comes last: every attention call of every module passes here)
+        decoding = (query.shape[2] == 1 and key.shape[2] > 1 and not torch.is_grad_enabled()
+                    and getattr(module, "is_causal", True) is not False and cache_state.hooked(module))
+        if pending is None:
+            if decoding:
+                _warn_off(module, "no transformers Cache reached the attention module's forward (looked for the "
+                                  f"keywords {', '.join(compat.CACHE_ARGUMENTS)} and positional arguments)")
+            return None
+        layer = pending.layer()
+        if layer is None or not compat.plain_dynamic_layer(layer):
+            if decoding:
+                kind = type(layer).__name__ if layer is not None else type(pending.cache()).__name__
+                _warn_off(module, f"its cache layer is a {kind}, not a DynamicLayer (the state follows only the "
+                                  "default DynamicCache's layers)")
+            return None
+        keys, values = compat.layer_tensors(layer)
+        if keys is not key or values is not value:
+            self.drop(layer)
+            if decoding:
+                _warn_off(module, "the keys the module passed are not its cache layer's tensors")
+            return None
+        return StepHandle(layer, module, pending.armed)
+
+
+KIND = cache_state.register(RecurrentKind())
+
+
+def drop_states(cache: Cache) -> None:
+    """Forget every recurrent state held by ``cache`` (the next steps take the exact path until a prefill)."""
+    cache_state.drop_states(cache, [KIND.name])

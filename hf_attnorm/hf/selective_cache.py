@@ -9,13 +9,14 @@ cache: each ``DynamicLayer`` that served a selective call gets an attribute ``_h
 and which keys are live), with weak references to the layer's key/value tensors (and their versions) and the module
 that built it. So it lives and dies with the cache, and is used only while it describes exactly the cached keys:
 
-* a forward pre-hook on the attention module (``attach``) looks at the layer before the module appends its keys and
-  arms the state only if the layer still holds the very tensors it was made for, unchanged in place;
-* the attention function (``step_for``): a call with earlier keys (Lk > Lq: a decode step, a chunked prefill, a
-  continued generation) passes C, padded with 0 for the new keys, as ``AttnCall.selective_carry``; after the call
-  C += the call's column sums (one cheap pass over the selecting head). A first call (Lk = Lq) runs as usual and
-  then builds C. A call with earlier keys but no valid state raises ``AttnormError`` saying why: never a silently
-  wrong step (unlike linear attention, there is no exact path without the state);
+* the attention module's forward pre-hook (hf/cache_state.py, the protocol every cache-kept state follows) looks at
+  the layer before the module appends its keys and arms the state only if the layer still holds the very tensors it
+  was made for, unchanged in place;
+* the attention function (``SelectiveKind.step``): a call with earlier keys (Lk > Lq: a decode step, a chunked prefill,
+  a continued generation) passes C, padded with 0 for the new keys, as ``AttnCall.selective_carry``; after the call C
+  += the call's column sums (one cheap pass over the selecting head). A first call (Lk = Lq) runs as usual and then
+  builds C. A call with earlier keys but no valid state raises ``AttnormError`` saying why: never a silently wrong step
+  (unlike linear attention, there is no exact path without the state);
 * the cache operations of generation are followed, not merely detected: on its first state a plain ``DynamicLayer``
   becomes a ``SelectiveLayer`` (a subclass; pickles and deep-copies as a plain ``DynamicLayer`` without the state)
   whose ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave`` (beam search, contrastive and
@@ -44,17 +45,16 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from ..kernels.base import AttnCall
 from ..kernels.selective_carry import column_sums_and_parts, prefix_column_sums
-from ..registry import NORMALIZERS, AttnormError
+from ..normalizers.base import Normalizer
+from ..registry import AttnormError
 from ..settings import AttnormSettings
-from . import compat
-from .hooks import add_pre_hook, remove_pre_hook
+from . import cache_state, compat
+from .cache_state import _none  # (what a pickled state becomes: None)
 
 #: attribute of a transformers cache layer holding its ``SelectiveState``
 STATE_ATTR = "_hf_attnorm_selective"
 #: attribute of a cache layer: why the last call left no state (named by the error of the next cached step)
 WHY_ATTR = "_hf_attnorm_selective_why"
-#: attribute of an attention module: what its pre-hook saw of the cache for the call in progress
-PENDING_ATTR = "_hf_attnorm_selective_pending"
 
 _ADVICE = ("Generate with the default DynamicCache, or without a KV cache (model.generate(..., use_cache=False): "
            "each step then recomputes the whole sequence exactly).")
@@ -148,10 +148,6 @@ class SelectiveState:
         self.cbuf[:, :n] = prefix_column_sums(self.qs, self.ks, self.live)
 
 
-def _none() -> None:
-    return None
-
-
 def _current(layer: DynamicLayer) -> SelectiveState | None:
     """The layer's state if it still describes its tensors; a stale one is dropped."""
     st = layer.__dict__.get(STATE_ATTR)
@@ -227,58 +223,6 @@ class SelectiveLayer(DynamicLayer):
         return copyreg._reconstructor, (DynamicLayer, object, None), state
 
 
-def supports(module: nn.Module) -> bool:
-    """Whether the module's current hf_attnorm normalizer couples its queries (needs the column sums)."""
-    settings = getattr(module._modules.get("attnorm"), "settings", None)
-    return settings is not None and NORMALIZERS.get(settings.normalizer).query_coupled
-
-
-@dataclasses.dataclass(eq=False)
-class _Pending:
-    cache: weakref.ref
-    layer_idx: int
-    armed: SelectiveState | None
-    why: str
-
-    def __reduce__(self):
-        return _none, ()
-
-
-def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    if torch.compiler.is_compiling():
-        return None
-    cache = compat.cache_of_call(args, kwargs)
-    idx = getattr(module, "layer_idx", None)
-    if cache is None or not isinstance(idx, int):
-        module.__dict__[PENDING_ATTR] = None
-        return None
-    layer = compat.cache_layer(cache, idx)
-    armed, why = None, "the cache holds no selective state for its keys"
-    if layer is not None:
-        armed = _current(layer)
-        why = layer.__dict__.get(WHY_ATTR, why)
-        if armed is not None and (armed.module is None or armed.module() is not module):
-            armed, why = None, "the cache layer's selective state belongs to another attention module"
-    module.__dict__[PENDING_ATTR] = _Pending(weakref.ref(cache), idx, armed, why)
-    return None
-
-
-def attach(module: nn.Module) -> None:
-    """Install the pre-hook on an attention module (once)."""
-    add_pre_hook(module, _pre_hook)
-
-
-def detach(module: nn.Module) -> None:
-    remove_pre_hook(module, _pre_hook, PENDING_ATTR)
-
-
-def drop_states(cache: Cache) -> None:
-    """Forget every selective state held by ``cache`` (its next cached step is then refused)."""
-    for layer in compat.cache_layers(cache):
-        if STATE_ATTR in layer.__dict__:
-            _drop(layer, "drop_states was called")
-
-
 def state_of_layer(layer: DynamicLayer) -> SelectiveState | None:
     """The state a cache layer holds (for tests and inspection), or None."""
     st = layer.__dict__.get(STATE_ATTR)
@@ -328,7 +272,7 @@ class SelectiveStep:
             raise _refuse(name, query, key, why)
         call.selective_carry = st.carry(self.new_keys)
 
-    def after(self, call: AttnCall) -> None:
+    def after(self, call: AttnCall, path: str) -> None:
         """C += the call's column sums; the new positions' q', k', liveness appended (a first call: built)."""
         layer = self.layer
         why = _plain_key_padding(call)
@@ -360,39 +304,69 @@ class SelectiveStep:
         layer.__dict__[STATE_ATTR] = st
 
 
-def step_for(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             name: str) -> SelectiveStep | None:
-    """For a causal call of a query-coupled normalizer: the step on its cache layer; None when there is no cache
-    and no earlier key (a plain call). Raises ``AttnormError`` for a call with earlier keys that cannot be exact."""
-    past = key.shape[2] > query.shape[2]
-    if torch.compiler.is_compiling():  # (before touching __dict__: Dynamo of torch 2.11 cannot trace its pop)
-        if past:
-            raise _refuse(name, query, key, "under torch.compile the column sums cannot be kept across calls")
-        return None
-    pending = module.__dict__.pop(PENDING_ATTR, None)
-    if pending is None:
-        if past:
-            raise _refuse(name, query, key, "no transformers Cache reached the attention module's forward "
-                                            f"(transformers {transformers.__version__}; looked for the keywords "
-                                            f"{', '.join(compat.CACHE_ARGUMENTS)} and positional arguments)")
-        return None
-    cache = pending.cache()
-    layer = compat.cache_layer(cache, pending.layer_idx)
-    if layer is None or not isinstance(layer, DynamicLayer) or type(layer) not in (DynamicLayer, SelectiveLayer):
-        if past and hasattr(cache, "cross_attention_cache"):
-            raise _refuse(name, query, key, "encoder-decoder caches (EncoderDecoderCache) are not followed: the "
-                                            "decoder's cross-attention would need column sums of its own, over the "
-                                            "encoder keys")
-        if past:
-            kind = type(layer).__name__ if layer is not None else "missing"
-            raise _refuse(name, query, key, f"its cache layer is {kind} (static, sliding-window, quantized and other "
-                                            "layers are not supported; only DynamicLayer, the default DynamicCache's)")
-        return None
-    layer_keys, layer_values = compat.layer_tensors(layer)
-    if layer_keys is not key or layer_values is not value:
-        if past:
-            raise _refuse(name, query, key, "the keys the module passed are not its cache layer's")
-        return None
-    if past and pending.armed is None:
-        raise _refuse(name, query, key, pending.why)
-    return SelectiveStep(layer, module, pending.armed if past else None, query.shape[2])
+class SelectiveKind(cache_state.CacheStateKind):
+    """Selective attention's column sums (module docstring)."""
+
+    name = "selective"
+
+    def serves(self, normalizer: Normalizer) -> bool:
+        return normalizer.query_coupled
+
+    def arm(self, layer: DynamicLayer, module: nn.Module) -> tuple[SelectiveState | None, str]:
+        armed = _current(layer)
+        why = layer.__dict__.get(WHY_ATTR, "the cache holds no selective state for its keys")
+        if armed is not None and (armed.module is None or armed.module() is not module):
+            return None, "the cache layer's selective state belongs to another attention module"
+        return armed, why
+
+    def drop(self, layer: DynamicLayer) -> None:
+        if STATE_ATTR in layer.__dict__:
+            _drop(layer, "drop_states was called")
+
+    def step(self, module: nn.Module, pending: cache_state.Pending | None, query: torch.Tensor, key: torch.Tensor,
+             value: torch.Tensor, settings: AttnormSettings, causal: bool) -> SelectiveStep | None:
+        """For a causal call: the step on its cache layer; None when there is no cache and no earlier key (a plain
+        call). Raises ``AttnormError`` for a call with earlier keys that cannot be exact."""
+        if not causal:
+            return None
+        name = settings.normalizer
+        past = key.shape[2] > query.shape[2]
+        if torch.compiler.is_compiling():
+            if past:
+                raise _refuse(name, query, key, "under torch.compile the column sums cannot be kept across calls")
+            return None
+        if pending is None:
+            if past:
+                raise _refuse(name, query, key, "no transformers Cache reached the attention module's forward "
+                                                f"(transformers {transformers.__version__}; looked for the keywords "
+                                                f"{', '.join(compat.CACHE_ARGUMENTS)} and positional arguments)")
+            return None
+        cache = pending.cache()
+        layer = pending.layer()
+        if layer is None or not isinstance(layer, DynamicLayer) or type(layer) not in (DynamicLayer, SelectiveLayer):
+            if past and hasattr(cache, "cross_attention_cache"):
+                raise _refuse(name, query, key, "encoder-decoder caches (EncoderDecoderCache) are not followed: the "
+                                                "decoder's cross-attention would need column sums of its own, over "
+                                                "the encoder keys")
+            if past:
+                kind = type(layer).__name__ if layer is not None else "missing"
+                raise _refuse(name, query, key, f"its cache layer is {kind} (static, sliding-window, quantized and "
+                                                "other layers are not supported; only DynamicLayer, the default "
+                                                "DynamicCache's)")
+            return None
+        layer_keys, layer_values = compat.layer_tensors(layer)
+        if layer_keys is not key or layer_values is not value:
+            if past:
+                raise _refuse(name, query, key, "the keys the module passed are not its cache layer's")
+            return None
+        if past and pending.armed is None:
+            raise _refuse(name, query, key, pending.why)
+        return SelectiveStep(layer, module, pending.armed if past else None, query.shape[2])
+
+
+KIND = cache_state.register(SelectiveKind())
+
+
+def drop_states(cache: Cache) -> None:
+    """Forget every selective state held by ``cache`` (its next cached step is then refused)."""
+    cache_state.drop_states(cache, [KIND.name])

@@ -17,9 +17,8 @@ from torch import nn
 from ..attention import param_specs
 from ..registry import NORMALIZERS, SCALES, AttnormError, first_line
 from ..settings import READ_ONLY_MESSAGE, AttnormSettings, ConfigSettings, resolve_settings
-from . import selective_cache
+from . import cache_state, recurrent, selective_cache  # noqa: F401  (the kinds register on import)
 from .families import interface_keywords, module_info, num_heads_of, unsupported_keywords
-from .recurrent import attach, detach, supports
 
 logger = logging.getLogger("hf_attnorm")
 
@@ -152,9 +151,7 @@ def install(module: nn.Module, settings: AttnormSettings) -> AttnormState:
             if prev is not None and spec.name in state._parameters and same:
                 state._parameters[spec.name] = prev  # keep the learned value (and the optimizer's reference)
     module.attnorm = state
-    (attach if supports(module) else detach)(module)  # linear attention: the cache's recurrent state
-    # selective attention: the column sums on the cache (hf/selective_cache.py)
-    (selective_cache.attach if selective_cache.supports(module) else selective_cache.detach)(module)
+    cache_state.sync(module)  # the pre-hook of a state kept on the cache (linear, selective), or none
     return state
 
 
@@ -226,8 +223,7 @@ def check_config_unchanged(config: Any, settings: AttnormSettings) -> None:
 def uninstall(module: nn.Module) -> None:
     if isinstance(module._modules.get("attnorm"), AttnormState):
         del module._modules["attnorm"]
-    detach(module)
-    selective_cache.detach(module)
+    cache_state.detach(module)
 
 
 def state_of(module: nn.Module, implementation: str) -> nn.Module:

@@ -200,7 +200,6 @@ def accepts(call: AttnCall) -> str | None:
 
 def selective_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     """out [B, H, Lq, Dv] in the input dtype (fp16/bf16 computed in fp32)."""
-    call.normalizer.check_heads(call.settings, call.q.shape[1])
     q, k, v = call.features(compute_dtype(call.q.dtype))
     B, lk = q.shape[0], k.shape[2]
     carry = call.selective_carry

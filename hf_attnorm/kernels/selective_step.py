@@ -48,7 +48,6 @@ def accepts(call: AttnCall) -> str | None:
 
 def step_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     """out [B, H, 1, Dv] in the input dtype (fp16/bf16 computed in fp32)."""
-    call.normalizer.check_heads(call.settings, call.q.shape[1])
     dt = compute_dtype(call.q.dtype)
     q = call.q.to(dt) * call.q_factor(dt)
     k, v = call.k.to(dt), call.v.to(dt)

@@ -398,7 +398,6 @@ def accepts(call: AttnCall) -> str | None:
 def triton_selective_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     """out [B, H, Lq, Dv] in the input dtype (computed in fp32); k/v are not repeated for GQA. A call carrying
     ``selective_carry`` [B | 1, Lk] (the column sums of the earlier queries' R, a cache's state) starts from it."""
-    call.normalizer.check_heads(call.settings, call.q.shape[1])
     with torch.cuda.device(call.q.device) if call.q.is_cuda else contextlib.nullcontext():
         q = (call.q.float() * call.q_factor(torch.float32)).contiguous()  # scale (and its gradient) in torch
         k, v = call.k.float().contiguous(), call.v.float().contiguous()

@@ -6,8 +6,8 @@ query by a length- and content-dependent temperature,
     beta_h(q_i) = softplus(w_h . q_i),
 
 with n_i the keys query i sees, q_i its raw query vector [D] (before the model's scaling), and per head: w_h [D]
-(``asentmax_w``, a [H, D] value), delta_h, gamma_h and alpha_h (shared with ``entmax_alpha``). This is the issue's
-statement of the method. The authors' code (deep-spin/asentmax, synthetic/src/models/architectures/sparse_gemma.py,
+(``asentmax_w``, a [H, D] value), delta_h, gamma_h and alpha_h (shared with ``entmax_alpha``). This is the method
+as implemented here. The authors' code (deep-spin/asentmax, synthetic/src/models/architectures/sparse_gemma.py,
 ``_apply_length_scaling``, read for this docstring) scales the queries the same way, theta = delta + beta (log
 l)^gamma, and differs in three places a reproduction should know:
 

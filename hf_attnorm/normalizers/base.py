@@ -164,7 +164,8 @@ class Normalizer:
         """Cross-option checks (single options are range-checked where declared)."""
 
     def check_heads(self, settings: AttnormSettings, num_heads: int) -> None:
-        """Checks against the number of query heads (load/set time and every ``make_call``); raise AttnormError."""
+        """Checks against the number of query heads, when a model's implementation is set and by ``make_call``
+        for the functional API; raise AttnormError."""
 
     def transform_qk(self, q: torch.Tensor, k: torch.Tensor, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """Before scaling. q: [B, H, Lq, D], k: [B, H, Lk, D]."""

@@ -119,7 +119,6 @@ class Selective(Normalizer):
 
     def reference(self, scores: torch.Tensor, keep: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         B, H, Lq, Lk = scores.shape
-        self.check_heads(ctx.settings, H)
         h = self.selecting_head(ctx.settings)
         keep = keep.to(scores.device)
         carry = ctx.selective_carry

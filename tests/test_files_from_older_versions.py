@@ -1,6 +1,7 @@
-"""Files written by the code before the issue-13 restructure (commit e546e6f, tests/fixtures/pre_restructure/) still
-work: a saved ssmax checkpoint loads with its settings, learned values and logits, and a training checkpoint's
-recorded arguments are the ones today's parser produces, and today's code resumes it exactly."""
+"""Files written by the code before the package was split into its current modules (commit e546e6f,
+tests/fixtures/written_by_e546e6f/) still work: a saved ssmax checkpoint loads with its settings, learned values and
+logits, and a training checkpoint's recorded arguments are the ones today's parser produces, and today's code resumes
+it exactly."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from hf_attnorm.lab.training import STATE_FILE, build_parser, run_pretraining
 from hf_attnorm.lab.training.args import parse_args
 from hf_attnorm.lab.training.checkpoints import plan_output
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "pre_restructure"
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "written_by_e546e6f"
 
 
 def test_old_ssmax_checkpoint_loads_with_its_settings_values_and_logits() -> None:

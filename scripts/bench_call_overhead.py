@@ -1,0 +1,102 @@
+"""What one attention call costs beyond its kernel, on a decode-sized call (one query, few keys) where the Python
+around the kernel matters most: microseconds per call of transformers' attention function (the module's state, the
+mask, ``make_call``, dispatch, the kernel), of ``make_call`` alone, of ``attend`` alone, and of SDPA alone.
+
+    python scripts/bench_call_overhead.py --implementations softmax symax ssmax --output_dir bench/call_overhead
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import hf_attnorm  # noqa: F401  (registers the implementations)
+except ImportError:  # run from a checkout without installing
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import hf_attnorm  # noqa: F401
+
+from hf_attnorm.attention import make_call
+from hf_attnorm.hf.forward import hf_attention_forward
+from hf_attnorm.kernels import attend
+from hf_attnorm.lab.model_zoo import build_model
+
+
+def per_call_us(fn, calls: int, repeats: int) -> float:
+    """Median over ``repeats`` of the mean microseconds of ``calls`` calls."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(samples)
+
+
+def measure(implementation: str, keys: int, calls: int, repeats: int) -> dict[str, float]:
+    model = build_model("llama", "micro", task="causal_lm", vocab_size=97, max_positions=max(64, keys + 1),
+                        attn_implementation=implementation).eval()
+    module = model.model.layers[0].self_attn
+    state = module.attnorm
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    dim = model.config.hidden_size // heads
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, heads, 1, dim, generator=g)
+    k, v = (torch.randn(1, kv_heads, keys, dim, generator=g) for _ in range(2))
+    scaling = dim ** -0.5
+    call = make_call(q, k, v, state.settings, state(q.device), None, True, scaling)
+    kr, vr = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+    # (linear attention warns once that a call without a cache cannot keep its recurrent state: expected here)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {
+            "attention_function_us": per_call_us(
+                lambda: hf_attention_forward(module, q, k, v, None, scaling, implementation=implementation),
+                calls, repeats),
+            "make_call_us": per_call_us(
+                lambda: make_call(q, k, v, state.settings, state(q.device), None, True, scaling), calls, repeats),
+            "attend_us": per_call_us(lambda: attend(call), calls, repeats),
+            "sdpa_us": per_call_us(lambda: F.scaled_dot_product_attention(q, kr, vr, scale=scaling), calls, repeats),
+        }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--implementations", nargs="+", default=["softmax", "symax", "ssmax", "linear"],
+                        help="attention implementations to measure (default: softmax symax ssmax linear)")
+    parser.add_argument("--keys", type=int, default=32, help="cached keys of the call (default 32)")
+    parser.add_argument("--calls", type=int, default=2000, help="calls per timing sample (default 2000)")
+    parser.add_argument("--repeats", type=int, default=7, help="timing samples; the median is kept (default 7)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--output_dir", type=Path, default=None,
+                        help="where to write call_overhead.json (default: print only)")
+    args = parser.parse_args(argv)
+    for name, value in (("--keys", args.keys), ("--calls", args.calls), ("--repeats", args.repeats),
+                        ("--threads", args.threads)):
+        if value < 1:
+            parser.error(f"{name} must be at least 1, got {value}")
+    torch.set_num_threads(args.threads)
+    rows = {}
+    for implementation in args.implementations:
+        rows[implementation] = measure(implementation, args.keys, args.calls, args.repeats)
+        print(implementation, " ".join(f"{k} {v:.1f}" for k, v in rows[implementation].items()), flush=True)
+    result = {"rows": rows, "keys": args.keys, "calls": args.calls, "repeats": args.repeats,
+              "threads": args.threads, "torch": torch.__version__, "load_average": os.getloadavg()}
+    if args.output_dir is not None:
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        (args.output_dir / "call_overhead.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""The protocol for state kept on the KV cache across decoding (hf/cache_state.py): a new kind plugs in by
+registering, with no edit of the attention function, and sees the calls of generation in order; every registered
+kind is served by the pre-hook and forgotten by drop_states."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import tiny
+from transformers import DynamicCache
+
+from hf_attnorm.hf import cache_state, compat
+from hf_attnorm.hf.families import attention_modules
+from hf_attnorm.registry import NORMALIZERS
+
+
+@dataclasses.dataclass
+class _Count:
+    """A toy state: how many keys the layer held after the call that wrote it, and for which key tensor."""
+
+    keys: int
+    tensor: object
+
+
+class _CountingKind(cache_state.CacheStateKind):
+    name = "counting-test"
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int, int, int | None]] = []  # (event, queries, keys, armed count)
+
+    def serves(self, normalizer) -> bool:
+        return normalizer.name == "symax"
+
+    def arm(self, layer, module):
+        st = layer.__dict__.get("_counting_test")
+        keys, _ = compat.layer_tensors(layer)
+        return (st, "") if st is not None and st.tensor is keys else (None, "no count for these keys")
+
+    def drop(self, layer) -> None:
+        layer.__dict__.pop("_counting_test", None)
+
+    def step(self, module, pending, query, key, value, settings, causal):
+        if pending is None:
+            return None
+        kind = self
+
+        class Step:
+            def begin(self, call, query, key):
+                kind.events.append(("begin", query.shape[2], key.shape[2],
+                                    None if pending.armed is None else pending.armed.keys))
+
+            def after(self, call, path):
+                layer = pending.layer()
+                layer.__dict__["_counting_test"] = _Count(key.shape[2], compat.layer_tensors(layer)[0])
+
+        return Step()
+
+
+@pytest.fixture
+def counting():
+    kind = cache_state.register(_CountingKind())
+    try:
+        yield kind
+    finally:
+        del cache_state.KINDS[kind.name]
+
+
+def test_a_registered_kind_follows_cached_generation(counting):
+    model = tiny("llama", "causal_lm", "symax")  # built after the kind registered: its modules carry the pre-hook
+    layers = model.config.num_hidden_layers
+    assert all(cache_state.hooked(m) for _, m in attention_modules(model))
+    ids = torch.randint(1, 97, (1, 6), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, **compat.cache_kwargs(model, cache))
+    # per layer: the prefill (6 queries, nothing armed), then each decode step sees the count the previous call left
+    expected = [("begin", 6, 6, None)] * layers + [("begin", 1, 7, 6)] * layers + [("begin", 1, 8, 7)] * layers
+    assert counting.events == expected
+    cache_state.drop_states(cache)
+    assert not any("_counting_test" in layer.__dict__ for layer in compat.cache_layers(cache))
+
+
+def test_the_pre_hook_follows_the_normalizer(counting):
+    """sync installs the pre-hook where some kind serves the module's normalizer and removes it elsewhere."""
+    import hf_attnorm
+
+    model = tiny("llama", "causal_lm", "symax")
+    mods = [m for _, m in attention_modules(model)]
+    assert all(cache_state.hooked(m) for m in mods)
+    hf_attnorm.apply(model, "softmax")
+    assert not any(cache_state.hooked(m) for m in mods)
+    hf_attnorm.apply(model, "symax")
+    assert all(cache_state.hooked(m) for m in mods)
+
+
+def test_every_stateful_normalizer_is_served_by_a_registered_kind():
+    """The normalizers whose cached decoding needs state are served (linear: recurrent, selective: column sums), and
+    a kind's name is unique."""
+    served = {name for name in NORMALIZERS if cache_state.kinds_serving(name)}
+    assert {"linear", "selective"} <= served
+    with pytest.raises(ValueError, match="unique name"):
+        cache_state.register(cache_state.KINDS["selective"])
