@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import runpy
 import statistics
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -19,16 +19,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-try:
-    import hf_attnorm  # noqa: F401  (registers the implementations)
-except ImportError:  # run from a checkout without installing
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import hf_attnorm  # noqa: F401
+runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap.py"))  # offline; checkout
 
-from hf_attnorm.attention import make_call
-from hf_attnorm.hf.forward import hf_attention_forward
-from hf_attnorm.kernels import attend
-from hf_attnorm.lab.model_zoo import build_model
+from hf_attnorm.attention import make_call  # noqa: E402
+from hf_attnorm.hf.forward import hf_attention_forward  # noqa: E402
+from hf_attnorm.kernels import attend  # noqa: E402
+from hf_attnorm.lab.model_zoo import build_model  # noqa: E402
 
 
 def per_call_us(fn, calls: int, repeats: int) -> float:

@@ -27,20 +27,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import runpy
 import statistics
 import sys
 import time
 import warnings
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-try:
-    import hf_attnorm  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap.py"))  # offline; checkout
 
 import torch  # noqa: E402
 
+import hf_attnorm  # noqa: E402
 from hf_attnorm.hf import compat  # noqa: E402
 
 DEFAULT_IMPLS = ["softmax", "softmax1", "ssmax", "sigmoid", "symax", "entmax15", "linear"]

@@ -27,19 +27,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
+import runpy
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-try:
-    import hf_attnorm  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap.py"))  # offline; checkout
+
+from hf_attnorm.lab.cli import nonnegative_int, positive_float, positive_int  # noqa: E402
 
 DEFAULT_IMPLEMENTATIONS = ["softmax", "softmax1", "softpick", "ssmax", "sigmoid", "symax", "stickbreaking", "lssa",
                            "asentmax"]
@@ -71,36 +68,6 @@ OVERRIDABLE = ["seeds", "probe_length", "probe_factors", "mqar_steps", "passkey_
                "lm_vocab"]
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
-    return value
-
-
 def _shard(text: str) -> tuple[int, int]:
     i, slash, n = text.partition("/")
     try:
@@ -124,28 +91,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", choices=list(BUDGETS), default="default",
                    help="preset of the values below: default (the README's run, about 9 min on 2 idle cores), "
                         "long (5 seeds, longer training, bigger LM; hours), micro (seconds; tests)")
-    p.add_argument("--seeds", type=_positive_int, default=None, help="seeds per configuration: 0 .. N-1")
-    p.add_argument("--probe_length", type=_positive_int, default=None, help="training length L of the probes")
-    p.add_argument("--probe_factors", type=_positive_float, nargs="+", default=None,
+    p.add_argument("--seeds", type=positive_int, default=None, help="seeds per configuration: 0 .. N-1")
+    p.add_argument("--probe_length", type=positive_int, default=None, help="training length L of the probes")
+    p.add_argument("--probe_factors", type=positive_float, nargs="+", default=None,
                    help="probe test lengths as multiples of L")
-    p.add_argument("--mqar_steps", type=_positive_int, default=None, help="training steps of each MQAR run")
-    p.add_argument("--passkey_steps", type=_positive_int, default=None, help="training steps of each passkey run")
-    p.add_argument("--probe_batch", type=_positive_int, default=None, help="probe sequences per step")
-    p.add_argument("--probe_lr", type=_positive_float, default=None, help="peak AdamW learning rate of the probes")
-    p.add_argument("--test_sequences", type=_positive_int, default=None,
+    p.add_argument("--mqar_steps", type=positive_int, default=None, help="training steps of each MQAR run")
+    p.add_argument("--passkey_steps", type=positive_int, default=None, help="training steps of each passkey run")
+    p.add_argument("--probe_batch", type=positive_int, default=None, help="probe sequences per step")
+    p.add_argument("--probe_lr", type=positive_float, default=None, help="peak AdamW learning rate of the probes")
+    p.add_argument("--test_sequences", type=positive_int, default=None,
                    help="probe test sequences per length (the same for every run)")
-    p.add_argument("--lm_length", type=_positive_int, default=None, help="training context L of the LM (tokens)")
-    p.add_argument("--lm_factors", type=_positive_float, nargs="+", default=None,
+    p.add_argument("--lm_length", type=positive_int, default=None, help="training context L of the LM (tokens)")
+    p.add_argument("--lm_factors", type=positive_float, nargs="+", default=None,
                    help="LM evaluation contexts as multiples of L")
-    p.add_argument("--lm_steps", type=_positive_int, default=None, help="training steps of each LM run")
-    p.add_argument("--lm_batch", type=_positive_int, default=None, help="LM windows per step")
-    p.add_argument("--lm_lr", type=_positive_float, default=None, help="peak AdamW learning rate of the LM")
-    p.add_argument("--lm_eval_tokens", type=_positive_int, default=None,
+    p.add_argument("--lm_steps", type=positive_int, default=None, help="training steps of each LM run")
+    p.add_argument("--lm_batch", type=positive_int, default=None, help="LM windows per step")
+    p.add_argument("--lm_lr", type=positive_float, default=None, help="peak AdamW learning rate of the LM")
+    p.add_argument("--lm_eval_tokens", type=positive_int, default=None,
                    help="validation tokens scored at every LM context (the same tokens at each)")
-    p.add_argument("--lm_vocab", type=_nonneg_int, default=None,
+    p.add_argument("--lm_vocab", type=nonnegative_int, default=None,
                    help="LM tokenizer size: 0 = characters only, else BPE merges up to this many tokens")
-    p.add_argument("--jobs", type=_positive_int, default=2, help="worker processes (one run each at a time)")
-    p.add_argument("--threads", type=_positive_int, default=1, help="torch threads per worker process")
+    p.add_argument("--jobs", type=positive_int, default=2, help="worker processes (one run each at a time)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads per worker process")
     p.add_argument("--shard", type=_shard, default=None,
                    help="run only every n-th run from the i-th (i/n), e.g. 0/2 on one machine and 1/2 on another")
     p.add_argument("--only", nargs="+", default=None,

@@ -17,19 +17,14 @@ import argparse
 import json
 import os
 import platform
+import runpy
 import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-try:
-    import hf_attnorm  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap.py"))  # offline; checkout
 
 from hf_attnorm.lab import conversion_study as study  # noqa: E402
 from hf_attnorm.lab import convert  # noqa: E402

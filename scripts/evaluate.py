@@ -28,19 +28,12 @@ import argparse
 import json
 import math
 import os
-import sys
+import runpy
 import time
 from pathlib import Path
 from typing import Any
 
-# nothing downloads from the hub at run time unless the user says otherwise
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-try:
-    import hf_attnorm  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap.py"))  # offline; checkout
 
 DEFAULT_VARIANTS = ["sdpa", "softmax", "log_n", "qwen_logn:train_length=512", "llama4:llama4_floor_scale=512",
                     "ssmax:ssmax_s=1", "softmax1"]

@@ -12,17 +12,11 @@ Every flag: `python scripts/pretrain.py --help`; the training loop is `hf_attnor
 from __future__ import annotations
 
 import os
+import runpy
 import sys
 
-# nothing downloads from the hub at run time unless the user says otherwise
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap.py"))  # offline; checkout
 
-try:
-    import hf_attnorm  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hf_attnorm.lab.training import main  # noqa: E402
 

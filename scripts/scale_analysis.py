@@ -20,22 +20,16 @@ import argparse
 import json
 import math
 import os
+import runpy
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap.py"))  # offline; checkout
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-
-try:
-    import hf_attnorm  # noqa: F401
-except ModuleNotFoundError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from transformers import AutoConfig, AutoTokenizer  # noqa: E402
 
 import hf_attnorm  # noqa: E402

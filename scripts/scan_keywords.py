@@ -15,15 +15,14 @@ import datetime
 import importlib
 import inspect
 import json
+import os
 import pkgutil
+import runpy
 import sys
 import warnings
 from pathlib import Path
 
-try:
-    import hf_attnorm  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap.py"))  # offline; checkout
 
 import torch  # noqa: E402
 import transformers  # noqa: E402

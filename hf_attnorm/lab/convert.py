@@ -51,6 +51,7 @@ from ..hf.forward import softmax_attention
 from ..registry import PRESETS, AttnormError, canonical, is_ours
 from ..settings import resolve_settings
 from . import data as data_lib
+from .cli import int_at_least, positive_float
 from .evaluation import EvaluationError, causal_lm_perplexity, spread_chunks
 from .training.args import TrainingError, parse_attnorm_options
 from .training.setup import resolve_model_path
@@ -74,28 +75,6 @@ class ConvertError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------------------ arguments
-
-
-def _int_at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
-        return value
-    return parse
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return value
 
 
 def _names(text: str) -> list[str]:
@@ -143,28 +122,28 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--validation_file", default=None,
                    help="held-out text for perplexity and transfer errors (with --train_file); default: the embedded "
                         "Shakespeare validation plays (or 5%% of --train_file)")
-    g.add_argument("--block_size", type=_int_at_least(2), default=512, help="tokens per training sequence")
-    g.add_argument("--per_device_train_batch_size", type=_int_at_least(1), default=1,
+    g.add_argument("--block_size", type=int_at_least(2), default=512, help="tokens per training sequence")
+    g.add_argument("--per_device_train_batch_size", type=int_at_least(1), default=1,
                    help="sequences per process per optimizer step")
     g = p.add_argument_group("stage 1: attention transfer")
-    g.add_argument("--transfer_steps", type=_int_at_least(0), default=20,
+    g.add_argument("--transfer_steps", type=int_at_least(0), default=20,
                    help="optimizer steps of attention transfer (0 = skip the stage)")
-    g.add_argument("--transfer_learning_rate", type=_positive_float, default=2e-2,
+    g.add_argument("--transfer_learning_rate", type=positive_float, default=2e-2,
                    help="peak AdamW learning rate of stage 1 (cosine decay to 10%%)")
-    g.add_argument("--transfer_lora_r", type=_int_at_least(0), default=8,
+    g.add_argument("--transfer_lora_r", type=int_at_least(0), default=8,
                    help="LoRA rank on --transfer_lora_targets in stage 1 (0 = train only the normalizer's learnable "
                         "values)")
     g.add_argument("--transfer_lora_targets", type=_names, default=["q_proj", "k_proj"],
                    help="comma-separated module names that get LoRA in stage 1")
     g = p.add_argument_group("stage 2: fine-tuning")
-    g.add_argument("--finetune_steps", type=_int_at_least(0), default=20,
+    g.add_argument("--finetune_steps", type=int_at_least(0), default=20,
                    help="optimizer steps of next-token fine-tuning (0 = skip the stage)")
     g.add_argument("--finetune_mode", choices=["lora", "full"], default="lora",
                    help="stage 2 trains LoRA adapters (merged at the end) or every weight")
-    g.add_argument("--finetune_learning_rate", type=_positive_float, default=None,
+    g.add_argument("--finetune_learning_rate", type=positive_float, default=None,
                    help="peak AdamW learning rate of stage 2 (cosine decay to 10%%); default "
                         f"{FINETUNE_LR['lora']} with LoRA, {FINETUNE_LR['full']} for --finetune_mode full")
-    g.add_argument("--lora_r", type=_int_at_least(1), default=8, help="LoRA rank of stage 2 (--finetune_mode lora)")
+    g.add_argument("--lora_r", type=int_at_least(1), default=8, help="LoRA rank of stage 2 (--finetune_mode lora)")
     g.add_argument("--finetune_lora_targets", type=_names, default=["q_proj", "k_proj", "v_proj", "o_proj"],
                    help="comma-separated module names that get LoRA in stage 2")
     g.add_argument("--weight_decay", type=float, default=0.0, help="AdamW weight decay (both stages)")
@@ -176,21 +155,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval_stages", type=_stage_names, default=list(EVAL_POINTS),
                    help="after which points perplexity and layer errors are measured, comma-separated among "
                         f"{', '.join(EVAL_POINTS)} (swapped = before any training)")
-    g.add_argument("--eval_tokens", type=_int_at_least(2), default=8192,
+    g.add_argument("--eval_tokens", type=int_at_least(2), default=8192,
                    help="held-out tokens scored per context (chunks spread evenly over the validation text)")
-    g.add_argument("--error_blocks", type=_int_at_least(1), default=2,
+    g.add_argument("--error_blocks", type=int_at_least(1), default=2,
                    help="held-out blocks of --block_size tokens on which the per-layer transfer error is measured")
     g.add_argument("--output_dir", required=True, help="where checkpoints, the final model and conversion.json go")
     g.add_argument("--overwrite_output_dir", action="store_true",
                    help="delete a previous conversion in --output_dir first")
-    g.add_argument("--checkpointing_steps", type=_int_at_least(0), default=10,
+    g.add_argument("--checkpointing_steps", type=int_at_least(0), default=10,
                    help="save a resumable checkpoint every N optimizer steps and at the end of each stage (0 = only "
                         "at the end of each stage); only the newest is kept")
     g.add_argument("--resume_from_checkpoint", default=None,
                    help="'latest' (the newest checkpoint in --output_dir) or a checkpoint folder")
     g.add_argument("--no_save_model", action="store_true",
                    help="do not write <output_dir>/final (sweeps that keep only conversion.json)")
-    g.add_argument("--torch_threads", type=_int_at_least(1), default=None,
+    g.add_argument("--torch_threads", type=int_at_least(1), default=None,
                    help="torch.set_num_threads per process (default: torch's choice)")
     return p
 

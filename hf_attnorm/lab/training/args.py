@@ -17,6 +17,7 @@ from typing import Any
 from ...registry import NORMALIZERS, PRESETS, SCALES
 from ...settings import OPTIONS, OptionError, parse_option_pairs
 from .. import data as data_lib
+from ..cli import nonnegative_int, positive_int
 from ..model_zoo import FAMILIES, SIZES
 
 KINDS = ("pretrain", "finetune")
@@ -29,26 +30,6 @@ MODEL_CARD_SUBDIR = "model_card"
 
 class TrainingError(ValueError):
     """Bad training input, detected before any training step."""
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def _nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
-    return value
 
 
 def _checkpointing_steps(text: str) -> str:
@@ -105,7 +86,7 @@ class TrainingArguments:
                                    "--model_type/--model_size", kinds=("pretrain",))
     max_position_embeddings: int | None = _arg(
         None, "position table size of a preset model (default: max(block_size, 1024), BERT 512)",
-        kinds=("pretrain",), type=_positive_int)
+        kinds=("pretrain",), type=positive_int)
     model_name_or_path: str | None = _arg(
         None, "checkpoint folder to start from (a step_N or final output of these scripts, any HF folder), or the "
         "embedded real models: 'smollm2' (SmolLM2-135M-Instruct) or 'minilm' (all-MiniLM-L6-v2)",
@@ -148,40 +129,40 @@ class TrainingArguments:
                                         "data")
     no_keep_linebreaks: bool = _arg(False, "drop line breaks when reading .txt files", "data", action="store_true")
     block_size: int = _arg(128, "tokens per training sequence (texts are concatenated and cut into blocks)", "data",
-                           type=_positive_int)
-    max_train_samples: int | None = _arg(None, "use only the first N training blocks", "data", type=_positive_int)
+                           type=positive_int)
+    max_train_samples: int | None = _arg(None, "use only the first N training blocks", "data", type=positive_int)
     max_eval_samples: int | None = _arg(None, "evaluate on N validation blocks spread evenly over the validation set "
-                                        "(cheaper evals)", "data", type=_positive_int)
+                                        "(cheaper evals)", "data", type=positive_int)
     mlm_probability: float = _arg(0.15, "fraction of tokens predicted by the masked-LM objective", "data",
                                   type=float)
     preprocessing_num_workers: int | None = _arg(None, "processes for tokenisation (datasets.map num_proc)", "data",
-                                                 type=_positive_int)
+                                                 type=positive_int)
     overwrite_cache: bool = _arg(False, "re-tokenise even if a cached result exists", "data", action="store_true")
     data_cache_dir: str | None = _arg(None, "where tokenised datasets are cached (default: "
                                       "~/.cache/hf_attnorm/datasets)", "data")
 
     # --------------------------------------------------------------------------------------------- optimisation
     per_device_train_batch_size: int = _arg(8, "blocks per process per micro-batch", "optimisation",
-                                            type=_positive_int)
+                                            type=positive_int)
     per_device_eval_batch_size: int = _arg(8, "blocks per process per eval batch", "optimisation",
-                                           type=_positive_int)
+                                           type=positive_int)
     learning_rate: float = _arg(1e-3, "peak learning rate (AdamW)", "optimisation", type=float,
                                 finetune={"default": 5e-5})
     weight_decay: float = _arg(0.1, "AdamW weight decay (matrices only; biases, norms and attnorm per-head values "
                                "get none)", "optimisation", type=float, finetune={"default": 0.0})
     adam_beta2: float = _arg(0.99, "AdamW beta2", "optimisation", type=float, finetune={"default": 0.999})
     max_grad_norm: float = _arg(1.0, "gradient clipping norm (0 = no clipping)", "optimisation", type=float)
-    num_train_epochs: int = _arg(1, "passes over the training data", "optimisation", type=_positive_int)
+    num_train_epochs: int = _arg(1, "passes over the training data", "optimisation", type=positive_int)
     max_train_steps: int | None = _arg(None, "optimizer steps in total; overrides --num_train_epochs",
-                                       "optimisation", type=_positive_int)
+                                       "optimisation", type=positive_int)
     gradient_accumulation_steps: int = _arg(1, "micro-batches per optimizer step", "optimisation",
-                                            type=_positive_int)
+                                            type=positive_int)
     lr_scheduler_type: str = _arg("cosine", "learning-rate schedule", "optimisation", choices=SCHEDULERS,
                                   finetune={"default": "linear"})
-    num_warmup_steps: int = _arg(0, "linear warm-up steps", "optimisation", type=_nonnegative_int)
+    num_warmup_steps: int = _arg(0, "linear warm-up steps", "optimisation", type=nonnegative_int)
     seed: int = _arg(42, "seed of model init, data order, dropout and masking", "optimisation", type=int)
     torch_threads: int | None = _arg(None, "torch.set_num_threads per process (default: torch's choice)",
-                                     "optimisation", type=_positive_int)
+                                     "optimisation", type=positive_int)
 
     # --------------------------------------------------------------------------- evaluation, checkpoints, output
     output_dir: str = _arg(None, "where checkpoints, the final model and its card go",
@@ -190,12 +171,12 @@ class TrainingArguments:
         False, "start over in an --output_dir that holds a previous run or other files (our step_N checkpoints, "
         "logs and model files in it are deleted first)", "evaluation, checkpoints and output", action="store_true")
     eval_steps: int | None = _arg(None, "evaluate every N optimizer steps (default: at the end of each epoch); "
-                                  "always at the end", "evaluation, checkpoints and output", type=_positive_int)
+                                  "always at the end", "evaluation, checkpoints and output", type=positive_int)
     checkpointing_steps: str | None = _arg(None, "save a resumable checkpoint step_N every N steps, or 'epoch' at "
                                            "each epoch end", "evaluation, checkpoints and output",
                                            type=_checkpointing_steps)
     checkpoints_total_limit: int | None = _arg(None, "keep only the newest N checkpoints",
-                                               "evaluation, checkpoints and output", type=_positive_int)
+                                               "evaluation, checkpoints and output", type=positive_int)
     resume_from_checkpoint: str | None = _arg(
         None, "a step_N folder to resume, or 'latest' (the newest complete step_N in --output_dir; a fresh start "
         "with a warning if there is none)", "evaluation, checkpoints and output")
