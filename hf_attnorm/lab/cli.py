@@ -26,7 +26,9 @@ def int_at_least(low: int) -> Callable[[str], int]:
 
 #: argparse types: an integer >= 1, an integer >= 0
 positive_int = int_at_least(1)
+positive_int.__name__ = "positive_int"
 nonnegative_int = int_at_least(0)
+nonnegative_int.__name__ = "nonnegative_int"
 
 
 def positive_float(text: str) -> float:
