@@ -648,3 +648,7 @@ def test_record_paths_records_the_calls_inside_its_block_only():
         model(ids)
     assert inner.paths == [inner.path] * layers and inner.path in PATHS and inner.mask == "causal"
     assert outer.paths == inner.paths * 2
+    from hf_attnorm.hf import forward
+
+    with pytest.raises(AttributeError, match="LAST_CALL was removed: .*record_paths"):
+        forward.LAST_CALL  # noqa: B018  (the old module-global says what replaced it)

@@ -68,6 +68,13 @@ def record_paths(record: PathRecord | None = None) -> Iterator[PathRecord]:
         _RECORDS.remove(record)
 
 
+def __getattr__(name: str) -> Any:
+    if name == "LAST_CALL":  # (a module-global the attention function used to write on every call)
+        raise AttributeError("hf_attnorm.hf.forward.LAST_CALL was removed: record the paths of a block of calls with "
+                             "`with hf_attnorm.hf.forward.record_paths() as rec: ...` (rec.path, rec.paths)")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 #: the signature of an attention observer (see ``hf_attention_forward``)
 AttentionObserver = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
