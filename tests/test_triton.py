@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 from numerics import assert_all_within_reference_error, run_interpreted  # noqa: E402
 
 from hf_attnorm.attention import attention, constant_heads, make_call, param_specs  # noqa: E402
-from hf_attnorm.kernels import attend, candidate_paths, declared_normalizers, kinds, paths_for  # noqa: E402
+from hf_attnorm.kernels import PATHS, attend, candidate_paths, declared_normalizers, kinds, paths_for  # noqa: E402
 from hf_attnorm.kernels import triton_attn as ta  # noqa: E402
 from hf_attnorm.registry import NORMALIZERS  # noqa: E402
 from hf_attnorm.settings import resolve_settings  # noqa: E402
@@ -136,34 +136,33 @@ if not INTERPRETED:
             flagged_somewhere |= bool(declared)
         assert flagged_somewhere  # the check saw constexpr parameters at all
 
-    @pytest.mark.parametrize("module", ["triton_attn", "triton_selective", "triton_stickbreaking"])
-    def test_accepts_traces_under_torch_compile_and_declines_as_declared(module):
+    TRITON_PATHS = sorted(p for p, path in PATHS.items() if path.kernel.__module__.rsplit(".", 1)[-1]
+                          .startswith("triton"))
+
+    @pytest.mark.parametrize("path", TRITON_PATHS)
+    def test_accepts_traces_under_torch_compile_and_declines_as_registered(path):
         """A compiled model asks every candidate path's ``accepts`` while Dynamo traces (on a GPU too, before any
         device check could decline): it must trace without a graph break (Dynamo cannot trace ``isinstance`` on a
-        Triton function nor triton's knobs), and a module declaring ``TRACEABLE = False`` declines with the reason."""
-        import importlib
-
-        mod = importlib.import_module(f"hf_attnorm.kernels.{module}")
-        name = "stickbreaking" if module.endswith("stickbreaking") else "selective" if module.endswith("selective") \
-            else "symax"
-        call = _call(name)
+        Triton function nor triton's knobs), and a path registered ``traceable=False`` declines with the reason."""
+        call = _call(declared_normalizers(path)[0])
         ta._load_triton()
         reasons: list[str | None] = []
 
         @torch.compile(fullgraph=True, backend="eager")
         def ask(x: torch.Tensor) -> torch.Tensor:
-            reasons.append(mod.accepts(call))
+            reasons.append(PATHS[path].accepts(call))
             reasons.append(str(ta.interpreter_consistent()))
             return x + 1
 
         torch._dynamo.reset()
         ask(torch.zeros(2))
         assert reasons[1] == str(ta.interpreter_consistent())
-        if mod.TRACEABLE:
+        if PATHS[path].traceable:
             assert reasons[0] is None or "torch.compile" not in reasons[0]
         else:
-            assert reasons[0] is not None and reasons[0].startswith("torch.compile: the Triton"), reasons[0]
-        assert mod.accepts(call) is None or "torch.compile" not in mod.accepts(call)  # eager: not this reason
+            assert reasons[0] is not None and reasons[0].startswith(f"torch.compile: path {path!r}"), reasons[0]
+        eager = PATHS[path].accepts(call)
+        assert eager is None or "torch.compile" not in eager  # eager: not this reason
 
     def test_interpreter_switched_on_after_import_is_refused_with_a_warning(monkeypatch):
         ta._load_triton()  # triton imported in compiled mode in this process

@@ -34,7 +34,8 @@ from ..registry import NORMALIZERS
 from ..settings import AttnormSettings
 from . import compat
 
-#: attribute of an attention module: the pre-hook's notes for the call in progress (kind name -> Pending or None)
+#: attribute of an attention module: the pre-hook's notes for the call in progress (kind name -> Pending; None when
+#: no cache reached the module)
 PENDING_ATTR = "_hf_attnorm_cache_pending"
 
 
@@ -119,23 +120,17 @@ def _module_kinds(module: nn.Module) -> list[CacheStateKind]:
     return [] if settings is None else kinds_serving(settings.normalizer)
 
 
-def serves(module: nn.Module, kind_name: str) -> bool:
-    """Whether the module's current normalizer keeps the state ``kind_name``."""
-    return any(kind.name == kind_name for kind in _module_kinds(module))
-
-
 def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
     if torch.compiler.is_compiling():
         return None
-    kinds = _module_kinds(module)
     cache = compat.cache_of_call(args, kwargs)
     idx = getattr(module, "layer_idx", None)
-    notes: dict[str, Pending | None] = {}
-    for kind in kinds:
-        if cache is None or not isinstance(idx, int):
-            notes[kind.name] = None
-            continue
-        layer = compat.cache_layer(cache, idx)
+    if cache is None or not isinstance(idx, int):  # no cache reached the module: no notes
+        module.__dict__[PENDING_ATTR] = None
+        return None
+    layer = compat.cache_layer(cache, idx)
+    notes: dict[str, Pending] = {}
+    for kind in _module_kinds(module):
         armed, why = (None, "the cache has no layer for this module") if layer is None else kind.arm(layer, module)
         notes[kind.name] = Pending(weakref.ref(cache), idx, armed, why)
     module.__dict__[PENDING_ATTR] = notes

@@ -17,7 +17,6 @@ from ..attention import make_call
 from ..kernels import attend
 from ..registry import AttnormError
 from ..settings import AttnormSettings, resolve_settings
-from . import recurrent, selective_cache  # noqa: F401  (register their cache state kinds)
 from .cache_state import steps_for
 from .families import refused_keywords
 from .state import state_of

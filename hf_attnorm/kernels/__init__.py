@@ -57,11 +57,11 @@ tensor).
 The rule: needs-weights (``output_attentions``) -> the reference; otherwise the first path by priority whose
 ``auto_exclude`` does not hold the call's device and whose ``takes`` and ``accepts`` say None; while
 ``torch.compiler.is_exporting()``, only the ``exportable`` paths (sdpa, sdpa_sinkcol: any device) and the reference
-(docs/export.md). ``explain(call)``
-lists every candidate with its reason, running nothing. Override: ``path=`` on ``attention()``/``attend()``, or
-the environment variable ``HF_ATTNORM_PATH`` (a path name or ``auto``; read when this package is imported and by
-``set_forced_path()``), so ``attend`` reads no environment. A forced path that cannot take a call raises, naming
-the reason, instead of silently falling back.
+(docs/export.md); while ``torch.compile`` traces, a path registered ``traceable=False`` (the Triton paths) declines.
+``explain(call)`` lists every candidate with its reason, running nothing. Override: ``path=`` on
+``attention()``/``attend()``, or the environment variable ``HF_ATTNORM_PATH`` (a path name or ``auto``; read when this
+package is imported and by ``set_forced_path()``), so ``attend`` reads no environment. A forced path that cannot take a
+call raises, naming the reason, instead of silently falling back.
 """
 
 from __future__ import annotations
@@ -100,6 +100,9 @@ class Path:
     auto_exclude: frozenset[str] = frozenset()
     #: considered by the automatic rule under torch.export (see the module docstring)
     exportable: bool = False
+    #: False: declines every call while torch.compile traces (its ``accepts`` says so; a compiled model runs another
+    #: path). For kernels whose host-side launch code Dynamo cannot trace
+    traceable: bool = True
 
     def check(self, call: AttnCall) -> str | None:
         """None when this path can run ``call``, else the reason (runs nothing)."""
@@ -128,10 +131,21 @@ ENV_VAR = "HF_ATTNORM_PATH"
 _FORCED: dict[str, str] = {"path": "auto"}
 
 
+def _declining_compile(name: str, accepts: Check) -> Check:
+    """``accepts`` of a path registered ``traceable=False``: the compile reason first, then its own checks."""
+    def check(call: AttnCall) -> str | None:
+        if torch.compiler.is_compiling():
+            return f"torch.compile: path {name!r} is not traced (registered traceable=False); another path runs"
+        return accepts(call)
+    return check
+
+
 def register_path(name: str, kernel: Kernel, *, takes: NormCheck, accepts: Check, priority: int,
-                  auto_exclude: Collection[str] = (), exportable: bool = False) -> None:
+                  auto_exclude: Collection[str] = (), exportable: bool = False, traceable: bool = True) -> None:
     """Register a path with its declared capabilities (see the module docstring)."""
-    PATHS[name] = Path(name, kernel, takes, accepts, priority, frozenset(auto_exclude), exportable)
+    if not traceable:
+        accepts = _declining_compile(name, accepts)
+    PATHS[name] = Path(name, kernel, takes, accepts, priority, frozenset(auto_exclude), exportable, traceable)
     _ORDER[:] = sorted((p for p in PATHS.values() if p.name != "reference"), key=lambda p: p.priority)
     _AUTO.clear()
 

@@ -873,9 +873,6 @@ def _bwd_dkdv_kernel(
 _JIT_FUNCTIONS = ("_entry", "_slopes", "_tanh", "_mods", "_score_block", "_threshold_kernel", "_fwd_kernel",
                   "_bwd_dq_kernel", "_bwd_dkdv_kernel")
 _HELPERS = ("_entry", "_slopes", "_tanh", "_mods", "_score_block")
-#: False: torch.compile calls are declined (the host-side plan and the launches inside an autograd.Function are not
-#: traced), so a compiled model runs another path; read by tests/test_gpu.py's compile check
-TRACEABLE = False
 _COMPILED: dict[bool, types.SimpleNamespace] = {}
 
 
@@ -1129,8 +1126,6 @@ def accepts(call: AttnCall) -> str | None:
     """None, or why not: weights requested, dropout > 0 (the weights are never formed), fp64, empty inputs, CPU
     tensors without Triton's interpreter, triton missing (one-time warning on CUDA) or imported before
     ``TRITON_INTERPRET`` changed (one-time warning)."""
-    if torch.compiler.is_compiling() and not TRACEABLE:
-        return "torch.compile: the Triton fused maps kernels are not traced (TRACEABLE = False); another path is"
     q, k, v = call.q, call.k, call.v
     if call.sinks is not None:  # the chunked path applies them
         return "the Triton kernels do not apply attention sinks (s_aux)"
@@ -1171,4 +1166,5 @@ from . import register_path  # noqa: E402  (registration at import, like the nor
 
 # auto mode never tries this path on CPU tensors (the CPU paths own them); forced, it runs there under the
 # interpreter
-register_path("triton", triton_attention, takes=takes, accepts=accepts, priority=30, auto_exclude=("cpu",))
+register_path("triton", triton_attention, takes=takes, accepts=accepts, priority=30, auto_exclude=("cpu",),
+              traceable=False)  # (the host-side plan and the launches in an autograd.Function)

@@ -229,9 +229,6 @@ def _bwd_kernel(Q, K, V, KEEP, ROWSEL, STARTS, CARRY, LSE, DELTA, DO, DQ, DK, DV
 
 _JIT = ("_visible", "_select_tile", "_colsum_kernel", "_fwd_kernel", "_bwd_kernel")
 _HELPERS = ("_visible", "_select_tile")
-#: False: torch.compile calls are declined (the host-side plan and the launches inside an autograd.Function are not
-#: traced), so a compiled model runs another path; read by tests/test_gpu.py's compile check
-TRACEABLE = False
 _COMPILED: dict[bool, types.SimpleNamespace] = {}
 
 
@@ -362,10 +359,8 @@ def takes(norm: Normalizer) -> str | None:
 
 def accepts(call: AttnCall) -> str | None:
     """None, or why not: score modifiers, dropout, empty inputs, CPU tensors without the interpreter, fp64,
-    torch.compile, a ``selective_carry`` not a float [B | 1, Lk], triton missing or imported before
+    a ``selective_carry`` not a float [B | 1, Lk], triton missing or imported before
     ``TRITON_INTERPRET`` changed."""
-    if torch.compiler.is_compiling() and not TRACEABLE:
-        return "torch.compile: the Triton selective kernels are not traced (TRACEABLE = False); another path is"
     why = score_mod_reason(call)
     if why:
         return why
@@ -411,4 +406,5 @@ def triton_selective_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
 from . import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 register_path("selective_triton", triton_selective_attention, takes=takes, accepts=accepts, priority=35,
-              auto_exclude=("cpu",))
+              auto_exclude=("cpu",),
+              traceable=False)  # (the host-side plan and the launches in an autograd.Function)

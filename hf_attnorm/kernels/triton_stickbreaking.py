@@ -172,9 +172,6 @@ def _sb_bwd_kernel(Q, K, V, KEEP, OWN, C, DO, DQ, DK, DV_, H, GROUPS, HKV, LQ, L
 
 _JIT = ("_softplus_parts", "_tile", "_sb_fwd_kernel", "_sb_bwd_kernel")
 _HELPERS = ("_softplus_parts", "_tile")
-#: False: torch.compile calls are declined (the host-side plan and the launches inside an autograd.Function are not
-#: traced), so a compiled model runs another path (the chunked one); read by tests/test_gpu.py's compile check
-TRACEABLE = False
 _COMPILED: dict[bool, types.SimpleNamespace] = {}
 
 
@@ -244,8 +241,6 @@ class _SBTriton(torch.autograd.Function):
 def accepts(call: AttnCall) -> str | None:
     """None, or why not: the shared reasons (score modifiers, dropout, empty), CPU tensors without the interpreter,
     fp64, triton missing or imported before ``TRITON_INTERPRET`` changed."""
-    if torch.compiler.is_compiling() and not TRACEABLE:
-        return "torch.compile: the Triton stick-breaking kernels are not traced (TRACEABLE = False); another path is"
     reason = common_reason(call)
     if reason is not None:
         return reason
@@ -286,4 +281,5 @@ def triton_stickbreaking_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
 from . import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 register_path("stickbreaking_triton", triton_stickbreaking_attention, takes=takes, accepts=accepts, priority=33,
-              auto_exclude=("cpu",))
+              auto_exclude=("cpu",),
+              traceable=False)  # (the host-side plan and the launches in an autograd.Function)

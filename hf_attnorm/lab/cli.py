@@ -7,8 +7,9 @@ import math
 from collections.abc import Callable
 
 
-def int_at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``low``."""
+def int_at_least(low: int, name: str | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``low`` (``name``: the function's name, which argparse shows in some
+    messages)."""
     what = "a positive integer" if low == 1 else f"an integer >= {low}"
 
     def parse(text: str) -> int:
@@ -20,15 +21,13 @@ def int_at_least(low: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
         return value
 
-    parse.__name__ = f"int_at_least_{low}"  # (argparse names the type in some messages)
+    parse.__name__ = name or f"int_at_least_{low}"
     return parse
 
 
 #: argparse types: an integer >= 1, an integer >= 0
-positive_int = int_at_least(1)
-positive_int.__name__ = "positive_int"
-nonnegative_int = int_at_least(0)
-nonnegative_int.__name__ = "nonnegative_int"
+positive_int = int_at_least(1, "positive_int")
+nonnegative_int = int_at_least(0, "nonnegative_int")
 
 
 def positive_float(text: str) -> float:
