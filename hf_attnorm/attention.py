@@ -29,12 +29,15 @@ def param_specs(settings: AttnormSettings) -> tuple[ParamSpec, ...]:
 
 
 def constant_heads(settings: AttnormSettings, num_heads: int, device=None,
-                   head_dim: int | None = None, kv_heads: int | None = None) -> dict[str, torch.Tensor]:
+                   head_dim: int | None = None, kv_heads: int | None = None,
+                   value_dim: int | None = None) -> dict[str, torch.Tensor]:
     """Per-head values ([H] or [H, ...], ``ParamSpec.shape``) at their initial values (fp32), for calls without a
     module. head_dim: D of q/k, needed only by values shaped by it; kv_heads: Hkv, read by values per key/value head
     (``ParamSpec.heads="kv"``: learned memory key/values), default H (which ``make_call`` also accepts for memory
-    with GQA: one memory per query head, k/v then repeated, see ``kernels/memory.py``)."""
-    return {spec.name: spec.initial(num_heads, settings, head_dim, device, kv_heads) for spec in param_specs(settings)}
+    with GQA: one memory per query head, k/v then repeated, see ``kernels/memory.py``); value_dim: Dv, read by values
+    shaped by it (default head_dim)."""
+    return {spec.name: spec.initial(num_heads, settings, head_dim, device, kv_heads, value_dim)
+            for spec in param_specs(settings)}
 
 
 def make_call(
@@ -97,12 +100,19 @@ def make_call(
         k = torch.where(mask.dead, zero, k)
         v = torch.where(mask.dead, zero.to(v.dtype), v)
     heads = dict(heads)
+    info = dict(module_info or {})
+    # gated attention: from the caller's raw queries (before memory query rows are prepended)
+    gate = norm.output_gate(q, Ctx(settings, heads, D, mask.n, info, Lk))
     drop = memory = 0
     if memory_specs(settings):  # learned memory key/values, prepended here for every path (kernels/memory.py)
         q, k, v, mask, bias, drop = prepend_memory(q, k, v, mask, bias, heads["mem_k"], heads["mem_v"])
         memory, Lk = heads["mem_k"].shape[1], k.shape[2]
-    info = dict(module_info or {})
     ctx = Ctx(settings, heads, D, mask.n, info, Lk)
+    log_gates = norm.forget_gates(v, ctx)  # forgetting attention: [B, H, Lk], cumulated over the keys in order
+    # in float64: the bias is a difference of two sums that grow with the length, so float32 sums would lose the
+    # bias of near keys (1e-4 at 4096 keys); the bias itself is formed in float64 and then cast
+    wide = torch.float32 if q.device.type == "mps" else torch.float64  # (MPS has no float64)
+    forget = None if log_gates is None else torch.cumsum(log_gates.to(wide), dim=-1)
     mult = sc.multiplier(mask.n, ctx)
     head_factor = norm.head_multiplier(ctx)
     if head_factor is not None:
@@ -116,7 +126,7 @@ def make_call(
     base = float(scaling) if norm.uses_base_scaling else 1.0
     return AttnCall(q, k, v, mask, settings, heads, base, mult, dropout, need_weights, info, bias=bias,
                     softcap=None if softcap is None else float(softcap), sinks=sinks, alibi_slopes=alibi_slopes,
-                    memory=memory, drop_queries=drop)
+                    memory=memory, drop_queries=drop, forget=forget, output_gate=gate)
 
 
 def _check_slopes(slopes: torch.Tensor, H: int) -> torch.Tensor:
@@ -191,7 +201,7 @@ def attention(
         implementation, options)
     if isinstance(implementation, AttnormSettings) and options:
         settings = settings.replace(**options)
-    all_heads = constant_heads(settings, q.shape[1], q.device, q.shape[-1], k.shape[1])
+    all_heads = constant_heads(settings, q.shape[1], q.device, q.shape[-1], k.shape[1], v.shape[-1])
     all_heads.update(heads or {})
     call = make_call(q, k, v, settings, all_heads, attention_mask, causal, scaling, dropout, need_weights,
                      module_info, bias=bias, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)

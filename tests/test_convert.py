@@ -18,10 +18,25 @@ from family_zoo import FAMILIES, build, inputs
 import hf_attnorm  # noqa: F401
 from hf_attnorm.lab import convert
 from hf_attnorm.lab.convert import Converter, ConvertError, Transfer, install_observer, parse_args
-from hf_attnorm.registry import PRESETS, is_ours
+from hf_attnorm.registry import PRESETS, SCALES, is_ours
+from hf_attnorm.settings import resolve_settings
 
 REPO = Path(__file__).resolve().parents[1]
 OURS = [name for name in PRESETS if is_ours(name)]
+
+
+def _transfer_sample() -> list[str]:
+    """The first implementation of each normalizer, of each scale with learnable values and with learned memory
+    key/values: the other implementations differ from one of these by a constant elementwise scale of q, which
+    changes nothing in what attention transfer trains."""
+    first: dict[tuple, str] = {}
+    for name in OURS:
+        s = resolve_settings(name)
+        first.setdefault((s.normalizer, s.scale if SCALES.get(s.scale).params else None,
+                          s.options.get("num_mem_kv", 0) > 0), name)
+    return list(first.values())
+
+
 CAUSAL = [name for name, fam in FAMILIES.items() if fam.kind == "causal"]
 #: a few steps on short blocks of a micro Llama with GPT-2's tokenizer: a conversion takes about a second
 FAST = ["--block_size", "32", "--eval_lengths", "32,64", "--eval_tokens", "256", "--error_blocks", "2",
@@ -128,8 +143,8 @@ def test_attention_transfer_lowers_the_per_layer_error(source, tmp_path, impleme
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("implementation", OURS)
-def test_attention_transfer_lowers_the_per_layer_error_of_every_implementation(source, tmp_path, implementation):
+@pytest.mark.parametrize("implementation", _transfer_sample())
+def test_attention_transfer_lowers_the_per_layer_error_of_every_normalizer(source, tmp_path, implementation):
     _lowers(source, tmp_path / "o", implementation)
 
 

@@ -43,10 +43,15 @@ def test_row_sums_and_masked_zeros(name):
     assert torch.isfinite(w).all()
     assert (w[~keep.expand_as(w)] == 0).all(), "masked keys must get exactly 0"
     assert (w[0, :, 2] == 0).all() and (w[1, :, 4] == 0).all(), "fully masked rows must give 0"
-    assert (w >= 0).all()
+    kind = NORMALIZERS.get(name).row_sum
     rows = w.sum(-1)
     live = keep.any(-1).expand_as(rows)
-    kind = NORMALIZERS.get(name).row_sum
+    if kind == "signed":  # negative weights allowed; their magnitudes sum to 1
+        assert (w < 0).any(), "a signed normalizer gave no negative weight on random scores"
+        magnitudes = w.abs().sum(-1)
+        torch.testing.assert_close(magnitudes[live], torch.ones_like(magnitudes[live]), atol=1e-5, rtol=0)
+        return
+    assert (w >= 0).all()
     if kind == "one":
         torch.testing.assert_close(rows[live], torch.ones_like(rows[live]), atol=1e-5, rtol=0)
     elif kind == "at_most_one":
@@ -171,3 +176,9 @@ def test_linear_chunked_matches_reference():
         ref, _ = attention(q, k, v, "linear", attention_mask=pad, path="reference")
         fast, _ = attention(q, k, v, "linear", attention_mask=pad, path="linear_chunked")
         torch.testing.assert_close(fast, ref)
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if NORMALIZERS.get(n).key_order])
+def test_order_dependent_normalizers_say_what_happens_without_causality(name):
+    """The warning on a bidirectional module quotes ``key_order_note``: each order-dependent normalizer says it."""
+    assert NORMALIZERS.get(name).key_order_note.strip()

@@ -20,7 +20,9 @@ import pytest
 import torch
 
 from hf_attnorm.attention import constant_heads, make_call
+from hf_attnorm.kernels import attend
 from hf_attnorm.kernels.reference import reference_weights
+from hf_attnorm.normalizers.base import Normalizer
 from hf_attnorm.registry import NORMALIZERS, SCALES
 from hf_attnorm.settings import resolve_settings
 
@@ -211,6 +213,20 @@ def _stickbreaking(q, k, keep, opts):
     return w
 
 
+def _fox(q, k, keep, opts):
+    """Lin et al. 2025, forgetting attention: softmax_j(s_ij + sum_{l=j+1..i} log f_l), f_l = sigmoid(w . x_l + b)
+    per head; the gate reads position l's value vector (the test passes v = k) with every entry of w equal to
+    fox_weight_init and b = fox_bias_init."""
+    w_entry, bias = opts.get("fox_weight_init", 0.0), opts.get("fox_bias_init", 0.0)
+    w = torch.zeros(B, H, L, L, dtype=F64)
+    for b, h, i, idx, qi, kv in _rows(q, k, keep):
+        s = kv @ qi / math.sqrt(D)
+        f = torch.sigmoid(w_entry * k[b, h].sum(-1) + bias)  # the gate of every position
+        decay = torch.stack([torch.log(f[j + 1:i + 1]).sum() for j in idx.tolist()])
+        w[b, h, i, idx] = _softmax(s + decay)
+    return w
+
+
 NORMALIZER_FORMULAS: dict[str, tuple[Callable, dict]] = {
     # name: (formula, one non-default option set; {} where the normalizer has no options)
     "softmax": (_per_row(lambda s, o, n: _softmax(s)), {}),
@@ -225,6 +241,10 @@ NORMALIZER_FORMULAS: dict[str, tuple[Callable, dict]] = {
                 {"sigmoid_bias": -2.0}),
     "relu_len": (_per_row(lambda s, o, n: torch.relu(s) / n), {}),  # Wortsman et al. 2023
     "softpick": (_per_row(_softpick_row), {}),
+    # Lv et al. 2024 (Cog attention): sign(s) softmax(|s|)
+    "cog": (_per_row(lambda s, o, n: torch.sign(s) * _softmax(s.abs())), {}),
+    "fox": (_fox, {"fox_weight_init": 0.4, "fox_bias_init": 1.5}),
+    "gated": (_per_row(lambda s, o, n: _softmax(s)), {}),  # its weights are softmax's; the gate: OUTPUT_FORMULAS
     "stablemax": (_per_row(lambda s, o, n: _stablemax_g(s) / _stablemax_g(s).sum()), {}),  # Prieto et al. 2025
     "sparsemax": (_per_row(_sparsemax_row), {}),
     "entmax15": (_per_row(_entmax15_row), {}),
@@ -334,6 +354,48 @@ SCALE_FORMULAS: dict[str, tuple[Callable[[int, int, dict], float], dict]] = {
                                {"empirical_alpha_table": {"n": [2, 4], "alpha": [1.5, 2.5]},
                                 "empirical_extrapolation": "clamp"}),
 }
+
+
+# ------------------------------------------------------------------------------------ formulas of the output
+# For normalizers whose output is more than weights @ v. Each: (q, k, v, keep, options) -> out [B, H, L, Dv].
+
+
+def _gated_output(q, k, v, keep, opts):
+    """Qiu et al. 2025, gated attention (G1): Y' = softmax(s) V (.) sigmoid(x W_theta), per head and output dim; the
+    gate reads the query vector q_i, W with every entry gated_weight_init, b = gated_bias_init."""
+    w_entry, bias = opts.get("gated_weight_init", 0.0), opts.get("gated_bias_init", 0.0)
+    out = torch.zeros(B, H, L, v.shape[-1], dtype=F64)
+    for b, h, i, idx, qi, kv in _rows(q, k, keep):
+        attended = _softmax(kv @ qi / math.sqrt(D)) @ v[b, h, idx]
+        gate = torch.sigmoid(w_entry * qi.sum() + bias)  # q_i W_h: every output dim gets sum_d q_id W_dc
+        out[b, h, i] = attended * gate
+    return out
+
+
+OUTPUT_FORMULAS: dict[str, tuple[Callable, dict]] = {
+    "gated": (_gated_output, {"gated_weight_init": 0.2, "gated_bias_init": -0.5}),
+}
+
+
+def test_every_normalizer_with_an_output_gate_has_an_output_transcription():
+    gated = {name for name, norm in NORMALIZERS.items() if type(norm).output_gate is not Normalizer.output_gate}
+    missing = sorted(gated - set(OUTPUT_FORMULAS))
+    assert gated and not missing, f"normalizers gating their output without a transcription here: {missing}"
+
+
+@pytest.mark.parametrize("options", ["default", "non-default"])
+@pytest.mark.parametrize("name", sorted(OUTPUT_FORMULAS))
+def test_output_is_its_published_formula(name, options):
+    formula, other = OUTPUT_FORMULAS[name]
+    opts = other if options == "non-default" else {}
+    q, k, keep = _inputs(seed=2)
+    v = torch.randn(B, H, L, D + 1, generator=torch.Generator().manual_seed(5), dtype=F64)
+    settings = resolve_settings(name, opts)
+    heads = {n: t.to(F64) for n, t in constant_heads(settings, H, head_dim=D, value_dim=D + 1).items()}
+    call = make_call(q, k, v, settings, heads, keep, False, None, module_info=MODULE_INFO)
+    got, _, _ = attend(call, "reference")
+    want = formula(q, k, v, keep, opts)
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name} {opts}: {m}")
 
 
 def _library_weights(name: str, q, k, keep, opts: dict) -> torch.Tensor:

@@ -96,7 +96,7 @@ def test_readme_is_short_and_starts_with_the_two_commands():
     assert len(text.splitlines()) <= 300
     blocks = re.findall(r"```bash\n(.*?)\n```", text, re.S)
     assert blocks[0].endswith("python scripts/compare.py")
-    assert blocks[1].endswith('python -m pytest -m "not slow"')
+    assert blocks[1].endswith('python -m pytest -m "not slow" -n auto')
     ci = (ROOT / ".ci" / "run").read_text()
     assert blocks[1] in ci.splitlines(), ".ci/run must run the README's test command verbatim"
 

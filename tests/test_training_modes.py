@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import LAST_CALL, model_output, needs_compile, tiny
 
-from hf_attnorm.registry import NORMALIZERS, PRESETS
+from hf_attnorm.registry import NORMALIZERS, PRESETS, SCALES
 from hf_attnorm.settings import resolve_settings
 
 IMPLS = list(PRESETS)
@@ -57,31 +57,72 @@ def _padded(seed=1):
 
 
 def _first_impls(key) -> list[str]:
-    """The first implementation of each value of ``key(normalizer declaration)``, in registry order."""
+    """The first implementation of each value of ``key(settings)``, in registry order."""
     first: dict[object, str] = {}
     for impl in IMPLS:
-        first.setdefault(key(NORMALIZERS.get(resolve_settings(impl).normalizer)), impl)
+        first.setdefault(key(resolve_settings(impl)), impl)
     return list(first.values())
 
 
-def _compile_cases(every_implementation: bool) -> list:
+def _family(settings) -> str:
+    return NORMALIZERS.get(settings.normalizer).kernel_family
+
+
+def _compile_cases(with_memory: bool, inductor_families: tuple[str, ...]) -> list:
     """(implementation, backend) of a compile test. aot_eager: Dynamo traces the whole call (fullgraph) and the aten
     graph runs as traced, so a view that only works by luck of the strides inductor picks (asentmax's einsum backward
-    did) fails here instead of in a user's job; for every implementation, or for the first of each normalizer where
-    the implementations of one normalizer only change elementwise scale ops before the same code. inductor (the
-    default backend, ~45 s a case on 2 cores) for the first implementation of each kernel family: what inductor
-    generates code for is the family's torch code around its kernel (SDPA, the fused C++ op, the chunked linear
-    scan, the recurrent and query-coupled ops); normalizer differences inside a family live in the kernels."""
-    aot = IMPLS if every_implementation else _first_impls(lambda spec: spec.name)
+    did) fails here instead of in a user's job; for the first implementation of each normalizer (and, with
+    ``with_memory``, one with learned memory key/values): the other implementations of a normalizer only change the
+    elementwise scale ops before the same code, and each scale is traced on its own by
+    ``test_every_scale_traces_fullgraph_with_a_mask``. inductor (the default backend, ~45 s a case on 2 cores with a
+    cold cache) for the first implementation of the kernel families named: what inductor generates code for is the
+    family's torch code around its kernel (SDPA, the fused C++ op, the chunked linear scan); normalizer differences
+    inside a family live in the kernels."""
+    aot = _first_impls(lambda s: (s.normalizer, with_memory and s.options.get("num_mem_kv", 0) > 0))
     cases = [pytest.param(impl, "aot_eager", id=f"{impl}-aot_eager") for impl in aot]
     cases += [pytest.param(impl, "inductor", id=f"{impl}-inductor")
-              for impl in _first_impls(lambda spec: spec.kernel_family)]
+              for impl in _first_impls(_family) if _family(resolve_settings(impl)) in inductor_families]
     return cases
 
 
 @pytest.mark.slow
 @needs_compile
-@pytest.mark.parametrize("impl, backend", _compile_cases(every_implementation=True))
+@pytest.mark.parametrize("scale", sorted(SCALES))
+def test_every_scale_traces_fullgraph_with_a_mask(scale):
+    """Each length-aware scale's multiplier traced by Dynamo (fullgraph, aot_eager) in a softmax call with a
+    padding x causal mask, forward and the gradients of q, k, v and the scale's learnable values equal eager."""
+    from hf_attnorm.attention import attention, constant_heads
+
+    settings = resolve_settings("softmax", {"scale": scale})
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 9, 8, generator=g) for _ in range(3))
+    mask = torch.ones(2, 1, 9, 9, dtype=torch.bool).tril()
+    mask[1, :, :, :2] = False
+    info = {"max_positions": 4, "head_dim": 8, "num_heads": 2}
+    heads = {n: t.requires_grad_(True) for n, t in constant_heads(settings, 2, head_dim=8).items()}
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        hl = {n: t.detach().clone().requires_grad_(True) for n, t in heads.items()}
+        out = fn(*leaves, hl)
+        out.pow(2).sum().backward()
+        return [out.detach()] + [t.grad for t in leaves] + [t.grad for t in hl.values()]
+
+    def attend(q, k, v, hl):
+        return attention(q, k, v, settings, attention_mask=mask, causal=True, heads=hl, module_info=info)[0]
+
+    torch._dynamo.reset()
+    eager = run(attend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = run(torch.compile(attend, fullgraph=True, backend="aot_eager"))
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=scale)
+
+
+@pytest.mark.slow
+@needs_compile
+@pytest.mark.parametrize("impl, backend", _compile_cases(True, ("softmax", "fused", "linear")))
 def test_torch_compile_with_padding_mask_matches_eager_and_trains(impl, backend):
     """fullgraph=True with an attention mask: no data-dependent branch or host sync anywhere in the call (the eager
     call first builds the fused CPU extension, which cannot be built while tracing); a training step on the
@@ -123,7 +164,7 @@ def test_torch_compile_with_padding_mask_matches_eager_and_trains(impl, backend)
 
 @pytest.mark.slow
 @needs_compile
-@pytest.mark.parametrize("impl, backend", _compile_cases(every_implementation=False))
+@pytest.mark.parametrize("impl, backend", _compile_cases(False, ("fused", "stickbreaking")))
 def test_static_cache_generation_compiles_and_matches_eager(impl, backend):
     """model.forward compiled with fullgraph=True generates the same tokens as eager with a static cache and a
     padding mask (prefill with a 4-D mask, then one-query decode steps)."""

@@ -233,11 +233,14 @@ def module_info(module: nn.Module) -> dict[str, Any]:
             "layer_idx": getattr(module, "layer_idx", None), "num_heads": heads,
             "num_kv_heads": kv_heads_of(module, heads),
             "head_dim": next((getattr(module, a) for a in HEAD_DIM_ATTRS if getattr(module, a, None)), None),
+            "value_dim": next((getattr(module, a) for a in VALUE_DIM_ATTRS if getattr(module, a, None)), None),
             "rope": rope_parameters(cfg)}
 
 
 #: attributes naming an attention module's q/k head dimension (T5's key_value_proj_dim, wav2vec2-conformer's head_size)
 HEAD_DIM_ATTRS = ("head_dim", "attention_head_size", "key_value_proj_dim", "head_size")
+#: attributes naming a value head dimension that differs from the q/k one (multi-head latent attention: DeepSeek V2/V3)
+VALUE_DIM_ATTRS = ("v_head_dim", "value_head_dim")
 
 
 

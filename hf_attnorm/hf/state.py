@@ -70,7 +70,7 @@ class AttnormState(nn.Module):
         key/value head such as learned memory key/values)."""
         spec = next(s for s in self._specs if s.name == name)
         return spec.initial(self.num_heads, self.settings, self.module_info.get("head_dim"), device,
-                            self.module_info.get("num_kv_heads"))
+                            self.module_info.get("num_kv_heads"), self.module_info.get("value_dim"))
 
     def forward(self, device: torch.device) -> dict[str, torch.Tensor]:
         """Every per-head value [H] or [H, ...] (fp32): learnable ones from the parameters, constants from the
@@ -184,8 +184,7 @@ def check_module(module: nn.Module, settings: AttnormSettings) -> None:
         _WARNED_ORDER.add(name)  # once per module class: a model has many layers
         warnings.warn(
             f"{name} is not causal (a bidirectional encoder), but normalizer {settings.normalizer!r} weighs the keys "
-            "by their order: here every query breaks the stick from the last visible key of the sequence backwards "
-            "(right to left), which is not position-invariant; the normalizer was designed for causal attention.",
+            f"by their order: {norm.key_order_note}; the normalizer was designed for causal attention.",
             stacklevel=4,
         )
     if "s_aux" in score_kw and norm.row_sum == "free":

@@ -57,7 +57,9 @@ tensor).
 The rule: needs-weights (``output_attentions``) -> the reference; otherwise the first path by priority whose
 ``auto_exclude`` does not hold the call's device and whose ``takes`` and ``accepts`` say None; while
 ``torch.compiler.is_exporting()``, only the ``exportable`` paths (sdpa, sdpa_sinkcol: any device) and the reference
-(docs/export.md); while ``torch.compile`` traces, a path registered ``traceable=False`` (the Triton paths) declines.
+(docs/export.md); while ``torch.compile`` traces, a path registered ``traceable=False`` (the Triton paths) declines;
+a call carrying a forget gate (``AttnCall.forget``, forgetting attention) only goes to the paths registered
+``forget=True`` (reference, chunked, decode, sdpa).
 ``explain(call)`` lists every candidate with its reason, running nothing. Override: ``path=`` on
 ``attention()``/``attend()``, or the environment variable ``HF_ATTNORM_PATH`` (a path name or ``auto``; read when this
 package is imported and by ``set_forced_path()``), so ``attend`` reads no environment. A forced path that cannot take a
@@ -103,6 +105,8 @@ class Path:
     #: False: declines every call while torch.compile traces (its ``accepts`` says so; a compiled model runs another
     #: path). For kernels whose host-side launch code Dynamo cannot trace
     traceable: bool = True
+    #: applies forgetting attention's decay (``AttnCall.forget``); False: declines every call carrying one
+    forget: bool = False
 
     def check(self, call: AttnCall) -> str | None:
         """None when this path can run ``call``, else the reason (runs nothing)."""
@@ -119,7 +123,8 @@ def _reference_accepts(call: AttnCall) -> None:
 
 #: name -> path
 PATHS: dict[str, Path] = {
-    "reference": Path("reference", reference_attention, _any_normalizer, _reference_accepts, 100, exportable=True),
+    "reference": Path("reference", reference_attention, _any_normalizer, _reference_accepts, 100, exportable=True,
+                      forget=True),
 }
 #: the fast paths by priority, and per (normalizer, device type) those the automatic rule considers (filled lazily:
 #: the hot path then only runs the accepts checks)
@@ -140,12 +145,25 @@ def _declining_compile(name: str, accepts: Check) -> Check:
     return check
 
 
+def _declining_forget(name: str, accepts: Check) -> Check:
+    """``accepts`` of a path registered without ``forget``: calls carrying a forget gate are declined first."""
+    def check(call: AttnCall) -> str | None:
+        if call.forget is not None:
+            return f"path {name!r} does not apply a forget gate (forgetting attention; registered forget=False)"
+        return accepts(call)
+    return check
+
+
 def register_path(name: str, kernel: Kernel, *, takes: NormCheck, accepts: Check, priority: int,
-                  auto_exclude: Collection[str] = (), exportable: bool = False, traceable: bool = True) -> None:
+                  auto_exclude: Collection[str] = (), exportable: bool = False, traceable: bool = True,
+                  forget: bool = False) -> None:
     """Register a path with its declared capabilities (see the module docstring)."""
+    if not forget:
+        accepts = _declining_forget(name, accepts)
     if not traceable:
         accepts = _declining_compile(name, accepts)
-    PATHS[name] = Path(name, kernel, takes, accepts, priority, frozenset(auto_exclude), exportable, traceable)
+    PATHS[name] = Path(name, kernel, takes, accepts, priority, frozenset(auto_exclude), exportable, traceable,
+                       forget)
     _ORDER[:] = sorted((p for p in PATHS.values() if p.name != "reference"), key=lambda p: p.priority)
     _AUTO.clear()
 
@@ -267,6 +285,8 @@ def attend(call: AttnCall, path: str | None = None) -> tuple[torch.Tensor, torch
     if call.drop_queries or call.memory:  # learned memory key/values (kernels/memory.py): the caller's shapes
         out = out[:, :, call.drop_queries:]
         w = None if w is None else w[:, :, call.drop_queries:, call.memory:]
+    if call.output_gate is not None:  # gated attention: the weights are unchanged, the output gated (in fp32)
+        out = (out.to(call.output_gate.dtype) * call.output_gate).to(out.dtype)
     return out, w, name
 
 

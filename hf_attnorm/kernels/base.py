@@ -58,20 +58,34 @@ class AttnCall:
     #: on cached steps (hf/selective_cache.py); None: no earlier queries. Only the paths that declare it (selective,
     #: decode, reference) may take a call carrying it; every other path must decline it.
     selective_carry: torch.Tensor | None = None
+    #: forgetting attention (a normalizer's ``forget_gates``): float [B, H, Lk], the cumulative log forget gates
+    #: c_j = sum_{l <= j} log f_l over the keys in order, in float64, autograd-connected to what the gates read.
+    #: Adds F_ij = -|c_{p_i} - c_j| to the scores, p_i = Lk - Lq + i the query's own key (for a causal row the
+    #: paper's sum_{l=j+1..i} log f_l). Only the paths registered ``forget=True`` take a call carrying it
+    #: (reference, chunked, decode, sdpa); ``score_bias()`` materialises it for those that add a bias tensor.
+    forget: torch.Tensor | None = None
+    #: a gate multiplied into the output by ``attend`` after the path ran (a normalizer's ``output_gate``, gated
+    #: attention): [B, H, Lq, Dv] in fp32 or fp64 (rows of the caller's queries: no memory query rows); None: none
+    output_gate: torch.Tensor | None = None
 
     @property
     def modifies_scores(self) -> bool:
         """Any score modifier present (paths that only form plain scores must decline)."""
         return (self.bias is not None or self.softcap is not None or self.sinks is not None
-                or self.alibi_slopes is not None)
+                or self.alibi_slopes is not None or self.forget is not None)
 
-    def score_bias(self) -> torch.Tensor | None:
+    def score_bias(self, with_forget: bool = True) -> torch.Tensor | None:
         """The whole additive score bias, broadcastable to [B, H, Lq, Lk]: ``bias`` plus the materialised ALiBi
-        bias [1, H, Lq, Lk] when slopes are carried (for the paths that add a bias tensor)."""
-        if self.alibi_slopes is None:
-            return self.bias
-        alibi = alibi_bias(self.alibi_slopes, self.q.shape[2], self.k.shape[2])
-        return alibi if self.bias is None else self.bias + alibi
+        bias [1, H, Lq, Lk] when slopes are carried and the forget bias [B, H, Lq, Lk] of forgetting attention (for
+        the paths that add a bias tensor; ``with_forget=False``: without it, for a path that adds it per block)."""
+        bias = self.bias
+        if self.alibi_slopes is not None:
+            alibi = alibi_bias(self.alibi_slopes, self.q.shape[2], self.k.shape[2])
+            bias = alibi if bias is None else bias + alibi
+        if self.forget is not None and with_forget:
+            decay = forget_bias(self.forget, self.q.shape[2])
+            bias = decay if bias is None else bias + decay
+        return bias
 
     @property
     def normalizer(self) -> Normalizer:
@@ -123,7 +137,8 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def score_mod_reason(call: AttnCall) -> str | None:
     """Why a path that applies no score modifier (soft-cap, bias, sinks) cannot take ``call``, or None."""
     present = [name for name, v in (("softcap", call.softcap), ("a score bias", call.bias),
-                                    ("ALiBi slopes", call.alibi_slopes), ("attention sinks (s_aux)", call.sinks))
+                                    ("ALiBi slopes", call.alibi_slopes), ("attention sinks (s_aux)", call.sinks),
+                                    ("a forget gate", call.forget))
                if v is not None]
     return f"this path does not apply {', '.join(present)}" if present else None
 
@@ -166,6 +181,22 @@ def alibi_bias(slopes: torch.Tensor, lq: int, lk: int) -> torch.Tensor:
     pos_q = torch.arange(lq, device=slopes.device, dtype=dt) + (lk - lq)
     dist = (pos_q[:, None] - torch.arange(lk, device=slopes.device, dtype=dt)[None, :]).abs()
     return -slopes.to(dt).view(1, -1, 1, 1) * dist
+
+
+def forget_bias(forget: torch.Tensor, lq: int, rows: slice | None = None, keys: int | None = None) -> torch.Tensor:
+    """Forgetting attention's bias F [B, H, Lq, Lk] from the cumulative log forget gates ``forget`` c [B, H, Lk]:
+    F_ij = -|c_{p_i} - c_j| with query i at key position p_i = Lk - Lq + i (the last query is the last key, as in
+    cached decoding; with more queries than keys, a query before the first key is placed at it). c never increases
+    (log f <= 0), so for j <= p_i this is c_{p_i} - c_j = sum_{l=j+1..p_i} log f_l, the decay of the gates after key
+    j up to the query. ``rows``: only those query rows; ``keys``: only the first ``keys`` keys (a causal chunk's)."""
+    lk = forget.shape[-1]
+    rows = rows or slice(0, lq)
+    if lq <= lk:
+        at_query = forget[..., lk - lq + rows.start:lk - lq + rows.stop, None]
+    else:  # more queries than keys: those before the first key are placed at it
+        pos = (torch.arange(rows.start, rows.stop, device=forget.device) + (lk - lq)).clamp_min(0)
+        at_query = forget.index_select(-1, pos).unsqueeze(-1)
+    return -(at_query - forget[..., None, :keys]).abs()
 
 
 def compact_bias(bias: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ..normalizers.base import Ctx, Normalizer
 from ..torch_compat import is_exporting
-from .base import AttnCall, compute_dtype, modify_scores, normalize
+from .base import AttnCall, compute_dtype, forget_bias, modify_scores, normalize
 
 #: scores per chunk (B x H x chunk x Lk); 2^22 fp32 scores are 16 MB per temporary
 CHUNK_ELEMENTS = 1 << 22
@@ -51,11 +51,13 @@ class _Plan:
         self.head_dim = call.q.shape[-1]
         self.softcap = call.softcap
         self.chunk = chunk_size(call.q.shape[0], call.q.shape[1], call.k.shape[2])
+        self.lq = call.q.shape[2]
 
     def chunk_out(self, qc, k, v, heads: list[torch.Tensor], i0: int, i1: int, bias: torch.Tensor | None = None,
-                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+                  sinks: torch.Tensor | None = None, forget: torch.Tensor | None = None) -> torch.Tensor:
         """Output rows [i0, i1) from the query rows qc = q[:, :, i0:i1]: [B, H, i1 - i0, Dv]. bias: the call's
-        whole score bias (broadcastable to [B, H, Lq, Lk]); sinks: [H] or None."""
+        score bias (broadcastable to [B, H, Lq, Lk]) without the forget gate; sinks: [H] or None; forget: the
+        cumulative log forget gates [B, H, Lk] (``AttnCall.forget``), whose bias is formed for this chunk only."""
         m = self.mask
         keys = m.lk
         if m.keep is None:
@@ -73,6 +75,9 @@ class _Plan:
         if bias is not None:
             bias = bias[:, :, i0:i1] if bias.shape[2] > 1 else bias
             bias = bias[..., :keys] if bias.shape[3] > 1 else bias
+        if forget is not None:
+            decay = forget_bias(forget, self.lq, slice(i0, i1), keys).to(scores.dtype)
+            bias = decay if bias is None else bias + decay
         scores = modify_scores(scores, self.softcap, bias)
         w = normalize(self.norm, scores, keep.to(scores.device), ctx, sinks)
         if self.dropout > 0:
@@ -82,22 +87,22 @@ class _Plan:
 
 class _ChunkedFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, plan: _Plan, q, k, v, bias, sinks, *heads):
+    def forward(ctx, plan: _Plan, q, k, v, bias, sinks, forget, *heads):
         ctx.plan = plan
-        ctx.save_for_backward(q, k, v, bias, sinks, *heads)
+        ctx.save_for_backward(q, k, v, bias, sinks, forget, *heads)
         ctx.rng = _rng_state(q.device) if plan.dropout > 0 else None
         lq = q.shape[2]
         return torch.cat([plan.chunk_out(q[:, :, i0:i0 + plan.chunk], k, v, list(heads), i0, min(i0 + plan.chunk, lq),
-                                         bias, sinks)
+                                         bias, sinks, forget)
                           for i0 in range(0, lq, plan.chunk)], dim=2)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         plan: _Plan = ctx.plan
-        q, k, v, bias, sinks, *heads = ctx.saved_tensors
-        # inputs in the order [q, k, v, *heads, bias, sinks]; None tensors never need a gradient
-        need = (*ctx.needs_input_grad[1:4], *ctx.needs_input_grad[6:], *ctx.needs_input_grad[4:6])
+        q, k, v, bias, sinks, forget, *heads = ctx.saved_tensors
+        # inputs in the order [q, k, v, *heads, bias, sinks, forget]; None tensors never need a gradient
+        need = (*ctx.needs_input_grad[1:4], *ctx.needs_input_grad[7:], *ctx.needs_input_grad[4:7])
         nh = len(heads)
         dq = torch.zeros_like(q) if need[0] else None
         dk = torch.zeros_like(k) if need[1] else None
@@ -105,6 +110,7 @@ class _ChunkedFn(torch.autograd.Function):
         dheads = [torch.zeros_like(h) if n else None for h, n in zip(heads, need[3:3 + nh])]
         dbias = torch.zeros_like(bias) if need[3 + nh] else None
         dsinks = torch.zeros_like(sinks) if need[4 + nh] else None
+        dforget = torch.zeros_like(forget) if need[5 + nh] else None
         lq = q.shape[2]
         # fork_rng only with dropout: it cannot be traced by torch.compile, and without dropout there is no RNG
         replay = (torch.random.fork_rng(devices=[q.device] if q.device.type == "cuda" else [])
@@ -120,8 +126,9 @@ class _ChunkedFn(torch.autograd.Function):
                     hl = [h.detach().requires_grad_(n) for h, n in zip(heads, need[3:3 + nh])]
                     bl = None if bias is None else bias.detach().requires_grad_(need[3 + nh])
                     sl = None if sinks is None else sinks.detach().requires_grad_(need[4 + nh])
-                    out = plan.chunk_out(qc, kl, vl, hl, i0, i1, bl, sl)
-                    inputs = [t for t, n in zip([qc, kl, vl, *hl, bl, sl], need) if n]
+                    fl = None if forget is None else forget.detach().requires_grad_(need[5 + nh])
+                    out = plan.chunk_out(qc, kl, vl, hl, i0, i1, bl, sl, fl)
+                    inputs = [t for t, n in zip([qc, kl, vl, *hl, bl, sl, fl], need) if n]
                     grads = torch.autograd.grad(out, inputs, dout[:, :, i0:i1], allow_unused=True)
                 grads = iter(grads)
                 if need[0]:
@@ -133,12 +140,13 @@ class _ChunkedFn(torch.autograd.Function):
                         g = next(grads)
                         if g is not None:
                             acc += g
-                for acc, n in (*zip(dheads, need[3:3 + nh]), (dbias, need[3 + nh]), (dsinks, need[4 + nh])):
+                for acc, n in (*zip(dheads, need[3:3 + nh]), (dbias, need[3 + nh]), (dsinks, need[4 + nh]),
+                               (dforget, need[5 + nh])):
                     if n:
                         g = next(grads)
                         if g is not None:
                             acc += g
-        return (None, dq, dk, dv, dbias, dsinks, *dheads)
+        return (None, dq, dk, dv, dbias, dsinks, dforget, *dheads)
 
 
 def _rng_state(device: torch.device):
@@ -172,15 +180,15 @@ def chunked_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     names = list(call.heads)
     plan = _Plan(call, names)
     heads = [call.heads[n] for n in names]
-    bias = call.score_bias()
+    bias = call.score_bias(with_forget=False)
     if torch.compiler.is_compiling():
         # dynamo cannot trace the recomputing backward (torch.autograd.grad inside it): a compiled graph
         # differentiates the chunks directly, keeping their weights for backward as eager attention does
         lq = q.shape[2]
         out = torch.cat([plan.chunk_out(q[:, :, i0:i0 + plan.chunk], k, v, heads, i0, min(i0 + plan.chunk, lq),
-                                        bias, call.sinks) for i0 in range(0, lq, plan.chunk)], dim=2)
+                                        bias, call.sinks, call.forget) for i0 in range(0, lq, plan.chunk)], dim=2)
         return out.to(call.q.dtype), None
-    out = _ChunkedFn.apply(plan, q, k, v, bias, call.sinks, *heads)
+    out = _ChunkedFn.apply(plan, q, k, v, bias, call.sinks, call.forget, *heads)
     return out.to(call.q.dtype), None
 
 
@@ -192,4 +200,4 @@ def _any(norm: Normalizer) -> str | None:
 
 from . import register_path  # noqa: E402  (registration at import, like the normalizers)
 
-register_path("chunked", chunked_attention, takes=_any, accepts=accepts, priority=90)
+register_path("chunked", chunked_attention, takes=_any, accepts=accepts, priority=90, forget=True)

@@ -59,4 +59,5 @@ def decode_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
 from . import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 # on GPUs the Triton kernels take decode steps too (not measured against this: no GPU while writing it)
-register_path("decode", decode_attention, takes=takes, accepts=accepts, priority=25, auto_exclude=("cuda",))
+register_path("decode", decode_attention, takes=takes, accepts=accepts, priority=25, auto_exclude=("cuda",),
+              forget=True)

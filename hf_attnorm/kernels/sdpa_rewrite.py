@@ -13,11 +13,19 @@
   (with a causal call and no mask, a prepended zero query keeps the upper-left causal pattern aligned; its row is
   dropped). It is exact but on CPU D+1 falls off SDPA's fast kernel (several times slower), so the rule uses it
   only on other devices.
+* forgetting attention (``AttnCall.forget``): its bias F_ij = -|c_{p_i} - c_j| goes in SDPA's float mask,
+  materialised, so only for calls whose bias is small (``FORGET_BIAS_ELEMENTS``: decode steps, short sequences;
+  with a gradient, SDPA's own autograd gives the bias's); the rest go to ``chunked``, which forms it per chunk
+  (O(n) memory). (Appending -c_j
+  as one feature of k would avoid the materialised bias, but fp32 rounds -c_j at the magnitude of the whole
+  decay, which grows with the length: at 4096 keys and f = 1/2 that is ~100x the reference path's error.)
 
 Fully masked rows give 0 with finite gradients; fp16/bf16 on CPU are computed in fp32.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -69,7 +77,7 @@ def _has_sink(call: AttnCall) -> bool:
 def _bias_grad(call: AttnCall) -> bool:
     """A score bias that needs a gradient (T5's learned position bias while training): the flash kernel's backward
     gives none to its mask, so such calls take SDPA's own autograd (metadata only, nothing is read)."""
-    return call.bias is not None and call.bias.requires_grad and torch.is_grad_enabled()
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (call.bias, call.forget))
 
 
 def _common(call: AttnCall) -> str | None:
@@ -92,9 +100,24 @@ def _uses_flash_cpu(call: AttnCall) -> bool:
             and dt in (torch.float32, torch.float64) and not _bias_grad(call))
 
 
+#: the largest forget bias (B x H x Lq x Lk entries) this path materialises: 2^24 fp32 entries are 64 MB
+FORGET_BIAS_ELEMENTS = 1 << 24
+
+
+def _forget_reason(call: AttnCall) -> str | None:
+    """Why this path leaves a forget call to ``chunked`` (module docstring), or None. Shapes and flags only."""
+    if call.forget is None:
+        return None
+    B, H, Lq, Lk = call.q.shape[0], call.q.shape[1], call.q.shape[2], call.k.shape[2]
+    if B * H * Lq * Lk > FORGET_BIAS_ELEMENTS:
+        return f"a forget gate over B x H x Lq x Lk > {FORGET_BIAS_ELEMENTS} scores (chunked keeps O(n) memory)"
+    return None
+
+
 def accepts(call: AttnCall) -> str | None:
-    """sdpa: softmax / cosine anywhere (dropout ok); a sink only through SDPA's CPU flash kernel."""
-    why = _common(call)
+    """sdpa: softmax / cosine anywhere (dropout ok); a sink only through SDPA's CPU flash kernel; a forget gate
+    when its bias is small."""
+    why = _common(call) or _forget_reason(call)
     if why is None and _has_sink(call) and is_exporting():
         # the lse rewrite's CPU flash op does not translate to ONNX with a sink; the extra-column rewrite does
         return "a sink under torch.export (sdpa_sinkcol exports it as plain SDPA)"
@@ -196,7 +219,10 @@ def _open_dead_rows(keep: torch.Tensor | None, call: AttnCall) -> tuple[torch.Te
 
 
 def sdpa_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
-    """softmax / cosine (any device, dropout ok) and softmax_n / sink (CPU, no dropout, D == Dv)."""
+    """softmax / cosine (any device, dropout ok) and softmax_n / sink (CPU, no dropout, D == Dv); forgetting
+    attention (module docstring)."""
+    if call.forget is not None:  # (accepts: small, no gradient) the float mask carries the decay
+        call = dataclasses.replace(call, bias=call.score_bias(), forget=None)
     keep, causal = _sdpa_mask(call)
     if call.bias is not None and causal:  # a bias goes in SDPA's float mask, which excludes is_causal
         keep, causal = call.mask.dense(call.q.device), False
@@ -274,7 +300,7 @@ def sdpa_sinkcol_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
 
 from . import register_path  # noqa: E402  (registration at import, like the normalizers)
 
-register_path("sdpa", sdpa_attention, takes=takes, accepts=accepts, priority=10, exportable=True)
+register_path("sdpa", sdpa_attention, takes=takes, accepts=accepts, priority=10, exportable=True, forget=True)
 # exact on any device, but on CPU D+1 falls off SDPA's fast kernel: the automatic rule uses it elsewhere only
 register_path("sdpa_sinkcol", sdpa_sinkcol_attention, takes=takes_sink, accepts=_sinkcol_accepts, priority=20,
               auto_exclude=("cpu",), exportable=True)

@@ -355,6 +355,9 @@ def build_lm_datasets(
             tokenize, batched=True, num_proc=num_proc, remove_columns=ds.column_names,
             cache_file_name=str(cache / f"{key}-tokens.arrow"), load_from_cache_file=not overwrite_cache,
             desc=f"tokenising {split}",
+            # our key already names the result: without it, datasets hashes the function by pickling the tokenizer
+            # it closes over (10 s of every run with GPT-2's)
+            new_fingerprint=f"{key}-tokens",
         )
 
         def pack(batch: dict[str, list]) -> dict[str, list]:
@@ -371,6 +374,7 @@ def build_lm_datasets(
             pack, batched=True, batch_size=10_000, num_proc=num_proc, remove_columns=["ids"],
             cache_file_name=str(cache / f"{key}-{'mlm' if masked_lm else 'clm'}{block_size}.arrow"),
             load_from_cache_file=not overwrite_cache, desc=f"packing {split} into blocks of {block_size}",
+            new_fingerprint=f"{key}-{'mlm' if masked_lm else 'clm'}{block_size}",
         )
         if len(packed) == 0:
             n_tokens = sum(len(x) for x in tokenized["ids"])

@@ -13,6 +13,7 @@ Pipeline for one attention call (see ``hf_attnorm.attention``)::
     s      = q @ k^T                                      # [B, H, Lq, Lk]
     w      = normalizer.reference(s, keep, ctx)           # [B, H, Lq, Lk], exactly 0 where keep is False
     out    = w @ v
+    out    = out * normalizer.output_gate(q_raw, ctx)     # only a normalizer that has one (gated attention)
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 
 from ..settings import AttnormSettings
 
-RowSum = Literal["one", "at_most_one", "free"]
+RowSum = Literal["one", "at_most_one", "signed", "free"]
 #: how the fast kernels can run a normalizer (see ``Normalizer.kernel_family``)
 KernelFamily = Literal["softmax", "fused", "linear", "stickbreaking", "generic"]
 
@@ -36,7 +37,8 @@ class ParamSpec:
     ``nn.Parameter`` named ``name`` when option ``learnable_option`` is true, else a constant.
 
     Its shape is [H] followed by ``shape``: each trailing dim an int, ``"head_dim"`` (D of q/k, known from the
-    attention module or the call) or the name of an integer option (e.g. a number of memory slots). ``init``:
+    attention module or the call), ``"value_dim"`` (Dv of v; D unless the module says otherwise) or the name of an
+    integer option (e.g. a number of memory slots). ``init``:
     ``"fill"`` sets every entry to the init option's value; ``"normal"`` draws N(0, value^2) entries from a generator
     seeded by the name and shape (reproducible, so a constant is the same on every device and call), for vectors whose
     entries must differ (learned memory keys). ``heads``: what the leading dim counts, ``"query"`` (H, the default)
@@ -59,17 +61,20 @@ class ParamSpec:
         return 0.0 if value is None else float(value)  # None: the option's "derived" mode (e.g. sigmoid -ln n)
 
     def dims(self, num_heads: int, settings: AttnormSettings, head_dim: int | None = None,
-             kv_heads: int | None = None) -> tuple[int, ...]:
+             kv_heads: int | None = None, value_dim: int | None = None) -> tuple[int, ...]:
         """The full shape (H or Hkv, *trailing); ``kv_heads`` (Hkv, default H: no GQA) is read by ``heads="kv"``
-        values only. ValueError naming the missing fact when ``"head_dim"`` is needed but unknown."""
+        values only; ``value_dim`` (Dv) defaults to ``head_dim``. ValueError naming the missing fact when
+        ``"head_dim"`` or ``"value_dim"`` is needed but unknown."""
         if self.heads == "kv" and kv_heads is not None and (kv_heads < 1 or num_heads % kv_heads):
             raise ValueError(f"per-head value {self.name!r} is per key/value head, but {kv_heads} key/value heads do "
                              f"not divide the {num_heads} query heads")
         out = [num_heads if self.heads == "query" or kv_heads is None else int(kv_heads)]
         for d in self.shape:
-            if d == "head_dim":
+            if d == "value_dim" and value_dim:
+                out.append(int(value_dim))
+            elif d in ("head_dim", "value_dim"):
                 if not head_dim:
-                    raise ValueError(f"per-head value {self.name!r} has shape [H, head_dim, ...] but the attention "
+                    raise ValueError(f"per-head value {self.name!r} has shape [H, {d}, ...] but the attention "
                                      "module's head dimension is unknown (no head_dim / attention_head_size)")
                 out.append(int(head_dim))
             elif isinstance(d, str):
@@ -79,9 +84,10 @@ class ParamSpec:
         return tuple(out)
 
     def initial(self, num_heads: int, settings: AttnormSettings, head_dim: int | None = None,
-                device: torch.device | str | None = None, kv_heads: int | None = None) -> torch.Tensor:
+                device: torch.device | str | None = None, kv_heads: int | None = None,
+                value_dim: int | None = None) -> torch.Tensor:
         """The initial value, fp32, of shape ``dims(...)``."""
-        shape, value = self.dims(num_heads, settings, head_dim, kv_heads), self.init_value(settings)
+        shape, value = self.dims(num_heads, settings, head_dim, kv_heads, value_dim), self.init_value(settings)
         if self.init == "fill":
             return torch.full(shape, value, dtype=torch.float32, device=device)
         seed = zlib.crc32(f"{self.name}:{shape}".encode())
@@ -122,7 +128,8 @@ class Normalizer:
     description: ClassVar[str]
     #: where the method comes from: authors year, title, link (the README's implementations table shows it)
     paper: ClassVar[str] = ""
-    #: "one": every row with a visible key sums to 1; "at_most_one": <= 1; "free": no constraint
+    #: "one": every row with a visible key sums to 1; "at_most_one": <= 1 (weights >= 0 for both); "signed": weights
+    #: may be negative and their absolute values sum to 1 (Cog attention); "free": no constraint
     row_sum: ClassVar[RowSum] = "one"
     #: options this normalizer reads (declared with ``declare_option`` in its file)
     options: ClassVar[tuple[str, ...]] = ()
@@ -137,6 +144,8 @@ class Normalizer:
     #: True when the weights depend on the order of the keys, not only on which keys are visible (stick-breaking
     #: scans them from the last visible one backwards): permuting keys with a non-causal call changes the output
     key_order: ClassVar[bool] = False
+    #: with ``key_order``: what the weights do without causality (the warning on a bidirectional module says it)
+    key_order_note: ClassVar[str] = ""
     #: True when a query's weights depend on the other queries of the call (selective attention's penalty sums the
     #: earlier queries' scores): paths that split the queries (chunked, decode) decline it, and a cached decoding
     #: step (whose earlier queries are gone) is refused by the transformers integration
@@ -179,6 +188,19 @@ class Normalizer:
         """Per-query factor multiplied into q with the scale (so every path, the fused kernels included, gets it
         through q, and autograd carries its gradient): [B, H, Lq] computed from the call's raw q [B, H, Lq, D]
         (before ``transform_qk`` and any scaling; ASEntmax's delta + softplus(w . q) (ln n)^gamma), or None."""
+        return None
+
+    def output_gate(self, q: torch.Tensor, ctx: Ctx) -> torch.Tensor | None:
+        """A gate multiplied into the attention output, [B, H, Lq, Dv] (fp32 at least), computed from the call's raw
+        queries q [B, H, Lq, D] (before ``transform_qk`` and any scaling; gated attention's sigmoid(q W + b)), or
+        None. Applied by ``attend`` after whichever path ran, so every path has it and the weights are unchanged."""
+        return None
+
+    def forget_gates(self, v: torch.Tensor, ctx: Ctx) -> torch.Tensor | None:
+        """Forgetting attention: log f_l <= 0, the log forget gate of every key, [B, H, Lk] (fp32 at least),
+        computed from the call's values v [B, Hkv, Lk, Dv] (key l's value vector; learned memory values first), or
+        None for no forget gate. ``make_call`` turns it into ``AttnCall.forget`` (its cumulative sum), which adds
+        -|c_{p_i} - c_j| to the scores; only the paths registered ``forget=True`` take such a call."""
         return None
 
     def feature_map(self, q: torch.Tensor, k: torch.Tensor, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:

@@ -92,6 +92,8 @@ class StickBreaking(Normalizer):
     kernel_family = "stickbreaking"
     #: weights depend on the keys' order (not only on the set of visible keys): see the module docstring
     key_order = True
+    key_order_note = ("here every query breaks the stick from the last visible key of the sequence backwards (right "
+                      "to left), which is not position-invariant")
 
     def reference(self, scores: torch.Tensor, keep: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         s = ctx.settings
