@@ -17,6 +17,7 @@ from ..attention import make_call
 from ..kernels import attend
 from ..registry import AttnormError
 from ..settings import AttnormSettings, resolve_settings
+from ..torch_compat import is_exporting
 from .cache_state import steps_for
 from .families import refused_keywords
 from .state import state_of
@@ -149,7 +150,15 @@ def _attend(module: nn.Module, state: Any, query: torch.Tensor, key: torch.Tenso
         for record in _RECORDS:
             record.path, record.mask = path, call.mask.kind
             record.paths.append(path)
-    return out.transpose(1, 2).contiguous(), weights
+    return _to_model_layout(out), weights
+
+
+def _to_model_layout(out: torch.Tensor) -> torch.Tensor:
+    """[B, H, Lq, Dv] -> [B, Lq, H, Dv], contiguous (the layout transformers reshapes). Under torch.export an
+    explicit copy: a ``contiguous()`` that is free at trace time (the kernel's output already [B, Lq, H, Dv]-major) is
+    dropped from the graph, and the ONNX decomposition, whose SDPA gives another layout, then cannot view it."""
+    out = out.transpose(1, 2)
+    return out.clone(memory_format=torch.contiguous_format) if is_exporting() else out.contiguous()
 
 
 @functools.cache
