@@ -18,7 +18,7 @@ from family_zoo import V, build
 from torch.export import Dim
 
 from hf_attnorm.kernels import PATHS, fused_cpu, set_forced_path
-from hf_attnorm.registry import NORMALIZERS, PRESETS
+from hf_attnorm.registry import NORMALIZERS, PRESETS, SCALES
 from hf_attnorm.settings import resolve_settings
 from hf_attnorm.torch_compat import DYNAMIC_EXPORT, DYNAMIC_EXPORT_TORCH
 
@@ -91,8 +91,19 @@ def test_dynamic_sequence_length_export(impl):
     _check_dynamic_export(impl)
 
 
+def _per_normalizer() -> list[str]:
+    """The first implementation of each normalizer (and one with learned memory key/values), FAST excluded: the other
+    implementations of a normalizer differ by their scale, whose ops ``test_every_scale_exports_to_onnx`` exports on
+    their own."""
+    first: dict[tuple, str] = {}
+    for impl in IMPLS:
+        s = resolve_settings(impl)
+        first.setdefault((s.normalizer, s.options.get("num_mem_kv", 0) > 0), impl)
+    return [i for i in first.values() if i not in FAST]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("impl", [i for i in IMPLS if i not in FAST])
+@pytest.mark.parametrize("impl", _per_normalizer())
 def test_dynamic_sequence_length_export_every_implementation(impl):
     _check_dynamic_export(impl)
 
@@ -171,9 +182,41 @@ def test_onnx_runtime_equals_eager(impl, tmp_path):
 
 @needs_onnx
 @pytest.mark.slow
-@pytest.mark.parametrize("impl", [i for i in IMPLS if i not in FAST])
+@pytest.mark.parametrize("impl", _per_normalizer())
 def test_onnx_runtime_equals_eager_every_implementation(impl, tmp_path):
     _check_onnx(impl, tmp_path)
+
+
+class _ScaledSoftmax(torch.nn.Module):
+    """Softmax attention with one length-aware scale on plain tensors, a padding x causal mask."""
+
+    def __init__(self, scale: str) -> None:
+        super().__init__()
+        self.settings = resolve_settings("softmax", {"scale": scale})
+
+    def forward(self, q, k, v, keep):
+        from hf_attnorm.attention import attention
+
+        return attention(q, k, v, self.settings, attention_mask=keep, causal=True,
+                         module_info={"max_positions": 4, "head_dim": q.shape[-1], "num_heads": q.shape[1]})[0]
+
+
+@needs_onnx
+@pytest.mark.slow
+@pytest.mark.parametrize("scale", sorted(SCALES))
+def test_every_scale_exports_to_onnx(scale, tmp_path):
+    """Each scale's multiplier translated to ONNX (onnxruntime equals eager): the model-level tests above run one
+    implementation per normalizer."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = torch.randn(2, 4, 9, 8, generator=g), torch.randn(2, 2, 9, 8, generator=g), torch.randn(2, 2, 9, 8,
+                                                                                                    generator=g)
+    keep = torch.ones(2, 1, 9, 9, dtype=torch.bool).tril()
+    keep[0, :, :, :3] = False
+    keep[0, :, :3, :] = torch.eye(3, 9, dtype=torch.bool)  # (padded rows see themselves: no empty row)
+    module = _ScaledSoftmax(scale)
+    want = module(q, k, v, keep)
+    (got,) = _onnx_run(module, (q, k, v, keep), tmp_path)
+    torch.testing.assert_close(torch.from_numpy(got), want, atol=1e-5, rtol=1e-5, msg=scale)
 
 
 class _FlashGQA(torch.nn.Module):
