@@ -109,10 +109,12 @@ def make_call(
         memory, Lk = heads["mem_k"].shape[1], k.shape[2]
     ctx = Ctx(settings, heads, D, mask.n, info, Lk)
     log_gates = norm.forget_gates(v, ctx)  # forgetting attention: [B, H, Lk], cumulated over the keys in order
-    # in float64: the bias is a difference of two sums that grow with the length, so float32 sums would lose the
-    # bias of near keys (1e-4 at 4096 keys); the bias itself is formed in float64 and then cast
-    wide = torch.float32 if q.device.type == "mps" else torch.float64  # (MPS has no float64)
-    forget = None if log_gates is None else torch.cumsum(log_gates.to(wide), dim=-1)
+    forget = None
+    if log_gates is not None:
+        # in float64: the bias is a difference of two sums that grow with the length, so float32 sums would lose
+        # the bias of near keys (1e-4 at 4096 keys); the bias itself is formed in float64 and then cast
+        wide = torch.float32 if q.device.type == "mps" else torch.float64  # (MPS has no float64)
+        forget = torch.cumsum(log_gates.to(wide), dim=-1)
     mult = sc.multiplier(mask.n, ctx)
     head_factor = norm.head_multiplier(ctx)
     if head_factor is not None:

@@ -62,6 +62,23 @@ def mask_of_kind(kind: str, B: int, H: int, Lq: int, Lk: int, causal: bool) -> t
     return keep
 
 
+def first_implementations(key, names=None) -> list[str]:
+    """The first implementation (registry order, from ``names``, default every one) of each value of
+    ``key(settings)``: a sample for the slow tests whose other implementations repeat the same code."""
+    from hf_attnorm.registry import PRESETS
+    from hf_attnorm.settings import resolve_settings
+
+    first: dict[object, str] = {}
+    for impl in PRESETS if names is None else names:
+        first.setdefault(key(resolve_settings(impl)), impl)
+    return list(first.values())
+
+
+def has_memory(settings) -> bool:
+    """Learned memory key/values (``num_mem_kv``) in these settings."""
+    return settings.options.get("num_mem_kv", 0) > 0
+
+
 def tiny(family: str, task: str, implementation: str = "softmax", **kw) -> torch.nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

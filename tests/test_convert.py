@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import first_implementations, has_memory
 from family_zoo import FAMILIES, build, inputs
 
 import hf_attnorm  # noqa: F401
 from hf_attnorm.lab import convert
 from hf_attnorm.lab.convert import Converter, ConvertError, Transfer, install_observer, parse_args
 from hf_attnorm.registry import PRESETS, SCALES, is_ours
-from hf_attnorm.settings import resolve_settings
 
 REPO = Path(__file__).resolve().parents[1]
 OURS = [name for name in PRESETS if is_ours(name)]
@@ -29,12 +29,8 @@ def _transfer_sample() -> list[str]:
     """The first implementation of each normalizer, of each scale with learnable values and with learned memory
     key/values: the other implementations differ from one of these by a constant elementwise scale of q, which
     changes nothing in what attention transfer trains."""
-    first: dict[tuple, str] = {}
-    for name in OURS:
-        s = resolve_settings(name)
-        first.setdefault((s.normalizer, s.scale if SCALES.get(s.scale).params else None,
-                          s.options.get("num_mem_kv", 0) > 0), name)
-    return list(first.values())
+    return first_implementations(lambda s: (s.normalizer, s.scale if SCALES.get(s.scale).params else None,
+                                            has_memory(s)), OURS)
 
 
 CAUSAL = [name for name, fam in FAMILIES.items() if fam.kind == "causal"]

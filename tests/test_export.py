@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import LAST_CALL
+from conftest import LAST_CALL, first_implementations, has_memory
 from family_zoo import V, build
 from torch.export import Dim
 
@@ -95,11 +95,7 @@ def _per_normalizer() -> list[str]:
     """The first implementation of each normalizer (and one with learned memory key/values), FAST excluded: the other
     implementations of a normalizer differ by their scale, whose ops ``test_every_scale_exports_to_onnx`` exports on
     their own."""
-    first: dict[tuple, str] = {}
-    for impl in IMPLS:
-        s = resolve_settings(impl)
-        first.setdefault((s.normalizer, s.options.get("num_mem_kv", 0) > 0), impl)
-    return [i for i in first.values() if i not in FAST]
+    return [i for i in first_implementations(lambda s: (s.normalizer, has_memory(s))) if i not in FAST]
 
 
 @pytest.mark.slow

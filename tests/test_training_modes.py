@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import LAST_CALL, model_output, needs_compile, tiny
+from conftest import LAST_CALL, first_implementations, has_memory, model_output, needs_compile, tiny
 
 from hf_attnorm.registry import NORMALIZERS, PRESETS, SCALES
 from hf_attnorm.settings import resolve_settings
@@ -56,14 +56,6 @@ def _padded(seed=1):
     return x, mask
 
 
-def _first_impls(key) -> list[str]:
-    """The first implementation of each value of ``key(settings)``, in registry order."""
-    first: dict[object, str] = {}
-    for impl in IMPLS:
-        first.setdefault(key(resolve_settings(impl)), impl)
-    return list(first.values())
-
-
 def _family(settings) -> str:
     return NORMALIZERS.get(settings.normalizer).kernel_family
 
@@ -78,10 +70,10 @@ def _compile_cases(with_memory: bool, inductor_families: tuple[str, ...]) -> lis
     cold cache) for the first implementation of the kernel families named: what inductor generates code for is the
     family's torch code around its kernel (SDPA, the fused C++ op, the chunked linear scan); normalizer differences
     inside a family live in the kernels."""
-    aot = _first_impls(lambda s: (s.normalizer, with_memory and s.options.get("num_mem_kv", 0) > 0))
+    aot = first_implementations(lambda s: (s.normalizer, with_memory and has_memory(s)))
     cases = [pytest.param(impl, "aot_eager", id=f"{impl}-aot_eager") for impl in aot]
     cases += [pytest.param(impl, "inductor", id=f"{impl}-inductor")
-              for impl in _first_impls(_family) if _family(resolve_settings(impl)) in inductor_families]
+              for impl in first_implementations(_family) if _family(resolve_settings(impl)) in inductor_families]
     return cases
 
 

@@ -221,7 +221,7 @@ def _open_dead_rows(keep: torch.Tensor | None, call: AttnCall) -> tuple[torch.Te
 def sdpa_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     """softmax / cosine (any device, dropout ok) and softmax_n / sink (CPU, no dropout, D == Dv); forgetting
     attention (module docstring)."""
-    if call.forget is not None:  # (accepts: small, no gradient) the float mask carries the decay
+    if call.forget is not None:  # (accepts: a small bias) the float mask carries the decay
         call = dataclasses.replace(call, bias=call.score_bias(), forget=None)
     keep, causal = _sdpa_mask(call)
     if call.bias is not None and causal:  # a bias goes in SDPA's float mask, which excludes is_causal
