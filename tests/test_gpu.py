@@ -41,7 +41,8 @@ HOST_MASK_READERS = {"linear_chunked"}
 #: (factor, atol) of the criterion per dtype
 TOLERANCE = {torch.float32: (5.0, 1e-5), torch.bfloat16: (3.0, 1e-4), torch.float16: (3.0, 1e-4)}
 #: the gradient of a learnable per-head value sums a product over every query row and head dimension (ssmax's s:
-#: sum of log(n) q.dq), so a fused backward's rounding adds up coherently; measured on an H100 (bench/gpu/*/README.md)
+#: sum of log(n) q.dq), so a fused backward's rounding adds up coherently; measured on an H100
+#: (bench/gpu/NVIDIA_H100_80GB_HBM3/2026-11-27-ef50fad/README.md)
 #: with ssmax through SDPA: fp32, the math backend gave the reference's dq and dk exactly yet 2.5 x its error on s
 #: (5.9e-4 of 83), the efficient backend 8.4 x (2.0e-3, a relative 2.4e-5); bf16 flash/cuDNN had a smaller dq error
 #: than the reference but 5.4-6.9 x its error on s (9.1-11.5 of 122). These gradients may also differ from the
@@ -89,10 +90,28 @@ SCENARIOS = {
                             dtype=torch.float64).requires_grad_(True)}),
     "bidirectional-none": (1, 4, 2, 200, 200, lambda: {}),
 }
-#: (scenario, dtype, head dim) run by the quick check; every other combination is marked slow (the full check)
-QUICK = {(s, "fp32", 64) for s in SCENARIOS if s != "bidirectional-none"} | {("causal-gqa", "bf16", 128)}
-CASES = [pytest.param(s, dt, d, marks=() if (s, dt, d) in QUICK else pytest.mark.slow, id=f"{s}-{dt}-d{d}")
-         for s in SCENARIOS for dt in DTYPES for d in (64, 128)]
+#: (scenario, dtype, head dim) run by the quick check, by how much of an implementation is new: the first preset of a
+#: path set (the paths the normalizer may take) gets every case; the first of a normalizer (its own map in each
+#: kernel) the plain ones; any other preset (a scale, a memory) two. Every other combination is marked slow (full)
+QUICK_PER_PRESET = {("causal-gqa", "bf16", 128), ("padding-causal", "fp32", 64)}
+QUICK_PER_NORMALIZER = QUICK_PER_PRESET | {("causal-gqa", "fp32", 64), ("decode", "fp32", 64)}
+QUICK_PER_PATH_SET = QUICK_PER_NORMALIZER | {("bidirectional-mask-Lq<Lk", "fp32", 64), ("score-mods", "fp32", 64)}
+
+
+def _reference_cases() -> list:
+    """(implementation, scenario, dtype name, head dim) params, the quick subset unmarked, the rest slow."""
+    cases, normalizers, path_sets = [], set(), set()
+    for impl in IMPLEMENTATIONS:
+        norm = resolve_settings(impl).normalizer
+        path_set = tuple(paths_for(norm))
+        quick = (QUICK_PER_PATH_SET if path_set not in path_sets
+                 else QUICK_PER_NORMALIZER if norm not in normalizers else QUICK_PER_PRESET)
+        normalizers.add(norm)
+        path_sets.add(path_set)
+        cases += [pytest.param(impl, s, dt, d, marks=() if (s, dt, d) in quick else pytest.mark.slow,
+                               id=f"{impl}-{s}-{dt}-d{d}")
+                  for s in SCENARIOS for dt in DTYPES for d in (64, 128)]
+    return cases
 
 
 def _heads(settings, H: int, head_dim: int, hkv: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -150,8 +169,58 @@ def _compare(label: str, got: dict, ref: dict, ref64: dict, dtype: torch.dtype) 
     assert_all_within_reference_error(label, got, ref, ref64, factor, atol, relative)
 
 
-@pytest.mark.parametrize("scen, dtype_name, head_dim", CASES)
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+# first in the file: the slowest tests (a compile each) start first when the quick run is stopped by its timeout
+def _compile_cases():
+    """Every implementation; the quick check compiles the first implementation per training path."""
+    seen, cases = set(), []
+    for impl in IMPLEMENTATIONS:
+        group = triton_path(impl) or (paths_for(resolve_settings(impl).normalizer) or ["reference"])[0]
+        quick = group not in seen
+        seen.add(group)
+        cases.append(pytest.param(impl, marks=() if quick else pytest.mark.slow, id=impl))
+    return cases
+
+
+@needs_compile
+@pytest.mark.parametrize("implementation", _compile_cases())
+def test_torch_compile_fullgraph_llama_train_step(implementation):
+    """A tiny Llama (GQA) train step under torch.compile(fullgraph=True) on CUDA: the loss equals eager's, every
+    gradient is finite, and the attention path is the one eager mode runs."""
+    from conftest import LAST_CALL, tiny
+
+    torch._dynamo.reset()
+    model = tiny("llama", "causal_lm", implementation).to(DEV).train()
+    ids = torch.randint(0, 97, (2, 48), generator=torch.Generator().manual_seed(0)).to(DEV)
+    LAST_CALL.path = ""
+    eager = model(input_ids=ids, labels=ids).loss
+    path, mask = LAST_CALL.path, LAST_CALL.mask
+    assert path and path != "reference", f"{implementation}: eager ran {path!r}"
+    LAST_CALL.path = ""
+    model.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = torch.compile(model, fullgraph=True)
+        loss = compiled(input_ids=ids, labels=ids).loss
+        loss.backward()
+    torch.testing.assert_close(loss.detach(), eager.detach(), atol=1e-4, rtol=1e-4)
+    assert LAST_CALL.path, f"{implementation}: the compiled call did not reach hf_attnorm"
+    if not (PATHS[path].traceable and PATHS[path].compiled_backward):
+        # a path that declares it declines torch.compile (or compiled training): the compiled call runs another one
+        assert LAST_CALL.path != path, \
+            f"{implementation}: {path!r} is registered not to run compiled training but ran compiled"
+    elif LAST_CALL.mask == mask:  # same call, same path
+        assert LAST_CALL.path == path, f"{implementation}: compiled ran {LAST_CALL.path!r}, eager {path!r}"
+    else:  # transformers materialises the causal mask while Dynamo traces on some torch versions (2.11): a path
+        # may decline a 4-D mask it cannot read under tracing (explain() says so); the loss still matches
+        assert (mask, LAST_CALL.mask) == ("causal", "given"), (implementation, mask, LAST_CALL.mask)
+        # only a path that must read the mask's structure on the host (MaskInfo.padding) may decline it then
+        assert LAST_CALL.path == path or path in HOST_MASK_READERS, \
+            f"{implementation}: compiled ran {LAST_CALL.path!r} on a {LAST_CALL.mask} mask, eager {path!r}"
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads and all(torch.isfinite(g).all() for g in grads.values()), implementation
+
+
+@pytest.mark.parametrize("implementation, scen, dtype_name, head_dim", _reference_cases())
 def test_matches_float64_reference_on_gpu(implementation, scen, dtype_name, head_dim):
     dtype = DTYPES[dtype_name]
     try:
@@ -206,50 +275,3 @@ def test_triton_path_determinism_as_declared(path):
             assert torch.equal(first[key], second[key]), f"{path} ({impl}): {key} differs between two runs"
 
 
-def _compile_cases():
-    """Every implementation; the quick check compiles the first implementation per training path."""
-    seen, cases = set(), []
-    for impl in IMPLEMENTATIONS:
-        group = triton_path(impl) or (paths_for(resolve_settings(impl).normalizer) or ["reference"])[0]
-        quick = group not in seen
-        seen.add(group)
-        cases.append(pytest.param(impl, marks=() if quick else pytest.mark.slow, id=impl))
-    return cases
-
-
-@needs_compile
-@pytest.mark.parametrize("implementation", _compile_cases())
-def test_torch_compile_fullgraph_llama_train_step(implementation):
-    """A tiny Llama (GQA) train step under torch.compile(fullgraph=True) on CUDA: the loss equals eager's, every
-    gradient is finite, and the attention path is the one eager mode runs."""
-    from conftest import LAST_CALL, tiny
-
-    torch._dynamo.reset()
-    model = tiny("llama", "causal_lm", implementation).to(DEV).train()
-    ids = torch.randint(0, 97, (2, 48), generator=torch.Generator().manual_seed(0)).to(DEV)
-    LAST_CALL.path = ""
-    eager = model(input_ids=ids, labels=ids).loss
-    path, mask = LAST_CALL.path, LAST_CALL.mask
-    assert path and path != "reference", f"{implementation}: eager ran {path!r}"
-    LAST_CALL.path = ""
-    model.zero_grad()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        compiled = torch.compile(model, fullgraph=True)
-        loss = compiled(input_ids=ids, labels=ids).loss
-        loss.backward()
-    torch.testing.assert_close(loss.detach(), eager.detach(), atol=1e-4, rtol=1e-4)
-    assert LAST_CALL.path, f"{implementation}: the compiled call did not reach hf_attnorm"
-    if not PATHS[path].traceable:
-        # a path that declares it declines torch.compile: the compiled call runs another one, never silently
-        assert LAST_CALL.path != path, f"{implementation}: {path!r} is registered traceable=False but ran compiled"
-    elif LAST_CALL.mask == mask:  # same call, same path
-        assert LAST_CALL.path == path, f"{implementation}: compiled ran {LAST_CALL.path!r}, eager {path!r}"
-    else:  # transformers materialises the causal mask while Dynamo traces on some torch versions (2.11): a path
-        # may decline a 4-D mask it cannot read under tracing (explain() says so); the loss still matches
-        assert (mask, LAST_CALL.mask) == ("causal", "given"), (implementation, mask, LAST_CALL.mask)
-        # only a path that must read the mask's structure on the host (MaskInfo.padding) may decline it then
-        assert LAST_CALL.path == path or path in HOST_MASK_READERS, \
-            f"{implementation}: compiled ran {LAST_CALL.path!r} on a {LAST_CALL.mask} mask, eager {path!r}"
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    assert grads and all(torch.isfinite(g).all() for g in grads.values()), implementation

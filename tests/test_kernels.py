@@ -17,7 +17,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import LAST_CALL
+from conftest import LAST_CALL, needs_compile
 from numerics import assert_within_reference_error
 
 from hf_attnorm.attention import attention, constant_heads, make_call
@@ -409,6 +409,39 @@ def test_dispatch_runs_no_kernel(monkeypatch):
         assert choose(call) == expected
         assert explain(call)[-1] == (expected, "runs")
         monkeypatch.undo()
+
+
+@needs_compile
+def test_compiled_training_declines_as_registered():
+    """While Dynamo traces, a path registered ``compiled_backward=False`` declines a call that needs gradients (with
+    the declared reason) and still takes one without; every other path never gives that reason (one traced function
+    asks every path)."""
+    calls = {}
+    for path in FAST_PATHS:
+        settings = resolve_settings(_normalizers(path)[0])
+        q = torch.randn(1, 2, 9, 8, requires_grad=True)
+        calls[path] = make_call(q, q, q, settings, constant_heads(settings, 2, head_dim=8), None, True, None,
+                                module_info=MODULE_INFO)
+    reasons: dict[tuple[str, str], str | None] = {}
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def ask(x: torch.Tensor) -> torch.Tensor:
+        for path, call in calls.items():
+            reasons[path, "training"] = PATHS[path].accepts(call)
+            with torch.no_grad():
+                reasons[path, "inference"] = PATHS[path].accepts(call)
+        return x + 1
+
+    torch._dynamo.reset()
+    ask(torch.zeros(2))
+    assert len(reasons) == 2 * len(FAST_PATHS)
+    for path, call in calls.items():
+        declared = f"torch.compile: path {path!r} does not trace its backward (registered compiled_backward=False)"
+        said = {mode: reasons[path, mode] or "" for mode in ("training", "inference")}
+        assert not said["inference"].startswith(declared), (path, said)
+        assert said["training"].startswith(declared) == (not PATHS[path].compiled_backward), (path, said)
+        assert not (PATHS[path].accepts(call) or "").startswith(declared), path  # eager: never
+    assert not all(p.compiled_backward for p in PATHS.values())  # the declaration is in use
 
 
 def test_priorities_are_explicit_and_distinct():

@@ -1,7 +1,7 @@
 """Errors of one implementation's gradients against float64 with each SDPA backend forced (a CUDA GPU; run from the
 repository root): ``python bench/gpu/ssmax_backends.py [implementation ...]`` (default: ssmax softmax). Prints per
 case and backend the max abs error of each tensor, the reference path's error in the same dtype, and the largest
-magnitude of the float64 value. Used for bench/gpu/NVIDIA_H100_80GB_HBM3/README.md."""
+magnitude of the float64 value. Used for bench/gpu/NVIDIA_H100_80GB_HBM3/2026-11-27-ef50fad/README.md."""
 
 from __future__ import annotations
 

@@ -57,7 +57,8 @@ tensor).
 The rule: needs-weights (``output_attentions``) -> the reference; otherwise the first path by priority whose
 ``auto_exclude`` does not hold the call's device and whose ``takes`` and ``accepts`` say None; while
 ``torch.compiler.is_exporting()``, only the ``exportable`` paths (sdpa, sdpa_sinkcol: any device) and the reference
-(docs/export.md); while ``torch.compile`` traces, a path registered ``traceable=False`` (the Triton paths) declines;
+(docs/export.md); while ``torch.compile`` traces, a path registered ``traceable=False`` (the Triton paths) declines,
+and one registered ``compiled_backward=False`` (chunked, selective) declines calls that need gradients;
 a call carrying a forget gate (``AttnCall.forget``, forgetting attention) only goes to the paths registered
 ``forget=True`` (reference, chunked, decode, sdpa).
 ``explain(call)`` lists every candidate with its reason, running nothing. Override: ``path=`` on
@@ -107,6 +108,9 @@ class Path:
     traceable: bool = True
     #: applies forgetting attention's decay (``AttnCall.forget``); False: declines every call carrying one
     forget: bool = False
+    #: False: while torch.compile traces, declines calls that need gradients (its backward cannot be traced: the
+    #: compiled model runs another path for training; compiled inference still runs it)
+    compiled_backward: bool = True
 
     def check(self, call: AttnCall) -> str | None:
         """None when this path can run ``call``, else the reason (runs nothing)."""
@@ -154,16 +158,29 @@ def _declining_forget(name: str, accepts: Check) -> Check:
     return check
 
 
+def _declining_compiled_backward(name: str, accepts: Check) -> Check:
+    """``accepts`` of a path registered ``compiled_backward=False``: traced calls needing gradients are declined."""
+    def check(call: AttnCall) -> str | None:
+        if torch.compiler.is_compiling() and torch.is_grad_enabled() and any(
+                t.requires_grad for t in (call.q, call.k, call.v, *call.heads.values())):
+            return (f"torch.compile: path {name!r} does not trace its backward (registered compiled_backward=False);"
+                    " another path runs")
+        return accepts(call)
+    return check
+
+
 def register_path(name: str, kernel: Kernel, *, takes: NormCheck, accepts: Check, priority: int,
                   auto_exclude: Collection[str] = (), exportable: bool = False, traceable: bool = True,
-                  forget: bool = False) -> None:
+                  forget: bool = False, compiled_backward: bool = True) -> None:
     """Register a path with its declared capabilities (see the module docstring)."""
     if not forget:
         accepts = _declining_forget(name, accepts)
+    if not compiled_backward:
+        accepts = _declining_compiled_backward(name, accepts)
     if not traceable:
         accepts = _declining_compile(name, accepts)
     PATHS[name] = Path(name, kernel, takes, accepts, priority, frozenset(auto_exclude), exportable, traceable,
-                       forget)
+                       forget, compiled_backward)
     _ORDER[:] = sorted((p for p in PATHS.values() if p.name != "reference"), key=lambda p: p.priority)
     _AUTO.clear()
 

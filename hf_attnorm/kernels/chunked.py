@@ -167,10 +167,6 @@ def accepts(call: AttnCall) -> str | None:
         return "empty inputs"
     if is_exporting():
         return None  # torch.export traces the chunk loop below (fixed lengths: the loop follows the sequence length)
-    if torch.compiler.is_compiling() and torch.is_grad_enabled() and any(
-            t.requires_grad for t in (call.q, call.k, call.v, *call.heads.values())):
-        # its backward recomputes chunks with torch.autograd.grad, which torch.compile cannot trace
-        return "a backward pass under torch.compile (the per-chunk recomputation cannot be traced)"
     return None
 
 
@@ -182,8 +178,8 @@ def chunked_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     heads = [call.heads[n] for n in names]
     bias = call.score_bias(with_forget=False)
     if torch.compiler.is_compiling():
-        # dynamo cannot trace the recomputing backward (torch.autograd.grad inside it): a compiled graph
-        # differentiates the chunks directly, keeping their weights for backward as eager attention does
+        # compiled inference (compiled_backward=False declines training): the chunk loop traces, the recomputing
+        # autograd.Function (torch.autograd.grad inside it) does not
         lq = q.shape[2]
         out = torch.cat([plan.chunk_out(q[:, :, i0:i0 + plan.chunk], k, v, heads, i0, min(i0 + plan.chunk, lq),
                                         bias, call.sinks, call.forget) for i0 in range(0, lq, plan.chunk)], dim=2)
@@ -200,4 +196,7 @@ def _any(norm: Normalizer) -> str | None:
 
 from . import register_path  # noqa: E402  (registration at import, like the normalizers)
 
-register_path("chunked", chunked_attention, takes=_any, accepts=accepts, priority=90, forget=True)
+# its backward recomputes chunks with torch.autograd.grad, which torch.compile cannot trace: compiled training runs
+# the reference
+register_path("chunked", chunked_attention, takes=_any, accepts=accepts, priority=90, forget=True,
+              compiled_backward=False)

@@ -192,9 +192,6 @@ def accepts(call: AttnCall) -> str | None:
         return "dropout > 0 (not implemented here)"
     if call.q.numel() == 0 or call.k.shape[2] == 0:
         return "empty inputs"
-    if torch.compiler.is_compiling() and torch.is_grad_enabled() and any(
-            t.requires_grad for t in (call.q, call.k, call.v, *call.heads.values())):
-        return "a backward pass under torch.compile (the blocked backward is not traced; the reference is)"
     return None
 
 
@@ -204,7 +201,7 @@ def selective_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     B, lk = q.shape[0], k.shape[2]
     carry = call.selective_carry
     carry = q.new_zeros(B, lk) if carry is None else check_carry(carry, B, lk).to(q.dtype).expand(B, lk)
-    if torch.compiler.is_compiling():  # forward only (accepts): the blocked loop traces
+    if torch.compiler.is_compiling():  # forward only (compiled_backward=False): the blocked loop traces
         out, _ = _forward(_Plan(call), q, k, v, carry)
     else:
         out = _SelectiveFn.apply(_Plan(call), q, k, v, carry)
@@ -213,4 +210,5 @@ def selective_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
 
 from . import register_path  # noqa: E402  (registration at import, like the normalizers)
 
-register_path("selective", selective_attention, takes=takes, accepts=accepts, priority=85)
+# the blocked backward is not traced (the reference's is): compiled training runs the reference
+register_path("selective", selective_attention, takes=takes, accepts=accepts, priority=85, compiled_backward=False)
