@@ -84,8 +84,9 @@ def markdown_tables() -> str:
 
 def learned_list() -> str:
     """Every per-head value any normalizer, scale or global option can create, with its owner and help (one line
-    each): what a checkpoint may hold under ``...attnorm.<name>``."""
-    seen: dict[str, str] = {}
+    per owner and learnable option): what a checkpoint may hold under ``...attnorm.<name>``."""
+    seen: set[str] = set()
+    lines: dict[tuple[str, str], list[str]] = {}
     owners = [(f"normalizer `{n}`", obj.params) for n, obj in NORMALIZERS.items()]
     owners += [(f"scale `{n}`", obj.params) for n, obj in SCALES.items()]
     memory = resolve_settings("softmax", {"num_mem_kv": 1})
@@ -95,10 +96,10 @@ def learned_list() -> str:
     for owner, specs in owners:
         for spec in specs:
             if spec.name not in seen:
-                default = OPTIONS.get(spec.learnable_option).default
-                seen[spec.name] = (f"* `{spec.name}` ({owner}; learned when `{spec.learnable_option}` is true, "
-                                   f"default `{default!r}`): {spec.help}")
-    return "\n".join(seen.values())
+                seen.add(spec.name)
+                lines.setdefault((owner, spec.learnable_option), []).append(f"`{spec.name}`: {spec.help}")
+    return "\n".join(f"* {owner}, learned when `{learnable}` is true (default `{OPTIONS.get(learnable).default!r}`): "
+                     + "; ".join(entries) for (owner, learnable), entries in lines.items())
 
 
 def versions_line() -> str:

@@ -73,6 +73,9 @@ def make_call(
     norm, sc = NORMALIZERS.get(settings.normalizer), SCALES.get(settings.scale)
     if not heads_checked:  # (a model's modules were checked when the implementation was set: hf/state.py)
         norm.check_heads(settings, H)
+    if norm.differential and D < 2:
+        raise ValueError(f"normalizer {settings.normalizer!r} splits each head's query/key dims into two halves, so "
+                         f"the head dim must be at least 2; got {D}")
     if isinstance(attention_mask, torch.Tensor) and attention_mask.is_floating_point():
         attention_mask, mask_bias = split_float_mask(attention_mask)
         bias = _add_bias(bias, mask_bias)

@@ -15,7 +15,7 @@ from transformers import LlamaForCausalLM
 from hf_attnorm.attention import attention, constant_heads
 from hf_attnorm.kernels import _WARNED_DROPOUT, PATHS, paths_for
 from hf_attnorm.lab.model_zoo import make_config
-from hf_attnorm.registry import PRESETS
+from hf_attnorm.registry import NORMALIZERS, PRESETS
 from hf_attnorm.settings import resolve_settings
 
 IMPLS = list(PRESETS)
@@ -118,12 +118,15 @@ def test_every_path_applies_dropout_at_the_rate_or_refuses(impl):
     heads = constant_heads(settings, H, head_dim=L, kv_heads=H)
     heads = {n: (torch.zeros_like(t) if n == "mem_v" else t) for n, t in heads.items()}  # memory adds nothing
     kw = dict(causal=True, heads=heads, module_info={"max_positions": 64})  # (length-aware scales read it)
-    full, _ = attention(q, k, v, settings, path="reference", **kw)
+    # a differential normalizer's output is normalised per row, so its weights are read instead (reference only)
+    weights = NORMALIZERS.get(settings.normalizer).differential
+    full = attention(q, k, v, settings, path="reference", need_weights=weights, **kw)[weights]
     ran = []
     for path in dict.fromkeys([*paths_for(settings.normalizer), "reference"]):
         try:
             torch.manual_seed(7)
-            dropped, _ = attention(q, k, v, settings, dropout=P, path=path, **kw)
+            dropped = attention(q, k, v, settings, dropout=P, path=path, need_weights=weights and path == "reference",
+                                **kw)[weights]
         except ValueError as e:
             if "dropout" not in str(e):
                 continue  # this call's shape, dtype or device, not dropout (other tests cover those)
@@ -134,6 +137,6 @@ def test_every_path_applies_dropout_at_the_rate_or_refuses(impl):
         ran.append(path)
     assert ran, f"{impl}: no path applies dropout"
     torch.manual_seed(7)
-    auto, _ = attention(q, k, v, settings, dropout=P, **kw)  # the automatic choice drops too
+    auto = attention(q, k, v, settings, dropout=P, need_weights=weights, **kw)[weights]  # the automatic choice too
     _check_dropped(auto, full, P, f"{impl}, automatic path")
     assert set(PATHS) >= set(ran)

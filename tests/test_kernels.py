@@ -39,6 +39,11 @@ from hf_attnorm.registry import NORMALIZERS, SCALES, AttnormError
 from hf_attnorm.settings import OPTIONS, AttnormSettings, resolve_settings
 
 FAST_PATHS = [p for p in PATHS if p != "reference"]
+#: the gradient of a learnable per-head value sums over every row and dimension, so a path whose kernel rounds
+#: differently from the reference's accumulates it coherently: it may also differ from float64 by this fraction of the
+#: gradient's largest magnitude. Measured: diff's lambda vectors through SDPA on the CPU, fp32, 2.1e-5 to 3.3e-5 on
+#: gradients of 13 to 29 (a relative 1.6e-6), the reference 1.9e-6 to 3.8e-6
+HEAD_VALUE_RELATIVE = {torch.float32: 1e-5}
 MODULE_INFO = {"max_positions": 16}  # qwen_logn's L_train: small, so the scale is active at test lengths
 
 
@@ -194,8 +199,9 @@ def _compare(path, name, case, dtype=torch.float32, scale=None, seed=0, perturb=
         raise
     labels = ["out", "dq", "dk", "dv", *[f"d{n}" for n in heads]]
     factor, absolute = (5.0, 1e-5) if dtype == torch.float32 else (2.0, 1e-6)
-    for label, e, r, f in zip(labels, exact, ref, fast):
-        assert_within_reference_error(f"{path}/{name}/{case}/{dtype} {label}", f, r, e, factor, absolute)
+    for i, (label, e, r, f) in enumerate(zip(labels, exact, ref, fast)):
+        relative = HEAD_VALUE_RELATIVE.get(dtype, 0.0) if i >= 4 else 0.0
+        assert_within_reference_error(f"{path}/{name}/{case}/{dtype} {label}", f, r, e, factor, absolute, relative)
     if mask is not None and mask.shape[1] == 1:  # fully masked rows give exactly 0
         dead = ~mask.any(-1)  # [B, 1, Lq]
         if dead.any():

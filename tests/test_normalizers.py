@@ -46,6 +46,16 @@ def test_row_sums_and_masked_zeros(name):
     kind = NORMALIZERS.get(name).row_sum
     rows = w.sum(-1)
     live = keep.any(-1).expand_as(rows)
+    if NORMALIZERS.get(name).differential:  # A1 - lambda A2: rows sum to 1 - lambda, entries of either sign
+        settings = resolve_settings(name)
+        heads = constant_heads(settings, 3, head_dim=q.shape[-1])
+        ctx = make_call(q, k, k, settings, heads, keep, False, None).ctx()
+        ones = live.float().unsqueeze(-1)  # each half's rows sum to 1 (0 on a fully masked row)
+        want = NORMALIZERS.get(name).halves_difference(ones, ones, ctx).squeeze(-1)
+        assert not torch.allclose(want[live], torch.ones_like(want[live]))  # lambda is not 0 here
+        torch.testing.assert_close(rows, want, atol=1e-5, rtol=0)
+        assert (w < 0).any(), "a differential normalizer gave no negative weight on random scores"
+        return
     if kind == "signed":  # negative weights allowed; their magnitudes sum to 1
         assert (w < 0).any(), "a signed normalizer gave no negative weight on random scores"
         magnitudes = w.abs().sum(-1)

@@ -227,6 +227,36 @@ def _fox(q, k, keep, opts):
     return w
 
 
+#: differential attention's halves of a head's D = 4 query/key dims: rotary pairs (i, i + D/2) kept whole
+DIFF_HALVES = ([0, 2], [1, 3])
+DIFF_OPTIONS = {"diff_lambda_init": 0.5, "diff_lambda_std": 0.3, "diff_norm_init": 1.5}
+
+
+def _diff_lambda(opts: dict) -> tuple[torch.Tensor, float]:
+    """(lambda per head [H], lambda_init) of Ye et al. 2025: exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init,
+    lambda_init = 0.8 - 0.6 exp(-0.3 l) at layer l = 0 unless given. The re-parameterisation vectors are parameters
+    drawn at random (N(0, std^2)), so their values are read from the library's initial values."""
+    heads = constant_heads(resolve_settings("diff", opts), H, head_dim=D)
+    init = opts.get("diff_lambda_init")
+    init = 0.8 - 0.6 * math.exp(-0.3 * 0) if init is None else init
+    vec = {n: heads[f"diff_lambda_{n}"].to(F64) for n in ("q1", "k1", "q2", "k2")}
+    lam = torch.exp((vec["q1"] * vec["k1"]).sum(-1)) - torch.exp((vec["q2"] * vec["k2"]).sum(-1)) + init
+    return lam, init
+
+
+def _diff(q, k, keep, opts):
+    """Ye et al. 2025, differential attention: softmax(Q1 K1^T / sqrt(d)) - lambda softmax(Q2 K2^T / sqrt(d)), d the
+    halves' dims (D/2)."""
+    lam, _ = _diff_lambda(opts)
+    first, second = DIFF_HALVES
+    w = torch.zeros(B, H, L, L, dtype=F64)
+    for b, h, i, idx, qi, kv in _rows(q, k, keep):
+        s1 = kv[:, first] @ qi[first] / math.sqrt(D / 2)
+        s2 = kv[:, second] @ qi[second] / math.sqrt(D / 2)
+        w[b, h, i, idx] = _softmax(s1) - lam[h] * _softmax(s2)
+    return w
+
+
 NORMALIZER_FORMULAS: dict[str, tuple[Callable, dict]] = {
     # name: (formula, one non-default option set; {} where the normalizer has no options)
     "softmax": (_per_row(lambda s, o, n: _softmax(s)), {}),
@@ -245,6 +275,7 @@ NORMALIZER_FORMULAS: dict[str, tuple[Callable, dict]] = {
     "cog": (_per_row(lambda s, o, n: torch.sign(s) * _softmax(s.abs())), {}),
     "fox": (_fox, {"fox_weight_init": 0.4, "fox_bias_init": 1.5}),
     "gated": (_per_row(lambda s, o, n: _softmax(s)), {}),  # its weights are softmax's; the gate: OUTPUT_FORMULAS
+    "diff": (_diff, DIFF_OPTIONS),
     "stablemax": (_per_row(lambda s, o, n: _stablemax_g(s) / _stablemax_g(s).sum()), {}),  # Prieto et al. 2025
     "sparsemax": (_per_row(_sparsemax_row), {}),
     "entmax15": (_per_row(_entmax15_row), {}),
@@ -372,15 +403,32 @@ def _gated_output(q, k, v, keep, opts):
     return out
 
 
+def _diff_output(q, k, v, keep, opts):
+    """Ye et al. 2025: RMSNorm((A1 - lambda A2) V) x (1 - lambda_init) per head, eps 1e-5, the norm's weight
+    diff_norm_init in every entry."""
+    lam, init = _diff_lambda(opts)
+    first, second = DIFF_HALVES
+    out = torch.zeros(B, H, L, v.shape[-1], dtype=F64)
+    for b, h, i, idx, qi, kv in _rows(q, k, keep):
+        a1 = _softmax(kv[:, first] @ qi[first] / math.sqrt(D / 2))
+        a2 = _softmax(kv[:, second] @ qi[second] / math.sqrt(D / 2))
+        o = (a1 - lam[h] * a2) @ v[b, h, idx]
+        out[b, h, i] = o / torch.sqrt((o**2).mean() + 1e-5) * opts.get("diff_norm_init", 1.0) * (1 - init)
+    return out
+
+
 OUTPUT_FORMULAS: dict[str, tuple[Callable, dict]] = {
     "gated": (_gated_output, {"gated_weight_init": 0.2, "gated_bias_init": -0.5}),
+    "diff": (_diff_output, DIFF_OPTIONS),
 }
 
 
 def test_every_normalizer_with_an_output_gate_has_an_output_transcription():
-    gated = {name for name, norm in NORMALIZERS.items() if type(norm).output_gate is not Normalizer.output_gate}
-    missing = sorted(gated - set(OUTPUT_FORMULAS))
-    assert gated and not missing, f"normalizers gating their output without a transcription here: {missing}"
+    """Normalizers whose output is more than weights @ v (an output gate, differential halves) each have one."""
+    special = {name for name, norm in NORMALIZERS.items()
+               if type(norm).output_gate is not Normalizer.output_gate or norm.differential}
+    missing = sorted(special - set(OUTPUT_FORMULAS))
+    assert special and not missing, f"normalizers transforming their output without a transcription here: {missing}"
 
 
 @pytest.mark.parametrize("options", ["default", "non-default"])

@@ -110,7 +110,7 @@ def test_learned_values_list_is_complete():
     listed = learned_list()
     readme = (ROOT / "README.md").read_text()
     for name in names:
-        assert f"`{name}`" in listed and f"* `{name}`" in readme, name
+        assert f"`{name}`: " in listed and f"`{name}`: " in readme, name
 
 
 @pytest.mark.parametrize("kind", ["normalizer", "scale"])

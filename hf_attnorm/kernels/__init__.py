@@ -81,8 +81,8 @@ import torch
 from ..normalizers.base import Normalizer
 from ..registry import NORMALIZERS, AttnormError
 from ..torch_compat import DYNAMIC_EXPORT, DYNAMIC_EXPORT_TORCH, is_exporting
-from .base import AttnCall
-from .reference import reference_attention
+from .base import AttnCall, repeat_kv
+from .reference import reference_attention, reference_weights
 
 KernelResult = "tuple[torch.Tensor, torch.Tensor | None]"
 Kernel = Callable[[AttnCall], KernelResult]
@@ -237,12 +237,18 @@ def _auto_candidates(call: AttnCall) -> list[Path]:
 
 def candidate_paths(call: AttnCall) -> list[str]:
     """Fast paths the rule considers for this call, in order (the reference is always last)."""
-    return [p.name for p in _auto_candidates(call)]
+    return [p.name for p in _auto_candidates(_routed(call))]
+
+
+def _routed(call: AttnCall) -> AttnCall:
+    """The call the rule decides on: a differential call's first half (both halves take the same path)."""
+    return call.halves()[0] if call.split else call
 
 
 def choose(call: AttnCall, path: str | None = None) -> str:
     """The path that will run ``call`` (``path``/HF_ATTNORM_PATH forcing one); raises ValueError when a forced path
     cannot take it. Runs nothing."""
+    call = _routed(call)
     forced = path or _FORCED["path"]
     if forced != "auto":
         if forced not in PATHS:
@@ -285,6 +291,7 @@ def _warn_dropout_fallback(call: AttnCall, chosen: str) -> None:
 
 def explain(call: AttnCall) -> list[tuple[str, str]]:
     """For each path the rule considers, in order: (name, why it declines or "runs"). Runs no kernel."""
+    call = _routed(call)
     report = []
     for p in _auto_candidates(call):
         why = p.accepts(call)
@@ -297,6 +304,8 @@ def explain(call: AttnCall) -> list[tuple[str, str]]:
 
 def attend(call: AttnCall, path: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None, str]:
     """Run one call. Returns (out [B, H, Lq, Dv], weights or None, name of the path that ran)."""
+    if call.split:
+        return _attend_differential(call, path)
     name = choose(call, path)
     out, w = PATHS[name].kernel(call)
     if call.drop_queries or call.memory:  # learned memory key/values (kernels/memory.py): the caller's shapes
@@ -305,6 +314,51 @@ def attend(call: AttnCall, path: str | None = None) -> tuple[torch.Tensor, torch
     if call.output_gate is not None:  # gated attention: the weights are unchanged, the output gated (in fp32)
         out = (out.to(call.output_gate.dtype) * call.output_gate).to(out.dtype)
     return out, w, name
+
+
+def _attend_differential(call: AttnCall, path: str | None) -> tuple[torch.Tensor, torch.Tensor | None, str]:
+    """Differential attention: both halves on the path the rule (or ``path``) picks for them, then combined and
+    normalised by the normalizer (in fp32 at least), the output gate (if any) after that."""
+    norm, ctx = call.normalizer, call.ctx()
+    if call.dropout > 0:
+        return _attend_differential_dropout(call, path)
+    first, second = call.halves()
+    out_first, w_first, name = attend(first, path)
+    out_second, w_second, _ = attend(second, path)
+    out = norm.normalize_output(norm.halves_difference(out_first, out_second, ctx), ctx)
+    if call.output_gate is not None:
+        out = out * call.output_gate
+    w = None if w_first is None else norm.halves_difference(w_first, w_second, ctx).to(w_first.dtype)
+    return out.to(call.q.dtype), w, name
+
+
+def _attend_differential_dropout(call: AttnCall, path: str | None) -> tuple[torch.Tensor, torch.Tensor | None, str]:
+    """Attention dropout acts on the combined weights A1 - lambda A2 (dropping the halves apart would keep a weight
+    where only one half is dropped), which only the materialised path forms: forced elsewhere, refused."""
+    forced = path or _FORCED["path"]
+    name = call.settings.normalizer
+    if forced not in ("auto", "reference"):
+        raise ValueError(f"path {forced!r} cannot apply attention dropout to {name!r}: it drops entries of the "
+                         "combined weights A1 - lambda A2, which only the 'reference' path forms (set the attention "
+                         "dropout to 0 to keep the fast paths)")
+    if forced == "auto" and not torch.compiler.is_compiling():
+        fast = choose(dataclasses.replace(call, dropout=0.0))
+        key = (name, call.q.device.type, fast, "reference")
+        if fast != "reference" and key not in _WARNED_DROPOUT:
+            _WARNED_DROPOUT.add(key)
+            warnings.warn(f"hf_attnorm: attention dropout {call.dropout} (training): {name!r} drops entries of its "
+                          "combined weights, which only the materialised path forms, so it runs on 'reference' "
+                          f"instead of {fast!r} (exact, slower). Set the model's attention dropout to 0 to keep the "
+                          "fast path.", stacklevel=3)
+    norm, ctx = call.normalizer, call.ctx()
+    w = torch.nn.functional.dropout(reference_weights(call), p=call.dropout, training=True)
+    out = w @ repeat_kv(call.v, call.groups).to(w.dtype)
+    if call.drop_queries or call.memory:
+        out, w = out[:, :, call.drop_queries:], w[:, :, call.drop_queries:, call.memory:]
+    out = norm.normalize_output(out, ctx)
+    if call.output_gate is not None:
+        out = out * call.output_gate
+    return out.to(call.q.dtype), (w.to(call.q.dtype) if call.need_weights else None), "reference"
 
 
 # every other module of this package registers its path(s) with register_path when imported

@@ -67,6 +67,9 @@ class AttnCall:
     #: a gate multiplied into the output by ``attend`` after the path ran (a normalizer's ``output_gate``, gated
     #: attention): [B, H, Lq, Dv] in fp32 or fp64 (rows of the caller's queries: no memory query rows); None: none
     output_gate: torch.Tensor | None = None
+    #: differential attention: which half of every head's q/k dims this call attends (0 or 1, set by ``halves``);
+    #: None for a whole call
+    half: int | None = None
 
     @property
     def modifies_scores(self) -> bool:
@@ -90,6 +93,35 @@ class AttnCall:
     @property
     def normalizer(self) -> Normalizer:
         return NORMALIZERS.get(self.settings.normalizer)
+
+    @property
+    def split(self) -> bool:
+        """A whole call of a differential normalizer: ``attend`` runs its two halves instead."""
+        return self.half is None and self.normalizer.differential
+
+    def halves(self) -> tuple[AttnCall, AttnCall]:
+        """The two calls of a differential call, each with half of every head's q/k dims: with D a multiple of 4, half
+        0 holds the dims [0, D/4) and [D/2, 3D/4) and half 1 the rest (rotary pairs i, i + D/2 stay together);
+        otherwise the first floor(D/2) dims and the rest. Each half is scaled for its own dims d (base x
+        sqrt(D / d)); the same v, mask and score modifiers; per-head values without the normalizer's own."""
+        d = self.q.shape[-1]
+        quarter, middle = d // 4, d // 2
+
+        def part(x: torch.Tensor, half: int) -> torch.Tensor:
+            if d % 4:
+                return x[..., :middle] if half == 0 else x[..., middle:]
+            if half == 0:
+                return torch.cat([x[..., :quarter], x[..., middle:middle + quarter]], dim=-1)
+            return torch.cat([x[..., quarter:middle], x[..., middle + quarter:]], dim=-1)
+
+        own = {spec.name for spec in self.normalizer.params}
+        heads = {name: t for name, t in self.heads.items() if name not in own}
+        calls = []
+        for i in (0, 1):
+            q = part(self.q, i)
+            calls.append(dataclasses.replace(self, q=q, k=part(self.k, i), heads=heads, output_gate=None, half=i,
+                                             base=self.base * (d / q.shape[-1]) ** 0.5))
+        return calls[0], calls[1]
 
     @property
     def groups(self) -> int:

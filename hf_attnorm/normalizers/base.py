@@ -151,6 +151,12 @@ class Normalizer:
     #: step (whose earlier queries are gone) is refused by the transformers integration
     query_coupled: ClassVar[bool] = False
 
+    #: differential attention: each head's q/k dims are split into two halves (``AttnCall.halves``), each attended
+    #: with this normalizer's own map (``reference`` and its kernel family) on whatever path takes the call, and
+    #: ``attend`` forms ``normalize_output(halves_difference(first, second))``; the weights are
+    #: ``halves_difference`` of the halves' weights (head dim at least 2)
+    differential: ClassVar[bool] = False
+
     # ---- what the kernels need to know (hf_attnorm.kernels reads these; no kernel switches on a name) ----
     #: "softmax": exp(s) over the visible keys plus at most one always-visible sink logit (``sink_logit``), exact
     #: on SDPA; "fused": an elementwise map of the fused CPU / Triton kernels, named by ``fused_kind``; "linear":
@@ -202,6 +208,14 @@ class Normalizer:
         None for no forget gate. ``make_call`` turns it into ``AttnCall.forget`` (its cumulative sum), which adds
         -|c_{p_i} - c_j| to the scores; only the paths registered ``forget=True`` take such a call."""
         return None
+
+    def halves_difference(self, first: torch.Tensor, second: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+        """Differential normalizers: the two halves' outputs [B, H, Lq, Dv] or weights [B, H, Lq, Lk] combined."""
+        raise NotImplementedError(f"normalizer {self.name!r} is not differential")
+
+    def normalize_output(self, out: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+        """Differential normalizers: the combined output [B, H, Lq, Dv] after its per-head normalisation."""
+        return out
 
     def feature_map(self, q: torch.Tensor, k: torch.Tensor, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """After scaling, before q @ k^T."""
