@@ -450,6 +450,34 @@ def test_compiled_training_declines_as_registered():
     assert not all(p.compiled_backward for p in PATHS.values())  # the declaration is in use
 
 
+@pytest.mark.parametrize("lq, lk", [(301, 301), (5, 301)])
+def test_sdpa_runs_large_causal_forget_calls_in_row_blocks(monkeypatch, lq, lk):
+    """Forgetting attention over more scores than sdpa materialises at once: without gradients a causal call runs on
+    sdpa in blocks of query rows (the decay as a per-key bias re-based per block), within float32 error of the
+    float64 reference even with strong decay; with gradients it goes to chunked."""
+    from hf_attnorm.kernels import sdpa_rewrite
+
+    monkeypatch.setattr(sdpa_rewrite, "FORGET_BIAS_ELEMENTS", 2 * 2 * 4 * lk)  # blocks of 4 query rows
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 2, n, 8, generator=g, dtype=torch.float64) for n in (lq, lk, lk))
+    # log f ~ -2 per key: |c| reaches ~600, where float32 rounds by 3e-5 (without re-basing the test fails)
+    settings = resolve_settings("fox", {"fox_bias_init": -2.0, "fox_weight_init": 0.3})
+    heads = constant_heads(settings, 2, head_dim=8)
+    exact, _, _ = attend(make_call(q, k, v, settings, heads, None, True), "reference")
+    with torch.no_grad():
+        call = make_call(q.float(), k.float(), v.float(), settings, heads, None, True)
+        assert explain(call) == [("sdpa", "runs")]
+        out, _, ran = attend(call)
+        ref, _, _ = attend(call, "reference")
+    assert ran == "sdpa"
+    assert_within_reference_error(f"fox sdpa blocks {lq}x{lk}", out.double(), ref.double(), exact, 5.0, 1e-6)
+    grad_call = make_call(q.float().requires_grad_(True), k.float(), v.float(), settings, heads, None, True)
+    assert explain(grad_call)[0][0] == "sdpa" and "gradients" in explain(grad_call)[0][1]
+    with torch.no_grad():  # more queries than keys: left to chunked (some rows' decay is not c_{p_i} - c_j)
+        wide = make_call(torch.randn(2, 2, lk + 3, 8), k.float(), v.float(), settings, heads, None, True)
+        assert explain(wide)[0][0] == "sdpa" and "Lq <= Lk" in explain(wide)[0][1]
+
+
 def test_priorities_are_explicit_and_distinct():
     prios = [p.priority for p in PATHS.values()]
     assert len(set(prios)) == len(prios), prios
@@ -506,6 +534,11 @@ def test_chunked_dropout_replays_the_same_mask(name):
     why = PATHS["chunked"].takes(NORMALIZERS.get(name))
     if why is not None:  # a normalizer may decline the chunked path (selective: queries coupled)
         pytest.skip(why)
+    try:  # a differential normalizer drops its combined weights, which only the reference path forms
+        choose(_call(name, dropout=0.3), "chunked")
+    except ValueError as exc:
+        assert NORMALIZERS.get(name).differential, exc
+        pytest.skip(str(exc))
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, 20, 8, generator=g, dtype=torch.float64) for _ in range(3))
     res = []

@@ -248,6 +248,8 @@ def _routed(call: AttnCall) -> AttnCall:
 def choose(call: AttnCall, path: str | None = None) -> str:
     """The path that will run ``call`` (``path``/HF_ATTNORM_PATH forcing one); raises ValueError when a forced path
     cannot take it. Runs nothing."""
+    if call.split and call.dropout > 0:
+        return _choose_differential_dropout(call, path)
     call = _routed(call)
     forced = path or _FORCED["path"]
     if forced != "auto":
@@ -291,6 +293,8 @@ def _warn_dropout_fallback(call: AttnCall, chosen: str) -> None:
 
 def explain(call: AttnCall) -> list[tuple[str, str]]:
     """For each path the rule considers, in order: (name, why it declines or "runs"). Runs no kernel."""
+    if call.split and call.dropout > 0:
+        return [*((p.name, DIFFERENTIAL_DROPOUT) for p in _auto_candidates(_routed(call))), ("reference", "runs")]
     call = _routed(call)
     report = []
     for p in _auto_candidates(call):
@@ -332,15 +336,27 @@ def _attend_differential(call: AttnCall, path: str | None) -> tuple[torch.Tensor
     return out.to(call.q.dtype), w, name
 
 
-def _attend_differential_dropout(call: AttnCall, path: str | None) -> tuple[torch.Tensor, torch.Tensor | None, str]:
+#: why a differential call with attention dropout runs on the reference path
+DIFFERENTIAL_DROPOUT = ("attention dropout on a differential normalizer drops entries of the combined weights "
+                        "A1 - lambda A2, which only the materialised 'reference' path forms")
+
+
+def _choose_differential_dropout(call: AttnCall, path: str | None) -> str:
     """Attention dropout acts on the combined weights A1 - lambda A2 (dropping the halves apart would keep a weight
     where only one half is dropped), which only the materialised path forms: forced elsewhere, refused."""
     forced = path or _FORCED["path"]
-    name = call.settings.normalizer
     if forced not in ("auto", "reference"):
-        raise ValueError(f"path {forced!r} cannot apply attention dropout to {name!r}: it drops entries of the "
-                         "combined weights A1 - lambda A2, which only the 'reference' path forms (set the attention "
-                         "dropout to 0 to keep the fast paths)")
+        raise ValueError(f"path {forced!r} cannot run this call (normalizer {call.settings.normalizer!r}, dropout "
+                         f"{call.dropout}): {DIFFERENTIAL_DROPOUT} (set the attention dropout to 0 to keep the fast "
+                         "paths)")
+    return "reference"
+
+
+def _attend_differential_dropout(call: AttnCall, path: str | None) -> tuple[torch.Tensor, torch.Tensor | None, str]:
+    """The combined weights, dropped, times v (``_choose_differential_dropout``)."""
+    forced = path or _FORCED["path"]
+    name = call.settings.normalizer
+    choose(call, path)  # raises when another path is forced
     if forced == "auto" and not torch.compiler.is_compiling():
         fast = choose(dataclasses.replace(call, dropout=0.0))
         key = (name, call.q.device.type, fast, "reference")

@@ -103,7 +103,8 @@ class AttnCall:
         """The two calls of a differential call, each with half of every head's q/k dims: with D a multiple of 4, half
         0 holds the dims [0, D/4) and [D/2, 3D/4) and half 1 the rest (rotary pairs i, i + D/2 stay together);
         otherwise the first floor(D/2) dims and the rest. Each half is scaled for its own dims d (base x
-        sqrt(D / d)); the same v, mask and score modifiers; per-head values without the normalizer's own."""
+        sqrt(D / d)) and, when v has D dims too, padded with zero dims back to D; the same v, mask and score
+        modifiers; per-head values without the normalizer's own."""
         d = self.q.shape[-1]
         quarter, middle = d // 4, d // 2
 
@@ -118,9 +119,15 @@ class AttnCall:
         heads = {name: t for name, t in self.heads.items() if name not in own}
         calls = []
         for i in (0, 1):
-            q = part(self.q, i)
-            calls.append(dataclasses.replace(self, q=q, k=part(self.k, i), heads=heads, output_gate=None, half=i,
-                                             base=self.base * (d / q.shape[-1]) ** 0.5))
+            q, k = part(self.q, i), part(self.k, i)
+            scale = (d / q.shape[-1]) ** 0.5
+            if self.v.shape[-1] == d:
+                # zero dims add nothing to q . k, and q/k as wide as v keep SDPA on its fused kernels (CPU and CUDA
+                # fall back to the materialising math kernel when the key and value head dims differ: 8x slower)
+                q = torch.nn.functional.pad(q, (0, d - q.shape[-1]))
+                k = torch.nn.functional.pad(k, (0, d - k.shape[-1]))
+            calls.append(dataclasses.replace(self, q=q, k=k, heads=heads, output_gate=None, half=i,
+                                             base=self.base * scale))
         return calls[0], calls[1]
 
     @property

@@ -15,8 +15,9 @@
   only on other devices.
 * forgetting attention (``AttnCall.forget``): its bias F_ij = -|c_{p_i} - c_j| goes in SDPA's float mask,
   materialised, so only for calls whose bias is small (``FORGET_BIAS_ELEMENTS``: decode steps, short sequences;
-  with a gradient, SDPA's own autograd gives the bias's); the rest go to ``chunked``, which forms it per chunk
-  (O(n) memory). (Appending -c_j
+  with a gradient, SDPA's own autograd gives the bias's); a larger causal call without gradients (evaluation,
+  generation's prefill) runs SDPA on blocks of query rows with the decay as a per-key bias (``_forget_blocks``);
+  the rest go to ``chunked``, which forms the bias per chunk (O(n) memory). (Appending -c_j
   as one feature of k would avoid the materialised bias, but fp32 rounds -c_j at the magnitude of the whole
   decay, which grows with the length: at 4096 keys and f = 1/2 that is ~100x the reference path's error.)
 
@@ -104,14 +105,52 @@ def _uses_flash_cpu(call: AttnCall) -> bool:
 FORGET_BIAS_ELEMENTS = 1 << 24
 
 
+def _forget_too_large(call: AttnCall) -> bool:
+    B, H, Lq, Lk = call.q.shape[0], call.q.shape[1], call.q.shape[2], call.k.shape[2]
+    return B * H * Lq * Lk > FORGET_BIAS_ELEMENTS
+
+
+def _needs_grad(call: AttnCall) -> bool:
+    return torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (call.q, call.k, call.v, call.bias, call.forget))
+
+
 def _forget_reason(call: AttnCall) -> str | None:
     """Why this path leaves a forget call to ``chunked`` (module docstring), or None. Shapes and flags only."""
-    if call.forget is None:
+    if call.forget is None or not _forget_too_large(call):
         return None
-    B, H, Lq, Lk = call.q.shape[0], call.q.shape[1], call.q.shape[2], call.k.shape[2]
-    if B * H * Lq * Lk > FORGET_BIAS_ELEMENTS:
-        return f"a forget gate over B x H x Lq x Lk > {FORGET_BIAS_ELEMENTS} scores (chunked keeps O(n) memory)"
+    if (_needs_grad(call) or _has_sink(call) or call.dropout > 0 or call.mask.kind != "causal"
+            or call.q.shape[2] > call.k.shape[2]):
+        return (f"a forget gate over B x H x Lq x Lk > {FORGET_BIAS_ELEMENTS} scores, other than a causal call "
+                "(Lq <= Lk) without gradients, sink or dropout (chunked keeps O(n) memory)")
     return None
+
+
+def _forget_blocks(call: AttnCall) -> torch.Tensor:
+    """out [B, H, Lq, Dv] of a large causal forget call (Lq <= Lk) without gradients: SDPA on blocks of query rows,
+    each with a float mask of at most ``FORGET_BIAS_ELEMENTS`` entries. On a causal row the decay c_{p_i} - c_j is a
+    per-row constant (which softmax ignores) minus c_j, so the mask is the causal -inf plus -c_j, with c re-based at
+    the block's first query in float64 before the cast: near keys keep their precision, and a far key's rounding
+    (|F| x 6e-8) is tiny against its weight exp(-|F|)."""
+    dt = compute_dtype(call.q.dtype)
+    q, k, v, scale = _prepare(call, dt)
+    B, H, Lq, Lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    rows = max(1, FORGET_BIAS_ELEMENTS // (B * H * Lk))
+    # causal as everywhere here: query i sees keys j <= i (upper-left); with Lq <= Lk, j <= i <= p_i = Lk - Lq + i,
+    # so every visible key lies before the query's forget position and the decay is c_{p_i} - c_j
+    causal = torch.zeros(Lq, Lk, dtype=dt, device=q.device).masked_fill_(
+        ~torch.ones(Lq, Lk, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    bias = call.score_bias(with_forget=False)
+    outs = []
+    for r0 in range(0, Lq, rows):
+        r1 = min(Lq, r0 + rows)
+        keys = -(call.forget - call.forget[..., max(0, Lk - Lq + r0), None]).to(dt)  # [B, H, Lk]
+        mask = causal[r0:r1] + keys[:, :, None, :]
+        if bias is not None:
+            mask = mask + bias[:, :, r0:r1 if bias.shape[2] > 1 else 1].to(dt)
+        outs.append(F.scaled_dot_product_attention(q[:, :, r0:r1], k, v, attn_mask=mask, scale=scale,
+                                                   enable_gqa=H != k.shape[1]))
+    return torch.cat(outs, dim=2).to(call.q.dtype)
 
 
 def accepts(call: AttnCall) -> str | None:
@@ -221,6 +260,8 @@ def _open_dead_rows(keep: torch.Tensor | None, call: AttnCall) -> tuple[torch.Te
 def sdpa_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     """softmax / cosine (any device, dropout ok) and softmax_n / sink (CPU, no dropout, D == Dv); forgetting
     attention (module docstring)."""
+    if call.forget is not None and _forget_too_large(call):  # (accepts: no gradient) blocks of query rows
+        return _forget_blocks(call), None
     if call.forget is not None:  # (accepts: a small bias) the float mask carries the decay
         call = dataclasses.replace(call, bias=call.score_bias(), forget=None)
     keep, causal = _sdpa_mask(call)

@@ -46,7 +46,8 @@ __all__ = [
 def row_statistics(weights: torch.Tensor, keep: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per-row statistics of attention maps.
 
-    weights: [B, H, Lq, Lk], non-negative; keep: bool [B or 1, Lq, Lk] (True = key visible to the query).
+    weights: [B, H, Lq, Lk]; keep: bool [B or 1, Lq, Lk] (True = key visible to the query). Read by magnitude |w|,
+    so signed weights (Cog attention, differential attention) give the statistics of where their mass goes.
     Returns float64 tensors [B, H, Lq]: ``entropy`` (NaN on zero-mass rows), ``max_weight``, ``first_mass``
     (weight on the first visible key), ``mass`` (row sum); and ``n`` [B or 1, Lq] (visible keys per query).
     """
@@ -55,11 +56,9 @@ def row_statistics(weights: torch.Tensor, keep: torch.Tensor) -> dict[str, torch
     if keep.dim() != 3 or keep.shape[-2:] != weights.shape[-2:] or keep.shape[0] not in (1, weights.shape[0]):
         raise ValueError(f"keep must be bool [B or 1, Lq, Lk] matching weights {list(weights.shape)}, got "
                          f"{list(keep.shape)}")
-    w = weights.detach().double()
-    if bool((w < -1e-6).any()):
-        raise ValueError(f"attention weights must be >= 0 for entropy statistics; min is {float(w.min()):.3g}")
+    w = weights.detach().double().abs()
     keep4 = keep.bool()[:, None]
-    w = torch.where(keep4, w.clamp_min(0), torch.zeros((), dtype=w.dtype))
+    w = torch.where(keep4, w, torch.zeros((), dtype=w.dtype))
     mass = w.sum(-1)
     p = w / mass.clamp_min(1e-300)[..., None]
     entropy = -torch.xlogy(p, p).sum(-1)
