@@ -48,7 +48,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from ..fileio import atomic_write
 from ..hf.families import CAUSAL_LM, attention_modules, lm_task
 from ..hf.forward import softmax_attention
-from ..registry import PRESETS, AttnormError, canonical, is_ours
+from ..registry import NORMALIZERS, PRESETS, AttnormError, canonical, is_ours
 from ..settings import resolve_settings
 from . import data as data_lib
 from .cli import int_at_least, positive_float
@@ -185,6 +185,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.finetune_learning_rate = FINETUNE_LR[args.finetune_mode]
     try:
         args.options = parse_attnorm_options(args.attnorm)
+        # start at the pretrained model's softmax outputs where the normalizer has such a setting (forget gates
+        # open, output gates open); options given on the command line win
+        start = NORMALIZERS.get(resolve_settings(impl, args.options).normalizer).conversion_start
+        for key, value in start.items():
+            if key not in args.options:
+                args.options[key] = value
+                print(f"[convert] {impl}: --attnorm {key}={value} (starts at the model's softmax attention; give "
+                      "--attnorm to choose another start)", file=sys.stderr)
         args.settings = resolve_settings(impl, args.options).to_dict()
     except (TrainingError, AttnormError) as exc:
         raise ConvertError(str(exc)) from exc

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from typing import ClassVar, Literal
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -156,6 +157,10 @@ class Normalizer:
     #: ``attend`` forms ``normalize_output(halves_difference(first, second))``; the weights are
     #: ``halves_difference`` of the halves' weights (head dim at least 2)
     differential: ClassVar[bool] = False
+    #: option values under which this normalizer computes (to within 1e-4) softmax attention, so that a converted
+    #: pretrained model starts at its own outputs (``scripts/convert.py`` uses them unless given others); empty
+    #: where softmax needs no option or no setting reproduces it
+    conversion_start: ClassVar[Mapping[str, Any]] = {}
 
     # ---- what the kernels need to know (hf_attnorm.kernels reads these; no kernel switches on a name) ----
     #: "softmax": exp(s) over the visible keys plus at most one always-visible sink logit (``sink_logit``), exact

@@ -42,6 +42,8 @@ class Fox(Softmax):
     paper = "Lin et al. 2025, Forgetting Transformer, https://arxiv.org/abs/2503.02130"
     description = "forgetting attention: softmax(s_ij + sum_{l=j+1..i} log f_l), f_l = sigmoid(w . v_l + b) per head"
     options = (FOX_BIAS_INIT, FOX_WEIGHT_INIT, FOX_LEARNABLE)
+    # f = sigmoid(10) = 1 - 4.5e-5: a decay of 4.5e-5 per key, 0.02 over 512 keys (the gate learns from there)
+    conversion_start = {"fox_bias_init": 10.0}
     key_order = True  # the decay follows the keys' positions
     key_order_note = ("here a key after the query decays by the forget gates between them as one before it does "
                       "(-|c_i - c_j|), an extension of the paper's causal definition")

@@ -39,6 +39,7 @@ class Gated(Softmax):
     paper = "Qiu et al. 2025, Gated Attention for Large Language Models, https://arxiv.org/abs/2505.06708"
     description = "gated attention: softmax attention's output times sigmoid(q W + b), elementwise per head"
     options = (GATED_BIAS_INIT, GATED_WEIGHT_INIT, GATED_LEARNABLE)
+    conversion_start = {"gated_bias_init": 10.0}  # every gate sigmoid(10) = 1 - 4.5e-5
     params = (
         ParamSpec("gated_w", GATED_WEIGHT_INIT, GATED_LEARNABLE, "per-head gate weights W_h [head_dim, Dv] on q",
                   shape=("head_dim", "value_dim")),
