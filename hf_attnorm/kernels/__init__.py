@@ -60,7 +60,8 @@ The rule: needs-weights (``output_attentions``) -> the reference; otherwise the 
 (docs/export.md); while ``torch.compile`` traces, a path registered ``traceable=False`` (the Triton paths) declines,
 and one registered ``compiled_backward=False`` (chunked, selective) declines calls that need gradients;
 a call carrying a forget gate (``AttnCall.forget``, forgetting attention) only goes to the paths registered
-``forget=True`` (reference, chunked, decode, sdpa).
+``forget=True`` (reference, chunked, decode, sdpa). A differential call (differential attention) is decided and run
+as its two halves (``AttnCall.halves``), which ``attend`` combines; with attention dropout it runs on the reference.
 ``explain(call)`` lists every candidate with its reason, running nothing. Override: ``path=`` on
 ``attention()``/``attend()``, or the environment variable ``HF_ATTNORM_PATH`` (a path name or ``auto``; read when this
 package is imported and by ``set_forced_path()``), so ``attend`` reads no environment. A forced path that cannot take a
@@ -323,9 +324,9 @@ def attend(call: AttnCall, path: str | None = None) -> tuple[torch.Tensor, torch
 def _attend_differential(call: AttnCall, path: str | None) -> tuple[torch.Tensor, torch.Tensor | None, str]:
     """Differential attention: both halves on the path the rule (or ``path``) picks for them, then combined and
     normalised by the normalizer (in fp32 at least), the output gate (if any) after that."""
-    norm, ctx = call.normalizer, call.ctx()
     if call.dropout > 0:
         return _attend_differential_dropout(call, path)
+    norm, ctx = call.normalizer, call.ctx()
     first, second = call.halves()
     out_first, w_first, name = attend(first, path)
     out_second, w_second, _ = attend(second, path)
