@@ -162,7 +162,8 @@ def _declining_forget(name: str, accepts: Check) -> Check:
 def _declining_compiled_backward(name: str, accepts: Check) -> Check:
     """``accepts`` of a path registered ``compiled_backward=False``: traced calls needing gradients are declined."""
     def check(call: AttnCall) -> str | None:
-        if torch.compiler.is_compiling() and torch.is_grad_enabled() and any(
+        # (torch.export traces no backward: it is not declined there)
+        if torch.compiler.is_compiling() and not is_exporting() and torch.is_grad_enabled() and any(
                 t.requires_grad for t in (call.q, call.k, call.v, *call.heads.values())):
             return (f"torch.compile: path {name!r} does not trace its backward (registered compiled_backward=False);"
                     " another path runs")
