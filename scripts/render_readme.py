@@ -11,8 +11,8 @@ two markers is replaced by the output of generator NAME:
 * main-job: ``bench/compare/results.json`` re-rendered by ``hf_attnorm.lab.report`` (the code that writes
   results.md);
 * compare-mqar, compare-passkey, compare-lm: the main job's full table of one task, from the same records;
-* kernels-run1, kernels-run3: the tables of two ``scripts/bench_kernels.py`` runs (bench/kernels and
-  bench/kernels_wave3);
+* kernels-run1, kernels-run3, kernels-run4: the tables of three ``scripts/bench_kernels.py`` runs (bench/kernels,
+  bench/kernels_wave3, bench/kernels_wave4);
 * performance: one kernel benchmark run, ``bench/kernels/bench_kernels.json`` (``PERFORMANCE_RUN``).
 
 ``python scripts/render_readme.py`` rewrites the files; ``--check`` writes nothing and exits 1 with a diff when a
@@ -199,7 +199,7 @@ def kernel_table(json_path: str) -> Callable[[], str]:
             ref = {r["n"]: r for r in rows if r["row"] == name and r["path"] == "reference"}
             if not fast:
                 continue
-            path = next(iter(fast.values()))["path"]
+            path = " / ".join(dict.fromkeys(r["path"] for r in fast.values()))  # by length when it changes
             cells = [f"`{name}`", path]
             cells += [f"{fast[n]['fwd_bwd_ratio']:.2f}" if n in fast else "-" for n in fast_lengths]
             cells += [f"{ref[n]['fwd_bwd_ratio']:.1f}" if n in ref else "-" for n in ref_lengths]
@@ -293,6 +293,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "keyword-scan": keyword_scan,
     "kernels-run1": kernel_table("bench/kernels/bench_kernels.json"),
     "kernels-run3": kernel_table("bench/kernels_wave3/bench_kernels.json"),
+    "kernels-run4": kernel_table("bench/kernels_wave4/bench_kernels.json"),
 }
 
 
