@@ -163,8 +163,7 @@ def _declining_compiled_backward(name: str, accepts: Check) -> Check:
     """``accepts`` of a path registered ``compiled_backward=False``: traced calls needing gradients are declined."""
     def check(call: AttnCall) -> str | None:
         # (torch.export traces no backward: it is not declined there)
-        if torch.compiler.is_compiling() and not is_exporting() and torch.is_grad_enabled() and any(
-                t.requires_grad for t in (call.q, call.k, call.v, *call.heads.values())):
+        if torch.compiler.is_compiling() and not is_exporting() and call.needs_grad:
             return (f"torch.compile: path {name!r} does not trace its backward (registered compiled_backward=False);"
                     " another path runs")
         return accepts(call)

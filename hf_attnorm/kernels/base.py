@@ -95,6 +95,14 @@ class AttnCall:
         return NORMALIZERS.get(self.settings.normalizer)
 
     @property
+    def needs_grad(self) -> bool:
+        """Autograd is on and an input of the call (q, k, v, a per-head value, the bias, the forget gates) needs a
+        gradient: flags only, nothing is read."""
+        return torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad
+            for t in (self.q, self.k, self.v, self.bias, self.forget, *self.heads.values()))
+
+    @property
     def split(self) -> bool:
         """A whole call of a differential normalizer: ``attend`` runs its two halves instead."""
         return self.half is None and self.normalizer.differential

@@ -110,16 +110,11 @@ def _forget_too_large(call: AttnCall) -> bool:
     return B * H * Lq * Lk > FORGET_BIAS_ELEMENTS
 
 
-def _needs_grad(call: AttnCall) -> bool:
-    return torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (call.q, call.k, call.v, call.bias, call.forget))
-
-
 def _forget_reason(call: AttnCall) -> str | None:
     """Why this path leaves a forget call to ``chunked`` (module docstring), or None. Shapes and flags only."""
     if call.forget is None or not _forget_too_large(call):
         return None
-    if (_needs_grad(call) or _has_sink(call) or call.dropout > 0 or call.mask.kind != "causal"
+    if (call.needs_grad or _has_sink(call) or call.dropout > 0 or call.mask.kind != "causal"
             or call.q.shape[2] > call.k.shape[2]):
         return (f"a forget gate over B x H x Lq x Lk > {FORGET_BIAS_ELEMENTS} scores, other than a causal call "
                 "(Lq <= Lk) without gradients, sink or dropout (chunked keeps O(n) memory)")
