@@ -39,18 +39,23 @@ runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootst
 from hf_attnorm.lab.cli import nonnegative_int, positive_float, positive_int  # noqa: E402
 
 DEFAULT_IMPLEMENTATIONS = ["softmax", "softmax1", "softpick", "ssmax", "sigmoid", "symax", "stickbreaking", "lssa",
-                           "asentmax"]
+                           "asentmax", "fox", "gated", "diff"]
 TASKS = ["mqar", "passkey", "lm"]
 
 PROBE_SHAPE = {"hidden": 64, "layers": 2, "heads": 2, "mlp": 128}
 LM_SHAPE = {"hidden": 96, "layers": 3, "heads": 4, "mlp": 256}
 
-#: budget -> settings (each overridable by its flag). Times are per run with 1 thread (see docs/evaluation.md).
+#: budget -> settings (each overridable by its flag). Run times: docs/evaluation.md. "default" fits the default
+#: implementations in 15 minutes on 2 cores; "full" trains each run about 3x longer (the MQAR probe converges).
 BUDGETS: dict[str, dict[str, Any]] = {
-    "default": {"seeds": 3, "probe_length": 64, "probe_factors": [1, 2, 4, 8, 16], "mqar_steps": 800,
-                "passkey_steps": 250, "probe_batch": 32, "probe_lr": 3e-3, "test_sequences": 256,
-                "probe_shape": PROBE_SHAPE, "lm_length": 128, "lm_factors": [1, 2, 4, 8], "lm_steps": 250,
-                "lm_batch": 16, "lm_lr": 3e-3, "lm_eval_tokens": 8192, "lm_vocab": 0, "lm_shape": LM_SHAPE},
+    "default": {"seeds": 3, "probe_length": 64, "probe_factors": [1, 2, 4, 8, 16], "mqar_steps": 500,
+                "passkey_steps": 150, "probe_batch": 16, "probe_lr": 3e-3, "test_sequences": 64,
+                "probe_shape": PROBE_SHAPE, "lm_length": 128, "lm_factors": [1, 2, 4, 8], "lm_steps": 150,
+                "lm_batch": 8, "lm_lr": 3e-3, "lm_eval_tokens": 4096, "lm_vocab": 0, "lm_shape": LM_SHAPE},
+    "full": {"seeds": 3, "probe_length": 64, "probe_factors": [1, 2, 4, 8, 16], "mqar_steps": 800,
+             "passkey_steps": 250, "probe_batch": 32, "probe_lr": 3e-3, "test_sequences": 256,
+             "probe_shape": PROBE_SHAPE, "lm_length": 128, "lm_factors": [1, 2, 4, 8], "lm_steps": 250,
+             "lm_batch": 16, "lm_lr": 3e-3, "lm_eval_tokens": 8192, "lm_vocab": 0, "lm_shape": LM_SHAPE},
     "long": {"seeds": 5, "probe_length": 64, "probe_factors": [1, 2, 4, 8, 16, 32], "mqar_steps": 1500,
              "passkey_steps": 500, "probe_batch": 32, "probe_lr": 3e-3, "test_sequences": 512,
              "probe_shape": PROBE_SHAPE, "lm_length": 256, "lm_factors": [1, 2, 4, 8], "lm_steps": 3000,

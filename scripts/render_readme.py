@@ -11,6 +11,7 @@ two markers is replaced by the output of generator NAME:
 * main-job: ``bench/compare/results.json`` re-rendered by ``hf_attnorm.lab.report`` (the code that writes
   results.md);
 * compare-mqar, compare-passkey, compare-lm: the main job's full table of one task, from the same records;
+* claims-list: the published claims the main job tests (``hf_attnorm.lab.report.CLAIMS``);
 * kernels-run1, kernels-run3, kernels-run4: the tables of three ``scripts/bench_kernels.py`` runs (bench/kernels,
   bench/kernels_wave3, bench/kernels_wave4);
 * performance: one kernel benchmark run, ``bench/kernels/bench_kernels.json`` (``PERFORMANCE_RUN``).
@@ -36,7 +37,7 @@ if str(ROOT) not in sys.path:
 
 #: the documents that carry generated blocks, relative to the repository root
 DOCUMENTS = ["README.md", "docs/options.md", "docs/architecture.md", "docs/benchmarks.md", "bench/compare/README.md",
-             "docs/families.md", "bench/convert/README.md"]
+             "docs/families.md", "bench/convert/README.md", "docs/evaluation.md"]
 BLOCK = re.compile(r"(<!-- generated:(?P<name>[a-z0-9_-]+) -->\n)(?P<body>.*?)(<!-- /generated:(?P=name) -->)", re.S)
 
 #: the kernel benchmark run the README summarises (the JSON holds the numbers and the machine; command and date are
@@ -182,6 +183,13 @@ def claims() -> str:
     return report.claims_table(_compare_results())[0]
 
 
+def claims_list() -> str:
+    """The published claims the main job tests, from ``hf_attnorm.lab.report.CLAIMS``."""
+    from hf_attnorm.lab import report
+
+    return report.claims_list()
+
+
 def kernel_table(json_path: str) -> Callable[[], str]:
     """The table of one ``scripts/bench_kernels.py`` run: per row its fast path, fwd+bwd time as a ratio to SDPA
     softmax at each length, the reference path's ratio, and the max error vs float64 (the reference's in brackets)."""
@@ -290,6 +298,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "performance": performance,
     **{f"compare-{task}": task_table(task) for task in ("mqar", "passkey", "lm")},
     "compare-claims": claims,
+    "claims-list": claims_list,
     "keyword-scan": keyword_scan,
     "kernels-run1": kernel_table("bench/kernels/bench_kernels.json"),
     "kernels-run3": kernel_table("bench/kernels_wave3/bench_kernels.json"),

@@ -88,7 +88,10 @@ def tiny(family: str, task: str, implementation: str = "softmax", **kw) -> torch
 
 
 def pytest_collection_modifyitems(config, items):
-    """``gpu``-marked tests skip, with the reason, where torch sees no CUDA device (CI, CPU-only torch)."""
+    """``long``-marked tests run first (a stable sort): pytest-xdist hands out tests in collection order, so a
+    minutes-long test collected last would leave one core idle at the end while it runs. ``gpu``-marked tests skip,
+    with the reason, where torch sees no CUDA device (CI, CPU-only torch)."""
+    items.sort(key=lambda item: "long" not in item.keywords)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason=f"needs a CUDA GPU: torch {torch.__version__} (CUDA build: {torch.version.cuda}) "

@@ -205,3 +205,20 @@ def test_evaluate_script_swaps_on_a_saved_model(tmp_path):
     assert len(table) == 2 + 4
     with pytest.raises(SystemExit, match="unknown attention implementation"):
         script.main(["--model_name_or_path", str(tmp_path / "model"), "--variants", "nope"])
+
+
+def test_every_claim_is_a_measurement_the_main_job_makes(compare):
+    """Each published claim names a registered implementation and checks that the main job measures (a task it runs,
+    a measurement of that task, a direction the verdict knows)."""
+    from hf_attnorm.lab.report import CLAIMS, PHENOMENA
+    from hf_attnorm.registry import PRESETS
+
+    measurements = {"mqar": {"first", "longest"}, "passkey": {"first", "longest"},
+                    "lm": {"first", "longest", *PHENOMENA}}
+    assert set(measurements) == set(compare.TASKS)
+    for claim in CLAIMS:
+        assert claim["implementation"] in PRESETS, claim["implementation"]
+        assert claim["claim"] and claim["source"] and claim["checks"]
+        for task, which, expect in claim["checks"]:
+            assert which in measurements[task], (claim["implementation"], task, which)
+            assert expect in ("higher", "lower", "equal"), (claim["implementation"], expect)

@@ -193,6 +193,7 @@ class _Stop(Exception):
     pass
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("stage,at", [("transfer", 8), ("finetune", 7)])
 def test_a_resumed_conversion_equals_an_uninterrupted_one(source, tmp_path, monkeypatch, stage, at):
     flags = ["--attnorm", "eta_learnable=true", "--transfer_steps", "10", "--finetune_steps", "10",
@@ -326,6 +327,7 @@ def test_the_study_verdict_is_paired_by_seed():
     assert verdict({"convert": {}, "control": {0: 5.0}}) == "no stage 1 (reference)"
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_two_processes_match_one_process(source, tmp_path):
     """accelerate launch, 2 gloo processes x 1 block per step = 1 process x 2 blocks: the same blocks per step, the

@@ -169,6 +169,7 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 
 if not INTERPRETED:
 
+    @pytest.mark.long
     @needs_triton
     def test_triton_map_tests_interpreted():
         """The Triton tests below, in a child process with TRITON_INTERPRET=1."""

@@ -39,11 +39,13 @@ def _run(q, k, v, mask, causal, head, gout, path):
 
 if not ta.interpreter_requested():
 
+    @pytest.mark.long
     def test_kernels_interpreted():
         """Three kernel scenarios below in a child process with TRITON_INTERPRET=1 (~10 s; the rest: the slow
         twin)."""
         run_interpreted(HERE, "not slow")
 
+    @pytest.mark.long
     @pytest.mark.slow
     def test_kernels_interpreted_slow():
         run_interpreted(HERE, "slow")

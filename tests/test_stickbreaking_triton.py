@@ -35,10 +35,12 @@ def _run(q, k, v, mask, causal, opts, gout, path):
 
 if not ta.interpreter_requested():
 
+    @pytest.mark.long
     def test_kernels_interpreted():
         """The default options in a child process with TRITON_INTERPRET=1 (the other options: the slow twin)."""
         run_interpreted(HERE, "not slow")
 
+    @pytest.mark.long
     @pytest.mark.slow
     def test_kernels_interpreted_slow():
         run_interpreted(HERE, "slow")

@@ -155,6 +155,7 @@ def _kill_after(proc: subprocess.Popen, marker: Path, sig: int, timeout: float =
         raise AssertionError(f"signal {sig} did not end the run within {timeout} s:\n{out[-3000:]}") from None
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("family", ["bert", pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_sigkill_and_resume_gives_bit_identical_losses(family, tmp_path) -> None:
     """BERT draws dropout and MLM masks from the RNG, GPT-2 dropout; with gradient accumulation 2."""
@@ -203,6 +204,7 @@ def test_ctrl_c_leaves_no_half_written_files(tmp_path) -> None:
 # ------------------------------------------------------------------------------------------- two processes
 
 
+@pytest.mark.long
 def test_two_gloo_processes_match_one_process(tmp_path) -> None:
     """1 process x batch 8 and 2 processes x batch 4 see the same blocks per step: the losses agree closely."""
     args = [*FAST, "--model_type", "llama", "--max_train_steps", "12", "--eval_steps", "6", "--torch_threads", "1"]

@@ -38,10 +38,12 @@ HERE = os.path.abspath(__file__)
 
 if not INTERPRETED:
 
+    @pytest.mark.long
     def test_kernels_interpreted():
         """Every non-slow test below, in a child process with TRITON_INTERPRET=1."""
         run_interpreted(HERE, "not slow", allow_skips=True)
 
+    @pytest.mark.long
     @pytest.mark.slow
     def test_kernels_interpreted_slow():
         run_interpreted(HERE, "slow", allow_skips=True)

@@ -39,10 +39,12 @@ REL_TOL = 2e-5
 
 if not ta.interpreter_requested():
 
+    @pytest.mark.long
     def test_interpreted():
         """Every non-slow test below, in a child process with TRITON_INTERPRET=1."""
         run_interpreted(HERE, "not slow")
 
+    @pytest.mark.long
     @pytest.mark.slow
     def test_interpreted_slow():
         run_interpreted(HERE, "slow")

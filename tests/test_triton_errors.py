@@ -62,6 +62,7 @@ def _inputs(path: str):
 
 if not INTERPRETED:
 
+    @pytest.mark.long
     def test_interpreted_error_tests():
         """The tests below that need Triton's interpreter, in a child process with TRITON_INTERPRET=1."""
         out = run_interpreted(HERE, timeout=900)

@@ -164,6 +164,22 @@ CLAIMS: list[dict[str, Any]] = [
               "and a better long-context perplexity trend than softmax (and SSMax)",
      "source": "Vasylenko et al. 2025, arXiv:2506.16640 (ICLR 2026)",
      "checks": [("mqar", "longest", "higher"), ("passkey", "longest", "higher"), ("lm", "longest", "lower")]},
+    {"implementation": "fox",
+     "claim": "forgetting attention (a data-dependent forget gate as an additive bias) extrapolates in length: "
+              "lower loss than the RoPE Transformer past the training context",
+     "source": "Lin et al. 2025, arXiv:2503.02130 (ICLR 2025); here the gate reads the value vector and the "
+               "model keeps its RoPE",
+     "checks": [("lm", "longest", "lower"), ("passkey", "longest", "higher")]},
+    {"implementation": "gated",
+     "claim": "a sigmoid gate per head after attention removes the attention sink and massive activations, and "
+              "extrapolates in length better than plain softmax attention",
+     "source": "Qiu et al. 2025, arXiv:2505.06708 (NeurIPS 2025); here the gate reads the query, not the hidden state",
+     "checks": [("lm", "sink", "lower"), ("lm", "kurtosis", "lower"), ("lm", "longest", "lower")]},
+    {"implementation": "diff",
+     "claim": "differential attention (the difference of two softmax maps) cancels attention noise: better key "
+              "information retrieval and fewer activation outliers than the Transformer",
+     "source": "Ye et al. 2025, arXiv:2410.05258 (ICLR 2025)",
+     "checks": [("mqar", "first", "higher"), ("passkey", "longest", "higher"), ("lm", "kurtosis", "lower")]},
 ]
 
 
@@ -175,6 +191,24 @@ PHENOMENA: dict[str, tuple[float, str]] = {
     "sink": (0.1, "softmax puts little weight on the first token"),
     "kurtosis": (10.0, "softmax's hidden states have no outliers"),
 }
+
+
+#: how a claim check reads in words (docs/evaluation.md's list of claims)
+_CHECK_WORDS = {"first": "at L", "longest": "at the longest test", "sink": "first-token (sink) share",
+                "sink_rate": "sink rate", "kurtosis": "max hidden-state kurtosis"}
+
+
+def claims_list() -> str:
+    """Every published claim the main job tests (``CLAIMS``): implementation, claim, source and what measures it."""
+    def words(task: str, which: str, expect: str) -> str:
+        what = "LM loss" if which in ("first", "longest") else "LM"
+        return f"{what if task == 'lm' else task + ' accuracy'} {_CHECK_WORDS[which]} ({expect})"
+
+    lines = ["| implementation | claim | source | measured by (expected vs softmax) |", "|---|---|---|---|"]
+    for claim in CLAIMS:
+        checks = "; ".join(words(*check) for check in claim["checks"])
+        lines.append(f"| `{claim['implementation']}` | {claim['claim']} | {claim['source']} | {checks} |")
+    return "\n".join(lines)
 
 
 def _check_path(res: Results, task: str, which: str) -> tuple[str, list[str], float, int] | None:
