@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunked-max-length", type=int, default=1024,
                    help="time the chunked ALiBi row up to this n (one run: 9-22 s at n = 1024 on 2 cores)")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out-dir", type=Path, default=Path("bench/kernels_score_mods"))
+    p.add_argument("--out-dir", type=Path, default=Path("bench/score_mods"))
     p.add_argument("--memory", action="store_true",
                    help="instead: peak extra RSS of one forward+backward per (normalizer, modifier), fresh process")
     p.add_argument("--memory-length", type=int, default=8192)

@@ -13,7 +13,7 @@ two markers is replaced by the output of generator NAME:
 * compare-mqar, compare-passkey, compare-lm: the main job's full table of one task, from the same records;
 * claims-list: the published claims the main job tests (``hf_attnorm.lab.report.CLAIMS``);
 * kernels-run1, kernels-run3, kernels-run4: the tables of three ``scripts/bench_kernels.py`` runs (bench/kernels,
-  bench/kernels_wave3, bench/kernels_wave4);
+  bench/kernels/history/2026-11-23-added-kernels, bench/kernels/history/2026-11-27-attention-variants);
 * performance: one kernel benchmark run, ``bench/kernels/bench_kernels.json`` (``PERFORMANCE_RUN``).
 
 ``python scripts/render_readme.py`` rewrites the files; ``--check`` writes nothing and exits 1 with a diff when a
@@ -301,8 +301,8 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "claims-list": claims_list,
     "keyword-scan": keyword_scan,
     "kernels-run1": kernel_table("bench/kernels/bench_kernels.json"),
-    "kernels-run3": kernel_table("bench/kernels_wave3/bench_kernels.json"),
-    "kernels-run4": kernel_table("bench/kernels_wave4/bench_kernels.json"),
+    "kernels-run3": kernel_table("bench/kernels/history/2026-11-23-added-kernels/bench_kernels.json"),
+    "kernels-run4": kernel_table("bench/kernels/history/2026-11-27-attention-variants/bench_kernels.json"),
 }
 
 
