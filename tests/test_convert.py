@@ -118,14 +118,16 @@ def test_a_stage_1_that_raises_the_error_says_so(source, tmp_path):
 def _lowers(source: Path, out: Path, implementation: str) -> dict:
     """Stage 1 lowers the held-out per-layer error. A normalizer that starts close to softmax gets a smaller learning
     rate (as the warning of such a run advises: a large one overshoots)."""
+    # (evaluated only where read: each evaluation point costs a perplexity pass per length)
     swap = convert.run(_args(source, out / "swap", implementation, "--transfer_steps", "0", "--finetune_steps", "0",
-                             "--no_save_model"))
+                             "--no_save_model", "--eval_stages", "swapped"))
     before = _mean(swap["layer_errors"]["swapped"])
     if before < 1e-8:  # equal to softmax on this model: nothing to transfer
         return swap
     lr = "1e-2" if before > 0.05 else "1e-3"
     s = convert.run(_args(source, out / "run", implementation, "--transfer_steps", "12", "--finetune_steps", "0",
-                          "--no_save_model", "--checkpointing_steps", "0", "--transfer_learning_rate", lr))
+                          "--no_save_model", "--checkpointing_steps", "0", "--transfer_learning_rate", lr,
+                          "--eval_stages", "swapped,transfer"))
     after = _mean(s["layer_errors"]["transfer"])
     assert _mean(s["layer_errors"]["swapped"]) == before
     assert after < before, (implementation, lr, before, after)
