@@ -282,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     causal = not args.no_causal
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": "python scripts/bench_kernels.py " + " ".join(sys.argv[1:]),
         "torch": torch.__version__, "threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(),
         "load_average_start": load, "B": args.batch, "H": args.heads, "Hkv": args.kv_heads or args.heads,
@@ -374,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def markdown(result: dict) -> str:
     meta = result["meta"]
-    lines = [f"B={meta['B']} H={meta['H']} Hkv={meta['Hkv']} d={meta['d']} {meta['dtype']} "
+    lines = [f"`{meta['command']}`, {meta['date']}", ""] if "date" in meta else []  # (older runs recorded neither)
+    lines += [f"B={meta['B']} H={meta['H']} Hkv={meta['Hkv']} d={meta['d']} {meta['dtype']} "
              f"{'causal' if meta['causal'] else 'bidirectional'}, torch {meta['torch']}, {meta['threads']} threads, "
              f"median of {meta['repeats']}; load average {meta['load_average_start']} -> "
              f"{meta.get('load_average_end')}", "",
