@@ -17,7 +17,7 @@ import sys
 runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap.py"))  # offline; checkout
 
 
-from hf_attnorm.lab.training import main  # noqa: E402
+from hf_attnorm.lab.training import finetune_main as main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main("finetune"))
+    sys.exit(main())

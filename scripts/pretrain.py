@@ -18,7 +18,7 @@ import sys
 runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap.py"))  # offline; checkout
 
 
-from hf_attnorm.lab.training import main  # noqa: E402
+from hf_attnorm.lab.training import pretrain_main as main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main("pretrain"))
+    sys.exit(main())

@@ -1,10 +1,38 @@
-"""What the command lines share: argparse types that refuse bad numbers with the value and what is allowed."""
+"""What the command lines share: offline by default (``offline_by_default``, which every command's ``main`` and
+``scripts/_bootstrap.py`` call), and argparse types that refuse bad numbers with the value and what is allowed."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
 from collections.abc import Callable
+
+#: the variables that keep huggingface_hub, transformers and datasets from downloading
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def offline_by_default() -> list[str]:
+    """Nothing downloads from a model or dataset hub unless the user says otherwise: sets each of
+    ``OFFLINE_VARIABLES`` that is unset to "1" (a value the user set is kept) and returns the names it set."""
+    unset = [name for name in OFFLINE_VARIABLES if name not in os.environ]
+    for name in unset:
+        os.environ[name] = "1"
+    # huggingface_hub and datasets read the variables once, when imported, and a command has imported them (with
+    # hf_attnorm and the lab) before its main runs: their copies get what they would read now
+    hub = sys.modules.get("huggingface_hub.constants")
+    if unset and hub is not None:
+        hub.HF_HUB_OFFLINE = _true(os.environ["HF_HUB_OFFLINE"] or os.environ["TRANSFORMERS_OFFLINE"])
+    datasets_config = sys.modules.get("datasets.config")
+    if unset and datasets_config is not None:
+        datasets_config.HF_HUB_OFFLINE = datasets_config.HF_DATASETS_OFFLINE = _true(os.environ["HF_DATASETS_OFFLINE"])
+    return unset
+
+
+def _true(value: str) -> bool:
+    """Whether huggingface_hub and datasets read an environment variable's value as true."""
+    return value.upper() in {"1", "ON", "YES", "TRUE"}
 
 
 def int_at_least(low: int, name: str | None = None) -> Callable[[str], int]:

@@ -51,7 +51,7 @@ from ..hf.forward import softmax_attention
 from ..registry import NORMALIZERS, PRESETS, AttnormError, canonical, is_ours
 from ..settings import resolve_settings
 from . import data as data_lib
-from .cli import int_at_least, positive_float
+from .cli import int_at_least, offline_by_default, positive_float
 from .evaluation import EvaluationError, causal_lm_perplexity, spread_chunks
 from .training.args import TrainingError, parse_attnorm_options
 from .training.setup import resolve_model_path
@@ -746,7 +746,9 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Script entry point: bad input -> ``convert.py: error: ...`` and exit code 2; Ctrl-C -> 130."""
+    """``scripts/convert.py`` and the console command ``hf-attnorm-convert``, offline by default: bad input ->
+    ``convert.py: error: ...`` and exit code 2; Ctrl-C -> 130; else 0."""
+    offline_by_default()
     try:
         run(argv)
     except (ConvertError, data_lib.DataError, AttnormError) as exc:

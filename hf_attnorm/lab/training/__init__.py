@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...registry import AttnormError
+from ..cli import offline_by_default
 from ..data import DataError
 from .args import (
     MODEL_CARD_SUBDIR,
@@ -59,7 +60,9 @@ def run_finetuning(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def main(kind: str, argv: list[str] | None = None) -> int:
-    """Script entry point: bad input -> ``<script>: error: ...`` and exit code 2; Ctrl-C -> 130."""
+    """The command line of ``kind`` ("pretrain" or "finetune"), offline by default: bad input ->
+    ``<kind>.py: error: ...`` and exit code 2; Ctrl-C -> 130; else 0."""
+    offline_by_default()
     try:
         _run(kind, argv)
     except (TrainingError, DataError, AttnormError) as exc:
@@ -71,6 +74,16 @@ def main(kind: str, argv: list[str] | None = None) -> int:
     return 0
 
 
+def pretrain_main(argv: list[str] | None = None) -> int:
+    """``scripts/pretrain.py`` and the console command ``hf-attnorm-pretrain``: ``main("pretrain", argv)``."""
+    return main("pretrain", argv)
+
+
+def finetune_main(argv: list[str] | None = None) -> int:
+    """``scripts/finetune.py`` and the console command ``hf-attnorm-finetune``: ``main("finetune", argv)``."""
+    return main("finetune", argv)
+
+
 __all__ = ["ARGS_FILE", "MODEL_CARD_SUBDIR", "STATE_FILE", "SUMMARY_FILE", "TrainingArguments", "TrainingError",
-           "build_parser", "evaluate_loss", "format_summary", "latest_checkpoint", "list_checkpoints", "main",
-           "parse_attnorm_options", "run_finetuning", "run_pretraining"]
+           "build_parser", "evaluate_loss", "finetune_main", "format_summary", "latest_checkpoint", "list_checkpoints",
+           "main", "parse_attnorm_options", "pretrain_main", "run_finetuning", "run_pretraining"]
