@@ -1,10 +1,10 @@
-"""scripts/compare.py end to end on the micro budget: every artifact and its content, the cache (a second call
-trains nothing; a lost result re-runs alone), a failing run reported without stopping the others, sharding, and
-bad input. Plus scripts/evaluate.py on a saved model."""
+"""The main job (scripts/compare.py: hf_attnorm.lab.compare_job) end to end on the micro budget: every artifact and
+its content, the cache (a second call trains nothing; a lost result re-runs alone), a failing run reported without
+stopping the others, sharding, and bad input. Plus scripts/evaluate.py (hf_attnorm.lab.swap_evaluation) on a saved
+model."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -12,19 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from hf_attnorm.lab import compare_job, swap_evaluation
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(f"script_{name}", ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def compare():
-    return load_script("compare")
+    return compare_job
 
 
 def is_png(path: Path) -> bool:
@@ -38,7 +33,7 @@ IMPLS = ["softmax", "symax:eta=0.5", "ssmax"]
 def micro_run(compare, tmp_path_factory):
     out = tmp_path_factory.mktemp("compare")
     argv = ["--budget", "micro", "--implementations", *IMPLS, "--output_dir", str(out), "--jobs", "1"]
-    return out, argv, compare.main(argv)
+    return out, argv, compare.run(argv)
 
 
 def test_micro_budget_writes_every_artifact(micro_run):
@@ -84,20 +79,20 @@ def test_micro_budget_writes_every_artifact(micro_run):
 def test_second_call_is_cached_and_a_lost_run_reruns_alone(compare, micro_run, capsys):
     out, argv, first = micro_run
     capsys.readouterr()
-    again = compare.main(argv)
+    again = compare.run(argv)
     assert "18 runs, 18 cached, 0 to run" in capsys.readouterr().out
     assert again["tables"] == first["tables"]
     # a sweep killed before this run finished: its result is missing, only it runs again, with the same numbers
     lost = out / "runs" / "passkey" / "ssmax" / "seed1" / "result.json"
     before = json.loads(lost.read_text())
     lost.unlink()
-    third = compare.main(argv)
+    third = compare.run(argv)
     assert "18 runs, 17 cached, 1 to run" in capsys.readouterr().out
     after = json.loads(lost.read_text())
     assert after["accuracy"] == before["accuracy"] and after["curve"] == before["curve"]  # bit-reproducible
     assert third["tables"] == first["tables"]
     # a changed setting is a different run
-    compare.main(argv + ["--tasks", "passkey", "--passkey_steps", "3", "--only", "passkey/softmax/seed0"])
+    compare.run(argv + ["--tasks", "passkey", "--passkey_steps", "3", "--only", "passkey/softmax/seed0"])
     assert "1 to run" in capsys.readouterr().out
 
 
@@ -112,8 +107,8 @@ def test_failed_run_is_reported_and_the_others_finish(compare, tmp_path, monkeyp
         return real(task, name, options, seed, settings, run_dir)
 
     monkeypatch.setattr(probes, "run_probe", flaky)
-    result = compare.main(["--budget", "micro", "--tasks", "passkey", "--implementations", "softmax", "symax",
-                           "--output_dir", str(tmp_path), "--jobs", "1"])
+    result = compare.run(["--budget", "micro", "--tasks", "passkey", "--implementations", "softmax", "symax",
+                          "--output_dir", str(tmp_path), "--jobs", "1"])
     assert result["failed"] == ["passkey/symax/seed1"]
     ok = [r for r in result["runs"] if r["status"] == "ok"]
     assert len(ok) == 3
@@ -122,20 +117,20 @@ def test_failed_run_is_reported_and_the_others_finish(compare, tmp_path, monkeyp
     assert "(1 of 2 runs missing/failed)" in result["tables"]["passkey"]
     # the next sweep retries it (and, working now, clears the failure)
     monkeypatch.setattr(probes, "run_probe", real)
-    result = compare.main(["--budget", "micro", "--tasks", "passkey", "--implementations", "softmax", "symax",
-                           "--output_dir", str(tmp_path), "--jobs", "1"])
+    result = compare.run(["--budget", "micro", "--tasks", "passkey", "--implementations", "softmax", "symax",
+                          "--output_dir", str(tmp_path), "--jobs", "1"])
     assert not result["failed"] and not (tmp_path / "runs" / "passkey" / "symax" / "seed1" / "failed.json").exists()
 
 
 def test_shards_split_the_sweep(compare, tmp_path, capsys):
     base = ["--budget", "micro", "--tasks", "passkey", "--implementations", "softmax", "symax",
             "--output_dir", str(tmp_path), "--jobs", "1"]
-    first = compare.main(base + ["--shard", "0/2"])
+    first = compare.run(base + ["--shard", "0/2"])
     assert "sweep: 2 runs, 0 cached, 2 to run" in capsys.readouterr().out  # the shard runs only its half
     assert len(first["missing"]) == 2
-    second = compare.main(base + ["--shard", "1/2"])
+    second = compare.run(base + ["--shard", "1/2"])
     assert not second["missing"]  # the other shard's results are picked up from the shared output directory
-    merged = compare.main(base + ["--aggregate_only"])
+    merged = compare.run(base + ["--aggregate_only"])
     assert merged["tables"] == second["tables"] and not merged["missing"]
 
 
@@ -147,18 +142,18 @@ def test_bad_input_fails_before_training(compare, tmp_path):
                           (["--implementations", "symax", "ssmax"], "--reference 'softmax' is not in"),
                           (["--probe_length", "8"], "--probe_length must be >= 16")]:
         with pytest.raises(SystemExit, match=message):
-            compare.main(["--budget", "micro", "--output_dir", str(out), *argv])
+            compare.run(["--budget", "micro", "--output_dir", str(out), *argv])
     assert not out.exists()
     for bad in (["--shard", "2/2"], ["--seeds", "0"], ["--lm_vocab", "-1"]):
         with pytest.raises(SystemExit):
-            compare.main(["--budget", "micro", "--output_dir", str(out), *bad])
+            compare.run(["--budget", "micro", "--output_dir", str(out), *bad])
 
 
 def test_help_documents_every_flag():
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare.py"), "--help"], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0 and "--shard" in proc.stdout
-    parser = load_script("compare").build_parser()
+    parser = compare_job.build_parser()
     for action in parser._actions:
         assert action.help, f"{action.option_strings} has no help text"
 
@@ -167,8 +162,8 @@ def test_help_documents_every_flag():
 def test_two_worker_processes(compare, tmp_path):
     """The spawned process pool (the default --jobs 2) gives the same numbers as one process."""
     base = ["--budget", "micro", "--tasks", "passkey", "--implementations", "softmax", "sigmoid"]
-    two = compare.main(base + ["--output_dir", str(tmp_path / "two"), "--jobs", "2"])
-    one = compare.main(base + ["--output_dir", str(tmp_path / "one"), "--jobs", "1"])
+    two = compare.run(base + ["--output_dir", str(tmp_path / "two"), "--jobs", "2"])
+    one = compare.run(base + ["--output_dir", str(tmp_path / "one"), "--jobs", "1"])
     assert two["tables"] == one["tables"] and not two["failed"]
 
 
@@ -183,11 +178,10 @@ def test_evaluate_script_swaps_on_a_saved_model(tmp_path):
     model.save_pretrained(tmp_path / "model")
     tok.save_pretrained(tmp_path / "model")
     (tmp_path / "text.txt").write_text(shakespeare_text("validation")[:4000], encoding="utf-8")
-    script = load_script("evaluate")
-    result = script.main(["--model_name_or_path", str(tmp_path / "model"), "--text_file", str(tmp_path / "text.txt"),
-                          "--contexts", "8", "32", "--max_tokens", "96", "--variants", "sdpa", "softmax",
-                          "qwen_logn:train_length=8", "symax", "--output_dir", str(tmp_path / "out"),
-                          "--no_progress", "--threads", "2"])
+    result = swap_evaluation.run(["--model_name_or_path", str(tmp_path / "model"), "--text_file",
+                                  str(tmp_path / "text.txt"), "--contexts", "8", "32", "--max_tokens", "96",
+                                  "--variants", "sdpa", "softmax", "qwen_logn:train_length=8", "symax",
+                                  "--output_dir", str(tmp_path / "out"), "--no_progress", "--threads", "2"])
     rows = {r["variant"]: r for r in result["variants"]}
     assert result["tokens_used"] == 96 and list(rows) == ["sdpa", "softmax", "qwen_logn:train_length=8", "symax"]
     for ctx in ("8", "32"):
@@ -204,7 +198,7 @@ def test_evaluate_script_swaps_on_a_saved_model(tmp_path):
     table = [line for line in (tmp_path / "out" / "results.md").read_text().splitlines() if line.startswith("|")]
     assert len(table) == 2 + 4
     with pytest.raises(SystemExit, match="unknown attention implementation"):
-        script.main(["--model_name_or_path", str(tmp_path / "model"), "--variants", "nope"])
+        swap_evaluation.run(["--model_name_or_path", str(tmp_path / "model"), "--variants", "nope"])
 
 
 def test_every_claim_is_a_measurement_the_main_job_makes(compare):
