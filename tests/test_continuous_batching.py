@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 from conftest import first_implementations
-from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers import GenerationConfig
 
 from hf_attnorm.hf import forward, integration
 from hf_attnorm.hf.families import attention_modules
@@ -23,6 +23,11 @@ from hf_attnorm.hf.forward import PACKED_ATTR, continuous_batching_support, reco
 from hf_attnorm.masks import additive_keep, build_mask_info
 from hf_attnorm.registry import NORMALIZERS, PRESETS, AttnormError
 from hf_attnorm.settings import resolve_settings
+
+pytestmark = pytest.mark.skipif(
+    bool(integration.CONTINUOUS_BATCHING_MISSING),
+    reason=f"continuous batching is refused for hf_attnorm implementations on transformers {transformers.__version__}"
+           f": it lacks {', '.join(integration.CONTINUOUS_BATCHING_MISSING)} (tests/test_transformers_contract.py)")
 
 #: prompts of mixed lengths, one longer than a batch (chunked prefill), more of them than batch slots
 PROMPTS = [[5, 6, 7, 8, 9], [3], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [7, 8, 9]]
@@ -69,8 +74,10 @@ def _generation_config() -> GenerationConfig:
     return GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
 
 
-def generate_batch(model, prompts=PROMPTS, **cb) -> list[list[int]]:
-    out = model.generate_batch(prompts, generation_config=_generation_config(),
+def generate_batch(model, prompts=PROMPTS, persistent_manager: bool = False, **cb) -> list[list[int]]:
+    from transformers import ContinuousBatchingConfig
+
+    out = model.generate_batch(prompts, generation_config=_generation_config(), persistent_manager=persistent_manager,
                                continuous_batching_config=ContinuousBatchingConfig(**{**CB, **cb}))
     assert len(out) == len(prompts), f"requests failed inside the manager's thread: {len(out)} of {len(prompts)}"
     return [r.generated_tokens for r in out.values()]
@@ -281,3 +288,20 @@ def test_other_implementations_keep_transformers_behaviour():
         got = generate_batch(model)
     assert rec.packed == 0 and not rec.paths and got == generate_each(model)
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_no_switch_to_flash_attention_and_a_reused_manager(monkeypatch):
+    """Where flash attention is installed the manager switches sdpa models to it (softmax): ours keep their name. A
+    persistent manager is reused by the next call, which checks the model again."""
+    from transformers.generation.continuous_batching import continuous_api
+
+    monkeypatch.setattr(continuous_api, "is_flash_attn_3_available", lambda *a, **k: True)
+    model = build("sigmoid")
+    assert model._supports_flash_attn
+    first = generate_batch(model, persistent_manager=True)
+    assert model._cached_continuous_batching_manager is not None
+    with record_paths() as rec:
+        again = model.generate_batch(PROMPTS, generation_config=_generation_config(), persistent_manager=True)
+    assert rec.packed > 0 and [r.generated_tokens for r in again.values()] == first == generate_each(model)
+    assert model.config._attn_implementation == "sigmoid"
+    model.destroy_cached_continuous_batching_manager()

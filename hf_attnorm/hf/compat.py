@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import inspect
 import sys
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -274,6 +275,9 @@ def unknown_keyword(name: str) -> KeywordRole:
 # ------------------------------------------------------------------------------------------------ continuous batching
 
 _CB = "transformers.generation.continuous_batching"
+#: the first transformers on which continuous batching was checked to run hf_attnorm's implementations (5.18 and
+#: older pass the paged cache to transformers' ``paged|`` attention functions instead: refused there)
+CONTINUOUS_BATCHING_CHECKED = "5.24.0"
 
 #: (class path, method) of continuous batching's one entry point (``generate_batch`` and the context manager go
 #: through it; ``transformers serve`` builds the same manager without it)
@@ -293,6 +297,11 @@ PAGED_CACHE = (f"{_CB}.cache", "PagedAttentionCache")
 #: (module, typed dict): the keywords the manager passes to the model, which models hand down to the attention
 #: function
 PAGED_ARGUMENTS = (f"{_CB}.input_outputs", "PagedAttentionArgs")
+#: the paged cache's update as the attention module calls it (5.24): it stores the new keys/values, returns every
+#: scheduled sequence's keys/values gathered and selects the layer's ``cu_seq_lens_k`` in ``kwargs``. Before, the
+#: cache reached transformers' ``paged|`` attention functions, which updated it themselves: an attention function of
+#: ours would get the new keys only, so such a version is treated as lacking the integration's names
+PAGED_CACHE_UPDATE = ("update", ("key_states", "value_states", "layer_idx", "kwargs"))
 
 #: keywords of the manager's packed calls that the attention function takes on that route only (elsewhere they keep
 #: the role ``keyword_roles`` gives them), each with why it changes nothing hf_attnorm computes; ``block_table`` is
@@ -345,6 +354,10 @@ def continuous_batching_missing() -> list[str]:
                if _resolve(path, name) is None]
     if not missing and not paged_arguments():
         missing.append(f"{'.'.join(PAGED_ARGUMENTS)} (keys)")
+    method, params = PAGED_CACHE_UPDATE
+    update = _resolve(f"{PAGED_CACHE[0]}.{PAGED_CACHE[1]}", method)
+    if update is not None and not all(p in _parameters(update) for p in params):
+        missing.append(f"{'.'.join(PAGED_CACHE)}.{method}({', '.join(params)})")
     return missing
 
 
@@ -369,20 +382,23 @@ def paged_arguments() -> frozenset[str]:
     return frozenset(getattr(td, "__required_keys__", frozenset()) | getattr(td, "__optional_keys__", frozenset()))
 
 
-def continuous_batching_keywords() -> dict[str, str]:
+@functools.cache
+def continuous_batching_keywords() -> Mapping[str, str]:
     """``CONTINUOUS_BATCHING_KEYWORDS`` that the installed version's manager passes (a keyword it no longer passes
-    is not accepted; one it adds is not in the table, so it stays refused until its meaning is known)."""
+    is not accepted; one it adds is not in the table, so it stays refused until its meaning is known). Read once:
+    every packed attention call looks its keywords up here."""
     passed = paged_arguments()
-    return {k: why for k, why in CONTINUOUS_BATCHING_KEYWORDS.items() if k in passed}
+    return types.MappingProxyType({k: why for k, why in CONTINUOUS_BATCHING_KEYWORDS.items() if k in passed})
 
 
-def hook_continuous_batching(runs_packed: Callable[[Any], bool]) -> list[str]:
-    """Let the continuous-batching manager run the models for which ``runs_packed(config)`` is true on its sdpa
-    route with their own implementation name: its name check leaves them unswitched (no flash attention, no
-    refusal) and it builds masks for them, so their attention function gets the packed call. Hooks nothing and
-    returns the missing names when the installed transformers lacks any name relied on; returns the names hooked
-    otherwise (``switch_to_cb_friendly_attn``, ``attn_mask_is_needed``). Models for which ``runs_packed`` is false
-    see transformers' own behaviour."""
+def hook_continuous_batching(prepare: Callable[[Any], bool], runs_packed: Callable[[Any], bool]) -> list[str]:
+    """Let the continuous-batching manager run models of ours on its sdpa route under their own implementation name.
+    Its name check calls ``prepare(model)`` whenever a manager is built or reused: True (the model runs ours, and
+    ``prepare`` made it ready or raised) leaves the model unswitched (no flash attention, no refusal, nothing to
+    restore); False runs transformers' own check. Its mask decision builds masks where ``runs_packed(config)``, so
+    the attention function gets the packed call. Returns the names hooked (``switch_to_cb_friendly_attn``,
+    ``attn_mask_is_needed``), or [] and hooks nothing when the installed transformers lacks a name relied on
+    (``continuous_batching_missing``)."""
     if continuous_batching_missing():
         return []
     manager_path, switch_name = CONTINUOUS_BATCHING_SWITCH
@@ -391,7 +407,7 @@ def hook_continuous_batching(runs_packed: Callable[[Any], bool]) -> list[str]:
 
     def make_switch(orig: Callable[..., Any]) -> Callable[..., Any]:
         def switch_to_cb_friendly_attn(self: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
-            if runs_packed(getattr(model, "config", None)):
+            if prepare(model):
                 return None  # the model's own implementation takes the sdpa route: nothing to switch or restore
             return orig(self, model, *args, **kwargs)
 

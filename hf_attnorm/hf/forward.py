@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
 
 from ..attention import make_call
@@ -227,6 +228,9 @@ def _attend_packed(module: nn.Module, state: Any, query: torch.Tensor, key: torc
     if refused:
         raise _packed_error(module, f"passed {', '.join(refused)}, which hf_attnorm does not implement; it could "
                                     "change what attention computes, so it is not ignored")
+    if any(name in kwargs for name in compat.CACHE_ARGUMENTS):
+        raise _packed_error(module, "hands the paged cache to the attention function, so the keys were not gathered "
+                                    f"(the module did not call its update; transformers {transformers.__version__})")
     if kwargs.get("block_table") is not None:
         raise _packed_error(module, "carries a block table (paged decoding, whose keys stay in the cache); "
                                     "hf_attnorm needs them gathered, as on the sdpa route")

@@ -154,7 +154,7 @@ def register() -> None:
     entry = compat.CONTINUOUS_BATCHING_ENTRY[1]
     if owner is not None and compat.hook(owner, entry, _continuous_batching_hook):
         HOOKED.add(entry)
-        hooked = compat.hook_continuous_batching(_runs_packed)
+        hooked = compat.hook_continuous_batching(_prepare_continuous_batching, _runs_packed)
         HOOKED.update(hooked)
         CONTINUOUS_BATCHING_MISSING[:] = [] if hooked else compat.continuous_batching_missing()
 
@@ -277,8 +277,9 @@ def _from_pretrained_hook(orig):
 
 
 def _runs_packed(config: Any) -> bool:
-    """Whether the continuous-batching manager should run a model of ``config`` on its sdpa route under the model's
-    own implementation name: ours (the entry point has refused those that are not exact there)."""
+    """Whether the continuous-batching manager builds masks for a model of ``config``, which it then runs on its
+    sdpa route under the model's own implementation name: ours (the manager's name check has refused those that
+    are not exact there, ``_prepare_continuous_batching``)."""
     return is_ours(canonical(getattr(config, "_attn_implementation", None)))
 
 
@@ -300,27 +301,43 @@ def continuous_batching_refusal(model: nn.Module) -> str | None:
     return None
 
 
+def _refuse_continuous_batching(model: nn.Module, implementation: str) -> None:
+    reason = continuous_batching_refusal(model)
+    if reason is not None:
+        raise AttnormError(
+            f"continuous batching (generate_batch, init_continuous_batching) cannot run hf_attnorm's "
+            f"{implementation!r}: {reason}. Use model.generate(...) with a padded batch, which runs the model's own "
+            "normalizer."
+        )
+
+
+def _prepare_continuous_batching(model: nn.Module) -> bool:
+    """The manager's name check, whenever a manager is built or reused for ``model`` (``compat
+    .hook_continuous_batching``): False for a model that does not run ours (transformers' own check follows). For
+    ours: refused where not exact; a declared difference is warned about; the attention modules get the pre-hook
+    that marks the manager's packed calls (``forward.mark_packed_calls``); True (the model keeps its name)."""
+    impl = canonical(getattr(getattr(model, "config", None), "_attn_implementation", None))
+    if not is_ours(impl):
+        return False
+    _refuse_continuous_batching(model, impl)
+    notes = {note for mod in model.modules() if isinstance(mod, AttnormState)
+             for mode, note in [continuous_batching_support(mod.settings)] if note}
+    for note in sorted(notes):
+        warnings.warn(f"hf_attnorm: under continuous batching, {impl!r} {note}", stacklevel=3)
+    mark_packed_calls(mod for _, mod in attention_modules(model))
+    return True
+
+
 def _continuous_batching_hook(orig):
-    """``init_continuous_batching`` (the one entry of ``generate_batch`` and its context manager): for a model that
-    runs an hf_attnorm implementation, refused when it cannot be exact there (``continuous_batching_refusal``);
-    otherwise the attention modules get the pre-hook that marks the manager's packed calls, a declared difference
-    is warned about, and the manager runs the model on its sdpa route (``compat.hook_continuous_batching``)."""
+    """``init_continuous_batching`` (the one entry of ``generate_batch`` and its context manager): refused, before
+    the manager allocates anything, for a model running an hf_attnorm implementation that continuous batching
+    cannot run exactly (``continuous_batching_refusal``: every implementation, on a transformers lacking a name the
+    integration relies on). The manager then prepares the others (``_prepare_continuous_batching``)."""
 
     def init_continuous_batching(self, *args, **kwargs):
         impl = canonical(getattr(getattr(self, "config", None), "_attn_implementation", None))
         if is_ours(impl):
-            reason = continuous_batching_refusal(self)
-            if reason is not None:
-                raise AttnormError(
-                    f"continuous batching (generate_batch, init_continuous_batching) cannot run hf_attnorm's "
-                    f"{impl!r}: {reason}. Use model.generate(...) with a padded batch, which runs the model's own "
-                    "normalizer."
-                )
-            notes = {note for mod in self.modules() if isinstance(mod, AttnormState)
-                     for mode, note in [continuous_batching_support(mod.settings)] if note}
-            for note in sorted(notes):
-                warnings.warn(f"hf_attnorm: under continuous batching, {impl!r} {note}", stacklevel=2)
-            mark_packed_calls(mod for _, mod in attention_modules(self))
+            _refuse_continuous_batching(self, impl)
         return orig(self, *args, **kwargs)
 
     return init_continuous_batching
