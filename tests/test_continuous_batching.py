@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from conftest import first_implementations
+from conftest import first_implementations, needs_compile
 from transformers import GenerationConfig
 
 from hf_attnorm.hf import forward, integration
@@ -305,3 +305,12 @@ def test_no_switch_to_flash_attention_and_a_reused_manager(monkeypatch):
     assert rec.packed > 0 and [r.generated_tokens for r in again.values()] == first == generate_each(model)
     assert model.config._attn_implementation == "sigmoid"
     model.destroy_cached_continuous_batching_manager()
+
+
+@pytest.mark.slow
+@needs_compile
+def test_the_compiled_varlen_path():
+    """``default_compile_level=1`` compiles the manager's forward (torch.compile, not fullgraph): the pre-hook and the
+    packed route trace, and the tokens stay equal."""
+    model = build("symax")
+    assert generate_batch(model, default_compile_level=1) == generate_each(model)

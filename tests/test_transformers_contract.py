@@ -328,6 +328,7 @@ def test_the_paged_cache_and_the_managers_keywords():
         f"PagedAttentionArgs no longer declares {sorted(set(compat.CONTINUOUS_BATCHING_KEYWORDS) - passed)}",
         "the keywords hf_attnorm takes on continuous batching's packed calls")
     assert "cache" in passed and "attention_mask" in passed
+    assert dict(compat.packed_keywords()) == compat.CONTINUOUS_BATCHING_KEYWORDS  # (read when it was hooked)
 
 
 def test_a_missing_name_turns_continuous_batching_off_for_ours(monkeypatch):

@@ -361,19 +361,24 @@ def continuous_batching_missing() -> list[str]:
     return missing
 
 
-@functools.cache
-def _paged_cache_class() -> type | None:
-    cls = _resolve(*PAGED_CACHE)
-    return cls if isinstance(cls, type) else None
+#: what ``hook_continuous_batching`` read from the installed transformers, so that every call looks it up without
+#: importing anything (also inside torch.compile's graphs): the paged cache's class, the keywords packed calls take
+_PAGED_CACHE_CLASS: type | None = None
+_PACKED_KEYWORDS: Mapping[str, str] = types.MappingProxyType({})
 
 
 def paged_cache_in_call(args: tuple, kwargs: Mapping[str, Any]) -> bool:
     """Whether an attention module's call (as read by a forward pre-hook with kwargs) received continuous batching's
-    paged cache, under one of ``CACHE_ARGUMENTS`` or positionally."""
-    cls = _paged_cache_class()
+    paged cache, under one of ``CACHE_ARGUMENTS`` or positionally (False before ``hook_continuous_batching``)."""
+    cls = _PAGED_CACHE_CLASS
     if cls is None:
         return False
     return any(isinstance(kwargs.get(n), cls) for n in CACHE_ARGUMENTS) or any(isinstance(a, cls) for a in args)
+
+
+def packed_keywords() -> Mapping[str, str]:
+    """``continuous_batching_keywords()`` as read when continuous batching was hooked (empty before)."""
+    return _PACKED_KEYWORDS
 
 
 def paged_arguments() -> frozenset[str]:
@@ -382,11 +387,9 @@ def paged_arguments() -> frozenset[str]:
     return frozenset(getattr(td, "__required_keys__", frozenset()) | getattr(td, "__optional_keys__", frozenset()))
 
 
-@functools.cache
 def continuous_batching_keywords() -> Mapping[str, str]:
     """``CONTINUOUS_BATCHING_KEYWORDS`` that the installed version's manager passes (a keyword it no longer passes
-    is not accepted; one it adds is not in the table, so it stays refused until its meaning is known). Read once:
-    every packed attention call looks its keywords up here."""
+    is not accepted; one it adds is not in the table, so it stays refused until its meaning is known)."""
     passed = paged_arguments()
     return types.MappingProxyType({k: why for k, why in CONTINUOUS_BATCHING_KEYWORDS.items() if k in passed})
 
@@ -399,8 +402,10 @@ def hook_continuous_batching(prepare: Callable[[Any], bool], runs_packed: Callab
     the attention function gets the packed call. Returns the names hooked (``switch_to_cb_friendly_attn``,
     ``attn_mask_is_needed``), or [] and hooks nothing when the installed transformers lacks a name relied on
     (``continuous_batching_missing``)."""
+    global _PAGED_CACHE_CLASS, _PACKED_KEYWORDS
     if continuous_batching_missing():
         return []
+    _PAGED_CACHE_CLASS, _PACKED_KEYWORDS = _resolve(*PAGED_CACHE), continuous_batching_keywords()
     manager_path, switch_name = CONTINUOUS_BATCHING_SWITCH
     module_name, _, cls_name = manager_path.rpartition(".")
     manager = _resolve(module_name, cls_name)

@@ -223,7 +223,7 @@ def _attend_packed(module: nn.Module, state: Any, query: torch.Tensor, key: torc
     sequence), attention_mask [1, 1, Q_total, K_total] (additive, block-diagonal causal, with the sliding window
     where the layer has one) -> (out [1, Q_total, H, Dv], None). Run as one call, or split per sequence, as the
     settings declare (``continuous_batching_support``)."""
-    accepted = compat.continuous_batching_keywords()
+    accepted = compat.packed_keywords()
     refused = refused_keywords([k for k in kwargs if k not in accepted])
     if refused:
         raise _packed_error(module, f"passed {', '.join(refused)}, which hf_attnorm does not implement; it could "

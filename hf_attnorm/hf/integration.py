@@ -41,7 +41,7 @@ _REGISTERED = False
 #: batching's entry point and the manager's two name checks (``compat.hook_continuous_batching``)
 HOOKED: set[str] = set()
 #: the transformers names continuous batching relies on that the installed version lacks (then it is refused for
-#: our implementations, as before it was supported)
+#: our implementations)
 CONTINUOUS_BATCHING_MISSING: list[str] = []
 
 
