@@ -174,6 +174,27 @@ def split_float_mask(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return parts
 
 
+#: the last additive mask turned into a keep-mask: (weak reference to the mask tensor, its version, the keep-mask)
+_LAST_KEEP: list = [None, -1, None]
+
+
+def additive_keep(mask: torch.Tensor) -> torch.Tensor:
+    """An additive float mask that holds only 0 (keep) and masked entries (<= finfo.min / 2, -inf) -> the bool
+    keep-mask of its shape (True = keep); MaskError when it holds anything else (a bias). The same mask tensor,
+    unchanged, gives the same keep-mask back, so the layers of one forward share it (and its MaskInfo)."""
+    if not mask.is_floating_point():
+        raise MaskError(f"expected an additive float mask, got dtype {mask.dtype}")
+    memo = not (_no_cache() or mask.is_inference())
+    if memo:
+        ref, version, keep = _LAST_KEEP
+        if ref is not None and ref() is mask and version == mask._version:
+            return keep
+    keep = _to_bool(mask)
+    if memo:
+        _LAST_KEEP[:] = [weakref.ref(mask), mask._version, keep]
+    return keep
+
+
 #: (lq, lk, causal, device) -> MaskInfo of the calls without a mask (read-only tensors, shared by every layer)
 _STRUCTURED: dict[tuple, MaskInfo] = {}
 #: the last mask analysed: (weak reference to the mask tensor, its version, the call's sizes, the MaskInfo)

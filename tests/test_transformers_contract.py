@@ -252,16 +252,90 @@ def test_the_private_methods_hooked_exist_with_the_arguments_passed():
         "attention weights requested through transformers' output collector")
 
 
-def test_continuous_batching_has_one_entry_and_refuses_our_implementations():
+#: continuous batching on a transformers older than the first one checked, lacking a name relied on: refused there
+CB_REFUSED = (compat.release(VERSION) < compat.release(compat.CONTINUOUS_BATCHING_CHECKED)
+              and bool(compat.continuous_batching_missing()))
+needs_cb = pytest.mark.skipif(CB_REFUSED, reason=f"continuous batching is refused for hf_attnorm implementations on "
+                                                 f"transformers {VERSION}: it lacks "
+                                                 f"{', '.join(compat.continuous_batching_missing())}")
+
+
+def test_continuous_batching_has_one_entry_and_runs_ours_on_its_sdpa_route():
     owner = compat.continuous_batching_owner()
     assert owner is not None and issubclass(transformers.GenerationMixin, owner), broken(
         f"continuous batching's entry {compat.CONTINUOUS_BATCHING_ENTRY} moved",
-        "the refusal of generate_batch / transformers serve for hf_attnorm models (they would run softmax)")
+        "generate_batch with hf_attnorm implementations (and their refusal where not exact)")
     assert compat.CONTINUOUS_BATCHING_ENTRY[1] in integration.HOOKED
+    if CB_REFUSED:  # an older protocol: refused, naming what is missing, and the model left as it was
+        model = tiny("llama", "causal_lm", implementation="symax")
+        with pytest.raises(AttnormError, match=r"^continuous batching .* cannot run hf_attnorm's 'symax': .* lacks"):
+            model.generate_batch([[1, 2, 3]])
+        assert model.config._attn_implementation == "symax"
+        return
+    assert compat.continuous_batching_missing() == [], broken(
+        f"continuous batching lacks {compat.continuous_batching_missing()}",
+        "generate_batch with hf_attnorm implementations (refused without them, as docs/internals.md says)")
+    assert {compat.CONTINUOUS_BATCHING_ENTRY[1], compat.CONTINUOUS_BATCHING_SWITCH[1],
+            compat.CONTINUOUS_BATCHING_MASKS[1]} <= integration.HOOKED
     model = tiny("llama", "causal_lm", implementation="symax")
-    with pytest.raises(AttnormError, match=r"^continuous batching .* cannot run hf_attnorm's 'symax'"):
-        model.generate_batch([[1, 2, 3]])
-    assert model.config._attn_implementation == "symax"  # not switched away
+    out = model.generate_batch([[1, 2, 3], [4]], max_new_tokens=2)
+    assert [len(r.generated_tokens) for r in out.values()] == [2, 2]
+    assert model.config._attn_implementation == "symax"  # not switched away (e.g. to flash attention)
+    with pytest.raises(AttnormError, match=r"^continuous batching .* cannot run hf_attnorm's 'selective'"):
+        tiny("llama", "causal_lm", implementation="selective").generate_batch([[1, 2, 3]])
+
+
+@needs_cb
+def test_the_managers_name_check_is_a_method_taking_the_model():
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+
+    params = list(inspect.signature(ContinuousBatchingManager.switch_to_cb_friendly_attn.__wrapped__).parameters)
+    assert params[:2] == ["self", "model"], broken(
+        f"ContinuousBatchingManager.switch_to_cb_friendly_attn takes {params}",
+        "continuous batching keeps an hf_attnorm implementation (instead of refusing it or switching to flash)")
+
+
+@needs_cb
+def test_the_mask_decision_is_a_function_of_the_config_imported_where_the_batch_is_built():
+    from transformers.generation.continuous_batching import input_outputs, utils
+
+    hooked = utils.attn_mask_is_needed
+    assert input_outputs.attn_mask_is_needed is hooked and hooked.__name__ == "attn_mask_is_needed", broken(
+        "continuous_batching.input_outputs no longer decides the masks with utils.attn_mask_is_needed",
+        "continuous batching builds the block-diagonal masks for hf_attnorm implementations")
+
+    def config(name):
+        cfg = transformers.LlamaConfig()
+        cfg._attn_implementation = name
+        return cfg
+
+    assert hooked(config("symax")) and hooked(config("sdpa")) and not hooked(config("flash_attention_2")), broken(
+        "attn_mask_is_needed answers otherwise for sdpa / flash attention", "the sdpa route of continuous batching")
+
+
+@needs_cb
+def test_the_paged_cache_and_the_managers_keywords():
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    params = list(inspect.signature(PagedAttentionCache.update).parameters)
+    assert params[1:5] == ["key_states", "value_states", "layer_idx", "kwargs"], broken(
+        f"PagedAttentionCache.update takes {params}",
+        "continuous batching: the keys the attention function receives are gathered by the cache")
+    assert compat.paged_cache_in_call((), {"cache": PagedAttentionCache.__new__(PagedAttentionCache)})
+    assert not compat.paged_cache_in_call((), {"cache": DynamicCache()})
+    passed = compat.paged_arguments()
+    assert set(compat.CONTINUOUS_BATCHING_KEYWORDS) <= passed, broken(
+        f"PagedAttentionArgs no longer declares {sorted(set(compat.CONTINUOUS_BATCHING_KEYWORDS) - passed)}",
+        "the keywords hf_attnorm takes on continuous batching's packed calls")
+    assert "cache" in passed and "attention_mask" in passed
+    assert dict(compat.packed_keywords()) == compat.CONTINUOUS_BATCHING_KEYWORDS  # (read when it was hooked)
+
+
+def test_a_missing_name_turns_continuous_batching_off_for_ours(monkeypatch):
+    monkeypatch.setattr(compat, "CONTINUOUS_BATCHING_MASKS", (compat.CONTINUOUS_BATCHING_MASKS[0], "renamed"))
+    missing = compat.continuous_batching_missing()
+    assert "transformers.generation.continuous_batching.utils.renamed" in missing
+    assert compat.hook_continuous_batching(lambda model: True, lambda config: True) == []  # (nothing hooked)
 
 
 def test_loss_keywords_pass_through_our_function_and_undeclared_ones_are_refused_by_name():

@@ -7,8 +7,9 @@ convention of transformers' call path that the integration reads (the ONE place 
 * what a keyword reaching the attention function means (``keyword_roles``): read from transformers' own
   declarations (its attention functions' parameters, the ``TransformersKwargs``/``FlashAttentionKwargs`` typed
   dicts, the loss functions' parameters) of the installed version, not from a list frozen at one release;
-* the continuous-batching entry point (``CONTINUOUS_BATCHING_ENTRY``), which runs only transformers' own
-  implementations.
+* continuous batching (``generate_batch``): its entry point (``CONTINUOUS_BATCHING_ENTRY``), the manager's two
+  checks of the implementation's name (``CONTINUOUS_BATCHING_SWITCH``, ``CONTINUOUS_BATCHING_MASKS``), the paged
+  cache that marks its calls (``PAGED_CACHE``) and the keywords its packed calls carry (``PAGED_ARGUMENTS``).
 
 tests/test_transformers_contract.py asserts each of these against the installed transformers and names the feature
 that depends on it.
@@ -29,6 +30,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import sys
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -271,18 +274,160 @@ def unknown_keyword(name: str) -> KeywordRole:
 
 # ------------------------------------------------------------------------------------------------ continuous batching
 
-#: (class path, method) of continuous batching's one entry point (``generate_batch``, the context manager and
-#: ``transformers serve`` all go through it); it runs only transformers' own implementations
-CONTINUOUS_BATCHING_ENTRY = ("transformers.generation.continuous_batching.continuous_api.ContinuousMixin",
-                             "init_continuous_batching")
+_CB = "transformers.generation.continuous_batching"
+#: the first transformers on which continuous batching was checked to run hf_attnorm's implementations (5.18 and
+#: older pass the paged cache to transformers' ``paged|`` attention functions instead: refused there)
+CONTINUOUS_BATCHING_CHECKED = "5.24.0"
+
+#: (class path, method) of continuous batching's one entry point (``generate_batch`` and the context manager go
+#: through it; ``transformers serve`` builds the same manager without it)
+CONTINUOUS_BATCHING_ENTRY = (f"{_CB}.continuous_api.ContinuousMixin", "init_continuous_batching")
+#: (class path, method): the manager's check of the model's implementation name, called when a manager is built or
+#: reused. It accepts only ``paged|eager``, ``sdpa`` or flash names, and first switches sdpa/eager models (and would
+#: switch ours) to flash attention where it is installed: hooked so that an hf_attnorm name passes unchanged
+CONTINUOUS_BATCHING_SWITCH = (f"{_CB}.continuous_api.ContinuousBatchingManager", "switch_to_cb_friendly_attn")
+#: (module, function): whether the manager builds attention masks (the sdpa route: packed queries, keys gathered
+#: per sequence, one block-diagonal mask) or leaves them to flash's varlen metadata; it decides by name
+#: (``paged|eager``, ``sdpa``) and is imported by name into the modules that build the batch: hooked in each of them
+#: so that an hf_attnorm name gets the masks
+CONTINUOUS_BATCHING_MASKS = (f"{_CB}.utils", "attn_mask_is_needed")
+#: (module, class): the cache the manager passes to the model; an attention module that receives it is running a
+#: packed continuous-batching call
+PAGED_CACHE = (f"{_CB}.cache", "PagedAttentionCache")
+#: (module, typed dict): the keywords the manager passes to the model, which models hand down to the attention
+#: function
+PAGED_ARGUMENTS = (f"{_CB}.input_outputs", "PagedAttentionArgs")
+#: the paged cache's update as the attention module calls it (5.24): it stores the new keys/values, returns every
+#: scheduled sequence's keys/values gathered and selects the layer's ``cu_seq_lens_k`` in ``kwargs``. Before, the
+#: cache reached transformers' ``paged|`` attention functions, which updated it themselves: an attention function of
+#: ours would get the new keys only, so such a version is treated as lacking the integration's names
+PAGED_CACHE_UPDATE = ("update", ("key_states", "value_states", "layer_idx", "kwargs"))
+
+#: keywords of the manager's packed calls that the attention function takes on that route only (elsewhere they keep
+#: the role ``keyword_roles`` gives them), each with why it changes nothing hf_attnorm computes; ``block_table`` is
+#: taken only when None (``forward.py`` refuses a table: the keys were then not gathered)
+CONTINUOUS_BATCHING_KEYWORDS: dict[str, str] = {
+    "read_index": "the paged cache's read positions: PagedAttentionCache.update already gathered the keys/values "
+                  "the function receives",
+    "write_index": "the paged cache's write positions: PagedAttentionCache.update already stored the new keys/values",
+    "block_table": "None on the sdpa route (the keys are gathered); a table is refused",
+    "logits_indices": "the rows whose logits are sampled: read after the model",
+    "logits_processor_args": "per-request sampling arguments: read after the model",
+    "cu_seq_lens_q": "the packed sequences' query boundaries (also in the block-diagonal mask)",
+    "cu_seq_lens_k": "the packed sequences' key boundaries (also in the block-diagonal mask)",
+    "max_length_q": "the longest packed query run (flash's varlen metadata)",
+    "max_length_k": "the longest packed key run (flash's varlen metadata)",
+}
+
+
+def _resolve(path: str, name: str) -> Any:
+    """``path.name`` (a module attribute, or a class's attribute for ``module.Class`` paths), None when missing."""
+    module_name, cls_name = path, None
+    while module_name:
+        try:
+            module = __import__(module_name, fromlist=["_"])
+            break
+        except ImportError:
+            module_name, _, tail = module_name.rpartition(".")
+            cls_name = tail if cls_name is None else f"{tail}.{cls_name}"
+    else:
+        return None
+    owner: Any = module
+    for part in (cls_name.split(".") if cls_name else ()):
+        owner = getattr(owner, part, None)
+    return None if owner is None else getattr(owner, name, None)
 
 
 def continuous_batching_owner() -> type | None:
     """The class defining continuous batching's entry point on the installed transformers, or None."""
-    module_name, _, cls_name = CONTINUOUS_BATCHING_ENTRY[0].rpartition(".")
-    try:
-        module = __import__(module_name, fromlist=[cls_name])
-    except ImportError:
-        return None
-    cls = getattr(module, cls_name, None)
-    return cls if isinstance(cls, type) and hasattr(cls, CONTINUOUS_BATCHING_ENTRY[1]) else None
+    path, entry = CONTINUOUS_BATCHING_ENTRY
+    module_name, _, cls_name = path.rpartition(".")
+    cls = _resolve(module_name, cls_name)
+    return cls if isinstance(cls, type) and hasattr(cls, entry) else None
+
+
+def continuous_batching_missing() -> list[str]:
+    """The transformers names the continuous-batching integration relies on that the installed version lacks (each
+    as ``path.name``; empty when every one is there)."""
+    missing = [f"{path}.{name}" for path, name in (CONTINUOUS_BATCHING_ENTRY, CONTINUOUS_BATCHING_SWITCH,
+                                                   CONTINUOUS_BATCHING_MASKS, PAGED_CACHE, PAGED_ARGUMENTS)
+               if _resolve(path, name) is None]
+    if not missing and not paged_arguments():
+        missing.append(f"{'.'.join(PAGED_ARGUMENTS)} (keys)")
+    method, params = PAGED_CACHE_UPDATE
+    update = _resolve(f"{PAGED_CACHE[0]}.{PAGED_CACHE[1]}", method)
+    if update is not None and not all(p in _parameters(update) for p in params):
+        missing.append(f"{'.'.join(PAGED_CACHE)}.{method}({', '.join(params)})")
+    return missing
+
+
+#: what ``hook_continuous_batching`` read from the installed transformers, so that every call looks it up without
+#: importing anything (also inside torch.compile's graphs): the paged cache's class, the keywords packed calls take
+_PAGED_CACHE_CLASS: type | None = None
+_PACKED_KEYWORDS: Mapping[str, str] = types.MappingProxyType({})
+
+
+def paged_cache_in_call(args: tuple, kwargs: Mapping[str, Any]) -> bool:
+    """Whether an attention module's call (as read by a forward pre-hook with kwargs) received continuous batching's
+    paged cache, under one of ``CACHE_ARGUMENTS`` or positionally (False before ``hook_continuous_batching``)."""
+    cls = _PAGED_CACHE_CLASS
+    if cls is None:
+        return False
+    return any(isinstance(kwargs.get(n), cls) for n in CACHE_ARGUMENTS) or any(isinstance(a, cls) for a in args)
+
+
+def packed_keywords() -> Mapping[str, str]:
+    """``continuous_batching_keywords()`` as read when continuous batching was hooked (empty before)."""
+    return _PACKED_KEYWORDS
+
+
+def paged_arguments() -> frozenset[str]:
+    """The keywords the manager passes to the model (``PagedAttentionArgs``' keys; empty when it is missing)."""
+    td = _resolve(*PAGED_ARGUMENTS)
+    return frozenset(getattr(td, "__required_keys__", frozenset()) | getattr(td, "__optional_keys__", frozenset()))
+
+
+def continuous_batching_keywords() -> Mapping[str, str]:
+    """``CONTINUOUS_BATCHING_KEYWORDS`` that the installed version's manager passes (a keyword it no longer passes
+    is not accepted; one it adds is not in the table, so it stays refused until its meaning is known)."""
+    passed = paged_arguments()
+    return types.MappingProxyType({k: why for k, why in CONTINUOUS_BATCHING_KEYWORDS.items() if k in passed})
+
+
+def hook_continuous_batching(prepare: Callable[[Any], bool], runs_packed: Callable[[Any], bool]) -> list[str]:
+    """Let the continuous-batching manager run models of ours on its sdpa route under their own implementation name.
+    Its name check calls ``prepare(model)`` whenever a manager is built or reused: True (the model runs ours, and
+    ``prepare`` made it ready or raised) leaves the model unswitched (no flash attention, no refusal, nothing to
+    restore); False runs transformers' own check. Its mask decision builds masks where ``runs_packed(config)``, so
+    the attention function gets the packed call. Returns the names hooked (``switch_to_cb_friendly_attn``,
+    ``attn_mask_is_needed``), or [] and hooks nothing when the installed transformers lacks a name relied on
+    (``continuous_batching_missing``)."""
+    global _PAGED_CACHE_CLASS, _PACKED_KEYWORDS
+    if continuous_batching_missing():
+        return []
+    _PAGED_CACHE_CLASS, _PACKED_KEYWORDS = _resolve(*PAGED_CACHE), continuous_batching_keywords()
+    manager_path, switch_name = CONTINUOUS_BATCHING_SWITCH
+    module_name, _, cls_name = manager_path.rpartition(".")
+    manager = _resolve(module_name, cls_name)
+
+    def make_switch(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def switch_to_cb_friendly_attn(self: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+            if prepare(model):
+                return None  # the model's own implementation takes the sdpa route: nothing to switch or restore
+            return orig(self, model, *args, **kwargs)
+
+        return switch_to_cb_friendly_attn
+
+    hook(manager, switch_name, make_switch)
+    masks_module, masks_name = CONTINUOUS_BATCHING_MASKS
+    orig_masks = _resolve(masks_module, masks_name)
+
+    @functools.wraps(orig_masks)
+    def attn_mask_is_needed(config: Any, *args: Any, **kwargs: Any) -> bool:
+        return runs_packed(config) or orig_masks(config, *args, **kwargs)
+
+    # every module of the package that imported the function by name (input_outputs builds the batch)
+    for name, module in list(sys.modules.items()):
+        if (name == _CB or name.startswith(_CB + ".")) and getattr(module, masks_name, None) is orig_masks:
+            setattr(module, masks_name, attn_mask_is_needed)
+    return [switch_name, masks_name]

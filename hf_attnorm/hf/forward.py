@@ -11,14 +11,18 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
 
 from ..attention import make_call
 from ..kernels import attend
-from ..registry import AttnormError
+from ..masks import additive_keep
+from ..normalizers.base import CONTINUOUS_BATCHING_MODES, ContinuousBatching
+from ..registry import NORMALIZERS, SCALES, AttnormError
 from ..settings import AttnormSettings, resolve_settings
 from ..torch_compat import is_exporting
-from .cache_state import steps_for
+from . import compat
+from .cache_state import PENDING_ATTR, steps_for
 from .families import refused_keywords
 from .state import state_of
 
@@ -40,11 +44,13 @@ def _weights_requested(kwargs: Mapping[str, Any]) -> bool:
 @dataclasses.dataclass(eq=False)  # (records are removed by identity)
 class PathRecord:
     """What the most recent attention call under ``record_paths`` ran: its path and ``MaskInfo.kind`` ("given",
-    "causal" or "none"); ``paths``: every call's path, in order."""
+    "causal" or "none"); ``paths``: every call's path, in order (one per sequence of a call split per sequence)."""
 
     path: str = ""
     mask: str = ""
     paths: list[str] = dataclasses.field(default_factory=list)
+    #: how many calls came packed from transformers' continuous batching (``generate_batch``)
+    packed: int = 0
 
 
 #: the records being written (record_paths); empty, the attention calls write nothing
@@ -121,6 +127,8 @@ def _score_modifiers(kwargs: Mapping[str, Any]) -> dict[str, Any]:
 def _attend(module: nn.Module, state: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             attention_mask: object, scaling: float | None, dropout: float,
             kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if module.__dict__.pop(PACKED_ATTR, False):
+        return _attend_packed(module, state, query, key, value, attention_mask, scaling, dropout, kwargs)
     causal = _causal(module, kwargs)
     refused = refused_keywords(kwargs)
     if refused:  # a backstop: modules are checked at load/set time, but **kwargs can carry anything
@@ -136,6 +144,14 @@ def _attend(module: nn.Module, state: Any, query: torch.Tensor, key: torch.Tenso
     # state kept on the cache across decoding (hf/cache_state.py): linear attention's recurrent state, selective
     # attention's column sums; a call that cannot be exact is refused here, before any work
     steps = steps_for(module, query, key, value, state.settings, causal)
+    out, weights = _compute(module, state, query, key, value, attention_mask, causal, scaling, dropout, kwargs, steps)
+    return _to_model_layout(out), weights
+
+
+def _compute(module: nn.Module, state: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             attention_mask: object, causal: bool, scaling: float | None, dropout: float, kwargs: Mapping[str, Any],
+             steps: list) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One resolved call: query [B, H, Lq, D], key/value [B, Hkv, Lk, D] -> (out [B, H, Lq, Dv], weights or None)."""
     call = make_call(
         query, key, value, state.settings, state(query.device), attention_mask, causal, scaling,
         dropout if module.training else 0.0, _weights_requested(kwargs), state.module_info,
@@ -150,7 +166,124 @@ def _attend(module: nn.Module, state: Any, query: torch.Tensor, key: torch.Tenso
         for record in _RECORDS:
             record.path, record.mask = path, call.mask.kind
             record.paths.append(path)
-    return _to_model_layout(out), weights
+    return out, weights
+
+
+# ------------------------------------------------------------------------------------------------ continuous batching
+
+#: attribute of an attention module: whether its call in progress received continuous batching's paged cache
+#: (written by ``_packed_pre_hook``, taken off by the attention function)
+PACKED_ATTR = "_hf_attnorm_packed"
+
+
+def continuous_batching_support(settings: AttnormSettings) -> tuple[ContinuousBatching, str]:
+    """How transformers' continuous batching runs ``settings`` (``normalizers.base.ContinuousBatching``), from the
+    declarations of its normalizer and scale (``continuous_batching``, ``continuous_batching_note``): "refused" when
+    either refuses, "per_sequence" when either needs it, else "packed"; with the notes of the declarations that
+    decide it (why it is refused, or what differs)."""
+    norm, scale = NORMALIZERS.get(settings.normalizer), SCALES.get(settings.scale)
+    modes = []
+    for owner in (norm, scale):
+        mode = owner.continuous_batching
+        if mode is None:  # (a normalizer's default: its declared coupling of queries decides)
+            mode = "refused" if owner.query_coupled else "packed"
+        if mode not in CONTINUOUS_BATCHING_MODES:
+            raise AttnormError(f"{type(owner).__name__}.continuous_batching is {mode!r}; allowed: "
+                               f"{', '.join(CONTINUOUS_BATCHING_MODES)} (or None on a normalizer: derived)")
+        modes.append((mode, owner.continuous_batching_note))
+    for wanted in ("refused", "per_sequence", "packed"):
+        notes = [note for mode, note in modes if mode == wanted]
+        if notes:
+            return wanted, "; ".join(n for n in notes if n)  # type: ignore[return-value]
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _packed_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    module.__dict__[PACKED_ATTR] = compat.paged_cache_in_call(args, kwargs)
+
+
+def mark_packed_calls(modules: Iterator[nn.Module]) -> None:
+    """Give each attention module the forward pre-hook that tells its attention function whether a call comes
+    packed from continuous batching (its module received the paged cache): only such calls may carry the
+    manager's keywords. Once per module; a module-level function, so models still deepcopy and pickle."""
+    for module in modules:
+        if _packed_pre_hook not in module._forward_pre_hooks.values():
+            module.register_forward_pre_hook(_packed_pre_hook, with_kwargs=True)
+
+
+def _packed_error(module: nn.Module, what: str) -> AttnormError:
+    return AttnormError(f"{type(module).__name__}: continuous batching's packed call {what}")
+
+
+def _attend_packed(module: nn.Module, state: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: object, scaling: float | None, dropout: float,
+                   kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A call from continuous batching's sdpa route: query [1, H, Q_total, D] (the scheduled sequences' new tokens,
+    packed), key/value [1, Hkv, K_total, D] (each sequence's keys gathered from the paged cache, sequence after
+    sequence), attention_mask [1, 1, Q_total, K_total] (additive, block-diagonal causal, with the sliding window
+    where the layer has one) -> (out [1, Q_total, H, Dv], None). Run as one call, or split per sequence, as the
+    settings declare (``continuous_batching_support``)."""
+    accepted = compat.packed_keywords()
+    refused = refused_keywords([k for k in kwargs if k not in accepted])
+    if refused:
+        raise _packed_error(module, f"passed {', '.join(refused)}, which hf_attnorm does not implement; it could "
+                                    "change what attention computes, so it is not ignored")
+    if any(name in kwargs for name in compat.CACHE_ARGUMENTS):
+        raise _packed_error(module, "hands the paged cache to the attention function, so the keys were not gathered "
+                                    f"(the module did not call its update; transformers {transformers.__version__})")
+    if kwargs.get("block_table") is not None:
+        raise _packed_error(module, "carries a block table (paged decoding, whose keys stay in the cache); "
+                                    "hf_attnorm needs them gathered, as on the sdpa route")
+    mode, note = continuous_batching_support(state.settings)
+    if mode == "refused":
+        raise _packed_error(module, f"cannot run {state.settings.implementation!r}: {note}")
+    if query.shape[0] != 1 or not isinstance(attention_mask, torch.Tensor):
+        raise _packed_error(module, f"has queries {list(query.shape)} and a mask of type "
+                                    f"{type(attention_mask).__name__}; expected [1, H, Q_total, D] and the "
+                                    "block-diagonal mask tensor [1, 1, Q_total, K_total] of the sdpa route")
+    module.__dict__.pop(PENDING_ATTR, None)  # (no transformers Cache: no state kept across calls)
+    # the manager's mask is additive (0 / finfo.min): as a keep-mask it carries no score bias, which a scoreless
+    # normalizer would refuse
+    attention_mask = additive_keep(attention_mask) if attention_mask.is_floating_point() else attention_mask
+    causal = _causal(module, kwargs)
+    if mode == "packed":
+        out, _ = _compute(module, state, query, key, value, attention_mask, causal, scaling, dropout, kwargs, [])
+    else:
+        out = _per_sequence(module, state, query, key, value, attention_mask, causal, scaling, dropout, kwargs)
+    if _RECORDS:
+        for record in _RECORDS:
+            record.packed += 1
+    return _to_model_layout(out), None
+
+
+def _per_sequence(module: nn.Module, state: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor, causal: bool, scaling: float | None, dropout: float,
+                  kwargs: Mapping[str, Any]) -> torch.Tensor:
+    """The packed call split at ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (this layer's, as ``PagedAttentionCache.update``
+    leaves them): sequence s gets query rows cu_q[s]:cu_q[s+1], keys cu_k[s]:cu_k[s+1] and its mask block, the layout
+    of a cached ``generate`` step. query [1, H, Q_total, D] -> out [1, H, Q_total, Dv] (0 on padding rows)."""
+    bounds = [kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")]
+    if not all(isinstance(b, torch.Tensor) and b.dim() == 1 for b in bounds):
+        raise _packed_error(module, "has no per-layer cu_seq_lens_q / cu_seq_lens_k tensors (the module must let "
+                                    "PagedAttentionCache.update select its layer's), which the per-sequence split of "
+                                    f"{state.settings.implementation!r} reads")
+    cu_q, cu_k = (b.tolist() for b in bounds)  # (host values: the boundaries of the slices)
+    lq, lk = query.shape[2], key.shape[2]
+    if len(cu_q) != len(cu_k) or cu_q[-1] > lq or cu_k[-1] > lk:
+        raise _packed_error(module, f"has sequence boundaries cu_seq_lens_q={cu_q}, cu_seq_lens_k={cu_k} that do "
+                                    f"not fit {lq} queries and {lk} keys")
+    parts, done = [], 0
+    for q0, q1, k0, k1 in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]):
+        if q1 == q0:
+            continue  # (a padding sequence)
+        out, _ = _compute(module, state, query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1],
+                          attention_mask[..., q0:q1, k0:k1], causal, scaling, dropout, kwargs, [])
+        parts.append(out)
+        done = q1
+    if done < lq:  # padding rows past the last sequence see no key
+        dtype = parts[0].dtype if parts else query.dtype
+        parts.append(query.new_zeros(1, query.shape[1], lq - done, value.shape[-1], dtype=dtype))
+    return torch.cat(parts, dim=2)
 
 
 def _to_model_layout(out: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,15 @@ from ..settings import AttnormSettings
 RowSum = Literal["one", "at_most_one", "signed", "free"]
 #: how the fast kernels can run a normalizer (see ``Normalizer.kernel_family``)
 KernelFamily = Literal["softmax", "fused", "linear", "stickbreaking", "generic"]
+#: how transformers' continuous batching (``generate_batch``) can run a normalizer or scale, which it hands every
+#: scheduled sequence at once: queries packed as q [1, H, Q_total, D], each sequence's keys gathered from the paged
+#: cache, k/v [1, Hkv, K_total, D], and one block-diagonal causal mask [1, 1, Q_total, K_total].
+#: "packed": one call as it comes; exact when a query's weights depend only on the keys its mask row shows (n read
+#: per row), its own query and per-head values. "per_sequence": the call split at the sequences' boundaries, each
+#: part laid out as a cached ``generate`` step (the last query is the last key), for maps that read a query's
+#: position as Lk - Lq + i. "refused": not exact on that route.
+ContinuousBatching = Literal["packed", "per_sequence", "refused"]
+CONTINUOUS_BATCHING_MODES: tuple[str, ...] = ("packed", "per_sequence", "refused")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +160,11 @@ class Normalizer:
     #: earlier queries' scores): paths that split the queries (chunked, decode) decline it, and a cached decoding
     #: step (whose earlier queries are gone) is refused by the transformers integration
     query_coupled: ClassVar[bool] = False
+    #: how transformers' continuous batching runs it (``ContinuousBatching``); None: derived, "refused" for a
+    #: query-coupled normalizer (its weights need the earlier queries of the sequence), else "packed"
+    continuous_batching: ClassVar[ContinuousBatching | None] = None
+    #: why it is refused there, or what differs there (then said in a warning when continuous batching starts)
+    continuous_batching_note: ClassVar[str] = ""
 
     #: differential attention: each head's q/k dims are split into two halves (``AttnCall.halves``), each attended
     #: with this normalizer's own map (``reference`` and its kernel family) on whatever path takes the call, and

@@ -45,6 +45,8 @@ class Fox(Softmax):
     # f = sigmoid(10) = 1 - 4.5e-5: a decay of 4.5e-5 per key, 0.02 over 512 keys (the gate learns from there)
     conversion_start = {"fox_bias_init": 10.0}
     key_order = True  # the decay follows the keys' positions
+    # the decay reads the query's key position as Lk - Lq + i, which holds per sequence, not in the packed layout
+    continuous_batching = "per_sequence"
     key_order_note = ("here a key after the query decays by the forget gates between them as one before it does "
                       "(-|c_i - c_j|), an extension of the paper's causal definition")
     params = (

@@ -36,6 +36,10 @@ class Linear(Normalizer):
     uses_base_scaling = False
     scoreless = True
     kernel_family = "linear"
+    continuous_batching = "packed"
+    continuous_batching_note = (
+        "runs without its recurrent decode state (kept on a transformers Cache, which the paged cache is not): "
+        "every step recomputes over the gathered keys, exactly, at O(keys) per token instead of O(1)")
 
     def feature_map(self, q: torch.Tensor, k: torch.Tensor, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
         # The weights phi(q_i).phi(k_j) / sum_j phi(q_i).phi(k_j) do not change when phi(q_i) is divided by any

@@ -106,6 +106,11 @@ class Selective(Normalizer):
     row_sum = "one"
     options = (SELECTIVE_HEAD,)
     query_coupled = True
+    continuous_batching = "refused"
+    continuous_batching_note = (
+        "selective attention subtracts from each query's scores what every earlier query of its sequence selected, "
+        "and continuous batching does not keep those queries: prefix sharing and chunked prefill skip them and "
+        "decoding steps drop them (the paged cache holds keys and values only)")
 
     def selecting_head(self, settings: AttnormSettings) -> int:
         """The query head whose scores select (kernels/selective.py reads this)."""

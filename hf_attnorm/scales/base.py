@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import torch
 
-from ..normalizers.base import Ctx, ParamSpec
+from ..normalizers.base import ContinuousBatching, Ctx, ParamSpec
 from ..settings import AttnormSettings
 
 
@@ -24,6 +24,11 @@ class Scale:
     params: ClassVar[tuple[ParamSpec, ...]] = ()
     #: option values of the preset named after this scale
     preset_settings: ClassVar[dict] = {}
+    #: how transformers' continuous batching runs it (``normalizers.base.ContinuousBatching``); a scale of n alone
+    #: is exact on the packed call (n is read per row from the block-diagonal mask)
+    continuous_batching: ClassVar[ContinuousBatching] = "packed"
+    #: why it is refused there, or what differs there
+    continuous_batching_note: ClassVar[str] = ""
 
     def validate(self, settings: AttnormSettings) -> None:
         """Cross-option checks."""

@@ -59,6 +59,8 @@ class Llama4Pos(Scale):
     paper = "Ministral 3 (Mistral AI 2025), transformers models/ministral3/modeling_ministral3.py"
     description = "scaling * (1 + beta ln(1 + floor(pos/L_orig))), pos = query position (Ministral 3's Llama-4 scale)"
     options = (BETA, TRAIN_LENGTH)
+    # the query's position is read as Lk - Lq + i, which holds per sequence, not in the packed layout
+    continuous_batching = "per_sequence"
 
     def refuses(self, module_info: dict) -> str | None:
         if any(r.get("llama_4_scaling_beta") for r in module_info.get("rope", ())):
