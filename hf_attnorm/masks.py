@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -148,8 +150,8 @@ def _to_bool(mask: torch.Tensor) -> torch.Tensor:
     raise MaskError(f"attention mask dtype {mask.dtype} is not supported; use bool (True = keep)")
 
 
-#: the last float mask split into (keep, bias): (weak reference to the mask tensor, its version, the parts)
-_LAST_SPLIT: list = [None, -1, None]
+#: the last float mask split into (keep, bias) (``_remembered``)
+_LAST_SPLIT: list = [None, -1, None, None]
 
 
 def _no_cache() -> bool:
@@ -158,24 +160,36 @@ def _no_cache() -> bool:
     return torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
 
 
+def _remembered(slot: list, mask: torch.Tensor, sizes: object, compute: Callable[[], Any]) -> Any:
+    """``compute()``, remembered in ``slot`` ([weak reference to the mask, its version, ``sizes``, the result]) and
+    given back for the same mask tensor, unchanged, with the same ``sizes``: the layers of one forward share it.
+    Nothing is remembered while tracing or under inference_mode (``_no_cache``), nor for an inference tensor (no
+    version counter, so an in-place change could not be noticed)."""
+    if _no_cache() or mask.is_inference():
+        return compute()
+    ref, version, last_sizes, value = slot
+    if ref is not None and ref() is mask and version == mask._version and last_sizes == sizes:
+        return value
+    value = compute()
+    slot[:] = [weakref.ref(mask), mask._version, sizes, value]
+    return value
+
+
 def split_float_mask(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """An additive float mask -> (keep bool, bias float), both of its shape: entries <= finfo.min / 2 (or -inf) are
     masked (bias 0 there), the others are kept and their values are a score bias (eager attention adds them). The
     same mask tensor (unchanged) gives the same tensors back, so the layers of one forward share one keep-mask (and
     its MaskInfo). Nothing is read on the host."""
-    if not (_no_cache() or mask.is_inference()):
-        ref, version, parts = _LAST_SPLIT
-        if ref is not None and ref() is mask and version == mask._version:
-            return parts
-    keep = mask > torch.finfo(mask.dtype).min / 2
-    parts = keep, torch.where(keep, mask, torch.zeros((), dtype=mask.dtype, device=mask.device))
-    if not (_no_cache() or mask.is_inference()):
-        _LAST_SPLIT[:] = [weakref.ref(mask), mask._version, parts]
-    return parts
+
+    def split() -> tuple[torch.Tensor, torch.Tensor]:
+        keep = mask > torch.finfo(mask.dtype).min / 2
+        return keep, torch.where(keep, mask, torch.zeros((), dtype=mask.dtype, device=mask.device))
+
+    return _remembered(_LAST_SPLIT, mask, None, split)
 
 
-#: the last additive mask turned into a keep-mask: (weak reference to the mask tensor, its version, the keep-mask)
-_LAST_KEEP: list = [None, -1, None]
+#: the last additive mask turned into a keep-mask (``_remembered``)
+_LAST_KEEP: list = [None, -1, None, None]
 
 
 def additive_keep(mask: torch.Tensor) -> torch.Tensor:
@@ -184,20 +198,12 @@ def additive_keep(mask: torch.Tensor) -> torch.Tensor:
     unchanged, gives the same keep-mask back, so the layers of one forward share it (and its MaskInfo)."""
     if not mask.is_floating_point():
         raise MaskError(f"expected an additive float mask, got dtype {mask.dtype}")
-    memo = not (_no_cache() or mask.is_inference())
-    if memo:
-        ref, version, keep = _LAST_KEEP
-        if ref is not None and ref() is mask and version == mask._version:
-            return keep
-    keep = _to_bool(mask)
-    if memo:
-        _LAST_KEEP[:] = [weakref.ref(mask), mask._version, keep]
-    return keep
+    return _remembered(_LAST_KEEP, mask, None, lambda: _to_bool(mask))
 
 
 #: (lq, lk, causal, device) -> MaskInfo of the calls without a mask (read-only tensors, shared by every layer)
 _STRUCTURED: dict[tuple, MaskInfo] = {}
-#: the last mask analysed: (weak reference to the mask tensor, its version, the call's sizes, the MaskInfo)
+#: the last mask analysed, with the call's sizes (``_remembered``)
 _LAST: list = [None, -1, None, None]
 
 
@@ -233,16 +239,12 @@ def build_mask_info(
             f"attention_mask of type {type(attention_mask).__name__} is not supported by hf_attnorm; expected None "
             "or a tensor (bool, 0/1 integer or additive float) of shape [B, 1, Lq, Lk], [B, Lq, Lk] or [B, Lk]"
         )
-    if not remember or _no_cache() or attention_mask.is_inference():
-        # (inference-mode tensors have no version counter, so an in-place change could not be noticed)
+    def build() -> MaskInfo:
         return _build(attention_mask, batch, heads, lq, lk, causal, device)
-    sizes = (batch, heads, lq, lk, causal, device)
-    ref, version, last_sizes, info = _LAST
-    if ref is not None and ref() is attention_mask and version == attention_mask._version and last_sizes == sizes:
-        return info
-    info = _build(attention_mask, batch, heads, lq, lk, causal, device)
-    _LAST[:] = [weakref.ref(attention_mask), attention_mask._version, sizes, info]
-    return info
+
+    if not remember:
+        return build()
+    return _remembered(_LAST, attention_mask, (batch, heads, lq, lk, causal, device), build)
 
 
 def _build(attention_mask: torch.Tensor, batch: int, heads: int, lq: int, lk: int, causal: bool,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import zlib
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
 
@@ -38,7 +38,7 @@ KernelFamily = Literal["softmax", "fused", "linear", "stickbreaking", "generic"]
 #: part laid out as a cached ``generate`` step (the last query is the last key), for maps that read a query's
 #: position as Lk - Lq + i. "refused": not exact on that route.
 ContinuousBatching = Literal["packed", "per_sequence", "refused"]
-CONTINUOUS_BATCHING_MODES: tuple[str, ...] = ("packed", "per_sequence", "refused")
+CONTINUOUS_BATCHING_MODES: tuple[str, ...] = get_args(ContinuousBatching)
 
 
 @dataclasses.dataclass(frozen=True)
