@@ -127,7 +127,10 @@ def _score_modifiers(kwargs: Mapping[str, Any]) -> dict[str, Any]:
 def _attend(module: nn.Module, state: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             attention_mask: object, scaling: float | None, dropout: float,
             kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if module.__dict__.pop(PACKED_ATTR, False):
+    # getattr, not __dict__.pop: Dynamo (torch 2.11) cannot trace a pop on a module's __dict__; the flag exists only
+    # on modules given the pre-hook, which rewrites it before every call
+    if getattr(module, PACKED_ATTR, False):
+        module.__dict__[PACKED_ATTR] = False
         return _attend_packed(module, state, query, key, value, attention_mask, scaling, dropout, kwargs)
     causal = _causal(module, kwargs)
     refused = refused_keywords(kwargs)
@@ -172,7 +175,7 @@ def _compute(module: nn.Module, state: Any, query: torch.Tensor, key: torch.Tens
 # ------------------------------------------------------------------------------------------------ continuous batching
 
 #: attribute of an attention module: whether its call in progress received continuous batching's paged cache
-#: (written by ``_packed_pre_hook``, taken off by the attention function)
+#: (written by ``_packed_pre_hook``, cleared by the attention function)
 PACKED_ATTR = "_hf_attnorm_packed"
 
 
