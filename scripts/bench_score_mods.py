@@ -65,7 +65,7 @@ def mod_kwargs(mod: str, h: int, n: int, softcap: float) -> dict:
 
 def memory_child(name: str, mod: str, n: int, h: int, softcap: float) -> None:
     """Prints the peak RSS growth (MB) of one causal forward+backward on fused_cpu, after a small warm-up call."""
-    from hf_attnorm.kernels import fused_cpu
+    from hf_attnorm.kernels.fused import cpu as fused_cpu
 
     fused_cpu.native_ops()
     g = torch.Generator().manual_seed(0)

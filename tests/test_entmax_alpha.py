@@ -11,7 +11,7 @@ import torch
 
 from hf_attnorm.attention import attention, constant_heads, make_call
 from hf_attnorm.kernels import attend
-from hf_attnorm.kernels.fused_cpu import unavailable_reason
+from hf_attnorm.kernels.fused.cpu import unavailable_reason
 from hf_attnorm.normalizers.entmax15 import entmax15
 from hf_attnorm.normalizers.entmax_alpha import entmax_alpha
 from hf_attnorm.normalizers.sparsemax import sparsemax

@@ -17,7 +17,8 @@ from conftest import LAST_CALL, first_implementations, has_memory
 from family_zoo import V, build
 from torch.export import Dim
 
-from hf_attnorm.kernels import PATHS, fused_cpu, set_forced_path
+from hf_attnorm.kernels import PATHS, set_forced_path
+from hf_attnorm.kernels.fused import cpu as fused_cpu
 from hf_attnorm.registry import NORMALIZERS, PRESETS, SCALES
 from hf_attnorm.settings import resolve_settings
 from hf_attnorm.torch_compat import DYNAMIC_EXPORT, DYNAMIC_EXPORT_TORCH
@@ -111,7 +112,7 @@ FUSED_IMPL = next(p for p in IMPLS
 _RELOAD = """
 import sys, torch
 import hf_attnorm  # registers the hf_attnorm_fused ops: nothing is built here
-assert not hf_attnorm.kernels.fused_cpu._state["ops"], "import hf_attnorm must not build the C++ extension"
+assert not hf_attnorm.kernels.fused.cpu._state["ops"], "import hf_attnorm must not build the C++ extension"
 ep = torch.export.load(sys.argv[1])
 ids, mask, want = torch.load(sys.argv[2])
 got = ep.module()(ids, mask)

@@ -420,7 +420,8 @@ def test_score_modifier_families_take_the_fused_path(family):
     """Gemma2's soft-cap and T5's learned position bias run on fused_cpu for a fused-map normalizer (no longer
     declined to chunked), equal to the reference path, forward and every parameter gradient (the relative bias's
     included)."""
-    from hf_attnorm.kernels import fused_cpu, set_forced_path
+    from hf_attnorm.kernels import set_forced_path
+    from hf_attnorm.kernels.fused import cpu as fused_cpu
 
     if fused_cpu.unavailable_reason():
         pytest.skip(fused_cpu.unavailable_reason())

@@ -1,4 +1,4 @@
-"""Each fused map declared in hf_attnorm/kernels/maps.py against what the kernels compute: the declaration's own
+"""Each fused map declared in hf_attnorm/kernels/fused/maps.py against what the kernels compute: the declaration's own
 slope is its weight's derivative; the C++ build answers the declared facts per id (``map_facts``); the C++ and
 Triton kernels compute the declared weights (out = W V) and their gradients (q, k, v and the row value) on tiny
 float64 / fp32 inputs with a single-key row, a fully masked row and keys across block edges; an undeclared id
@@ -20,7 +20,8 @@ import types
 import pytest
 import torch
 
-from hf_attnorm.kernels import fused_cpu, kinds, maps
+from hf_attnorm.kernels.fused import cpu as fused_cpu
+from hf_attnorm.kernels.fused import kinds, maps
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -114,11 +115,11 @@ def test_cpp_enum_spells_the_declared_ids():
     import re
     from pathlib import Path
 
-    src = (Path(fused_cpu.__file__).with_name("csrc") / "fused_cpu.cpp").read_text()
+    src = Path(fused_cpu.__file__).with_name("fused_cpu.cpp").read_text()
     enum = re.search(r"enum Kind : int64_t \{(.*?)\};", src, re.S).group(1)
     cpp = {m.group(1): int(m.group(2)) for m in re.finditer(r"(\w+) = (\d+)", enum)}
     declared = {kinds.constant_name(m.name): m.kernel_id for m in maps.MAPS}
-    assert cpp == declared, ("enum Kind in csrc/fused_cpu.cpp differs from kernels/maps.py: only in the C++ "
+    assert cpp == declared, ("enum Kind in fused/fused_cpu.cpp differs from fused/maps.py: only in the C++ "
                              f"{sorted(cpp.items() - declared.items())}, "
                              f"only declared {sorted(declared.items() - cpp.items())}")
     assert int(re.search(r"NUM_KINDS = (\d+);", src).group(1)) == max(maps.BY_ID) + 1
@@ -180,7 +181,7 @@ if not INTERPRETED:
         assert " passed" in res.stdout and " skipped" not in res.stdout, res.stdout[-2000:]
 
 else:
-    from hf_attnorm.kernels import triton_attn as ta
+    from hf_attnorm.kernels.fused import triton as ta
 
     def _plan(name: str, q, k, v, keep):
         """A launch plan for map ``name`` (the call's fields _Plan reads; no normalizer needed)."""

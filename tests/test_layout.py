@@ -100,3 +100,61 @@ def test_import_loads_no_lab_module() -> None:
 def test_lab_has_no_function_level_package_imports(path: Path) -> None:
     # the lab imports its own modules at the top (only optional third-party packages are imported lazily)
     assert _function_level_imports(path) == [], f"{path}: package imports inside functions"
+
+
+KERNELS = PKG / "kernels"
+#: the kernel folders whose modules the others may use: ``fused`` holds the C++ extension every CPU kernel is compiled
+#: into and the Triton helpers the other Triton kernels share
+SHARED_FAMILY = "fused"
+
+
+def _kernel_imports(path: Path) -> list[tuple[tuple[str, ...], int]]:
+    """The modules of hf_attnorm.kernels that ``path`` imports, as parts below ``kernels`` (``("fused", "cpu")``)."""
+    rel = path.relative_to(PKG).with_suffix("").parts
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                target = [*rel[: len(rel) - node.level], *(node.module.split(".") if node.module else [])]
+            else:
+                target = (node.module or "").split(".")[1:]
+            if target[:1] != ["kernels"]:
+                continue
+            for alias in node.names:  # `from ..fused import cpu` imports the module fused.cpu
+                full = (*target[1:], alias.name)
+                out.append((full if (KERNELS.joinpath(*full[:-1], full[-1] + ".py").exists()
+                                     or KERNELS.joinpath(*full).is_dir()) else tuple(target[1:]), node.lineno))
+    return out
+
+
+KERNEL_FILES = sorted(KERNELS.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", KERNEL_FILES, ids=lambda p: str(p.relative_to(KERNELS)))
+def test_kernel_families_stay_apart(path: Path) -> None:
+    """kernels/ holds the generic paths at its top and one folder per family of kernels: the generic modules import
+    no family; a family imports the generic modules, its own folder and the shared one, never another family."""
+    rel = path.relative_to(KERNELS).parts
+    family = rel[0] if len(rel) > 1 else None
+    for parts, line in _kernel_imports(path):
+        target_family = parts[0] if parts and KERNELS.joinpath(parts[0]).is_dir() else None
+        if target_family is None or target_family == family:
+            continue
+        assert family is not None and family != SHARED_FAMILY and target_family == SHARED_FAMILY, (
+            f"kernels/{'/'.join(rel)}:{line} imports kernels.{'.'.join(parts)}: "
+            + ("a generic module imports no family folder" if family is None else
+               f"family {family!r} may import only its own folder, the generic modules and {SHARED_FAMILY!r}"))
+
+
+def test_every_kernel_family_is_a_package_with_its_sources_beside_it() -> None:
+    """Each family folder is a package that imports its paths (so they register) and holds its own C++ source;
+    the kernels folder's top holds no C++ source, only the header they share."""
+    families = [d for d in KERNELS.iterdir() if d.is_dir() and d.name != "__pycache__"]
+    assert {d.name for d in families} >= {"fused", "selective", "stickbreaking", "linear"}
+    for d in families:
+        assert (d / "__init__.py").exists(), d
+    assert not list(KERNELS.glob("*.cpp")) and list(KERNELS.glob("*.h")) == [KERNELS / "cpu_common.h"]
+    from hf_attnorm.kernels.fused import cpu
+
+    for source in [cpu._SOURCE, *cpu.EXTRA_SOURCES]:
+        assert source.exists() and source.parent.parent == KERNELS, source

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from hf_attnorm.attention import attention, make_call
-from hf_attnorm.kernels import attend, fused_cpu
+from hf_attnorm.kernels import attend
+from hf_attnorm.kernels.fused import cpu as fused_cpu
 from hf_attnorm.registry import AttnormError
 from hf_attnorm.settings import resolve_settings
 

@@ -1,4 +1,4 @@
-"""The recurrent decode step of linear attention (kernels/linear_recurrent.py) and the state a transformers cache keeps
+"""The recurrent decode step of linear attention (kernels/linear/recurrent.py) and the state a transformers cache keeps
 for it (hf/recurrent.py): every step against the reference, and generation with the state against generation on the
 exact O(Lk) path (same tokens, logits within 1e-5) through padding, beam search, consecutive calls, a continued,
 cropped or reordered cache and a static cache."""
@@ -19,7 +19,7 @@ from hf_attnorm.attention import constant_heads, make_call
 from hf_attnorm.hf import compat
 from hf_attnorm.hf.recurrent import STATE_ATTR, drop_states
 from hf_attnorm.kernels import PATHS, attend, explain, set_forced_path
-from hf_attnorm.kernels.linear_recurrent import build_state
+from hf_attnorm.kernels.linear.recurrent import build_state
 from hf_attnorm.settings import resolve_settings
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from hf_attnorm.attention import attention, constant_heads, make_call
-from hf_attnorm.kernels import PATHS, attend, candidate_paths, choose, declared_normalizers, explain, fused_cpu
+from hf_attnorm.kernels import PATHS, attend, candidate_paths, choose, declared_normalizers, explain
+from hf_attnorm.kernels.fused import cpu as fused_cpu
 from hf_attnorm.registry import NORMALIZERS, PRESETS, SCALES
 from hf_attnorm.settings import resolve_settings
 

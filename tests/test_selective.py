@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from conftest import mask_of_kind, tiny
 
 from hf_attnorm.attention import attention, constant_heads, make_call
-from hf_attnorm.kernels import attend, explain, fused_cpu
-from hf_attnorm.kernels import selective as selective_mod
+from hf_attnorm.kernels import attend, explain
+from hf_attnorm.kernels.fused import cpu as fused_cpu
+from hf_attnorm.kernels.selective import blocked as selective_mod
 from hf_attnorm.normalizers.selective import selection_penalty
 from hf_attnorm.registry import AttnormError
 from hf_attnorm.settings import resolve_settings

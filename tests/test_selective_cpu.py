@@ -1,4 +1,4 @@
-"""The fused C++ selective path (``selective_cpu``, csrc/selective.cpp) against the reference
+"""The fused C++ selective path (``selective_cpu``, kernels/selective/selective_cpu.cpp) against the reference
 (normalizers/selective.py) and the blocked ``selective`` path: forward and every gradient, fp64 to 1e-10,
 fp32/fp16/bf16, odd lengths, several query blocks and key tiles, padding (fully masked rows give zeros, no NaN),
 causal and bidirectional, GQA, another selecting head, one-query calls, carried-in column sums
@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from conftest import mask_of_kind, needs_compile
 
 from hf_attnorm.attention import attention, constant_heads, make_call
-from hf_attnorm.kernels import attend, explain, fused_cpu
-from hf_attnorm.kernels import selective_cpu as cpu_mod
+from hf_attnorm.kernels import attend, explain
+from hf_attnorm.kernels.fused import cpu as fused_cpu
+from hf_attnorm.kernels.selective import cpu as cpu_mod
 from hf_attnorm.normalizers.selective import selection_penalty
 from hf_attnorm.settings import resolve_settings
 

@@ -1,5 +1,5 @@
 """Exact cached decoding of selective attention: the carry (``AttnCall.selective_carry``) on the paths that take it,
-the column sums a cache keeps (kernels/selective_carry.py, hf/selective_cache.py) against the reference's, and
+the column sums a cache keeps (kernels/selective/carry.py, hf/selective_cache.py) against the reference's, and
 generation with the cache equal to generation without it (use_cache=False: every step recomputes the sequence), token
 for token and logits of every step, in fp64 on a tiny GQA Llama: left padding, a non-zero selecting head, chunked
 prefill, beam search, a cropped and a batch-edited cache, and the refusals (static cache, a cache edited behind our
@@ -22,10 +22,11 @@ from hf_attnorm.attention import constant_heads, make_call
 from hf_attnorm.hf import compat
 from hf_attnorm.hf import forward as hf_forward
 from hf_attnorm.hf.selective_cache import SelectiveLayer, drop_states, state_of_layer
-from hf_attnorm.kernels import PATHS, attend, explain, fused_cpu
-from hf_attnorm.kernels import selective as selective_mod
+from hf_attnorm.kernels import PATHS, attend, explain
+from hf_attnorm.kernels.fused import cpu as fused_cpu
 from hf_attnorm.kernels.reference import reference_scores
-from hf_attnorm.kernels.selective_carry import column_sums, prefix_column_sums
+from hf_attnorm.kernels.selective import blocked as selective_mod
+from hf_attnorm.kernels.selective.carry import column_sums, prefix_column_sums
 from hf_attnorm.normalizers.selective import selection_parts
 from hf_attnorm.registry import AttnormError
 from hf_attnorm.settings import resolve_settings

@@ -1,4 +1,4 @@
-"""The Triton selective-attention kernels (hf_attnorm/kernels/triton_selective.py) against the reference under
+"""The Triton selective-attention kernels (hf_attnorm/kernels/selective/triton.py) against the reference under
 Triton's interpreter: forward and the gradients of q, k and v, causal and bidirectional, padding with fully masked
 rows, per-head masks, GQA, a non-zero selecting head, cross-attention shapes, a decode step, fp16/bf16 inputs and an
 entering carry (``selective_carry``), odd lengths crossing 16 x 16 blocks. Like tests/test_triton.py the kernel tests
@@ -18,7 +18,7 @@ from numerics import assert_within_reference_error, run_interpreted  # noqa: E40
 
 from hf_attnorm.attention import constant_heads, make_call  # noqa: E402
 from hf_attnorm.kernels import attend, candidate_paths  # noqa: E402
-from hf_attnorm.kernels import triton_attn as ta  # noqa: E402
+from hf_attnorm.kernels.fused import triton as ta  # noqa: E402
 from hf_attnorm.settings import resolve_settings  # noqa: E402
 
 HERE = os.path.abspath(__file__)
@@ -69,7 +69,7 @@ if not ta.interpreter_requested():
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource, compile
 
-        from hf_attnorm.kernels import triton_selective as ts
+        from hf_attnorm.kernels.selective import triton as ts
 
         kern = ts._compiled()
         bm, bn = ts.BLOCKS_GPU[64 if head_dim <= 64 else 128]
@@ -89,7 +89,7 @@ if not ta.interpreter_requested():
             assert compiled.metadata.shared <= 163 * 1024, (fn.__name__, compiled.metadata.shared)
 
 else:
-    from hf_attnorm.kernels import triton_selective as ts
+    from hf_attnorm.kernels.selective import triton as ts
     from hf_attnorm.normalizers.selective import head_keep, selection_penalty
 
     @pytest.fixture(autouse=True)

@@ -139,8 +139,8 @@ SHAPES = [  # (B, H, Hkv, Lq, Lk, causal, masked)
                          ids=["default", "attend_current", "no_remainder", "both"])
 def test_fast_paths_match_the_reference(path, opts, monkeypatch):
     """Forward and every gradient, float64, with small blocks so that every length crosses block edges."""
-    from hf_attnorm.kernels import stickbreaking as scan_mod
-    from hf_attnorm.kernels import stickbreaking_cpu as cpu_mod
+    from hf_attnorm.kernels.stickbreaking import cpu as cpu_mod
+    from hf_attnorm.kernels.stickbreaking import scan as scan_mod
 
     monkeypatch.setattr(scan_mod, "BLOCK_OVERRIDE", (8, 16))
     monkeypatch.setattr(cpu_mod, "BLOCK_OVERRIDE", (8, 16))
@@ -175,7 +175,7 @@ def test_fast_paths_in_fp32_long(path):
 
 
 def test_auto_rule_picks_the_fused_kernel_on_cpu():
-    from hf_attnorm.kernels import fused_cpu
+    from hf_attnorm.kernels.fused import cpu as fused_cpu
 
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(1, 2, 9, 8, generator=g) for _ in range(3))
@@ -194,7 +194,7 @@ def test_encoder_modules_warn_and_causal_models_do_not():
     from conftest import LAST_CALL
 
     from hf_attnorm.hf import state
-    from hf_attnorm.kernels import fused_cpu
+    from hf_attnorm.kernels.fused import cpu as fused_cpu
     from hf_attnorm.lab.model_zoo import build_model
 
     state._WARNED_ORDER.clear()

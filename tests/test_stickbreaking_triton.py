@@ -1,4 +1,4 @@
-"""The Triton stick-breaking kernels (hf_attnorm/kernels/triton_stickbreaking.py) against the reference under
+"""The Triton stick-breaking kernels (hf_attnorm/kernels/stickbreaking/triton.py) against the reference under
 Triton's interpreter: forward and the gradients of q, k and v, every option, causal, padding with fully masked rows,
 GQA, a decode step and a cache prefill, odd lengths crossing 16 x 16 blocks. Like tests/test_triton.py the kernel
 tests run in a child pytest process with TRITON_INTERPRET=1 (set before triton is imported); run them directly with
@@ -17,7 +17,7 @@ from numerics import assert_within_reference_error, run_interpreted  # noqa: E40
 
 from hf_attnorm.attention import constant_heads, make_call  # noqa: E402
 from hf_attnorm.kernels import attend  # noqa: E402
-from hf_attnorm.kernels import triton_attn as ta  # noqa: E402
+from hf_attnorm.kernels.fused import triton as ta  # noqa: E402
 from hf_attnorm.settings import resolve_settings  # noqa: E402
 
 HERE = os.path.abspath(__file__)
@@ -62,7 +62,7 @@ if not ta.interpreter_requested():
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource, compile
 
-        from hf_attnorm.kernels import triton_stickbreaking as ts
+        from hf_attnorm.kernels.stickbreaking import triton as ts
 
         kern = ts._compiled()
         consts = dict(ATTEND_CURRENT=0, REMAINDER=True, HAS_MASK=masked, BLOCK_M=64, BLOCK_N=32, BLOCK_D=64,

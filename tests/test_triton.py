@@ -1,6 +1,6 @@
-"""The Triton kernels (hf_attnorm/kernels/triton_attn.py) against the reference path, run on the CPU by Triton's
+"""The Triton kernels (hf_attnorm/kernels/fused/triton.py) against the reference path, run on the CPU by Triton's
 interpreter: forward and the gradients of q, k, v and every learnable per-head value, generic over the normalizers
-the kernels implement (the normalizers declaring a fused map of ``kernels/kinds.py``).
+the kernels implement (the normalizers declaring a fused map of ``kernels/fused/kinds.py``).
 
 Triton fixes interpreted vs compiled mode for its own library when it is imported, so ``TRITON_INTERPRET=1`` must be
 set before anything imports triton. The kernel tests therefore run in a child pytest process started with it set
@@ -24,8 +24,9 @@ pytest.importorskip("triton")
 from numerics import assert_all_within_reference_error, run_interpreted  # noqa: E402
 
 from hf_attnorm.attention import attention, constant_heads, make_call, param_specs  # noqa: E402
-from hf_attnorm.kernels import PATHS, attend, candidate_paths, declared_normalizers, kinds, paths_for  # noqa: E402
-from hf_attnorm.kernels import triton_attn as ta  # noqa: E402
+from hf_attnorm.kernels import PATHS, attend, candidate_paths, declared_normalizers, paths_for  # noqa: E402
+from hf_attnorm.kernels.fused import kinds  # noqa: E402
+from hf_attnorm.kernels.fused import triton as ta  # noqa: E402
 from hf_attnorm.registry import NORMALIZERS  # noqa: E402
 from hf_attnorm.settings import resolve_settings  # noqa: E402
 
@@ -114,7 +115,7 @@ if not INTERPRETED:
                 compiled = compile(src, target=GPUTarget("cuda", 80, 32))
             assert ".entry" in compiled.asm["ptx"], fn.__name__
 
-    @pytest.mark.parametrize("module", ["triton_attn", "triton_selective", "triton_stickbreaking"])
+    @pytest.mark.parametrize("module", ["fused.triton", "selective.triton", "stickbreaking.triton"])
     def test_compiled_launcher_sees_every_constexpr_parameter(module):
         """Compiled kernels learn which parameters are ``tl.constexpr`` from the annotations (the interpreter does
         not need them): every jitted copy must flag exactly the parameters its source annotates, else a launch on a

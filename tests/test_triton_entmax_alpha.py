@@ -28,7 +28,7 @@ pytest.importorskip("triton")
 from numerics import run_interpreted  # noqa: E402
 
 from hf_attnorm.attention import attention, constant_heads  # noqa: E402
-from hf_attnorm.kernels import triton_attn as ta  # noqa: E402
+from hf_attnorm.kernels.fused import triton as ta  # noqa: E402
 from hf_attnorm.normalizers.entmax_alpha import entmax_alpha_threshold  # noqa: E402
 from hf_attnorm.settings import resolve_settings  # noqa: E402
 

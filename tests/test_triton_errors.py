@@ -22,7 +22,7 @@ from numerics import run_interpreted  # noqa: E402
 
 from hf_attnorm.attention import attention  # noqa: E402
 from hf_attnorm.kernels import PATHS, declared_normalizers  # noqa: E402
-from hf_attnorm.kernels import triton_attn as ta  # noqa: E402
+from hf_attnorm.kernels.fused import triton as ta  # noqa: E402
 
 INTERPRETED = ta.interpreter_requested()
 HERE = os.path.abspath(__file__)
@@ -88,7 +88,7 @@ if not INTERPRETED:
         with pytest.raises(ta.TritonKernelError) as info:
             ta.launch(fake, (1,))(torch.zeros(2))
         first = str(info.value).splitlines()[0]
-        assert "hf_attnorm.kernels.triton_attn._fwd_kernel failed to compile or launch on cpu" in first
+        assert "hf_attnorm.kernels.fused.triton._fwd_kernel failed to compile or launch on cpu" in first
         assert "RuntimeError: PassManager::run failed" in first and "HF_ATTNORM_PATH=chunked" in first
         assert isinstance(info.value.__cause__, RuntimeError) and fake.launched == 1
         monkeypatch.setattr(ta, "device_problem", lambda device: "simulated unsupported device")

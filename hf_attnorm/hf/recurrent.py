@@ -1,7 +1,7 @@
 """Where the recurrent state of linear attention lives during generation, and when it may be used.
 
 The owner is the transformers cache: each ``DynamicLayer`` of a ``Cache`` gets an attribute ``_hf_attnorm_linear``
-holding a ``LinearState`` (kernels/linear_recurrent.py: S = sum_j phi(k_j) v_j^T [B, Hkv, D, Dv] and
+holding a ``LinearState`` (kernels/linear/recurrent.py: S = sum_j phi(k_j) v_j^T [B, Hkv, D, Dv] and
 z = sum_j phi(k_j) [B, Hkv, D] over its cached keys) together with what it was built for: the key and value tensors
 of the layer at that time (weak references and their version counters) and the attention module that built it.
 So the state lives and dies with the cache (a new ``generate`` call makes a new cache, hence a new state) and is
@@ -39,8 +39,8 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ..kernels.base import AttnCall
-from ..kernels.linear_recurrent import LinearState, build_state
-from ..kernels.linear_recurrent import takes as recurrent_takes
+from ..kernels.linear.recurrent import LinearState, build_state
+from ..kernels.linear.recurrent import takes as recurrent_takes
 from ..normalizers.base import Normalizer
 from ..settings import AttnormSettings
 from . import cache_state, compat
@@ -48,7 +48,7 @@ from .cache_state import _none  # (what a pickled state becomes: None)
 
 #: attribute of a transformers cache layer holding its ``_Owned`` state
 STATE_ATTR = "_hf_attnorm_linear"
-#: the path name of the recurrent step (kernels/linear_recurrent.py)
+#: the path name of the recurrent step (kernels/linear/recurrent.py)
 RECURRENT_PATH = "linear_recurrent"
 
 

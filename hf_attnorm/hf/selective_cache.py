@@ -3,7 +3,7 @@ transformers cache.
 
 A query's penalty sums what every earlier query selected (normalizers/selective.py), so a cached step needs, besides
 the cached keys and values, C [B, Lk] = sum over every query processed so far of the selecting head's selecting
-entries R (kernels/selective_carry.py). Like linear attention's recurrent state (hf/recurrent.py), C lives on the
+entries R (kernels/selective/carry.py). Like linear attention's recurrent state (hf/recurrent.py), C lives on the
 cache: each ``DynamicLayer`` that served a selective call gets an attribute ``_hf_attnorm_selective`` holding a
 ``SelectiveState``: C, and per cached position what recomputing C for a prefix needs (the selecting head's q' and k',
 and which keys are live), with weak references to the layer's key/value tensors (and their versions) and the module
@@ -44,7 +44,7 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ..kernels.base import AttnCall
-from ..kernels.selective_carry import column_sums_and_parts, prefix_column_sums
+from ..kernels.selective.carry import column_sums_and_parts, prefix_column_sums
 from ..normalizers.base import Normalizer
 from ..registry import AttnormError
 from ..settings import AttnormSettings

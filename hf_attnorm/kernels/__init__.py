@@ -378,8 +378,8 @@ def _attend_differential_dropout(call: AttnCall, path: str | None) -> tuple[torc
     return out.to(call.q.dtype), (w.to(call.q.dtype) if call.need_weights else None), "reference"
 
 
-# every other module of this package registers its path(s) with register_path when imported
+# every other module and family folder of this package registers its path(s) with register_path when imported
 for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-    if _info.name not in ("base", "reference", "kinds", "memory"):
+    if _info.name not in ("base", "reference", "memory"):
         importlib.import_module(f"{__name__}.{_info.name}")
 set_forced_path()

@@ -47,7 +47,7 @@ class AttnCall:
     softcap: float | None = None
     sinks: torch.Tensor | None = None
     alibi_slopes: torch.Tensor | None = None
-    #: a recurrent state of the cached keys (``linear_recurrent.LinearState``), set by the transformers integration
+    #: a recurrent state of the cached keys (``linear.recurrent.LinearState``), set by the transformers integration
     #: on decode steps when a cache holds one; None for every other call
     recurrent: object | None = None
     memory: int = 0

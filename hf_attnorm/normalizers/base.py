@@ -180,9 +180,9 @@ class Normalizer:
     #: "softmax": exp(s) over the visible keys plus at most one always-visible sink logit (``sink_logit``), exact
     #: on SDPA; "fused": an elementwise map of the fused CPU / Triton kernels, named by ``fused_kind``; "linear":
     #: scoreless (``feature_map`` only), the O(n) path; "stickbreaking": the stick-breaking scan kernels
-    #: (``kernels/stickbreaking*.py``); "generic": only the chunked and reference paths
+    #: (``kernels/stickbreaking/``); "generic": only the chunked and reference paths
     kernel_family: ClassVar[KernelFamily] = "generic"
-    #: with kernel_family "fused": the kernels' map, a name of ``hf_attnorm.kernels.kinds.FUSED_KINDS``
+    #: with kernel_family "fused": the kernels' map, a name of ``hf_attnorm.kernels.fused.kinds.FUSED_KINDS``
     fused_kind: ClassVar[str | None] = None
 
     def row_value(self, ctx: Ctx, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:

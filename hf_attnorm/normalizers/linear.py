@@ -6,7 +6,7 @@ transformer has none). Besides the materialised reference, ``linear_attention`` 
 time and memory: chunks of ``chunk`` queries attend to their own chunk quadratically and to everything before it
 through a running state sum_j phi(k_j) v_j^T, so no n x n tensor exists. Decoding keeps that state across calls
 (the paper's RNN form, arXiv:2006.16236 section 3.4): ``query_features`` and ``key_features`` are the two sides of
-``feature_map`` for kernels/linear_recurrent.py, which adds one key per step to a state kept on the cache.
+``feature_map`` for kernels/linear/recurrent.py, which adds one key per step to a state kept on the cache.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class Linear(Normalizer):
 
     def key_features(self, k: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         """phi(k) [..., D] without ``feature_map``'s division by the per-(batch, head) maximum (a constant that
-        cancels in the weights): what a recurrent state accumulates key by key (kernels/linear_recurrent.py keeps
+        cancels in the weights): what a recurrent state accumulates key by key (kernels/linear/recurrent.py keeps
         its own running maximum instead, so adding a key never changes the scale of the keys already summed)."""
         return elu_feature(k)
 

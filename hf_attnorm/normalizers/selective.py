@@ -113,7 +113,7 @@ class Selective(Normalizer):
         "decoding steps drop them (the paged cache holds keys and values only)")
 
     def selecting_head(self, settings: AttnormSettings) -> int:
-        """The query head whose scores select (kernels/selective.py reads this)."""
+        """The query head whose scores select (kernels/selective/blocked.py reads this)."""
         return int(settings.selective_head)
 
     def check_heads(self, settings: AttnormSettings, num_heads: int) -> None:

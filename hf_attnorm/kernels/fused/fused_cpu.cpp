@@ -1,4 +1,4 @@
-// Fused blocked CPU attention for the non-exponential normalizers of hf_attnorm (see ../fused_cpu.py).
+// Fused blocked CPU attention for the non-exponential normalizers of hf_attnorm (see cpu.py beside it).
 //
 // No [Lq, Lk] tensor is ever formed: a block of queries meets a block of keys, scores S = Q K^T go through the
 // normalizer's map and are accumulated into the output O += A V and the row denominator D += sum A, all in a few
@@ -60,11 +60,11 @@ enum Kind : int64_t {
 };
 constexpr int64_t NUM_KINDS = 11;
 
-// The facts of each map come from its declaration in ../maps.py (FusedMap), passed by ../fused_cpu.py as bit masks
+// The facts of each map come from its declaration in maps.py (FusedMap), passed by cpu.py as bit masks
 // (bit i: map id i; maps.compile_definitions); tests/test_fused_maps.py reads them back through map_facts.
 #if !defined(HF_MAPS_NUM_KINDS) || !defined(HF_MAPS_DECLARED) || !defined(HF_MAPS_NORMALISED) || \
     !defined(HF_MAPS_THRESHOLD) || !defined(HF_MAPS_CONSTANT_ON_SINGLE_KEY) || !defined(HF_MAPS_SINGLE_KEY_NEGATIVE)
-#error "fused_cpu.cpp is built by hf_attnorm/kernels/fused_cpu.py, which defines the map facts of kernels/maps.py"
+#error "fused_cpu.cpp is built by hf_attnorm/kernels/fused/cpu.py, which defines the map facts of kernels/fused/maps.py"
 #endif
 static_assert(HF_MAPS_NUM_KINDS == NUM_KINDS, "enum Kind and kernels/maps.py declare different numbers of maps");
 

@@ -1,4 +1,4 @@
-"""The fused maps, each declared once: what the C++ (``csrc/fused_cpu.cpp``) and Triton (``triton_attn.py``) kernels
+"""The fused maps, each declared once: what the C++ (``fused/fused_cpu.cpp``) and Triton (``triton.py``) kernels
 compute per score entry, and the facts they branch on.
 
 A fused map turns a score s (q . k with every scale applied) and the row's value r (one number per query row,
@@ -17,7 +17,7 @@ A fused map turns a score s (q . k with every scale applied) and the row's value
 * ``dispatch``: which C++ driver runs it ("tiles": one blocked pass; "threshold": a threshold search, then a pass;
   "alpha": alpha-entmax's search in float64), ``wide``: computed in float64 whatever the input dtype.
 
-How the kernels read it: ``kinds.py`` derives the id table and sets from ``MAPS``; ``fused_cpu.py`` compiles the C++
+How the kernels read it: ``kinds.py`` derives the id table and sets from ``MAPS``; ``cpu.py`` compiles the C++
 with the facts as preprocessor definitions (``compile_definitions``), so ``is_normalised``, ``is_threshold``,
 ``constant_on_single_key`` and ``single_key_row`` are this table; the C++ ``enum Kind``, the ``dispatch_kind``
 switch and the elementwise code cannot be generated, so ``tests/test_fused_maps.py`` evaluates every map here
@@ -26,7 +26,7 @@ per id (``map_facts``). An id outside this table raises in both kernels.
 
 Adding a map: one ``FusedMap`` entry below (next free id, never reuse one), its ``enum Kind`` entry, its
 ``dispatch_kind`` case and its elementwise code in the C++, its branches in ``_entry`` / ``_slopes`` of
-``triton_attn.py`` (see docs/extending.md).
+``triton.py`` (see docs/extending.md).
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ MAPS: tuple[FusedMap, ...] = (
 BY_NAME: dict[str, FusedMap] = {m.name: m for m in MAPS}
 BY_ID: dict[int, FusedMap] = {m.kernel_id: m for m in MAPS}
 if len(BY_NAME) != len(MAPS) or len(BY_ID) != len(MAPS):
-    raise ValueError("kernels/maps.py: every fused map needs its own name and its own kernel_id")
+    raise ValueError("kernels/fused/maps.py: every fused map needs its own name and its own kernel_id")
 
 
 def lookup_id(kernel_id: int) -> FusedMap:
@@ -161,7 +161,7 @@ def _mask(pred: Callable[[FusedMap], bool]) -> int:
 
 
 def compile_definitions() -> list[str]:
-    """The map facts as C++ preprocessor definitions (bit i: map id i), read by ``csrc/fused_cpu.cpp``."""
+    """The map facts as C++ preprocessor definitions (bit i: map id i), read by ``fused/fused_cpu.cpp``."""
     defs = {
         "HF_MAPS_NUM_KINDS": max(BY_ID) + 1,
         "HF_MAPS_DECLARED": _mask(lambda m: True),

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from . import triton_attn as ta
-from .base import AttnCall
-from .stickbreaking import common_reason, options, own_index, takes
+from ..base import AttnCall
+from ..fused import triton as ta
+from .scan import common_reason, options, own_index, takes
 
 #: (BLOCK_M, BLOCK_N) on GPUs; interpreted runs use 16 x 16
 BLOCKS_GPU = (64, 32)
@@ -176,7 +176,7 @@ _COMPILED: dict[bool, types.SimpleNamespace] = {}
 
 
 def _compiled() -> types.SimpleNamespace:
-    """The jitted kernels for the current mode (compiled or interpreted), once per mode (see ``triton_attn``)."""
+    """The jitted kernels for the current mode (compiled or interpreted), once per mode (see ``fused/triton.py``)."""
     global tl
     ta._load_triton()
     tl = ta.tl
@@ -278,7 +278,7 @@ def triton_stickbreaking_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     return out.to(call.q.dtype), None
 
 
-from . import register_path  # noqa: E402  (registration at import, like the normalizers)
+from .. import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 register_path("stickbreaking_triton", triton_stickbreaking_attention, takes=takes, accepts=accepts, priority=33,
               auto_exclude=("cpu",),

@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..normalizers.base import Normalizer
-from .base import AttnCall, compute_dtype, unfused_call_reason
+from ...normalizers.base import Normalizer
+from ..base import AttnCall, compute_dtype, unfused_call_reason
 
 #: (query block, key block) of the PyTorch scan
 BLOCKS = (128, 256)
@@ -226,6 +226,6 @@ def scan_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     return out.to(call.q.dtype), None
 
 
-from . import register_path  # noqa: E402  (registration at import, like the normalizers)
+from .. import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 register_path("stickbreaking_scan", scan_attention, takes=takes, accepts=scan_accepts, priority=87)

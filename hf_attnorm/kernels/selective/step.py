@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..normalizers.base import Normalizer
-from ..normalizers.selective import check_carry
-from .base import AttnCall, compute_dtype, score_mod_reason
-from .selective import takes as selective_takes
+from ...normalizers.base import Normalizer
+from ...normalizers.selective import check_carry
+from ..base import AttnCall, compute_dtype, score_mod_reason
+from .blocked import takes as selective_takes
 
 
 def takes(norm: Normalizer) -> str | None:
@@ -66,7 +66,7 @@ def step_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     return out.to(call.q.dtype), None
 
 
-from . import register_path  # noqa: E402  (registration at import, like the normalizers)
+from .. import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 # before ``decode`` (25), which takes the same calls through the normalizer's reference
 register_path("selective_step", step_attention, takes=takes, accepts=accepts, priority=24)

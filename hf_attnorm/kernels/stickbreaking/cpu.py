@@ -1,4 +1,4 @@
-"""Fused CPU stick-breaking attention (path ``stickbreaking_cpu``): the C++ kernel of ``csrc/stickbreaking.cpp``,
+"""Fused CPU stick-breaking attention (path ``stickbreaking_cpu``): the C++ kernel of ``stickbreaking_cpu.cpp``,
 compiled into the fused extension (``fused_cpu.native_ops``), forward and backward. The math and the scan order are
 those of ``stickbreaking.py``; OpenMP (torch's threads) over (batch x head, query blocks) in the forward and over kv
 heads split into parts with private dK/dV buffers in the backward (deterministic). Memory: q, k, v, out and the
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from . import fused_cpu
-from .base import AttnCall, compute_dtype, dense_keep, last_dim_contiguous
-from .stickbreaking import common_reason, options, own_index, takes
+from ..base import AttnCall, compute_dtype, dense_keep, last_dim_contiguous
+from ..fused import cpu as fused_cpu
+from .scan import common_reason, options, own_index, takes
 
 #: (block_q, block_k): the query block is the vector width of the scan, the key block the BLAS inner size
 BLOCKS = (128, 256)
@@ -79,7 +79,7 @@ def stickbreaking_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     return out.to(call.q.dtype), None
 
 
-from . import register_path  # noqa: E402  (registration at import, like the normalizers)
+from .. import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 register_path("stickbreaking_cpu", stickbreaking_cpu_attention, takes=takes, accepts=accepts, priority=43,
               auto_exclude=("cuda",))

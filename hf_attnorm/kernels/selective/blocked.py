@@ -21,10 +21,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..masks import MaskInfo
-from ..normalizers.base import Normalizer
-from ..normalizers.selective import check_carry, document_starts
-from .base import AttnCall, compute_dtype, score_mod_reason
+from ...masks import MaskInfo
+from ...normalizers.base import Normalizer
+from ...normalizers.selective import check_carry, document_starts
+from ..base import AttnCall, compute_dtype, score_mod_reason
 
 #: scores per block (B x H x block x Lk); as the chunked path
 BLOCK_ELEMENTS = 1 << 22
@@ -208,7 +208,7 @@ def selective_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     return out.to(call.q.dtype), None
 
 
-from . import register_path  # noqa: E402  (registration at import, like the normalizers)
+from .. import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 # the blocked backward is not traced (the reference's is): compiled training runs the reference
 register_path("selective", selective_attention, takes=takes, accepts=accepts, priority=85, compiled_backward=False)

@@ -48,8 +48,8 @@ from typing import Any
 
 import torch
 
-from ..normalizers.base import Normalizer
-from .base import AttnCall, compact_bias
+from ...normalizers.base import Normalizer
+from ..base import AttnCall, compact_bias
 from .kinds import FUSED_KINDS, NORMALISED, THRESHOLD, constant_name, fused_takes, kind_id
 from .maps import lookup_id
 
@@ -74,8 +74,8 @@ K_ENTMAX_ALPHA = kind_id("entmax_alpha")
 NOT_IN_TRITON: dict[str, str] = {}
 _missing = [name for name in FUSED_KINDS if name not in NOT_IN_TRITON and f"K_{constant_name(name)}" not in globals()]
 if _missing:
-    raise ImportError(f"hf_attnorm/kernels/triton_attn.py has no device code for the fused map(s) {_missing} "
-                      "declared in kernels/maps.py: add K_<NAME> = kind_id(name) and the map's branches in _entry "
+    raise ImportError(f"hf_attnorm/kernels/fused/triton.py has no device code for the fused map(s) {_missing} "
+                      "declared in fused/maps.py: add K_<NAME> = kind_id(name) and the map's branches in _entry "
                       "and _slopes, or list it in NOT_IN_TRITON with the reason")
 #: constant name -> id, for every map of the shared table that has Triton device code
 KIND_CONSTANTS: dict[str, int] = {f"K_{constant_name(name)}": globals()[f"K_{constant_name(name)}"]
@@ -129,7 +129,7 @@ def device_problem(device: torch.device | None) -> str | None:
 
 
 def kernel_name(kernel: Any) -> str:
-    """'hf_attnorm.kernels.triton_attn._fwd_kernel' for a jitted kernel of ``jit_namespace``."""
+    """'hf_attnorm.kernels.fused.triton._fwd_kernel' for a jitted kernel of ``jit_namespace``."""
     fn = getattr(kernel, "fn", kernel)
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
@@ -260,7 +260,7 @@ def _entry(s, r, keep, shift, KIND: tl.constexpr):
         a = t * t
         b = a
     else:  # a map id without a branch here: refuse to compile (the launcher refuses undeclared ids before this)
-        tl.static_assert(False, "hf_attnorm triton: no forward branch for this fused map KIND (see kernels/maps.py)")
+        tl.static_assert(False, "hf_attnorm triton: no forward branch for this fused map KIND (see fused/maps.py)")
     return a, b
 
 
@@ -332,7 +332,7 @@ def _slopes(s, r, keep, shift, KIND: tl.constexpr):
         da = t
         db = da
     else:  # a map id without a branch here: refuse to compile (the launcher refuses undeclared ids before this)
-        tl.static_assert(False, "hf_attnorm triton: no backward branch for this fused map KIND (see kernels/maps.py)")
+        tl.static_assert(False, "hf_attnorm triton: no backward branch for this fused map KIND (see fused/maps.py)")
     return a, da, db
 
 
@@ -1012,12 +1012,12 @@ class _Plan:
 
 
 def check_kind(kind: int) -> None:
-    """Refuses, before any launch, a map id that ``kernels/maps.py`` does not declare or that has no Triton device
+    """Refuses, before any launch, a map id that ``maps.py`` does not declare or that has no Triton device
     code (ValueError naming it); the device code's per-map chains end in a ``static_assert`` as well."""
     fmap = lookup_id(kind)
     if fmap.name in NOT_IN_TRITON or f"K_{constant_name(fmap.name)}" not in KIND_CONSTANTS:
         raise ValueError(f"fused map {fmap.name!r} (id {kind}) has no Triton device code: "
-                         f"{NOT_IN_TRITON.get(fmap.name, 'no K_ constant in triton_attn.py')}")
+                         f"{NOT_IN_TRITON.get(fmap.name, 'no K_ constant in kernels/fused/triton.py')}")
 
 
 def _only(consts: dict[str, Any], kernel: Any) -> dict[str, Any]:
@@ -1162,7 +1162,7 @@ def triton_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     return out.to(q.dtype), None
 
 
-from . import register_path  # noqa: E402  (registration at import, like the normalizers)
+from .. import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 # auto mode never tries this path on CPU tensors (the CPU paths own them); forced, it runs there under the
 # interpreter

@@ -1,4 +1,4 @@
-// Fused CPU stick-breaking attention (see ../stickbreaking.py for the math and ../stickbreaking_cpu.py for the
+// Fused CPU stick-breaking attention (see scan.py for the math and cpu.py for the
 // Python side). Compiled into the same extension as fused_cpu.cpp; its ops are hf_attnorm_fused::sb_forward and
 // hf_attnorm_fused::sb_backward.
 //

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..normalizers.base import Normalizer
-from .base import AttnCall, compute_dtype
-from .selective import _Plan, block_size
+from ...normalizers.base import Normalizer
+from ..base import AttnCall, compute_dtype
+from .blocked import _Plan, block_size
 
 
 def _identity_features(norm: Normalizer) -> bool:

@@ -1,7 +1,7 @@
 """Triton selective attention (path ``selective_triton``): CUDA, or CPU tensors under Triton's interpreter
 (``TRITON_INTERPRET=1`` set before triton is imported; tests/test_selective_triton.py).
 
-The math is ``normalizers/selective.py``'s (Leviathan et al., arXiv 2410.02703), computed as ``kernels/selective.py``
+The math is ``normalizers/selective.py``'s (Leviathan et al., arXiv 2410.02703), computed as ``blocked.py``
 does, in query blocks of BLOCK_M rows, with S the selecting head's scores (option ``selective_head``, h0):
 
     R_kj = relu(S_kj) where query k selects key j (visible, not BOS, not its own key, its own key live), else 0
@@ -41,11 +41,11 @@ from typing import Any
 
 import torch
 
-from ..normalizers.base import Normalizer
-from ..normalizers.selective import document_starts
-from . import triton_attn as ta
-from .base import AttnCall, score_mod_reason
-from .selective import takes as selective_takes
+from ...normalizers.base import Normalizer
+from ...normalizers.selective import document_starts
+from ..base import AttnCall, score_mod_reason
+from ..fused import triton as ta
+from .blocked import takes as selective_takes
 
 #: (BLOCK_M, BLOCK_N) on GPUs for head_dim <= 64 and above; interpreted runs use 16 x 16. With one pipeline stage
 #: (``NUM_STAGES``) the sm_80 compile reports 24 / 49 / 82 KB of shared memory (column sums / forward / backward) at
@@ -233,7 +233,7 @@ _COMPILED: dict[bool, types.SimpleNamespace] = {}
 
 
 def _compiled() -> types.SimpleNamespace:
-    """The jitted kernels for the current mode (compiled or interpreted), once per mode (see ``triton_attn``)."""
+    """The jitted kernels for the current mode (compiled or interpreted), once per mode (see ``fused/triton.py``)."""
     global tl
     ta._load_triton()
     tl = ta.tl
@@ -403,7 +403,7 @@ def triton_selective_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     return out.to(call.q.dtype), None
 
 
-from . import register_path  # noqa: E402  (registration at import, like the normalizers)
+from .. import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 register_path("selective_triton", triton_selective_attention, takes=takes, accepts=accepts, priority=35,
               auto_exclude=("cpu",),

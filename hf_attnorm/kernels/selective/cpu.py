@@ -1,4 +1,4 @@
-"""Fused CPU selective attention (path ``selective_cpu``): the C++ kernel of ``csrc/selective.cpp``, compiled into the
+"""Fused CPU selective attention (path ``selective_cpu``): the C++ kernel of ``selective_cpu.cpp``, compiled into the
 fused extension (``fused_cpu.native_ops``), forward and backward. The math is that of ``normalizers/selective.py``
 (Leviathan et al., arXiv 2410.02703): every head's softmax of s - F, F_ij = sum_{k < i} relu(S_kj) over the selecting
 entries of one head's scores S.
@@ -7,7 +7,7 @@ Unlike the blocked ``selective`` path, the query blocks run in parallel: a first
 of relu(S) (one head's Q K^T) and a prefix over the blocks gives the carry entering each block; then per (batch,
 query block), key tile by key tile, the penalty tile F = carry + the exclusive cumsum of the block's rows comes from
 the selecting head's scores (formed once, reused as that head's own scores) and every head runs a flash-style online
-softmax of s - F. The backward mirrors it (csrc/selective.cpp explains the two passes). Memory: q, k, v, out, the row
+softmax of s - F. The backward mirrors it (selective_cpu.cpp explains the two passes). Memory: q, k, v, out, the row
 logsumexp [B, H, Lq] and each query block's column sums [B, Lq / block_q, Lk]; no [Lq, Lk] tensor.
 
 Which entries select (BOS, the query's own key, padding) is decided here exactly as ``selection_parts`` does, and
@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from ..normalizers.selective import document_starts
-from . import fused_cpu
-from .base import AttnCall, compute_dtype, dense_keep, last_dim_contiguous, unfused_call_reason
-from .selective import takes
+from ...normalizers.selective import document_starts
+from ..base import AttnCall, compute_dtype, dense_keep, last_dim_contiguous, unfused_call_reason
+from ..fused import cpu as fused_cpu
+from .blocked import takes
 
 #: (block_q, block_k): queries per parallel work item, keys per tile (the BLAS inner size)
 BLOCKS = (128, 256)
@@ -145,7 +145,7 @@ def selective_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     return out.to(call.q.dtype), None
 
 
-from . import register_path  # noqa: E402  (registration at import, like the normalizers)
+from .. import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 register_path("selective_cpu", selective_cpu_attention, takes=takes, accepts=accepts, priority=44,
               auto_exclude=("cuda",))

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..normalizers.base import Normalizer, masked_fill_zero, safe_divide
-from ..normalizers.linear import linear_attention
-from .base import AttnCall, compute_dtype, repeat_kv, score_mod_reason
+from ...normalizers.base import Normalizer, masked_fill_zero, safe_divide
+from ...normalizers.linear import linear_attention
+from ..base import AttnCall, compute_dtype, repeat_kv, score_mod_reason
 
 
 def takes(norm: Normalizer) -> str | None:
@@ -109,6 +109,6 @@ def causal_linear_attention_batched(fq: torch.Tensor, fk: torch.Tensor, v: torch
     return out
 
 
-from . import register_path  # noqa: E402  (registration at import, like normalizers)
+from .. import register_path  # noqa: E402  (registration at import, like normalizers)
 
 register_path("linear_chunked", linear_chunked_attention, takes=takes, accepts=accepts, priority=50)

@@ -28,9 +28,9 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from ..normalizers.base import Ctx, Normalizer
-from ..settings import AttnormSettings
-from .base import AttnCall, compute_dtype, score_mod_reason
+from ...normalizers.base import Ctx, Normalizer
+from ...settings import AttnormSettings
+from ..base import AttnCall, compute_dtype, score_mod_reason
 
 
 @dataclasses.dataclass(eq=False)
@@ -159,6 +159,6 @@ def recurrent_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     return _as(out.reshape(B, H, 1, -1), call.q.dtype), None
 
 
-from . import register_path  # noqa: E402  (registration at import, like the normalizers)
+from .. import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 register_path("linear_recurrent", recurrent_attention, takes=takes, accepts=accepts, priority=45)

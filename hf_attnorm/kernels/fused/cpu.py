@@ -1,4 +1,4 @@
-"""Fused blocked CPU kernels (C++, ``csrc/fused_cpu.cpp``) for the non-exponential normalizers.
+"""Fused blocked CPU kernels (C++, ``fused_cpu.cpp`` beside it) for the non-exponential normalizers.
 
 A block of queries meets a block of keys: scores -> the normalizer's map -> accumulate numerator and denominator,
 with no [Lq, Lk] tensor; the backward pass recomputes the blocks. Memory is O((Lq + Lk) d) plus a few cache-sized
@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from ..normalizers.base import Normalizer
-from ..torch_compat import register_export_ops
-from .base import AttnCall, compact_bias, compute_dtype, dense_keep, last_dim_contiguous
+from ...normalizers.base import Normalizer
+from ...torch_compat import register_export_ops
+from ..base import AttnCall, compact_bias, compute_dtype, dense_keep, last_dim_contiguous
 from .kinds import FUSED_KINDS, THRESHOLD, WIDE, fused_takes, kind_id
 from .maps import compile_definitions, lookup_id
 
@@ -46,9 +46,12 @@ BLOCK_OVERRIDE: tuple[int, int] | None = None
 #: set to disable the native build (forces the pure-PyTorch fallback, e.g. to test it)
 NO_NATIVE_ENV = "HF_ATTNORM_NO_NATIVE"
 
-_SOURCE = Path(__file__).with_name("csrc") / "fused_cpu.cpp"
-#: further sources compiled into the same extension (their ops are TORCH_LIBRARY_FRAGMENTs of hf_attnorm_native)
-EXTRA_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("stickbreaking.cpp", "selective.cpp")]
+_SOURCE = Path(__file__).with_name("fused_cpu.cpp")
+#: the kernels folder: the header every C++ source includes (cpu_common.h) and the family folders
+_KERNELS = Path(__file__).parents[1]
+#: further sources compiled into the same extension (their ops are TORCH_LIBRARY_FRAGMENTs of hf_attnorm_native),
+#: each beside the Python of its family
+EXTRA_SOURCES = [_KERNELS / "stickbreaking" / "stickbreaking_cpu.cpp", _KERNELS / "selective" / "selective_cpu.cpp"]
 _lock = threading.Lock()
 _state: dict[str, Any] = {"ops": None, "error": None, "warned": False}
 
@@ -90,8 +93,8 @@ def _cpu_fingerprint() -> str:
     except OSError:
         flags = platform.processor() + platform.machine()
     # torch's JIT rebuilds when a source file changes but does not read the headers they include: hash those into
-    # the build name, so an edited header (csrc/*.h) never links against a stale cached build
-    headers = "".join(h.read_text() for h in sorted(_SOURCE.parent.glob("*.h")))
+    # the build name, so an edited header (kernels/*.h) never links against a stale cached build
+    headers = "".join(h.read_text() for h in sorted(_KERNELS.glob("*.h")))
     maps = " ".join(compile_definitions())  # (torch's JIT also rebuilds on changed flags; this keeps names apart)
     return hashlib.sha1(f"{flags}|{torch.__version__}|{headers}|{maps}".encode()).hexdigest()[:10]
 
@@ -101,7 +104,7 @@ def _compiler() -> str | None:
 
 
 def _cflags() -> list[str]:
-    """Compiler flags, with the fused maps' facts (kernels/maps.py) as preprocessor definitions."""
+    """Compiler flags, with the fused maps' facts (kernels/fused/maps.py) as preprocessor definitions."""
     # -fno-trapping-math lets GCC vectorise floor() (in the exponential); on x86, 512-bit vectors where the CPU has
     # them (measured 5-10% faster at n = 4096 on an AVX-512 Xeon; a no-op without AVX-512)
     flags = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-math-errno", "-DNDEBUG"]
@@ -143,6 +146,7 @@ def native_ops(warn: bool = True) -> Any | None:
                 sources=[str(_SOURCE), *map(str, EXTRA_SOURCES)],
                 extra_cflags=_cflags(),
                 extra_ldflags=["-fopenmp"],
+                extra_include_paths=[str(_KERNELS)],
                 is_python_module=False,
                 verbose=os.environ.get("HF_ATTNORM_VERBOSE_BUILD", "0") not in ("", "0"),
             )
@@ -213,7 +217,7 @@ def unavailable_reason(warn: bool = False) -> str | None:
 class _FusedAttention(torch.autograd.Function):
     """out = fused(q, k, v; row_value, bias) with gradients for q, k, v, the map's per-row value and the score bias
     (in its own broadcast shape). slopes (ALiBi) and cap (soft-cap, 0 for none) are constants. Saved per row for
-    the backward pass (csrc/fused_cpu.cpp, above fused_forward): den_or_tau (the denominator, or the threshold),
+    the backward pass (fused_cpu.cpp, above fused_forward): den_or_tau (the denominator, or the threshold),
     shift_or_gsum (the weights' running shift, or the sum of the Jacobian weights) and hv_sum (threshold maps)."""
 
     @staticmethod
@@ -309,6 +313,6 @@ def fused_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
 
 _define_ops()
 
-from . import register_path  # noqa: E402  (registration at import, like the normalizers)
+from .. import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 register_path("fused_cpu", fused_cpu_attention, takes=takes, accepts=accepts, priority=40, auto_exclude=("cuda",))

@@ -1,6 +1,6 @@
 """The kernel-id table of the fused kernels and the sets the kernels branch on, derived from the map declarations in
-``maps.py`` (each map is declared there once). The C++ (``csrc/fused_cpu.cpp``, ``enum Kind``) and the Triton
-kernels (``triton_attn.py``, compile-time ``KIND`` compared with ``K_<NAME>`` constants made from this table) use
+``maps.py`` (each map is declared there once). The C++ (``fused/fused_cpu.cpp``, ``enum Kind``) and the Triton
+kernels (``triton.py``, compile-time ``KIND`` compared with ``K_<NAME>`` constants made from this table) use
 these ids; ``tests/test_fused_maps.py`` checks both kernels against the declarations.
 
 A normalizer runs on the fused kernels by declaring ``kernel_family = "fused"`` and ``fused_kind = <a map name>``
@@ -9,7 +9,7 @@ in its own file (several normalizers may share a map). A new map: see ``maps.py`
 
 from __future__ import annotations
 
-from ..normalizers.base import Normalizer
+from ...normalizers.base import Normalizer
 from .maps import MAPS
 
 #: map name -> kernel id (the C++ enum value and the Triton KIND); ids are never reused

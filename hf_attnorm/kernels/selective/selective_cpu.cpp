@@ -1,5 +1,5 @@
 // Fused CPU selective attention (Leviathan et al., arXiv 2410.02703; the math is ../../normalizers/selective.py, the
-// Python side ../selective_cpu.py). Compiled into the same extension as fused_cpu.cpp; its ops are
+// Python side cpu.py beside it). Compiled into the same extension as ../fused/fused_cpu.cpp; its ops are
 // hf_attnorm_fused::sel_forward and hf_attnorm_fused::sel_backward.
 //
 // With S the selecting head's scores, R = relu(S) on the selecting entries (visible, not BOS, not the query's own
@@ -56,7 +56,7 @@ namespace {
 // run fn1(item) for items [0, n1), then, once all of them are done, fn2(item) for items [0, n2), then likewise fn3,
 // on torch's threads in one parallel region (items handed out dynamically; one region rather than two: on a loaded machine each region's
 // start and end waits for every thread to be scheduled). Denormals are flushed meanwhile: the weights of heavily
-// penalised keys run into the subnormal range, which slows the BLAS calls (see stickbreaking.cpp). No deadlock when
+// penalised keys run into the subnormal range, which slows the BLAS calls (see ../stickbreaking/stickbreaking_cpu.cpp). No deadlock when
 // the region gets fewer threads than asked: a thread waits only for items that running threads have taken.
 template <typename F1, typename F2, typename F3>
 void sel_run_phases(int64_t n1, const F1& fn1, int64_t n2, const F2& fn2, int64_t n3, const F3& fn3) {
