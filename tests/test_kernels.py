@@ -29,11 +29,11 @@ from hf_attnorm.kernels import (
     choose,
     declared_normalizers,
     explain,
-    fused_cpu,
-    kinds,
     set_forced_path,
 )
 from hf_attnorm.kernels import chunked as chunked_mod
+from hf_attnorm.kernels.fused import cpu as fused_cpu
+from hf_attnorm.kernels.fused import kinds
 from hf_attnorm.normalizers.base import KernelFamily
 from hf_attnorm.registry import NORMALIZERS, SCALES, AttnormError
 from hf_attnorm.settings import OPTIONS, AttnormSettings, resolve_settings
