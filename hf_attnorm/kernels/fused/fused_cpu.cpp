@@ -64,9 +64,9 @@ constexpr int64_t NUM_KINDS = 11;
 // (bit i: map id i; maps.compile_definitions); tests/test_fused_maps.py reads them back through map_facts.
 #if !defined(HF_MAPS_NUM_KINDS) || !defined(HF_MAPS_DECLARED) || !defined(HF_MAPS_NORMALISED) || \
     !defined(HF_MAPS_THRESHOLD) || !defined(HF_MAPS_CONSTANT_ON_SINGLE_KEY) || !defined(HF_MAPS_SINGLE_KEY_NEGATIVE)
-#error "fused_cpu.cpp is built by hf_attnorm/kernels/fused/cpu.py, which defines the map facts of kernels/fused/maps.py"
+#error "fused_cpu.cpp is built by kernels/fused/cpu.py, which defines the map facts of kernels/fused/maps.py"
 #endif
-static_assert(HF_MAPS_NUM_KINDS == NUM_KINDS, "enum Kind and kernels/maps.py declare different numbers of maps");
+static_assert(HF_MAPS_NUM_KINDS == NUM_KINDS, "enum Kind and kernels/fused/maps.py declare different numbers of maps");
 
 inline bool map_bit(unsigned long long mask, int64_t kind) {
   return kind >= 0 && kind < 64 && ((mask >> kind) & 1ULL);
@@ -355,7 +355,7 @@ Problem<T> make_problem(int64_t kind, const at::Tensor& q, const at::Tensor& k, 
 void check_inputs(int64_t kind, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const std::optional<at::Tensor>& keep, const at::Tensor& c, int64_t block_q, int64_t block_k) {
   TORCH_CHECK(is_declared(kind), "hf_attnorm fused_cpu: unknown fused map id ", kind,
-              " (not declared in kernels/maps.py)");
+              " (not declared in kernels/fused/maps.py)");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "fused_cpu: q, k, v must be 4-D");
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "fused_cpu: CPU tensors only");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
@@ -1505,7 +1505,7 @@ void dispatch_kind(int64_t kind, const F& f) {
     case SOFTPLUS: f(std::integral_constant<int64_t, SOFTPLUS>{}); break;
     default:
       TORCH_CHECK(false, "hf_attnorm fused_cpu: unknown fused map id ", kind,
-                  " (no case in dispatch_kind; the declared maps are in kernels/maps.py)");
+                  " (no case in dispatch_kind; the declared maps are in kernels/fused/maps.py)");
   }
 }
 
@@ -1514,7 +1514,7 @@ void dispatch_kind(int64_t kind, const F& f) {
 // 2 forward_alpha (the driver fused_forward picks, through dispatch_kind). Raises for an unknown id.
 std::vector<int64_t> map_facts(int64_t kind) {
   TORCH_CHECK(is_declared(kind), "hf_attnorm fused_cpu: unknown fused map id ", kind,
-              " (not declared in kernels/maps.py)");
+              " (not declared in kernels/fused/maps.py)");
   int64_t driver = -1;
   dispatch_kind(kind, [&](auto kc) {
     constexpr int64_t K = decltype(kc)::value;
