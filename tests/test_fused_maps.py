@@ -11,6 +11,7 @@ triton is imported), as tests/test_triton.py does; run them directly with
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -84,6 +85,29 @@ def test_kinds_are_derived_from_the_declarations():
     assert kinds.NORMALISED == {m.name for m in maps.MAPS if m.normalised}
     assert kinds.THRESHOLD == {m.name for m in maps.MAPS if m.threshold}
     assert kinds.WIDE == {m.name for m in maps.MAPS if m.wide}
+    assert kinds.DEN_ADDS_ROW_VALUE == {m.name for m in maps.MAPS if m.den_offset is not None}
+    assert kinds.ROW_VALUE_FACTOR == {m.name for m in maps.MAPS if m.row_value_factor}
+
+
+@pytest.mark.parametrize("name", IDS)
+def test_a_row_value_factor_is_what_the_weight_says(name):
+    """The kernels take a map declaring ``row_value_factor`` as weight(s, 1) scaled by r per row: its declared weight
+    must be exactly that; and a declared ``den_offset`` must be the row value itself (what both kernels add)."""
+    fmap = maps.BY_NAME[name]
+    s = torch.linspace(-3.1, 2.9, 61, dtype=torch.float64)
+    r = torch.linspace(0.1, 2.0, 61, dtype=torch.float64)
+    if fmap.row_value_factor:
+        torch.testing.assert_close(fmap.weight(s, r), r * fmap.weight(s, torch.ones_like(r)), rtol=1e-14, atol=0)
+    if fmap.den_offset is not None:
+        assert torch.equal(fmap.den_offset(r), r), name
+
+
+def test_a_declaration_the_kernels_cannot_obey_is_refused():
+    base = maps.BY_NAME["symax"]
+    with pytest.raises(ValueError, match="no other offset"):
+        dataclasses.replace(base, name="offset2", den_offset=lambda r: 2 * r)
+    with pytest.raises(ValueError, match="row_value_factor scales"):
+        dataclasses.replace(base, name="factor", row_value_factor=True)
 
 
 def test_an_undeclared_id_is_refused_by_name():
@@ -130,7 +154,8 @@ def test_cpp_build_answers_the_declared_facts(name):
     fmap = maps.BY_NAME[name]
     facts = list(_map_facts(fmap.kernel_id))
     assert facts == [fmap.normalised, fmap.threshold, fmap.constant_on_single_key,
-                     fmap.single_key_mark == "negative", maps.DISPATCH_IDS[fmap.dispatch]], name
+                     fmap.single_key_mark == "negative", maps.DISPATCH_IDS[fmap.dispatch],
+                     fmap.den_offset is not None, fmap.row_value_factor], name
 
 
 def test_cpp_refuses_an_undeclared_id_in_the_kernel_and_in_the_launcher():

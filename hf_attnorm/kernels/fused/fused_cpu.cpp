@@ -63,7 +63,8 @@ constexpr int64_t NUM_KINDS = 11;
 // The facts of each map come from its declaration in maps.py (FusedMap), passed by cpu.py as bit masks
 // (bit i: map id i; maps.compile_definitions); tests/test_fused_maps.py reads them back through map_facts.
 #if !defined(HF_MAPS_NUM_KINDS) || !defined(HF_MAPS_DECLARED) || !defined(HF_MAPS_NORMALISED) || \
-    !defined(HF_MAPS_THRESHOLD) || !defined(HF_MAPS_CONSTANT_ON_SINGLE_KEY) || !defined(HF_MAPS_SINGLE_KEY_NEGATIVE)
+    !defined(HF_MAPS_THRESHOLD) || !defined(HF_MAPS_CONSTANT_ON_SINGLE_KEY) || \
+    !defined(HF_MAPS_SINGLE_KEY_NEGATIVE) || !defined(HF_MAPS_DEN_ADDS_ROW_VALUE) || !defined(HF_MAPS_ROW_VALUE_FACTOR)
 #error "fused_cpu.cpp is built by kernels/fused/cpu.py, which defines the map facts of kernels/fused/maps.py"
 #endif
 static_assert(HF_MAPS_NUM_KINDS == NUM_KINDS, "enum Kind and kernels/fused/maps.py declare different numbers of maps");
@@ -76,6 +77,14 @@ inline bool is_declared(int64_t kind) { return map_bit(HF_MAPS_DECLARED, kind); 
 inline bool is_normalised(int64_t kind) { return map_bit(HF_MAPS_NORMALISED, kind); }
 // a per-row threshold found by a search over the row (FusedMap.threshold)
 inline bool is_threshold(int64_t kind) { return map_bit(HF_MAPS_THRESHOLD, kind); }
+// the denominator adds the row value (FusedMap.den_offset = r): d out / d r = -out / D
+constexpr bool den_adds_row_value(int64_t kind) {
+  return kind >= 0 && kind < 64 && ((HF_MAPS_DEN_ADDS_ROW_VALUE >> kind) & 1ULL);
+}
+// weight(s, r) = r weight(s, 1) (FusedMap.row_value_factor): fmap gives weight(s, 1), the row is scaled by r once
+constexpr bool row_value_factor(int64_t kind) {
+  return kind >= 0 && kind < 64 && ((HF_MAPS_ROW_VALUE_FACTOR >> kind) & 1ULL);
+}
 // the forward driver of map K (FusedMap.dispatch): 0 forward_tiles, 1 forward_threshold, 2 forward_alpha
 constexpr int64_t driver_of(int64_t K) { return K == ENTMAX_ALPHA ? 2 : (K == ENTMAX15 || K == SPARSEMAX) ? 1 : 0; }
 // alpha-entmax's U holds [U (Dv) | A = sum_j (d p_j / d alpha) v_j (Dv) | Z | H | M] per row (see forward_alpha)
@@ -691,7 +700,7 @@ void forward_tiles(const Problem<T>& p, T* out, T* r1, T* r2) {
     T den[MAX_BQ], mrow[MAX_BQ];
     const T* crow = p.c + bh * p.Lq + i0;
     for (int64_t r = 0; r < m; ++r) {
-      den[r] = KIND == SYMAX ? crow[r] : T(0);
+      den[r] = den_adds_row_value(KIND) ? crow[r] : T(0);
       mrow[r] = KIND == POWER || KIND == SOFTPLUS ? POW_NEG<T> : T(0);
     }
     std::fill(O.begin(), O.begin() + m * p.Dv, T(0));
@@ -714,7 +723,7 @@ void forward_tiles(const Problem<T>& p, T* out, T* r1, T* r2) {
     for (int64_t r = 0; r < m; ++r) {
       T scale = T(1);
       if (is_normalised(KIND)) scale = den[r] != T(0) ? T(1) / den[r] : T(0);
-      if (KIND == RELU_LEN) scale = crow[r];
+      if (row_value_factor(KIND)) scale = crow[r];
       for (int64_t d = 0; d < p.Dv; ++d) orow[r * p.Dv + d] = O[r * p.Dv + d] * scale;
       r1[bh * p.Lq + i0 + r] = den[r];
       r2[bh * p.Lq + i0 + r] = mrow[r];
@@ -1379,7 +1388,7 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
       } else if (is_normalised(KIND)) {
         invd[i] = r1[i] != T(0) ? T(1) / r1[i] : T(0);
         delta[i] = dot;
-        dc[i] = KIND == SYMAX ? -dot * invd[i] : T(0);  // d out_i / d eta = -out_i / D_i
+        dc[i] = den_adds_row_value(KIND) ? -dot * invd[i] : T(0);  // d out_i / d r = -out_i / D_i
       } else if (is_threshold(KIND)) {
         invd[i] = T(1);
         delta[i] = r2[i] != T(0) ? dot / r2[i] : T(0);
@@ -1387,7 +1396,7 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
       } else {
         invd[i] = T(1);
         delta[i] = T(0);
-        dc[i] = (KIND == RELU_LEN && p.c[i] != T(0)) ? dot / p.c[i] : T(0);  // out_i = c_i O_i
+        dc[i] = (row_value_factor(KIND) && p.c[i] != T(0)) ? dot / p.c[i] : T(0);  // out_i = c_i O_i
       }
     }
   });
@@ -1510,8 +1519,9 @@ void dispatch_kind(int64_t kind, const F& f) {
 }
 
 // What this build says about map ``kind``, for tests/test_fused_maps.py: [is_normalised, is_threshold,
-// constant_on_single_key, single_key_negative, driver] with driver 0 forward_tiles, 1 forward_threshold,
-// 2 forward_alpha (the driver fused_forward picks, through dispatch_kind). Raises for an unknown id.
+// constant_on_single_key, single_key_negative, driver, den_adds_row_value, row_value_factor] with driver
+// 0 forward_tiles, 1 forward_threshold, 2 forward_alpha (the driver fused_forward picks, through dispatch_kind).
+// Raises for an unknown id.
 std::vector<int64_t> map_facts(int64_t kind) {
   TORCH_CHECK(is_declared(kind), "hf_attnorm fused_cpu: unknown fused map id ", kind,
               " (not declared in kernels/fused/maps.py)");
@@ -1521,7 +1531,7 @@ std::vector<int64_t> map_facts(int64_t kind) {
     driver = driver_of(K);
   });
   return {is_normalised(kind), is_threshold(kind), constant_on_single_key(kind),
-          map_bit(HF_MAPS_SINGLE_KEY_NEGATIVE, kind), driver};
+          map_bit(HF_MAPS_SINGLE_KEY_NEGATIVE, kind), driver, den_adds_row_value(kind), row_value_factor(kind)};
 }
 
 // forward -> [out, den_or_tau, shift_or_gsum, hv_sum], per row (all [B, H, Lq] but hv_sum):

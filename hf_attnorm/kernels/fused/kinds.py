@@ -18,6 +18,10 @@ FUSED_KINDS: dict[str, int] = {m.name: m.kernel_id for m in MAPS}
 NORMALISED: frozenset[str] = frozenset(m.name for m in MAPS if m.normalised)
 #: maps with a per-row threshold found by a search over the row (C++ ``is_threshold``)
 THRESHOLD: frozenset[str] = frozenset(m.name for m in MAPS if m.threshold)
+#: maps whose denominator adds the row value (``FusedMap.den_offset``; C++ ``den_adds_row_value``)
+DEN_ADDS_ROW_VALUE: frozenset[str] = frozenset(m.name for m in MAPS if m.den_offset is not None)
+#: maps whose weight is the row value times a function of the score (``FusedMap.row_value_factor``)
+ROW_VALUE_FACTOR: frozenset[str] = frozenset(m.name for m in MAPS if m.row_value_factor)
 #: maps the C++ kernel computes in float64 whatever the input dtype (``FusedMap.wide``)
 WIDE: frozenset[str] = frozenset(m.name for m in MAPS if m.wide)
 

@@ -63,7 +63,13 @@ class FusedMap:
     dispatch: Dispatch
     den_term: EntryFn | None = None
     den_slope: EntryFn | None = None
+    #: the denominator adds the row value (symax's eta): the kernels implement exactly ``den_offset(r) = r``
+    #: (``HF_MAPS_DEN_ADDS_ROW_VALUE`` in C++, ``DEN_ADDS_ROW_VALUE`` in Triton), so no other offset is accepted
     den_offset: Callable[[Tensor], Tensor] | None = None
+    #: weight(s, r) = r weight(s, 1) (relu_len's 1/n): the C++ kernel computes weight(s, 1) per entry and scales
+    #: each row once, and both kernels take dr = sum_j weight(s_j, 1) dP_j (``HF_MAPS_ROW_VALUE_FACTOR`` in C++,
+    #: ``ROW_VALUE_FACTOR`` in Triton); tests/test_fused_maps.py checks the identity on the declared ``weight``
+    row_value_factor: bool = False
     wide: bool = False
 
     def __post_init__(self) -> None:
@@ -74,6 +80,14 @@ class FusedMap:
                              f"others to 'tiles' (got dispatch={self.dispatch!r}, threshold={self.threshold})")
         if self.constant_on_single_key == (self.single_key_mark == "none"):
             raise ValueError(f"fused map {self.name!r}: constant_on_single_key needs a single_key_mark, and only it")
+        if self.den_offset is not None:
+            probe = torch.tensor([0.0, 0.5, 3.0], dtype=torch.float64)
+            if not self.normalised or not torch.equal(self.den_offset(probe), probe):
+                raise ValueError(f"fused map {self.name!r}: the kernels add the row value itself to a normalised "
+                                 "map's denominator (den_offset = lambda r: r) and no other offset")
+        if self.row_value_factor and (self.normalised or self.threshold):
+            raise ValueError(f"fused map {self.name!r}: row_value_factor scales the weights of a map that is "
+                             "neither normalised nor a threshold map (the factor would cancel or move the threshold)")
 
 
 def _n(n: Tensor) -> Tensor:
@@ -119,7 +133,7 @@ MAPS: tuple[FusedMap, ...] = (
     FusedMap("relu_len", 5, lambda s, r: torch.relu(s) * r, lambda s, r: (s > 0).to(s.dtype) * r, normalised=False,
              threshold=False, constant_on_single_key=False, single_key_mark="none",
              row_value="1 / n, the factor on relu(s)", row_value_for=lambda n: 1 / _n(n),
-             row_value_has_gradient=True, dispatch="tiles"),
+             row_value_has_gradient=True, dispatch="tiles", row_value_factor=True),
     FusedMap("entmax15", 6, lambda x, r: (torch.relu(x) / 2) ** 2, lambda x, r: torch.relu(x) / 2,
              normalised=False, threshold=True, constant_on_single_key=True, single_key_mark="n == 1",
              row_value=_ROW_IS_N, row_value_for=_n, row_value_has_gradient=False, dispatch="threshold"),
@@ -169,6 +183,8 @@ def compile_definitions() -> list[str]:
         "HF_MAPS_THRESHOLD": _mask(lambda m: m.threshold),
         "HF_MAPS_CONSTANT_ON_SINGLE_KEY": _mask(lambda m: m.constant_on_single_key),
         "HF_MAPS_SINGLE_KEY_NEGATIVE": _mask(lambda m: m.single_key_mark == "negative"),
+        "HF_MAPS_DEN_ADDS_ROW_VALUE": _mask(lambda m: m.den_offset is not None),
+        "HF_MAPS_ROW_VALUE_FACTOR": _mask(lambda m: m.row_value_factor),
     }
     return [f"-D{name}={value}ULL" if name != "HF_MAPS_NUM_KINDS" else f"-D{name}={value}"
             for name, value in defs.items()]

@@ -50,7 +50,16 @@ import torch
 
 from ...normalizers.base import Normalizer
 from ..base import AttnCall, compact_bias
-from .kinds import FUSED_KINDS, NORMALISED, THRESHOLD, constant_name, fused_takes, kind_id
+from .kinds import (
+    DEN_ADDS_ROW_VALUE,
+    FUSED_KINDS,
+    NORMALISED,
+    ROW_VALUE_FACTOR,
+    THRESHOLD,
+    constant_name,
+    fused_takes,
+    kind_id,
+)
 from .maps import lookup_id
 
 # imported on first use (``_load_triton``): the plain package needs no triton, and triton fixes compiled vs
@@ -522,7 +531,8 @@ def _fwd_kernel(
     H, GROUPS, LQ, LK, DH, DV, ROWMAX,
     BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr,
-    KIND: tl.constexpr, NORMALISED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    KIND: tl.constexpr, NORMALISED: tl.constexpr, DEN_ADDS_ROW_VALUE: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
@@ -603,7 +613,7 @@ def _fwd_kernel(
             acc += tl.dot(a, v, input_precision=PREC)
             den += tl.sum(bden, 1)
     if NORMALISED:
-        if KIND == K_SYMAX:
+        if DEN_ADDS_ROW_VALUE:  # (maps.py: den_offset)
             den = den + r
         inv = tl.where(den != 0, 1.0 / tl.where(den != 0, den, 1.0), 0.0)
         acc = acc * inv[:, None]
@@ -623,7 +633,8 @@ def _bwd_dq_kernel(
     BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, DBIAS, sdb, sdh, sdm, sdn,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr, HAS_DBIAS: tl.constexpr,
     DB_BM: tl.constexpr, DB_BN: tl.constexpr,
-    KIND: tl.constexpr, NORMALISED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    KIND: tl.constexpr, NORMALISED: tl.constexpr, DEN_ADDS_ROW_VALUE: tl.constexpr, ROW_VALUE_FACTOR: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
@@ -738,8 +749,9 @@ def _bwd_dq_kernel(
                 ds = da * dp
             if KIND == K_SIGMOID:  # sigmoid: r is added to s
                 dr += tl.sum(ds, 1)
-            if KIND == K_RELU_LEN:  # relu_len: r multiplies relu(s)
-                dr += tl.sum(tl.where(keep, tl.maximum(s, 0.0), 0.0) * dp, 1)
+            if ROW_VALUE_FACTOR:  # weight(s, r) = r weight(s, 1) (maps.py): d/dr = sum_j weight(s_j, 1) dp_j
+                a1, _b1 = _entry(s, r * 0.0 + 1.0, keep, shift, KIND)
+                dr += tl.sum(a1 * dp, 1)
             if KIND == K_POWER:  # power: d/dp of a_j / D is a_j ln|s_j| (dp_j - delta) / D; ln|s| centred at the
                 # row's largest (shift / p), which sum_j a_j (dp_j - delta) = 0 allows, against rounding
                 mag = tl.abs(s)
@@ -767,7 +779,7 @@ def _bwd_dq_kernel(
             if HAS_CAP:
                 ds = ds * capd  # w.r.t. the capped score -> w.r.t. c q k^T
             acc += tl.dot(ds, tl.trans(kt).to(tl.float32), input_precision=PREC)
-    if KIND == K_SYMAX:  # symax: r is added to the denominator
+    if DEN_ADDS_ROW_VALUE:  # r is added to the denominator (maps.py: den_offset)
         dr = -delta * inv
     if KIND == K_POWER:  # r = +-p (the sign marks single-key rows; their gradient is 0 anyway)
         dr = tl.where(r < 0, -dr, dr)
@@ -1006,7 +1018,8 @@ class _Plan:
                 *self.table_strides]
 
     def consts(self) -> dict[str, Any]:
-        return dict(KIND=self.kind, NORMALISED=self.normalised, CAUSAL=self.causal, HAS_MASK=self.table.dim() == 4,
+        return dict(KIND=self.kind, NORMALISED=self.normalised, DEN_ADDS_ROW_VALUE=self.name in DEN_ADDS_ROW_VALUE,
+                    ROW_VALUE_FACTOR=self.name in ROW_VALUE_FACTOR, CAUSAL=self.causal, HAS_MASK=self.table.dim() == 4,
                     PREC=self.prec, UPCAST=self.upcast, BLOCK_M=self.bm, BLOCK_N=self.bn, BLOCK_D=self.bd,
                     BLOCK_DV=self.bdv)
 
@@ -1057,8 +1070,8 @@ class _TritonAttention(torch.autograd.Function):
                 plan.LQ, plan.LK, plan.DH, row_value, rowmax, STEPS=THRESHOLD_STEPS,
                 **_only(cst, kern._threshold_kernel), **plan.mods(kern._threshold_kernel, bias))
         launch(kern._fwd_kernel, grid)(q, k, v, score_scale, row_value, plan.keep, plan.table, shift, out, den, shift,
-                                       *common, plan.H, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, rowmax, **cst,
-                                       **plan.mods(kern._fwd_kernel, bias))
+                                       *common, plan.H, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, rowmax,
+                                       **_only(cst, kern._fwd_kernel), **plan.mods(kern._fwd_kernel, bias))
         ctx.save_for_backward(q, k, v, score_scale, row_value, bias, den, shift, rowmax)
         ctx.plan = plan
         return out
@@ -1080,14 +1093,14 @@ class _TritonAttention(torch.autograd.Function):
         dbias = torch.zeros(bias.shape, dtype=torch.float32, device=dev) if ctx.needs_input_grad[5] else None
         launch(kern._bwd_dq_kernel, grid)(
             q, k, v, score_scale, row_value, plan.keep, plan.table, shift, den, delta, do, dq, dscore_scale,
-            drow_value, *common, plan.H, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, rowmax, **cst,
-            **plan.mods(kern._bwd_dq_kernel, bias, dbias))
+            drow_value, *common, plan.H, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, rowmax,
+            **_only(cst, kern._bwd_dq_kernel), **plan.mods(kern._bwd_dq_kernel, bias, dbias))
         dk = torch.empty(plan.B, plan.HKV, plan.LK, plan.DH, dtype=torch.float32, device=dev)
         dv = torch.empty(plan.B, plan.HKV, plan.LK, plan.DV, dtype=torch.float32, device=dev)
         launch(kern._bwd_dkdv_kernel, (_cdiv(plan.LK, plan.bn), plan.B * plan.HKV))(
             q, k, v, score_scale, row_value, plan.keep, plan.table, shift, den, delta, do, dk, dv, *common,
-            plan.H, plan.HKV, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, rowmax, **cst,
-            **plan.mods(kern._bwd_dkdv_kernel, bias))
+            plan.H, plan.HKV, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, rowmax,
+            **_only(cst, kern._bwd_dkdv_kernel), **plan.mods(kern._bwd_dkdv_kernel, bias))
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dscore_scale if ctx.needs_input_grad[3] else None,
                 drow_value if ctx.needs_input_grad[4] else None, dbias, None)
 
