@@ -34,7 +34,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap.py"))  # offline; checkout
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # this checkout's package, also where another copy is installed
+    sys.path.insert(0, str(ROOT))
+runpy.run_path(str(ROOT / "scripts" / "_bootstrap.py"))  # offline by default
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
