@@ -197,6 +197,20 @@ def check_tokens(model, args, impl: str, prompts, batch_tokens: list[list[int]],
             "generate_path": paths_text(paths)}
 
 
+def checkout_commit() -> str | None:
+    """The checkout's commit, "+changes" when files differ from it (None outside a git checkout)."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+changes" if dirty else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -276,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_start": load_start, "load_average_end": os.getloadavg(),
         "wall_seconds": time.perf_counter() - started,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__, "hf_attnorm": hf_attnorm.__version__},
+                     "transformers": transformers.__version__, "hf_attnorm": hf_attnorm.__version__,
+                     "commit": checkout_commit()},
         "threads": args.threads, "repeats": args.repeats, "seed": args.seed, "goal_time_ratio": GOAL,
         "model": {"family": "llama", "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
                   "kv_heads": args.kv_heads, "mlp": args.mlp, "vocab": args.vocab},
