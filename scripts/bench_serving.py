@@ -80,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="continuous batching: most requests in one forward (the others wait for a slot)")
     p.add_argument("--check-requests", type=int, default=None,
                    help="requests whose tokens are compared with per-request generate (default: all; 0: none)")
+    p.add_argument("--render-only", action="store_true",
+                   help="measure nothing: rewrite results.md in --out-dir from its results.json")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 6 requests of 8-40 tokens, 4 new tokens, one repeat, 2 layers")
     p.add_argument("--out-dir", type=Path, default=Path("bench/serving"),
@@ -213,11 +215,16 @@ def checkout_commit() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.render_only:
+        (args.out_dir / "results.md").write_text(markdown(json.loads((args.out_dir / "results.json").read_text())))
+        print(f"wrote {args.out_dir}/results.md")
+        return 0
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")  # (transformers' notes on generation settings, once per run)
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
     transformers.logging.set_verbosity_error()
     load_start = os.getloadavg()
+    commit = checkout_commit()  # (at the start: the code that runs)
     started = time.perf_counter()
     model = build(args)
     prompts = make_prompts(args)
@@ -284,14 +291,14 @@ def main(argv: list[str] | None = None) -> int:
 
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": "python scripts/bench_serving.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": " ".join(["python scripts/bench_serving.py", *(sys.argv[1:] if argv is None else argv)]),
         "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
                     "system": platform.system()},
         "load_average_start": load_start, "load_average_end": os.getloadavg(),
         "wall_seconds": time.perf_counter() - started,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__, "hf_attnorm": hf_attnorm.__version__,
-                     "commit": checkout_commit()},
+                     "commit": commit},
         "threads": args.threads, "repeats": args.repeats, "seed": args.seed, "goal_time_ratio": GOAL,
         "model": {"family": "llama", "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
                   "kv_heads": args.kv_heads, "mlp": args.mlp, "vocab": args.vocab},
@@ -314,51 +321,15 @@ def main(argv: list[str] | None = None) -> int:
 # ------------------------------------------------------------------------------------------------ tables
 
 
-def table(result: dict) -> str:
-    """The rows as a markdown table (also the generated block of docs/benchmarks.md, scripts/render_readme.py)."""
-    goal = result["meta"]["goal_time_ratio"]
-    lines = ["| implementation | mode | attention path | requests/s | tokens/s | time / sdpa continuous batching | "
-             f"within {goal}x | tokens equal generate |", "|---|---|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        check = r.get("tokens_equal_generate")
-        if check is None:
-            equal = "(the reference)"
-        elif not check["requests_checked"]:
-            equal = "not checked"
-        else:
-            equal = (f"yes ({check['requests_checked']} requests)" if check["equal"] else
-                     f"**no**: {len(check['requests_differing'])} of {check['requests_checked']} differ")
-        ratio = r["time_ratio_to_sdpa_cb"]
-        if r["row"] == CB_SDPA:
-            within = "(the reference)"
-        elif r["row"] == SEQUENTIAL:
-            within = "(no goal)"
-        else:
-            within = "yes" if r["within_goal"] else "**no**"
-        lines.append(f"| `{r['implementation']}` | {r['mode']} | {r['path']} | {r['requests_per_s']:.2f} | "
-                     f"{r['tokens_per_s']:.1f} | {ratio:.2f} | {within} | {equal} |")
-    return "\n".join(lines)
-
-
-def summary(result: dict) -> str:
-    """One paragraph: the workload, the model, the machine and its load."""
-    m = result["meta"]
-    w, mo, cb = m["workload"], m["model"], m["continuous_batching"]
-    load = ", ".join(f"{x:.1f}" for x in m["load_average_start"])
-    load_end = ", ".join(f"{x:.1f}" for x in m["load_average_end"])
-    return (f"{w['requests']} requests (prompts of {', '.join(map(str, w['prompt_lengths']))} tokens in turn, "
-            f"{w['prompt_tokens']} in all), {w['new_tokens']} greedy new tokens each; random-init Llama "
-            f"{mo['layers']} layers, hidden {mo['hidden']}, heads {mo['heads']}/{mo['kv_heads']}, MLP {mo['mlp']}; "
-            f"continuous batching with pages of {cb['page_size']} tokens, at most {cb['max_batch_tokens']} tokens and "
-            f"{cb['max_requests_per_batch']} requests per forward. Median of {m['repeats']} interleaved repeats; the "
-            f"ratio is the median over repeats of the row's time over sdpa's continuous-batching time in the same "
-            f"repeat. `{m['command']}`, {m['date']}, {m['machine']['cpus']}-core {m['machine']['cpu']} CPU, "
-            f"{m['threads']} thread(s), torch {m['versions']['torch']}, transformers {m['versions']['transformers']};"
-            f" load average {load} at the start, {load_end} at the end.")
-
-
 def markdown(result: dict) -> str:
-    return summary(result) + "\n\n" + table(result) + "\n"
+    """results.md: the summary and the table that docs/benchmarks.md shows (scripts/render_readme.py renders both)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("render_readme", ROOT / "scripts" / "render_readme.py")
+    render = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(render)
+    return render.serving_summary(result) + "\n\n" + render.serving_table(result) + "\n"
 
 
 if __name__ == "__main__":
