@@ -14,7 +14,9 @@ two markers is replaced by the output of generator NAME:
 * claims-list: the published claims the main job tests (``hf_attnorm.lab.report.CLAIMS``);
 * kernels-run1, kernels-run3, kernels-run4: the tables of three ``scripts/bench_kernels.py`` runs (bench/kernels,
   bench/kernels/history/2026-11-23-added-kernels, bench/kernels/history/2026-11-27-attention-variants);
-* performance: one kernel benchmark run, ``bench/kernels/bench_kernels.json`` (``PERFORMANCE_RUN``).
+* performance: one kernel benchmark run, ``bench/kernels/bench_kernels.json`` (``PERFORMANCE_RUN``);
+* serving: continuous batching's throughput per implementation, ``bench/serving/results.json``
+  (``scripts/bench_serving.py``, whose results.md is written by the same functions).
 
 ``python scripts/render_readme.py`` rewrites the files; ``--check`` writes nothing and exits 1 with a diff when a
 file differs from what the generators print (tests/test_readme.py runs the same check).
@@ -265,6 +267,59 @@ def performance() -> str:
             f"[docs/benchmarks.md](docs/benchmarks.md)).")
 
 
+#: the serving benchmark run shown in docs/benchmarks.md
+SERVING_RUN = "bench/serving/results.json"
+
+
+def serving_table(result: dict) -> str:
+    """The rows of a ``scripts/bench_serving.py`` run: per implementation and mode the attention paths that ran,
+    requests/s, tokens/s, the time ratio to sdpa under continuous batching, whether it is within the goal, and
+    whether its continuous-batching tokens equal per-request greedy ``generate``'s."""
+    goal = result["meta"]["goal_time_ratio"]
+    lines = ["| implementation | mode | attention path | requests/s | tokens/s | time / sdpa continuous batching | "
+             f"within {goal}x | tokens equal generate |", "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        check = r.get("tokens_equal_generate")
+        if check is None:
+            equal = "(the reference)"
+        elif not check["requests_checked"]:
+            equal = "not checked"
+        elif check["equal"]:
+            equal = f"yes ({check['requests_checked']} requests)"
+        else:
+            equal = f"**no**: {len(check['requests_differing'])} of {check['requests_checked']} differ"
+        within = r.get("within_goal")
+        within = ("(baseline)" if r["mode"] != "continuous batching" else "(the reference)") if within is None \
+            else ("yes" if within else "**no**")
+        lines.append(f"| `{r['implementation']}` | {r['mode']} | {r['path']} | {r['requests_per_s']:.2f} | "
+                     f"{r['tokens_per_s']:.1f} | {r['time_ratio_to_sdpa_cb']:.2f} | {within} | {equal} |")
+    return "\n".join(lines)
+
+
+def serving_summary(result: dict) -> str:
+    """The workload, the model, the measurement and the machine of a ``scripts/bench_serving.py`` run."""
+    m = result["meta"]
+    w, mo, cb, v = m["workload"], m["model"], m["continuous_batching"], m["versions"]
+    load = ", ".join(f"{x:.1f}" for x in m["load_average_start"])
+    load_end = ", ".join(f"{x:.1f}" for x in m["load_average_end"])
+    return (f"{w['requests']} requests (prompts of {', '.join(map(str, w['prompt_lengths']))} tokens in turn, "
+            f"{w['prompt_tokens']} in all), {w['new_tokens']} greedy new tokens each; random-init Llama, "
+            f"{mo['layers']} layers, hidden {mo['hidden']}, heads {mo['heads']}/{mo['kv_heads']}, MLP {mo['mlp']}; "
+            f"continuous batching with pages of {cb['page_size']} tokens, at most {cb['max_batch_tokens']} tokens and "
+            f"{cb['max_requests_per_batch']} requests per forward. Median of {m['repeats']} interleaved repeats; the "
+            f"ratio is the median over repeats of the row's time over sdpa's continuous-batching time in the same "
+            f"repeat (> 1: slower). `{m['command']}`, {m['date']}, {m['machine']['cpus']}-core {m['machine']['cpu']} "
+            f"CPU, {m['threads']} thread(s), torch {v['torch']}, transformers {v['transformers']}, commit "
+            f"{v.get('commit')}; load average {load} at the start, {load_end} at the end.")
+
+
+def serving() -> str:
+    """docs/benchmarks.md's serving table, from ``SERVING_RUN``."""
+    result = json.loads((ROOT / SERVING_RUN).read_text())
+    return (f"{serving_summary(result)}\n\n{serving_table(result)}\n\n"
+            f"([{SERVING_RUN}](../{SERVING_RUN}), [bench/serving/README.md](../bench/serving/README.md))")
+
+
 def _main_section(name: str) -> Callable[[], str]:
     def render() -> str:
         from hf_attnorm.__main__ import SECTIONS
@@ -296,6 +351,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "conversion-runs": conversion_runs,
     "conversion-longer": conversion_longer,
     "performance": performance,
+    "serving": serving,
     **{f"compare-{task}": task_table(task) for task in ("mqar", "passkey", "lm")},
     "compare-claims": claims,
     "claims-list": claims_list,

@@ -28,6 +28,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__SSE__)
@@ -150,6 +151,15 @@ struct SB {
     return std::min(end, Lk);
   }
 
+  // whether the mask lets any query of the block see a key of the tile: a tile it hides from all of them neither
+  // breaks a stick nor adds to O, dQ, dK or dV, so it is skipped (a packed block-diagonal mask, as continuous
+  // batching passes, hides most tiles of a query block from the earlier sequences' keys)
+  bool tile_visible(int64_t b, int64_t h, int64_t i0, int64_t m, int64_t j0, int64_t nb) const {
+    for (int64_t r = 0; r < m; ++r)
+      if (std::memchr(keep + b * msb + h * msh + (i0 + r) * msl + j0, 1, nb) != nullptr) return true;
+    return false;
+  }
+
   // the mask tile, transposed to MT[key][query] as 0/1
   void mask_tile(int64_t b, int64_t h, int64_t i0, int64_t m, int64_t j0, int64_t nb, T* mt) const {
     for (int64_t r = 0; r < m; ++r) {
@@ -214,6 +224,7 @@ void sb_forward_impl(const SB<T>& p, T* out, T* call) {
     for (int64_t kb = (end + BK - 1) / BK - 1; kb >= 0; --kb) {
       const int64_t j0 = kb * BK, nb = std::min(BK, end - j0);
       for (int64_t r = 0; r < m; ++r) cs[r * NC + kb] = e[r];
+      if (p.keep && !p.tile_visible(b, h, i0, m, j0, nb)) continue;  // (e unchanged: the edge value stays right)
       mm_abt<T>(nb, m, p.D, p.krow(b, g, j0), p.ksl, p.qrow(b, h, i0), p.D, T(0), zt, m);
       if (p.keep) {
         p.mask_tile(b, h, i0, m, j0, nb, mt);
@@ -271,6 +282,7 @@ void sb_backward_impl(const SB<T>& p, const T* call, const T* dout, T* dq, T* dk
         const int64_t nk = (end + BK - 1) / BK;
         for (int64_t kb = 0; kb < nk; ++kb) {
           const int64_t j0 = kb * BK, nb = std::min(BK, end - j0);
+          if (p.keep && !p.tile_visible(b, h, i0, m, j0, nb)) continue;  // (A = beta = 0: no dz, no prefix)
           mm_abt<T>(nb, m, p.D, p.krow(b, g, j0), p.ksl, p.qrow(b, h, i0), p.D, T(0), zt, m);
           mm_abt<T>(nb, m, p.Dv, p.vrow(b, g, j0), p.vsl, dor, p.Dv, T(0), gt, m);
           if (p.keep) p.mask_tile(b, h, i0, m, j0, nb, mt);
