@@ -148,6 +148,16 @@ def test_help_lists_this_commands_rules_and_transformers_serves_options(capsys):
     assert "--continuous-batching" in out and "--port" in out
 
 
+@needs_serving
+def test_an_option_transformers_serve_lacks_is_a_usage_error_before_anything_loads(tmp_path, capsys):
+    path = save_checkpoint(tmp_path / "m", "symax")
+    capsys.readouterr()
+    assert serve.main([str(path), "--no-such-option"]) == 2
+    err = capsys.readouterr().err
+    assert "No such option" in err and "--no-such-option" in err
+    assert "ran 0 attention calls" in err
+
+
 def test_generate_with_the_tokenizer_keyword_the_sequential_path_passes(tmp_path):
     """transformers serve's sequential path calls ``model.generate(..., tokenizer=processor)``; generate's sampling
     loop hands that keyword down to the attention function, which ignores it (text, not attention)."""
