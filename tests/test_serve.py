@@ -222,7 +222,7 @@ def free_port() -> int:
 
 
 class Server:
-    """``python -m hf_attnorm serve`` as a child process in its own session, its output in a file."""
+    """``python -m hf_attnorm serve`` as a child process leading its own process group, its output in a file."""
 
     def __init__(self, path: Path, log: Path, *options: str) -> None:
         self.port, self.log_path = free_port(), log
