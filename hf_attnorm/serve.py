@@ -25,7 +25,6 @@ docs/clients.md (it warns, through the marker tensor of ``hf.persistence``).
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 import threading
@@ -96,10 +95,7 @@ def checkpoint_settings(path: str | Path) -> AttnormSettings:
     if not (directory / "config.json").is_file():
         raise ServeError(f"{PROG}: {directory} has no config.json; allowed: a local checkpoint folder saved with "
                          "hf_attnorm imported (model.save_pretrained)")
-    try:
-        settings = verify_checkpoint(directory)
-    except json.JSONDecodeError as e:  # (verify_checkpoint reports its own files; this is defensive)
-        raise ServeError(f"{PROG}: {directory / 'config.json'} is not valid JSON ({e})") from None
+    settings = verify_checkpoint(directory)  # (CheckpointError naming the file for anything inconsistent)
     if settings is None:
         raise ServeError(f"{PROG}: {directory / 'config.json'} holds no hf_attnorm settings ('attnorm'): a plain "
                          "checkpoint runs transformers' own attention, serve it with `transformers serve`; allowed "

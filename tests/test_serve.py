@@ -343,9 +343,9 @@ def test_served_with_continuous_batching_equals_generate(tmp_path):
 
 
 @needs_serving
-@pytest.mark.slow
 @pytest.mark.parametrize("impl", REFUSED[:1])
 def test_served_on_the_sequential_path_where_continuous_batching_is_refused(impl, tmp_path):
+    """The default run's end-to-end test (about 15 s on 2 cores: the server's start is most of it)."""
     out = run_server(tmp_path, impl, CB_OPTIONS, signal.SIGTERM)
     assert f"continuous batching cannot run {impl!r} exactly" in out and "route: sequential" in out
     assert "CB: False" in out and "CB: True" not in out
