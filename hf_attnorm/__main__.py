@@ -3,15 +3,20 @@
 ``python -m hf_attnorm`` prints the Markdown tables of implementations and options; ``--markdown SECTION`` prints one
 generated README/docs section (``scripts/render_readme.py`` writes them between marker comments, and
 ``tests/test_readme.py`` fails when a document differs from this output). Everything is read from the registries.
+
+``python -m hf_attnorm serve PATH [options of transformers serve]`` serves a checkpoint through transformers'
+OpenAI-compatible server with the plugin loaded (``hf_attnorm.serve``; ``serve --help`` lists its options).
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import sys
+from collections.abc import Sequence
 
 import hf_attnorm
-from hf_attnorm import supported
+from hf_attnorm import serve, supported
 from hf_attnorm.attention import param_specs
 from hf_attnorm.kernels import PATHS, paths_for
 from hf_attnorm.registry import NORMALIZERS, PRESETS, SCALES
@@ -124,25 +129,28 @@ SECTIONS = {
 }
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> int | None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["serve"]:
+        return serve.main(args[1:])
     parser = argparse.ArgumentParser(prog="python -m hf_attnorm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", nargs="?", default="all",
-                        choices=["all", "implementations", "normalizers", "scales", "options"],
+                        choices=["all", "implementations", "normalizers", "scales", "options", "serve"],
                         help="what to list as name and description (default: the Markdown tables of implementations "
-                             "and options)")
+                             "and options); serve: serve a checkpoint (python -m hf_attnorm serve --help)")
     parser.add_argument("--markdown", choices=sorted(SECTIONS), default=None,
                         help="print one generated Markdown section instead (the README and docs carry them verbatim)")
-    args = parser.parse_args(argv)
-    if args.markdown:
-        print(SECTIONS[args.markdown]())
+    ns = parser.parse_args(args)
+    if ns.markdown:
+        print(SECTIONS[ns.markdown]())
         return
-    if args.what == "all":
+    if ns.what == "all":
         print(markdown_tables())
         return
-    for name, desc in hf_attnorm.available(args.what).items():
+    for name, desc in hf_attnorm.available(ns.what).items():
         print(f"{name:24s} {desc}")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

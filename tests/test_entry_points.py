@@ -35,6 +35,8 @@ COMMANDS = {
     "convert_study": "hf-attnorm-convert-study",
     "compare": "hf-attnorm-compare",
 }
+#: console commands of the plugin itself (no script of scripts/, no lab extra): command -> its ``main``
+PLUGIN_COMMANDS = {"hf-attnorm-serve": "hf_attnorm.serve:main"}
 #: scripts the README names that have no console command: the scale analysis, and a checkout's benchmarks, document
 #: generator and GPU check
 WITHOUT_COMMAND = {"scale_analysis", "bench_kernels", "render_readme", "gpu_check"}
@@ -62,9 +64,20 @@ def load_script(name: str):
 
 def test_pyproject_declares_one_command_per_script():
     scripts = declared()
-    assert set(scripts) == set(COMMANDS.values())
+    assert set(scripts) == set(COMMANDS.values()) | set(PLUGIN_COMMANDS)
     for command, spec in scripts.items():
-        assert re.fullmatch(r"hf_attnorm\.lab(\.\w+)+:\w*main", spec), (command, spec)
+        if command in PLUGIN_COMMANDS:
+            assert spec == PLUGIN_COMMANDS[command]
+        else:
+            assert re.fullmatch(r"hf_attnorm\.lab(\.\w+)+:\w*main", spec), (command, spec)
+
+
+def test_the_serve_command_is_python_m_hf_attnorm_serve_and_answers_help(capsys):
+    import hf_attnorm.__main__ as cli
+
+    assert target("hf-attnorm-serve") is cli.serve.main
+    assert cli.main(["serve", "--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: python -m hf_attnorm serve PATH")
 
 
 @pytest.mark.parametrize("script", sorted(COMMANDS))

@@ -327,3 +327,25 @@ def test_attnorm_kwarg_needs_our_implementation(tmp_path):
         AutoModelForCausalLM.from_pretrained(d, attn_implementation="sdpa", attnorm={"eta": 0.5})
     with pytest.raises(AttnormError, match="'eta'.*not used by normalizer 'softmax'"):
         AutoModelForCausalLM.from_pretrained(d, attn_implementation="ssmax", attnorm={"eta": 0.5})
+
+
+def test_the_marker_tensor_is_saved_once_and_ignored_with_hf_attnorm(tmp_path):
+    """Every checkpoint carries the marker tensor (for transformers without hf_attnorm: tests/test_serve.py) in its
+    first weight file and, sharded, in the shard index; with hf_attnorm it is no unexpected key and changes nothing."""
+    from hf_attnorm.hf.persistence import INDEX_FILE, is_marker, marker_key, read_safetensors_header, weight_files
+
+    model = tiny("llama", "causal_lm", "symax")
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    files = weight_files(tmp_path)
+    assert len(files) > 1, "the checkpoint was meant to be sharded"
+    key = marker_key("symax")
+    assert is_marker(key) and is_marker("model." + key) and not is_marker(key + ".weight")
+    assert json.loads((tmp_path / INDEX_FILE).read_text())["weight_map"][key] == files[0].name
+    holders = [f.name for f in files if key in read_safetensors_header(f)]
+    assert holders == [files[0].name]
+    assert read_safetensors_header(files[0])[key]["dtype"] == "U8"
+    verify_checkpoint(tmp_path)
+    again, info = type(model).from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ids = torch.arange(1, 9)[None]
+    assert torch.equal(model_output(model(ids)), model_output(again(ids)))

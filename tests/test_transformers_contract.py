@@ -365,3 +365,79 @@ def test_the_keyword_scan_classifies_what_families_pass(tmp_path):
     assert by_class["Gemma2Attention"]["keywords"]["sliding_window"] == compat.IMPLEMENTED
     assert "LlamaAttention" in by_class
     assert result["refused_classes"] == 0
+
+
+# ------------------------------------------------------------ transformers serve (python -m hf_attnorm serve)
+
+def _serving():
+    from transformers.utils.import_utils import is_serve_available
+
+    if not is_serve_available():
+        pytest.skip("the serving extra is not installed (pip install 'hf_attnorm[serve]')")
+
+
+def test_transformers_cli_app_has_serve_with_the_options_the_serve_command_reads():
+    """cli/transformers.py: ``app`` (a click group) has the "serve" command built from cli/serve.py's ``Serve``: the
+    model is its first parameter (positional), ``--attn-implementation`` takes a value, ``--continuous-batching`` /
+    ``--no-continuous-batching`` is a switch, and the hidden ``--non-blocking`` starts uvicorn in ``self._thread``
+    and returns the ``Serve`` object, whose ``kill_server`` stops the generation managers and the model."""
+    from transformers.cli import serve as cli_serve
+    from transformers.cli.transformers import app
+
+    from hf_attnorm import serve
+
+    feature = "python -m hf_attnorm serve"
+    command = getattr(app, "commands", {}).get("serve")
+    assert command is not None, broken("transformers' CLI app has no 'serve' command", feature)
+    params = {p.name: p for p in command.params}
+    assert command.params[0].name == serve.SERVE_PARAMETERS[0] and not command.params[0].opts[0].startswith("-"), (
+        broken("transformers serve's first parameter is no longer the model, as a positional argument", feature))
+    opts = {name: (list(p.opts), list(getattr(p, "secondary_opts", []))) for name, p in params.items()}
+    assert opts.get("attn_implementation", ([], []))[0] == [serve.ATTN_OPTION], broken(
+        f"transformers serve has no option {serve.ATTN_OPTION}", feature)
+    assert opts.get("continuous_batching") == ([serve.CB_OPTION], [serve.NO_CB_OPTION]), broken(
+        f"transformers serve has no switch {serve.CB_OPTION}/{serve.NO_CB_OPTION}", feature)
+    assert opts.get("non_blocking", ([], []))[0] == [serve.NON_BLOCKING_OPTION], broken(
+        f"transformers serve has no (hidden) option {serve.NON_BLOCKING_OPTION}", feature + " (its clean stop)")
+    assert "non_blocking" in inspect.signature(cli_serve.Serve.__init__).parameters
+    start, kill = inspect.getsource(cli_serve.Serve.start_server), inspect.getsource(cli_serve.Serve.kill_server)
+    assert "self._thread" in start and "_generation_state.shutdown()" in kill, broken(
+        "Serve.start_server no longer keeps uvicorn's thread in self._thread, or kill_server no longer stops the "
+        "generation managers", feature + " (its clean stop)")
+
+
+def test_serve_loads_with_an_explicit_attn_implementation_that_only_names_its_own(tmp_path):
+    """cli/serving/model_manager.py: ``ModelManager`` passes ``attn_implementation`` to ``from_pretrained`` always
+    (None when unset), which overrides config.json's value: with hf_attnorm imported, None loads the implementation
+    config.json's ``attnorm`` records (the hook of ``_check_and_adjust_attn_implementation``); without it, softmax
+    runs (hence the marker tensor, hf/persistence.py). Its own check refuses every name but transformers' (hence the
+    serve command leaves ``--attn-implementation`` out)."""
+    _serving()
+    from test_serve import save_checkpoint  # (a tiny checkpoint with a tokenizer: serve loads both)
+    from transformers.cli.serving.model_manager import ModelManager
+
+    feature = "python -m hf_attnorm serve (the checkpoint's implementation) and the marker tensor's warning"
+    save_checkpoint(tmp_path, "symax")
+    manager = ModelManager(device="cpu", force_model=str(tmp_path))
+    try:
+        model = next(iter(manager.loaded_models.values())).model
+        assert model.config._attn_implementation == "symax", broken(
+            "transformers serve's ModelManager no longer loads a checkpoint with attn_implementation=None", feature)
+    finally:
+        manager.shutdown()
+    assert "attn_implementation" in inspect.getsource(ModelManager._load_model)
+    with pytest.raises(ValueError, match="Unsupported attention implementation"):
+        ModelManager(device="cpu", attn_implementation="symax")
+
+
+def test_serves_generation_paths_reach_our_hooks():
+    """cli/serving/utils.py: continuous batching starts with ``model.init_continuous_batching`` (hooked: it refuses
+    or prepares ours); the sequential path calls ``model.generate(..., tokenizer=processor)``, whose keyword reaches
+    the attention function (ignored: hf/families.py ``IGNORED_KEYWORDS``)."""
+    _serving()
+    from transformers.cli.serving import utils
+
+    feature = "python -m hf_attnorm serve --continuous-batching"
+    assert "init_continuous_batching" in inspect.getsource(utils.CBGenerateManager.init_cb), broken(
+        "transformers serve no longer starts continuous batching with model.init_continuous_batching", feature)
+    assert keyword_role("tokenizer").accepted

@@ -63,6 +63,8 @@ IGNORED_KEYWORDS: dict[str, str] = {
     "return_dict": "a model output flag",
     "encoder_hidden_states": "cross-attention: already projected into the key/value the function receives",
     "encoder_attention_mask": "cross-attention: already in the attention_mask the function receives",
+    "tokenizer": "generate(tokenizer=...)'s tokenizer (for stop strings; transformers serve passes it), which "
+                 "generate's sampling loop leaves among the model's keywords: text, not attention",
 }
 
 

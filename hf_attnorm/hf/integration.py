@@ -20,18 +20,18 @@ from __future__ import annotations
 import difflib
 import logging
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from torch import nn
 
 from ..registry import CONFIG_PREFIX, PRESETS, AttnormError, UnknownNameError, canonical, is_ours
-from ..settings import resolve_settings
+from ..settings import AttnormSettings, resolve_settings
 from . import compat
 from .distributed import materialize_meta_states
 from .families import attention_modules, family_of, refusal_reason
 from .forward import continuous_batching_support, forward_for, mark_packed_calls
-from .persistence import finalize_saved, verify_before_load, verify_loaded
+from .persistence import MARKER_PATTERN, finalize_saved, verify_before_load, verify_loaded
 from .state import _PENDING, AttnormState, check_config_unchanged, install, settings_for, uninstall
 
 logger = logging.getLogger("hf_attnorm")
@@ -216,8 +216,11 @@ def _post_init_hook(orig):
     def post_init(self, *args, **kwargs):
         sync_model(self)
         result = orig(self, *args, **kwargs)
-        # a plain checkpoint lacks our parameters: they are initialised from the settings, not "missing"
+        # a plain checkpoint lacks our parameters: they are initialised from the settings, not "missing"; the marker
+        # tensor of our checkpoints is there for transformers without hf_attnorm only (persistence.marker_key)
         self._keys_to_ignore_on_load_missing = set(self._keys_to_ignore_on_load_missing or ()) | {r"\.attnorm\."}
+        self._keys_to_ignore_on_load_unexpected = (set(self._keys_to_ignore_on_load_unexpected or ())
+                                                   | {MARKER_PATTERN})
         return result
 
     return post_init
@@ -287,17 +290,23 @@ def continuous_batching_refusal(model: nn.Module) -> str | None:
     """Why continuous batching cannot run ``model``'s hf_attnorm implementation exactly (None when it can): the
     installed transformers lacks a name the integration relies on, or a normalizer or scale declares it refused
     (``Normalizer.continuous_batching``)."""
+    return settings_continuous_batching_refusal(mod.settings for mod in model.modules()
+                                                if isinstance(mod, AttnormState))
+
+
+def settings_continuous_batching_refusal(settings: Iterable[AttnormSettings]) -> str | None:
+    """``continuous_batching_refusal`` for the settings a model will run with (before it is built: ``hf_attnorm
+    serve`` decides from a checkpoint's config.json)."""
     if CONTINUOUS_BATCHING_MISSING or compat.CONTINUOUS_BATCHING_SWITCH[1] not in HOOKED:
         missing = ", ".join(CONTINUOUS_BATCHING_MISSING) or "the manager's name checks"
         return (f"transformers {compat.transformers_version_string()} lacks {missing}, through which hf_attnorm "
                 "runs its implementations on continuous batching's sdpa route; transformers runs it only with its own "
                 "attention (sdpa, paged|eager or flash attention) and would either refuse this implementation or "
                 "switch the model to flash attention, i.e. compute softmax instead")
-    for mod in model.modules():
-        if isinstance(mod, AttnormState):
-            mode, note = continuous_batching_support(mod.settings)
-            if mode == "refused":
-                return note or f"{mod.settings.implementation!r} declares it is not exact there"
+    for s in settings:
+        mode, note = continuous_batching_support(s)
+        if mode == "refused":
+            return note or f"{s.implementation!r} declares it is not exact there"
     return None
 
 

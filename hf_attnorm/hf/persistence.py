@@ -10,6 +10,14 @@ top of what transformers writes:
   supported`` (the value quoted in the first line says what to do) instead of silently running sdpa.
 * the safetensors header metadata of every weight file: ``hf_attnorm`` (the settings as a JSON string) and
   ``hf_attnorm_version`` (the header is rewritten in place; tensor bytes are untouched).
+* a one-byte tensor under ``hf_attnorm.<name>.NOT_RUN_without_import_hf_attnorm__softmax_runs_instead``
+  (``marker_key``) in the first weight file (and the shard index): no model has that parameter, so transformers
+  without ``import hf_attnorm`` lists it as UNEXPECTED in the load report it logs as a warning. That is the one
+  signal a checkpoint can give when the implementation is passed explicitly (``from_pretrained(dir,
+  attn_implementation="sdpa")``, or ``None``, as ``transformers serve`` passes it): transformers then ignores the
+  config.json value above and runs softmax; it runs no code of the checkpoint's without ``trust_remote_code``, so
+  it cannot be made to refuse (docs/clients.md). With ``import hf_attnorm`` the key is ignored
+  (``MARKER_PATTERN``).
 * ``attnorm_checksums.json``: sha256 of every weight file (safetensors has no checksum of its own).
 
 The learned per-head values are ordinary tensors in the weights (``...self_attn.attnorm.ssmax_s``).
@@ -26,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -46,6 +55,23 @@ from .state import AttnormState
 METADATA_KEY = "hf_attnorm"
 VERSION_KEY = "hf_attnorm_version"
 CHECKSUM_FILE = "attnorm_checksums.json"
+#: what follows ``hf_attnorm.<name>.`` in the marker tensor's key: transformers prints the key in its load report
+MARKER_SUFFIX = "NOT_RUN_without_import_hf_attnorm__softmax_runs_instead"
+#: the marker keys (as a regular expression searched in a checkpoint key, transformers' ``_keys_to_ignore_on_load_*``
+#: convention)
+MARKER_PATTERN = rf"(^|\.)hf_attnorm\.[^.]+\.{MARKER_SUFFIX}$"
+#: the shard index transformers writes beside sharded weight files
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def marker_key(implementation: str) -> str:
+    """The key of the marker tensor of a checkpoint saved with ``implementation`` (see the module docstring)."""
+    return f"hf_attnorm.{implementation}.{MARKER_SUFFIX}"
+
+
+def is_marker(key: str) -> bool:
+    """Whether a checkpoint key is the marker tensor (not a weight of any model)."""
+    return re.search(MARKER_PATTERN, key) is not None
 
 
 class CheckpointError(AttnormError):
@@ -86,12 +112,19 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
     return header
 
 
-def write_safetensors_metadata(path: Path, extra: Mapping[str, str]) -> None:
-    """Add ``extra`` to the header metadata of a safetensors file, copying the tensor bytes unchanged (atomic)."""
+def write_safetensors_metadata(path: Path, extra: Mapping[str, str], marker: str | None = None) -> None:
+    """Add ``extra`` to the header metadata of a safetensors file, copying the tensor bytes unchanged (atomic).
+    ``marker``: also append a one-byte uint8 tensor of shape [1] under that key (after every other tensor's bytes;
+    kept when the file has it already)."""
     header = read_safetensors_header(path)
     meta = dict(header.get("__metadata__") or {})
     meta.update({str(k): str(v) for k, v in extra.items()})
     header["__metadata__"] = meta
+    tail = b""
+    if marker is not None and marker not in header:
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        header[marker] = {"dtype": "U8", "shape": [1], "data_offsets": [end, end + 1]}
+        tail = b"\x00"
     blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
     blob += b" " * (-len(blob) % 8)  # keep the data section 8-byte aligned, as safetensors writes it
     with open(path, "rb") as src:
@@ -103,6 +136,7 @@ def write_safetensors_metadata(path: Path, extra: Mapping[str, str]) -> None:
                 dst.write(struct.pack("<Q", len(blob)))
                 dst.write(blob)
                 shutil.copyfileobj(src, dst, length=16 << 20)
+                dst.write(tail)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -145,8 +179,14 @@ def finalize_saved(model: nn.Module, save_directory: Any, kwargs: Mapping[str, A
         raise CheckpointError(f"{directory}: save_pretrained wrote no .safetensors file; hf_attnorm checkpoints need "
                               "safetensors (safe_serialization=True)")
     meta = {METADATA_KEY: json.dumps(settings, sort_keys=True), VERSION_KEY: __version__}
-    for f in files:
-        write_safetensors_metadata(f, meta)
+    marker = marker_key(impl)
+    for i, f in enumerate(files):
+        write_safetensors_metadata(f, meta, marker=marker if i == 0 else None)
+    index_path = directory / INDEX_FILE
+    if index_path.is_file():
+        index = json.loads(index_path.read_text())
+        index.setdefault("weight_map", {})[marker] = files[0].name
+        atomic_write(index_path, json.dumps(index, indent=2, sort_keys=True) + "\n")
     sums = {f.name: sha256_file(f) for f in files}
     atomic_write(directory / CHECKSUM_FILE, json.dumps({"sha256": sums}, indent=2, sort_keys=True) + "\n")
 

@@ -24,6 +24,7 @@ from accelerate.utils import DistributedType
 from safetensors.torch import load_file
 
 from ...fileio import atomic_write
+from ...hf.persistence import is_marker
 from ..distributed import gathered_state_dict, is_zero3_partitioned
 from .args import TrainingArguments, TrainingError
 
@@ -184,6 +185,7 @@ def load_weights(model: torch.nn.Module, folder: Path) -> None:
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(str(folder / f)))
+    state = {k: v for k, v in state.items() if not is_marker(k)}  # (a marker for transformers without hf_attnorm)
     missing, unexpected = model.load_state_dict(state, strict=False)
     params = model.state_dict(keep_vars=True)
     loaded_ptrs = {params[k].data_ptr() for k in state if k in params}

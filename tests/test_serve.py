@@ -1,0 +1,353 @@
+"""Serving: ``python -m hf_attnorm serve PATH`` runs transformers' OpenAI-compatible server (``transformers serve``)
+with the checkpoint's hf_attnorm implementation, on continuous batching's packed route where the implementation is
+exact there and on the sequential path where it is refused; plain transformers (no ``import hf_attnorm``) warns when
+it loads such a checkpoint with its own attention. The end-to-end tests start the real server as a child process
+on 127.0.0.1 and talk to it with the ``openai`` client and plain HTTP.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from transformers.utils.import_utils import is_serve_available
+
+from hf_attnorm import serve
+from hf_attnorm.hf import integration
+from hf_attnorm.hf.forward import continuous_batching_support
+from hf_attnorm.hf.persistence import marker_key
+from hf_attnorm.registry import PRESETS
+from hf_attnorm.settings import resolve_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_serving = pytest.mark.skipif(
+    not is_serve_available(), reason="the serving extra is not installed (pip install 'hf_attnorm[serve]': fastapi, "
+                                     "uvicorn, pydantic, openai, rich)")
+needs_continuous_batching = pytest.mark.skipif(
+    bool(integration.CONTINUOUS_BATCHING_MISSING),
+    reason=f"continuous batching is refused for hf_attnorm on transformers {transformers.__version__}")
+
+#: the tokenizer's words (Metaspace: "▁" marks a word's start, so that a streamed answer joins into the decoded one):
+#: roles and separators of the chat template, then plain words (61 = the model's vocabulary)
+WORDS = ["<unk>"] + ["▁" + w for w in ("system", "user", "assistant", ":", ";", *(f"w{i}" for i in range(55)))]
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} ; {% endfor %}"
+                 "{% if add_generation_prompt %}assistant :{% endif %}")
+#: prompts of different lengths (more of them than the server's batch, see CB_OPTIONS)
+PROMPTS = ["w1 w2 w3", "w7", "w10 w11 w12 w13 w14 w15 w16 w17", "w5 w4", "w30 w31 w32 w33"]
+NEW_TOKENS = 6
+#: small continuous-batching sizes for the CPU: requests wait for pages and long prompts are split
+CB_OPTIONS = ["--continuous-batching", "--cb-block-size", "8", "--cb-num-blocks", "32", "--cb-max-batch-tokens", "16"]
+REFUSED = [n for n in PRESETS if continuous_batching_support(resolve_settings(n))[0] == "refused"]
+
+
+def save_checkpoint(path: Path, implementation: str) -> Path:
+    """A tiny random-init Llama (2 layers, GQA, vocabulary 61, untied and wide so that greedy tokens depend on
+    attention) saved with hf_attnorm, and a word-level tokenizer with a chat template built locally (no hub)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=CHAT_TEMPLATE)
+    tokenizer.save_pretrained(path)
+    config = transformers.LlamaConfig(
+        vocab_size=len(WORDS), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.3,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config._attn_implementation = implementation
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        transformers.LlamaForCausalLM(config).eval().save_pretrained(path)
+    return path
+
+
+def expected_answers(path: Path, prompts: list[str], chat: bool = True) -> list[str]:
+    """Greedy ``model.generate`` on the same checkpoint (loaded with hf_attnorm), decoded as the server decodes."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    out = []
+    for prompt in prompts:
+        if chat:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                return_dict=True, return_tensors="pt")["input_ids"]
+        else:
+            ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            gen = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        out.append(tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=True))
+    return out
+
+
+# --------------------------------------------------------------------------------------- the command line, no server
+
+
+def test_refusals_name_what_is_wrong_and_what_is_allowed(tmp_path):
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    ours = save_checkpoint(tmp_path / "ours", "symax")
+    cases = [
+        ([], r"^python -m hf_attnorm serve: the first argument must be PATH"),
+        (["--port", "1"], r"^python -m hf_attnorm serve: the first argument must be PATH"),
+        ([str(tmp_path / "absent")], r"^python -m hf_attnorm serve: PATH .* is not a folder; allowed: "),
+        ([str(tmp_path)], r"^python -m hf_attnorm serve: .* has no config.json; allowed: "),
+        ([str(plain)], r"^python -m hf_attnorm serve: .* holds no hf_attnorm settings .*allowed here: "),
+        ([str(ours), "--attn-implementation", "sdpa"],
+         r"^python -m hf_attnorm serve: --attn-implementation 'sdpa' is not the checkpoint's implementation "
+         r"'symax'; allowed: leave the option out"),
+        ([str(ours), "--attn-implementation"], r"--attn-implementation needs a value"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(serve.ServeError, match=message):
+            serve.plan(argv)
+    assert serve.main([str(ours), "--attn-implementation=ssmax"]) == 2  # (the command prints it and exits 2)
+
+
+def test_the_plan_keeps_the_checkpoints_implementation_and_its_continuous_batching_route(tmp_path, capsys):
+    path = save_checkpoint(tmp_path / "symax", "symax")
+    args, settings, route = serve.plan([str(path), "--port", "9", "--attn-implementation", "symax"])
+    assert args == [str(path), "--port", "9"] and settings.implementation == "symax" and route == "sequential"
+    args, _, route = serve.plan([str(path), *CB_OPTIONS])
+    assert args == [str(path), *CB_OPTIONS]
+    assert route == ("packed" if not integration.CONTINUOUS_BATCHING_MISSING else "sequential")
+    _, _, route = serve.plan([str(path), "--continuous-batching", "--no-continuous-batching"])
+    assert route == "sequential"
+
+
+@pytest.mark.parametrize("impl", REFUSED)
+def test_continuous_batching_falls_back_to_the_sequential_path_where_refused(impl, tmp_path, capsys):
+    path = save_checkpoint(tmp_path / impl, impl)
+    capsys.readouterr()
+    args, _, route = serve.plan([str(path), *CB_OPTIONS])
+    said = capsys.readouterr().err
+    assert route == "sequential" and args[-1] == "--no-continuous-batching"
+    assert not serve.continuous_batching_requested(args)
+    assert said.startswith(f"hf_attnorm serve: WARNING: continuous batching cannot run {impl!r} exactly: ")
+    assert "sequential path" in said
+
+
+def test_help_lists_this_commands_rules_and_transformers_serves_options(capsys):
+    assert serve.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m hf_attnorm serve PATH")
+    assert "--continuous-batching" in out and "--port" in out
+
+
+@needs_serving
+def test_an_option_transformers_serve_lacks_is_a_usage_error_before_anything_loads(tmp_path, capsys):
+    path = save_checkpoint(tmp_path / "m", "symax")
+    capsys.readouterr()
+    assert serve.main([str(path), "--no-such-option"]) == 2
+    err = capsys.readouterr().err
+    assert "No such option" in err and "--no-such-option" in err
+    assert "ran 0 attention calls" in err
+
+
+def test_generate_with_the_tokenizer_keyword_the_sequential_path_passes(tmp_path):
+    """transformers serve's sequential path calls ``model.generate(..., tokenizer=processor)``; generate's sampling
+    loop hands that keyword down to the attention function, which ignores it (text, not attention)."""
+    path = save_checkpoint(tmp_path / "m", "symax")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    ids = tokenizer("w1 w2 w3", return_tensors="pt")["input_ids"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, tokenizer=tokenizer)
+        b = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(a, b)
+
+
+PLAIN_LOAD = """
+import sys
+import transformers
+from transformers.cli.serving.model_manager import ModelManager
+
+path = sys.argv[1]
+try:
+    transformers.AutoModelForCausalLM.from_pretrained(path)
+    print("UNSET LOADED")
+except Exception as e:
+    print("UNSET REFUSED", str(e).splitlines()[0])
+for impl in ("sdpa", None):  # what `transformers serve PATH [--attn-implementation sdpa]` loads with
+    manager = ModelManager(device="cpu", attn_implementation=impl, force_model=path)
+    model = next(iter(manager.loaded_models.values())).model
+    print("SERVE LOADED", impl, model.config._attn_implementation, flush=True)
+    manager.shutdown()
+assert not any(m.startswith("hf_attnorm") for m in sys.modules), "hf_attnorm was imported"
+"""
+
+
+@needs_serving
+def test_plain_transformers_serve_warns_when_it_loads_an_hf_attnorm_checkpoint_with_its_own_attention(tmp_path):
+    """Without ``import hf_attnorm`` transformers serve loads the checkpoint with its own attention (it passes
+    ``attn_implementation`` explicitly, ``None`` by default, which overrides config.json's): the marker tensor makes
+    its load report name what is not run, as a warning, for each load; a plain ``from_pretrained`` still refuses."""
+    path = save_checkpoint(tmp_path / "m", "symax")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", COLUMNS="200")
+    proc = subprocess.run([sys.executable, "-c", PLAIN_LOAD, str(path)], capture_output=True, text=True, env=env,
+                          cwd=str(tmp_path), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "UNSET REFUSED" in proc.stdout and "run import hf_attnorm first" in proc.stdout, proc.stdout
+    assert "SERVE LOADED sdpa sdpa" in proc.stdout and "SERVE LOADED None sdpa" in proc.stdout, proc.stdout
+    reports = [block for block in proc.stderr.split("LOAD REPORT")[1:]]
+    assert len(reports) == 2, proc.stderr[-3000:]
+    for block in reports:
+        line = next(ln for ln in block.splitlines() if marker_key("symax") in ln)
+        assert "UNEXPECTED" in line
+
+
+# ------------------------------------------------------------------------------------------------ the real server
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``python -m hf_attnorm serve`` as a child process leading its own process group, its output in a file."""
+
+    def __init__(self, path: Path, log: Path, *options: str) -> None:
+        self.port, self.log_path = free_port(), log
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
+                   PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.log = open(log, "w")
+        # a child of a background job inherits SIGINT ignored: give it the default disposition
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hf_attnorm", "serve", str(path), "--host", "127.0.0.1", "--port", str(self.port),
+             "--device", "cpu", "--log-level", "warning", *options],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT), start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def output(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_ready(self, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the server exited ({self.proc.returncode}):\n{self.output()[-4000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"the server did not answer /health within {timeout} s:\n{self.output()[-4000:]}")
+
+    def post(self, route: str, body: bytes) -> tuple[int, str]:
+        req = urllib.request.Request(self.url + route, data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def stop(self, sig: int, timeout: float = 120) -> int:
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        self.log.close()
+
+    def group_is_gone(self) -> bool:
+        try:
+            os.killpg(self.proc.pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+
+def exercise(server: Server, path: Path) -> None:
+    """Concurrent chat requests, a streamed one, a legacy completion, malformed requests, then one more: each answer
+    equals greedy ``generate`` on the same checkpoint."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=180, max_retries=0)
+    want = expected_answers(path, PROMPTS)
+
+    def chat(prompt: str) -> str:
+        r = client.chat.completions.create(model=str(path), messages=[{"role": "user", "content": prompt}],
+                                           max_tokens=NEW_TOKENS, temperature=0)
+        return r.choices[0].message.content
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(PROMPTS)) as pool:
+        got = list(pool.map(chat, PROMPTS, timeout=600))
+    assert got == want, (got, want)
+    stream = client.chat.completions.create(model=str(path), messages=[{"role": "user", "content": PROMPTS[0]}],
+                                            max_tokens=NEW_TOKENS, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want[0]
+    done = client.completions.create(model=str(path), prompt=PROMPTS[2], max_tokens=NEW_TOKENS, temperature=0)
+    assert done.choices[0].text == expected_answers(path, [PROMPTS[2]], chat=False)[0]
+    for body in (b"not json", json.dumps({"messages": [{"role": "user", "content": "w1"}], "max_tokenz": 2}).encode()):
+        status, text = server.post("/v1/chat/completions", body)
+        assert 400 <= status < 500, (status, text)
+    assert chat(PROMPTS[1]) == want[1]  # (still serving)
+
+
+def run_server(tmp_path: Path, impl: str, options: list[str], sig: int) -> str:
+    path = save_checkpoint(tmp_path / impl, impl)
+    server = Server(path, tmp_path / "server.log", *options)
+    try:
+        server.wait_ready()
+        exercise(server, path)
+        code = server.stop(sig)
+    finally:
+        server.close()
+    out = server.output()
+    assert code == 0, out[-4000:]
+    assert server.group_is_gone()
+    return out
+
+
+def _summary(out: str) -> tuple[int, int]:
+    line = next(ln for ln in out.splitlines() if ln.startswith("hf_attnorm serve: stopped;"))
+    words = line.split(" ran ", 1)[1].split()
+    return int(words[0]), int(words[3].lstrip("("))
+
+
+@needs_serving
+@needs_continuous_batching
+@pytest.mark.slow
+def test_served_with_continuous_batching_equals_generate(tmp_path):
+    out = run_server(tmp_path, "symax", CB_OPTIONS, signal.SIGINT)
+    assert "with attention implementation 'symax'" in out and "route: continuous batching, packed" in out
+    assert "CB: True" in out  # (transformers serve's log line of each request)
+    calls, packed = _summary(out)
+    assert calls > 0 and packed > 0, out[-2000:]
+
+
+@needs_serving
+@pytest.mark.parametrize("impl", REFUSED[:1])
+def test_served_on_the_sequential_path_where_continuous_batching_is_refused(impl, tmp_path):
+    """The default run's end-to-end test (about 15 s on 2 cores: the server's start is most of it)."""
+    out = run_server(tmp_path, impl, CB_OPTIONS, signal.SIGTERM)
+    assert f"continuous batching cannot run {impl!r} exactly" in out and "route: sequential" in out
+    assert "CB: False" in out and "CB: True" not in out
+    calls, packed = _summary(out)
+    assert calls > 0 and packed == 0, out[-2000:]
