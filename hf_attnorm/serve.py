@@ -32,8 +32,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from transformers.utils.import_utils import is_serve_available
-
 from .hf import compat, integration
 from .hf.forward import PathRecord, continuous_batching_support, record_paths
 from .hf.persistence import verify_checkpoint
@@ -226,7 +224,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AttnormError as e:
         print(str(e), file=sys.stderr)
         return 2
-    if not is_serve_available():
+    missing = compat.serve_missing()
+    if missing:
+        print(f"{PROG}: transformers {compat.transformers_version_string()} lacks {', '.join(missing)}: serving "
+              "needs the transformers serve of transformers 5.17 or later (checked: 5.17.0, 5.24.0); "
+              "pip install -U transformers", file=sys.stderr)
+        return 2
+    if not compat.serve_extra_installed():
         print(f"{PROG}: transformers serve needs its serving extra (fastapi, uvicorn, pydantic, openai); install it "
               "with pip install 'hf_attnorm[serve]'", file=sys.stderr)
         return 2

@@ -23,10 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from transformers.utils.import_utils import is_serve_available
 
 from hf_attnorm import serve
-from hf_attnorm.hf import integration
+from hf_attnorm.hf import compat, integration
 from hf_attnorm.hf.forward import continuous_batching_support
 from hf_attnorm.hf.persistence import marker_key
 from hf_attnorm.registry import PRESETS
@@ -34,8 +33,10 @@ from hf_attnorm.settings import resolve_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_serving = pytest.mark.skipif(
-    not is_serve_available(), reason="the serving extra is not installed (pip install 'hf_attnorm[serve]': fastapi, "
-                                     "uvicorn, pydantic, openai, rich)")
+    bool(compat.serve_missing()) or not compat.serve_extra_installed(),
+    reason=f"transformers {transformers.__version__} lacks {compat.serve_missing()} (serve is refused)"
+    if compat.serve_missing() else "the serving extra is not installed (pip install 'hf_attnorm[serve]': fastapi, "
+                                   "uvicorn, pydantic, openai, rich)")
 needs_continuous_batching = pytest.mark.skipif(
     bool(integration.CONTINUOUS_BATCHING_MISSING),
     reason=f"continuous batching is refused for hf_attnorm on transformers {transformers.__version__}")
@@ -118,6 +119,7 @@ def test_refusals_name_what_is_wrong_and_what_is_allowed(tmp_path):
     assert serve.main([str(ours), "--attn-implementation=ssmax"]) == 2  # (the command prints it and exits 2)
 
 
+@needs_continuous_batching
 def test_the_plan_keeps_the_checkpoints_implementation_and_its_continuous_batching_route(tmp_path, capsys):
     path = save_checkpoint(tmp_path / "symax", "symax")
     args, settings, route = serve.plan([str(path), "--port", "9", "--attn-implementation", "symax"])
@@ -351,3 +353,15 @@ def test_served_on_the_sequential_path_where_continuous_batching_is_refused(impl
     assert "CB: False" in out and "CB: True" not in out
     calls, packed = _summary(out)
     assert calls > 0 and packed == 0, out[-2000:]
+
+
+def test_a_transformers_without_serve_is_refused_by_name(monkeypatch, capsys, tmp_path):
+    """On a transformers whose ``transformers serve`` lacks what the command relies on (before 5.17: no
+    cli/serving/), the command says which names are missing and what is needed, before loading anything."""
+    save_checkpoint(tmp_path, "symax")
+    monkeypatch.setattr(compat, "SERVE_PACKAGE", "transformers.cli.no_such_server_package")
+    capsys.readouterr()  # (what saving printed)
+    assert serve.main([str(tmp_path)]) == 2
+    first = capsys.readouterr().err.strip().splitlines()[0]
+    assert f"transformers {transformers.__version__} lacks " in first and "5.17 or later" in first
+    assert "transformers.cli.no_such_server_package" in first

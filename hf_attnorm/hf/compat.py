@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import inspect
 import sys
 import types
@@ -344,6 +345,30 @@ def continuous_batching_owner() -> type | None:
     module_name, _, cls_name = path.rpartition(".")
     cls = _resolve(module_name, cls_name)
     return cls if isinstance(cls, type) and hasattr(cls, entry) else None
+
+
+#: what ``python -m hf_attnorm serve`` needs of transformers: the check for its serving extra and the server package
+#: of ``transformers serve`` (cli/serving/: ModelManager, the generation managers; transformers 5.17 and later)
+SERVE_AVAILABLE = ("transformers.utils.import_utils", "is_serve_available")
+SERVE_PACKAGE = "transformers.cli.serving"
+
+
+def serve_missing() -> list[str]:
+    """The transformers names ``python -m hf_attnorm serve`` relies on that the installed version lacks (empty when
+    every one is there); found without importing the server, whose modules need the serving extra."""
+    missing = [] if _resolve(*SERVE_AVAILABLE) is not None else [".".join(SERVE_AVAILABLE)]
+    try:
+        found = importlib.util.find_spec(SERVE_PACKAGE) is not None
+    except ImportError:
+        found = False
+    return missing + ([] if found else [SERVE_PACKAGE])
+
+
+def serve_extra_installed() -> bool:
+    """Whether transformers serve's own extra (fastapi, uvicorn, pydantic, openai) is installed (False when the
+    installed transformers has no such check: see ``serve_missing``)."""
+    available = _resolve(*SERVE_AVAILABLE)
+    return bool(available is not None and available())
 
 
 def continuous_batching_missing() -> list[str]:

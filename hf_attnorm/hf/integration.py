@@ -219,8 +219,10 @@ def _post_init_hook(orig):
         # a plain checkpoint lacks our parameters: they are initialised from the settings, not "missing"; the marker
         # tensor of our checkpoints is there for transformers without hf_attnorm only (persistence.marker_key)
         self._keys_to_ignore_on_load_missing = set(self._keys_to_ignore_on_load_missing or ()) | {r"\.attnorm\."}
-        self._keys_to_ignore_on_load_unexpected = (set(self._keys_to_ignore_on_load_unexpected or ())
-                                                   | {MARKER_PATTERN})
+        # a list: older transformers (5.4) concatenate it with a list of their own
+        unexpected = list(self._keys_to_ignore_on_load_unexpected or ())
+        self._keys_to_ignore_on_load_unexpected = unexpected + ([MARKER_PATTERN] if MARKER_PATTERN not in unexpected
+                                                               else [])
         return result
 
     return post_init
