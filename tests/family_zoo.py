@@ -111,8 +111,13 @@ FAMILIES: dict[str, Family] = {
                             vision_config=dict(_NO_VIT, out_hidden_size=32, patch_size=8), image_token_id=97,
                             video_token_id=98), "causal", ("indices", "s_aux")),
     "axk2": Family("AXK2Config", "AXK2ForCausalLM", dict(_DSA), "causal", ("indices",)),
+    # dense MLPs: with random weights its MoE router can sit on a near-tie that 1e-7 of cache noise flips; its sliding
+    # layers take their own (swa_) sizes; 8 indexer heads, as 4 leave index-score ties with these weights
     "dots3_note": Family("Dots3NoteTextConfig", "Dots3NoteForCausalLM",
-                         dict(_DSA, layer_types=["indexed_attention", "sliding_attention"], sliding_window=5),
+                         dict(_DSA, layer_types=["indexed_attention", "sliding_attention"], sliding_window=5,
+                              mlp_layer_types=["dense", "dense"], swa_num_attention_heads=4, swa_num_key_value_heads=4,
+                              swa_q_lora_rank=16, swa_kv_lora_rank=16, swa_head_dim=8, swa_qk_nope_head_dim=4,
+                              swa_v_head_dim=8, index_n_heads=8),
                          "causal", ("indices",), window=5),
     "mistral_large4": Family("MistralLarge4Config", "MistralLarge4ForConditionalGeneration",
                              dict(text_config=dict(_DSA),
