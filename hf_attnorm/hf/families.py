@@ -102,6 +102,14 @@ IGNORED_KEYWORDS: dict[str, str] = {
 }
 
 
+#: keywords of modules' own calls whose meaning is known but which no path of hf_attnorm applies, each with why:
+#: refused at load with that reason (rather than as an unknown keyword)
+UNIMPLEMENTED_KEYWORDS: dict[str, str] = {
+    "sinks": "per-query attention-sink logits [B, H, Lq, 1] projected from the hidden states (Inkling2); hf_attnorm's "
+             "sinks (s_aux) are one learned logit per head [H], and no path takes a sink per query",
+}
+
+
 #: ``compat.keyword_roles`` for this process's transformers, built at the first lookup (module load time of the first
 #: model: it reads transformers' signatures)
 _ROLES: dict[str, compat.KeywordRole] = {}
@@ -111,7 +119,7 @@ def keyword_role(name: str) -> compat.KeywordRole:
     """What a keyword reaching the attention function means (implemented, ignored with a reason, passed through as
     transformers declares it, or refused: see ``compat.keyword_roles``)."""
     if not _ROLES:
-        _ROLES.update(compat.keyword_roles(IMPLEMENTED_KEYWORDS, IGNORED_KEYWORDS))
+        _ROLES.update(compat.keyword_roles(IMPLEMENTED_KEYWORDS, IGNORED_KEYWORDS, UNIMPLEMENTED_KEYWORDS))
     role = _ROLES.get(name)
     return role if role is not None else compat.unknown_keyword(name)
 
