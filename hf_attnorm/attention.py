@@ -16,7 +16,7 @@ from .kernels import attend
 from .kernels.base import AttnCall, alibi_bias
 from .kernels.fused.kinds import fused_takes
 from .kernels.memory import memory_specs, prepend_memory
-from .masks import build_mask_info, split_float_mask
+from .masks import MaskError, build_mask_info, select_keys, split_float_mask
 from .normalizers.base import Ctx, ParamSpec
 from .registry import NORMALIZERS, SCALES
 from .settings import AttnormSettings, resolve_settings
@@ -57,6 +57,7 @@ def make_call(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    selection: torch.Tensor | None = None,
     heads_checked: bool = False,
 ) -> AttnCall:
     """Resolve one call: mask -> keep/n, scale -> multiplier, per-head factors, score modifiers. Shapes as
@@ -96,6 +97,8 @@ def make_call(
         raise ValueError(f"normalizer {settings.normalizer!r} has no score matrix, so it cannot apply a score bias, "
                          "soft-cap or attention sinks")
     mask = build_mask_info(attention_mask, B, H, Lq, Lk, causal, q.device)
+    if selection is not None:
+        mask = select_keys(mask, _selection_heads(selection, B, H, Hkv))
     if mask.dead is not None:
         # keys no query can see (padding) are zeroed, so garbage there (1e10, NaN) cannot leak through 0 * x; always
         # applied with a mask (a where per layer) rather than after asking whether any key is dead (a host sync)
@@ -132,6 +135,17 @@ def make_call(
     return AttnCall(q, k, v, mask, settings, heads, base, mult, dropout, need_weights, info, bias=bias,
                     softcap=None if softcap is None else float(softcap), sinks=sinks, alibi_slopes=alibi_slopes,
                     memory=memory, drop_queries=drop, forget=forget, output_gate=gate)
+
+
+def _selection_heads(selection: torch.Tensor, B: int, H: int, Hkv: int) -> torch.Tensor:
+    """selection [B or 1, 1 or Hkv or H, Lq or 1, Lk] -> [B or 1, 1 or H, Lq or 1, Lk]: query head h takes the
+    selection of its key/value head h // (H / Hkv), as transformers' repeat_kv pairs them."""
+    if not isinstance(selection, torch.Tensor) or selection.dim() != 4 or selection.shape[0] not in (1, B) \
+            or selection.shape[1] not in (1, Hkv, H):
+        got = list(selection.shape) if isinstance(selection, torch.Tensor) else type(selection).__name__
+        raise MaskError(f"a key selection must be [B={B} or 1, 1, Hkv={Hkv} or H={H} heads, Lq or 1, Lk]; got {got}")
+    h = selection.shape[1]
+    return selection.repeat_interleave(H // h, dim=1) if h not in (1, H) else selection
 
 
 def _check_slopes(slopes: torch.Tensor, H: int) -> torch.Tensor:
@@ -186,6 +200,7 @@ def attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    selection: torch.Tensor | None = None,
     **options: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention with any registered normalizer and scale on plain tensors.
@@ -200,6 +215,8 @@ def attention(
     (``eta=0.5``...). Score modifiers, applied to the scaled scores before the normalizer: softcap c
     (s = c tanh(s / c)), bias (float, broadcastable to [B, H, Lq, Lk], added), alibi_slopes [H] (adds
     -slopes[h] |i - j|, see ``alibi_bias``), sinks [H] (an always-visible extra key with that logit and value 0).
+    selection: bool [B|1, 1|Hkv|H, Lq|1, Lk] (True = selected; ``masks.selected_keys`` builds it from a sparse
+    indexer's indices): each query attends to exactly the keys the mask keeps and the selection selects.
     Returns (out [B, H, Lq, Dv], weights [B, H, Lq, Lk] if need_weights else None).
     """
     settings = implementation if isinstance(implementation, AttnormSettings) else resolve_settings(
@@ -209,7 +226,8 @@ def attention(
     all_heads = constant_heads(settings, q.shape[1], q.device, q.shape[-1], k.shape[1], v.shape[-1])
     all_heads.update(heads or {})
     call = make_call(q, k, v, settings, all_heads, attention_mask, causal, scaling, dropout, need_weights,
-                     module_info, bias=bias, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
+                     module_info, bias=bias, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
+                     selection=selection)
     out, w, _ = attend(call, path)
     return out, w
 

@@ -36,7 +36,9 @@ class MaskInfo:
     causal: with keep None, query i sees keys j <= i (upper-left aligned); otherwise every key;
     n: float [B or 1, 1 or H, Lq], number of visible keys, clamped to >= 1 (a scale's log n stays finite);
     has_keys: bool like n, False on fully masked rows (their output is 0);
-    dead: with keep given, bool [B or 1, 1, Lk, 1], True on keys no query sees (padding), else None.
+    dead: with keep given, bool [B or 1, 1, Lk, 1], True on keys no query sees (padding), else None;
+    selected: keep holds a per-query key selection (``select_keys``: a sparse-attention indexer's top-k), which
+    changes from one call to the next, so no state kept across calls may assume that a key visible once stays so.
     """
 
     keep: torch.Tensor | None
@@ -49,6 +51,7 @@ class MaskInfo:
     #: (key_valid [B, Lk] bool, query_valid [B, Lq] bool, causal, offset) when known from how the mask was built
     _padding: tuple | None = None
     _padding_done: bool = False
+    selected: bool = False
     _additive: dict = dataclasses.field(default_factory=dict)
     #: MaskInfos derived from this one (e.g. with memory key columns prepended), built once per mask
     derived: dict = dataclasses.field(default_factory=dict)
@@ -280,3 +283,49 @@ def _build(attention_mask: torch.Tensor, batch: int, heads: int, lq: int, lk: in
         padding = (padding[0], None, True, 0)
     dead = (~keep.any(dim=2).any(dim=1)).view(b, 1, lk, 1)
     return MaskInfo(keep, causal, count.clamp_min(1), has_keys, lq, lk, dead, padding, padding is not None)
+
+
+_INDEX_MESSAGE = "selection indices must lie in [-1, {n}) (-1: an unused slot); these hold other values"
+
+
+def selected_keys(indices: torch.Tensor, lk: int, block: int = 1) -> torch.Tensor:
+    """The keys a sparse-attention indexer selected, as a keep-mask.
+
+    indices: integer [B, Lq, K] (one selection for every head) or [B, Hs, Lq, K] (one per selecting head), per
+    query the selected keys (``block`` 1) or key blocks (block b holds keys b * block ... (b + 1) * block - 1, the
+    last one cut at Lk); -1 marks an unused slot, and an index given twice selects its keys once (a set, as the
+    masks transformers' eager paths build by scatter). Returns bool [B, 1 or Hs, Lq, Lk] (True = selected).
+    Indices outside [-1, number of blocks) raise ``MaskError`` (eager CPU) or fail a device-side assertion."""
+    if not isinstance(indices, torch.Tensor) or indices.is_floating_point() or indices.is_complex() \
+            or indices.dtype == torch.bool or indices.dim() not in (3, 4):
+        got = (f"{indices.dtype} of shape {list(indices.shape)}" if isinstance(indices, torch.Tensor)
+               else type(indices).__name__)
+        raise MaskError(f"selection indices must be an integer tensor [B, Lq, K] or [B, heads, Lq, K]; got {got}")
+    if block < 1:
+        raise MaskError(f"a selection's block size must be a positive integer, got {block!r}")
+    nb = -(-lk // block)  # (ceil: the last block may be short)
+    idx = indices.long()
+    _check_values((idx >= -1) & (idx < nb), _INDEX_MESSAGE.format(n=nb))
+    idx = torch.where(idx < 0, nb, idx)  # unused slots land in a column dropped below
+    picked = torch.zeros(*idx.shape[:-1], nb + 1, dtype=torch.bool, device=idx.device)
+    picked = picked.scatter(-1, idx, True)[..., :nb]
+    if block > 1:
+        picked = picked.repeat_interleave(block, dim=-1)[..., :lk]
+    return picked if picked.dim() == 4 else picked[:, None]
+
+
+def select_keys(info: MaskInfo, selection: torch.Tensor) -> MaskInfo:
+    """The visibility of ``info`` restricted to ``selection``: bool [B or 1, 1 or H, Lq or 1, Lk] (True = the
+    query may see the key), e.g. ``selected_keys``. A key is visible iff the mask keeps it and it is selected; n
+    counts those keys, so the normalizer runs over exactly them. The result is marked ``selected``."""
+    if selection.dtype != torch.bool or selection.dim() != 4 or selection.shape[-1] != info.lk \
+            or selection.shape[2] not in (1, info.lq):
+        raise MaskError(f"a key selection must be bool [B, 1 or H, Lq={info.lq} or 1, Lk={info.lk}], got "
+                        f"{selection.dtype} of shape {list(selection.shape)}")
+    keep = info.dense(selection.device) & selection
+    b, h, lq, lk = keep.shape
+    count = keep.sum(dim=-1, dtype=torch.int32).to(torch.float32)
+    if count.shape[-1] != info.lq:
+        count = count.expand(*count.shape[:-1], info.lq)
+    dead = (~keep.any(dim=2).any(dim=1)).view(b, 1, lk, 1)
+    return MaskInfo(keep, info.causal, count.clamp_min(1), count > 0, info.lq, info.lk, dead, selected=True)

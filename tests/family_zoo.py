@@ -32,6 +32,8 @@ class Family:
     window: int | None = None
     #: a config attribute that fixes the sub-config used by generate (for dual models: none)
     eager_only: bool = False
+    #: where ``inputs`` pads row 0 ("left" or "right"); None: by kind (left for causal models, as for generation)
+    pad_side: str | None = None
 
 
 _LM = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
@@ -40,6 +42,14 @@ _LM_GQA = dict(_LM, num_key_value_heads=2)
 _NOTOK = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 _BART = dict(vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
              decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)
+#: multi-head latent attention with a DeepSeek-V3.2-style sparse indexer (DSA): top-4 of 12 keys, so the selection
+#: bites; 4 indexer heads of 16 dims, so that random weights leave no ties among the index scores (with ties top-k
+#: picks differently for cached and uncached calls, in eager too)
+_DSA = dict(_LM, **_NOTOK, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+            num_key_value_heads=4, moe_intermediate_size=16, n_routed_experts=2, num_experts_per_tok=1, n_group=1,
+            topk_group=1, index_topk=4, index_head_dim=16, index_n_heads=4)
+#: the vision tower of a vision-language family run on text alone: no layers, so no attention module the inputs miss
+_NO_VIT = dict(hidden_size=32, num_hidden_layers=0, num_attention_heads=4, intermediate_size=64)
 _T5 = dict(vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, relative_attention_num_buckets=8,
            decoder_start_token_id=0, pad_token_id=0)
 _VIT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=IMG,
@@ -89,6 +99,37 @@ FAMILIES: dict[str, Family] = {
     "openai_privacy_filter": Family("OpenAIPrivacyFilterConfig", "OpenAIPrivacyFilterForTokenClassification",
                                     dict(_LM_GQA, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
                                          sliding_window=5, **_NOTOK), "encoder", ("s_aux",), window=5),
+    # families passing a sparse indexer's choice of keys (indices, block_indices); the vision-language ones run text
+    "deepseek_v32": Family("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(_DSA), "causal", ("indices",)),
+    "glm_moe_dsa": Family("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", dict(_DSA, indexer_types=["full", "shared"]),
+                          "causal", ("indices",)),
+    "hy_v4": Family("HYV4Config", "HYV4ForCausalLM", dict(_DSA, indexer_types=["full", "shared"]), "causal",
+                    ("indices", "s_aux")),
+    "hy_v4_vl": Family("HYV4VLConfig", "HYV4VLForConditionalGeneration",
+                       dict(text_config=dict(_DSA, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                                        mrope_section=[0, 1, 1])),
+                            vision_config=dict(_NO_VIT, out_hidden_size=32, patch_size=8), image_token_id=97,
+                            video_token_id=98), "causal", ("indices", "s_aux")),
+    "axk2": Family("AXK2Config", "AXK2ForCausalLM", dict(_DSA), "causal", ("indices",)),
+    # dense MLPs: with random weights its MoE router can sit on a near-tie that 1e-7 of cache noise flips; its sliding
+    # layers take their own (swa_) sizes; 8 indexer heads, as 4 leave index-score ties with these weights
+    "dots3_note": Family("Dots3NoteTextConfig", "Dots3NoteForCausalLM",
+                         dict(_DSA, layer_types=["indexed_attention", "sliding_attention"], sliding_window=5,
+                              mlp_layer_types=["dense", "dense"], swa_num_attention_heads=4, swa_num_key_value_heads=4,
+                              swa_q_lora_rank=16, swa_kv_lora_rank=16, swa_head_dim=8, swa_qk_nope_head_dim=4,
+                              swa_v_head_dim=8, index_n_heads=8),
+                         "causal", ("indices",), window=5),
+    "mistral_large4": Family("MistralLarge4Config", "MistralLarge4ForConditionalGeneration",
+                             dict(text_config=dict(_DSA),
+                                  vision_config=dict(_NO_VIT, head_dim=8, patch_size=8, image_size=32),
+                                  image_token_index=98), "causal", ("indices",)),
+    # MiniMax M3's indexer reads the padded positions' hidden states, which differ between eager (the mean of the
+    # values on a row that sees no key) and hf_attnorm (0); its own docstring says only right padding is equivalent
+    "minimax_m3_vl": Family("MiniMaxM3VLTextConfig", "MiniMaxM3VLForCausalLM",
+                            dict(_LM, **_NOTOK, num_key_value_heads=2, head_dim=8, index_n_heads=2, index_head_dim=8,
+                                 index_block_size=2, index_topk_blocks=2, index_local_blocks=1,
+                                 layer_types=["minimax_m3_sparse", "full_attention"]),
+                            "causal", ("block_indices",), pad_side="right"),
     "bert": Family("BertConfig", "BertModel", dict(_LM), "encoder"),
     "roberta": Family("RobertaConfig", "RobertaModel", dict(_LM, pad_token_id=1), "encoder"),
     "xlm_roberta": Family("XLMRobertaConfig", "XLMRobertaModel", dict(_LM, pad_token_id=1), "encoder"),
@@ -184,7 +225,7 @@ def inputs(name: str, seed: int = 0, pad: bool = True,
     ids = torch.randint(3, V, (2, length), generator=g)
     mask = torch.ones_like(ids)
     if pad:
-        if fam.kind == "causal":
+        if (fam.pad_side or ("left" if fam.kind == "causal" else "right")) == "left":
             mask[0, :4] = 0  # left padding, as for generation
         else:
             mask[0, -4:] = 0

@@ -26,8 +26,9 @@ from family_zoo import FAMILIES, REFUSED, build, inputs, make_config, output
 
 import hf_attnorm
 from hf_attnorm.attention import param_specs
-from hf_attnorm.hf.families import attention_modules, num_heads_of, rope_parameters
-from hf_attnorm.hf.state import AttnormState
+from hf_attnorm.hf import forward
+from hf_attnorm.hf.families import SELECTION_KEYWORDS, attention_modules, num_heads_of, rope_parameters
+from hf_attnorm.hf.state import SCORE_KEYWORDS, AttnormState
 from hf_attnorm.registry import NORMALIZERS, PRESETS, SCALES, AttnormError
 from hf_attnorm.settings import resolve_settings
 
@@ -35,6 +36,14 @@ NAMES = list(FAMILIES)
 CAUSAL = [n for n in NAMES if FAMILIES[n].kind == "causal"]
 KEYWORD_FAMILIES = [n for n in NAMES if FAMILIES[n].keywords]
 WINDOWED = [n for n in NAMES if FAMILIES[n].window]
+#: families passing a keyword acting on the scores (soft-cap, position bias, sinks): scoreless normalizers refuse it
+SCORE_KEYWORD_FAMILIES = [n for n in NAMES if set(FAMILIES[n].keywords) & set(SCORE_KEYWORDS)]
+#: families passing a sparse indexer's choice of keys (indices, block_indices)
+SELECTING = [n for n in NAMES if set(FAMILIES[n].keywords) & SELECTION_KEYWORDS.keys()]
+
+
+def _score_keywords(family: str) -> list[str]:
+    return [k for k in FAMILIES[family].keywords if k in SCORE_KEYWORDS]
 
 
 def _learnable(impl: str) -> list[str]:
@@ -131,10 +140,10 @@ def test_refused_families_fail_at_load_and_set_time(family):
     assert model.config._attn_implementation == "eager"
 
 
-@pytest.mark.parametrize("family", KEYWORD_FAMILIES)
+@pytest.mark.parametrize("family", SCORE_KEYWORD_FAMILIES)
 def test_score_keywords_refused_for_scoreless_normalizers_at_load(family):
     impl = sorted(SCORELESS)[0]
-    kw = FAMILIES[family].keywords[0]
+    kw = _score_keywords(family)[0]
     with pytest.raises(AttnormError, match=kw):
         build(family, impl)
 
@@ -191,6 +200,30 @@ def test_softmax_equals_eager_and_sdpa_with_padding(family):
     sdpa = _run(model, x)
     _record(family, "softmax vs sdpa (padding)", (sel(ours) - sel(sdpa)).abs().max().item())
     torch.testing.assert_close(sel(ours), sel(sdpa), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", SELECTING)
+def test_key_selection_reaches_every_call_and_bites(family, monkeypatch):
+    """The keys the family's indexer selects (``indices``, ``block_indices``) restrict every call with one: softmax
+    equals eager with them (the test above) and differs without them, so in these configs the selection matters."""
+    model = build(family, "softmax")
+    x, live = inputs(family)
+    sel = (lambda t: t[live]) if live is not None else (lambda t: t)
+    seen = []
+    real = forward.key_selection
+
+    def spy(*args, **kwargs):
+        seen.append(real(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(forward, "key_selection", spy)
+    ours = _run(model, x)
+    assert LAST_CALL.mask == "given" and LAST_CALL.path, (LAST_CALL.mask, LAST_CALL.path)
+    chosen = [s for s in seen if s is not None]
+    assert chosen and all(s.dtype == torch.bool and not s.all() for s in chosen)
+    monkeypatch.setattr(forward, "key_selection", lambda *args, **kwargs: None)
+    unselected = _run(model, x)
+    assert (sel(unselected) - sel(ours)).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("family", CAUSAL)
@@ -303,7 +336,7 @@ def test_save_reload_exact(family, tmp_path):
 def _every_impl(family: str) -> None:
     x, _ = inputs(family)
     for impl in PRESETS:
-        if impl in SCORELESS and FAMILIES[family].keywords:
+        if impl in SCORELESS and _score_keywords(family):
             continue  # refused at load: test_score_keywords_refused_for_scoreless_normalizers_at_load
         if impl in FREE and "s_aux" in FAMILIES[family].keywords:
             with pytest.raises(AttnormError, match="'s_aux'"):

@@ -443,3 +443,50 @@ def test_serves_generation_paths_reach_our_hooks():
     assert "init_continuous_batching" in inspect.getsource(utils.CBGenerateManager.init_cb), broken(
         "transformers serve no longer starts continuous batching with model.init_continuous_batching", feature)
     assert keyword_role("tokenizer").accepted
+
+
+#: (model folder, attention class, keyword): every family passing a sparse indexer's choice of keys to the attention
+#: function, and what hf_attnorm reads it as (``families.SELECTION_KEYWORDS``)
+SELECTING_FAMILIES = [
+    ("deepseek_v32", "DeepseekV32Attention", "indices"),
+    ("glm_moe_dsa", "GlmMoeDsaAttention", "indices"),
+    ("hy_v4", "HYV4Attention", "indices"),
+    ("hy_v4_vl", "HYV4VLAttention", "indices"),
+    ("axk2", "AXK2Attention", "indices"),
+    ("dots3_note", "Dots3NoteTextAttention", "indices"),
+    ("mistral_large4", "MistralLarge4TextAttention", "indices"),
+    ("minimax_m3_vl", "MiniMaxM3VLAttention", "block_indices"),
+]
+
+
+@pytest.mark.parametrize("folder, cls_name, keyword", SELECTING_FAMILIES)
+def test_each_selecting_family_passes_its_indexers_keys_as_hf_attnorm_reads_them(folder, cls_name, keyword):
+    """``indices``: [B, Lq, k] key positions per query (shared by the heads), which the module scatters into a mask
+    of the call's keys for eager/sdpa and passes by keyword to any other implementation; ``block_indices``:
+    [B, Hkv, Lq, k] key blocks of ``indexer.block_size`` keys, -1 in unused slots, which the indexer's
+    ``build_block_mask`` expands (per key/value head, to the query heads of its group) for eager/sdpa."""
+    import importlib
+
+    from hf_attnorm.hf.families import SELECTION_KEYWORDS, interface_keywords, unread_selections
+
+    mod = importlib.import_module(f"transformers.models.{folder}.modeling_{folder}")
+    cls = getattr(mod, cls_name, None)
+    assert cls is not None, broken(f"{folder} has no {cls_name}", f"{keyword!r} of {folder} (key selections)")
+    feature = f"{folder}'s {keyword!r}: hf_attnorm reads it as {SELECTION_KEYWORDS[keyword].meaning}"
+    assert keyword in interface_keywords(cls), broken(f"{cls_name} no longer passes {keyword!r} by name", feature)
+    module = cls.__new__(cls)
+    torch.nn.Module.__init__(module)
+    assert not unread_selections(module), broken(f"{cls_name}.forward no longer folds {keyword!r} into its eager/sdpa "
+                                                 f"mask as {SELECTION_KEYWORDS[keyword].markers}", feature)
+    if keyword == "block_indices":  # the expansion itself, against masks.selected_keys
+        from hf_attnorm.masks import selected_keys
+
+        indexer = getattr(mod, cls_name.replace("Attention", "Indexer"))
+        fake = type("Fake", (), {"block_size": 2, "config": type("C", (), {"num_attention_heads": 4})()})()
+        blocks = torch.tensor([[[[0, 2], [1, -1]], [[2, 2], [-1, -1]]]])  # [B=1, Hkv=2, Lq=2, k=2]
+        padding = torch.ones(1, 1, 2, 5, dtype=torch.bool)
+        padding[..., 0] = False
+        theirs = indexer.build_block_mask(fake, blocks, padding, 5, torch.float32, "cpu", torch.arange(2)[None]) == 0
+        ours = padding & selected_keys(blocks, 5, 2).repeat_interleave(2, dim=1)
+        assert torch.equal(theirs, ours), broken(f"{indexer.__name__}.build_block_mask expands block indices "
+                                                 "otherwise", feature)

@@ -254,14 +254,17 @@ def declared_passthrough_keywords() -> dict[str, str]:
     return out
 
 
-def keyword_roles(implemented: frozenset[str], ignored: Mapping[str, str]) -> dict[str, KeywordRole]:
+def keyword_roles(implemented: frozenset[str], ignored: Mapping[str, str],
+                  refused: Mapping[str, str] | None = None) -> dict[str, KeywordRole]:
     """The role of every keyword transformers declares, given what hf_attnorm implements and deliberately ignores
     (``families.IMPLEMENTED_KEYWORDS`` / ``IGNORED_KEYWORDS``): implemented > ignored (with its reason) > a
-    parameter of transformers' attention functions (refused: it would change attention) > declared elsewhere
-    (passed through, as transformers' own attention functions do). A keyword missing from the table is
-    ``unknown_keyword``."""
+    parameter of transformers' attention functions (refused: it would change attention) or a keyword of a module's
+    own call whose meaning is known but not implemented (``refused``, ``families.UNIMPLEMENTED_KEYWORDS``: refused
+    with that reason) > declared elsewhere (passed through, as transformers' own attention functions do). A keyword
+    missing from the table is ``unknown_keyword``."""
     roles = {k: KeywordRole(PASSTHROUGH, why) for k, why in declared_passthrough_keywords().items()}
     roles.update({k: KeywordRole(ATTENTION, why) for k, why in attention_function_keywords().items()})
+    roles.update({k: KeywordRole(ATTENTION, why) for k, why in (refused or {}).items()})
     roles.update({k: KeywordRole(IGNORED, why) for k, why in ignored.items()})
     roles.update({k: KeywordRole(IMPLEMENTED, "implemented by hf_attnorm") for k in implemented})
     return roles

@@ -9,17 +9,20 @@ Read by the state on modules (``state.py``) and by the lab (training, evaluation
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import inspect
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
+import torch
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.models.auto import modeling_auto
 
+from ..masks import selected_keys
 from ..registry import AttnormError
 from . import compat
 
@@ -46,7 +49,40 @@ IMPLEMENTED_KEYWORDS: frozenset[str] = frozenset({
     "position_bias",  # s = s + b before the normalizer (T5, MPT-style ALiBi)
     "s_aux",  # learned attention sinks: an always-visible extra key with logit s_aux[h] and value 0
     "output_attentions",  # weights come from the reference path
+    "indices", "block_indices",  # a sparse indexer's choice of keys: SELECTION_KEYWORDS
 })
+
+@dataclasses.dataclass(frozen=True)
+class KeySelection:
+    """A keyword by which an attention module hands the attention function the keys a sparse-attention indexer chose
+    per query. transformers' own eager and sdpa paths never receive it: the module folds it into their mask instead,
+    so hf_attnorm does the same (``masks.selected_keys`` then ``masks.select_keys``), and every path then runs the
+    normalizer over exactly the keys the mask keeps and the indexer selected."""
+
+    #: what the keyword carries, as the modules that pass it compute it
+    meaning: str
+    #: dotted attribute of the attention module holding the block size when the indices name blocks of keys (read
+    #: when the implementation is set); None: they name keys
+    block_attr: str | None
+    #: source fragments of the module's forward by which it folds the keyword into the eager/sdpa mask in the way
+    #: ``selected_keys`` reads it; a module passing the keyword without them is refused at load (its keyword may
+    #: mean something else)
+    markers: tuple[str, ...]
+
+
+#: the key selections hf_attnorm reads (tests/test_transformers_contract.py checks each family that passes one)
+SELECTION_KEYWORDS: dict[str, KeySelection] = {
+    "indices": KeySelection(
+        "per query, the top-k key positions [B, Lq, k] of a DeepSeek-V3.2-style indexer (DSA: deepseek_v32, "
+        "glm_moe_dsa, hy_v4, axk2, dots3_note, mistral_large4); eager/sdpa scatter them into a keep-mask over the "
+        "call's keys",
+        None, (".scatter(-1, topk_indices.long(), False)",)),
+    "block_indices": KeySelection(
+        "per query and key/value head, the selected key blocks [B, Hkv, Lq, k], -1 in unused slots (MiniMax M3); "
+        "eager/sdpa expand them with the indexer's build_block_mask, block b covering keys b * block_size ...",
+        "indexer.block_size", ("build_block_mask(",)),
+}
+
 
 #: keywords of transformers' attention functions (or of a module's own call) that carry nothing for a non-flash
 #: attention function, each with the reason; keywords transformers declares elsewhere (``TransformersKwargs``, loss
@@ -68,6 +104,14 @@ IGNORED_KEYWORDS: dict[str, str] = {
 }
 
 
+#: keywords of modules' own calls whose meaning is known but which no path of hf_attnorm applies, each with why:
+#: refused at load with that reason (rather than as an unknown keyword)
+UNIMPLEMENTED_KEYWORDS: dict[str, str] = {
+    "sinks": "per-query attention-sink logits [B, H, Lq, 1] projected from the hidden states (Inkling2); hf_attnorm's "
+             "sinks (s_aux) are one learned logit per head [H], and no path takes a sink per query",
+}
+
+
 #: ``compat.keyword_roles`` for this process's transformers, built at the first lookup (module load time of the first
 #: model: it reads transformers' signatures)
 _ROLES: dict[str, compat.KeywordRole] = {}
@@ -77,7 +121,7 @@ def keyword_role(name: str) -> compat.KeywordRole:
     """What a keyword reaching the attention function means (implemented, ignored with a reason, passed through as
     transformers declares it, or refused: see ``compat.keyword_roles``)."""
     if not _ROLES:
-        _ROLES.update(compat.keyword_roles(IMPLEMENTED_KEYWORDS, IGNORED_KEYWORDS))
+        _ROLES.update(compat.keyword_roles(IMPLEMENTED_KEYWORDS, IGNORED_KEYWORDS, UNIMPLEMENTED_KEYWORDS))
     role = _ROLES.get(name)
     return role if role is not None else compat.unknown_keyword(name)
 
@@ -140,6 +184,64 @@ def interface_keywords(cls: type) -> frozenset[str]:
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "attention_interface":
             out.update(kw.arg for kw in node.keywords if kw.arg is not None)
     return frozenset(out)
+
+
+def _dotted(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def unread_selections(module: nn.Module) -> list[str]:
+    """The key-selection keywords this module passes by name but whose meaning its forward does not show (the
+    ``KeySelection.markers`` are missing), each with what hf_attnorm reads it as: refused at load."""
+    src = _forward_source(type(module))
+    return [f"{k!r} (hf_attnorm reads it as {SELECTION_KEYWORDS[k].meaning}, but {type(module).__name__}.forward "
+            f"does not fold it into its eager/sdpa mask that way: none of {list(SELECTION_KEYWORDS[k].markers)})"
+            for k in sorted(interface_keywords(type(module)) & SELECTION_KEYWORDS.keys())
+            if not all(m in src for m in SELECTION_KEYWORDS[k].markers)]
+
+
+def module_selections(module: nn.Module) -> dict[str, int | None]:
+    """{selection keyword the module passes by name: its block size (1 for key indices; None where the module has
+    no block size, e.g. a dense layer of a family whose sparse layers have an indexer)}."""
+    out: dict[str, int | None] = {}
+    for k in sorted(interface_keywords(type(module)) & SELECTION_KEYWORDS.keys()):
+        attr = SELECTION_KEYWORDS[k].block_attr
+        if attr is None:
+            out[k] = 1
+        else:
+            size = _dotted(module, attr)
+            out[k] = size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+    return out
+
+
+def key_selection(module: nn.Module, info: Mapping[str, Any], kwargs: Mapping[str, Any],
+                  lk: int) -> torch.Tensor | None:
+    """The keys a call selects (``SELECTION_KEYWORDS``) as bool [B, 1 or Hs, Lq, Lk], or None when it passes no
+    selection (or passes None). ``info``: the module's ``module_info`` (its ``selections``, read at load), so a
+    keyword is honoured only from a module that passes it by name in the way hf_attnorm reads it; one arriving
+    otherwise (through ``**kwargs``) is refused."""
+    given = [k for k in SELECTION_KEYWORDS if kwargs.get(k) is not None]
+    if not given:
+        return None
+    name = type(module).__name__
+    if len(given) > 1:
+        raise AttnormError(f"{name} passed {' and '.join(map(repr, given))} to the attention function; one key "
+                           "selection per call is allowed")
+    key = given[0]
+    taken = info.get("selections", {})
+    if key not in taken:
+        raise AttnormError(
+            f"{name} passed {key!r} to the attention function, but its forward does not pass it by name (it came "
+            f"through **kwargs), so its meaning is not known; hf_attnorm reads {key!r} only from modules whose "
+            f"forward passes it as {SELECTION_KEYWORDS[key].meaning}. Use attn_implementation='sdpa' or 'eager' "
+            "for this call.")
+    block = taken[key]
+    if block is None:
+        raise AttnormError(f"{name} passed {key!r}, which names blocks of keys, but has no block size at "
+                           f"{SELECTION_KEYWORDS[key].block_attr!r} (a positive integer is needed)")
+    return selected_keys(kwargs[key], lk, block)
 
 
 def unsupported_keywords(module: nn.Module) -> list[str]:
@@ -236,11 +338,12 @@ def module_info(module: nn.Module) -> dict[str, Any]:
             "num_kv_heads": kv_heads_of(module, heads),
             "head_dim": next((getattr(module, a) for a in HEAD_DIM_ATTRS if getattr(module, a, None)), None),
             "value_dim": next((getattr(module, a) for a in VALUE_DIM_ATTRS if getattr(module, a, None)), None),
-            "rope": rope_parameters(cfg)}
+            "rope": rope_parameters(cfg), "selections": module_selections(module)}
 
 
-#: attributes naming an attention module's q/k head dimension (T5's key_value_proj_dim, wav2vec2-conformer's head_size)
-HEAD_DIM_ATTRS = ("head_dim", "attention_head_size", "key_value_proj_dim", "head_size")
+#: attributes naming an attention module's q/k head dimension (T5's key_value_proj_dim, wav2vec2-conformer's head_size,
+#: multi-head latent attention's qk_head_dim: DeepSeek V3.2 and the other DSA families)
+HEAD_DIM_ATTRS = ("head_dim", "attention_head_size", "key_value_proj_dim", "head_size", "qk_head_dim")
 #: attributes naming a value head dimension that differs from the q/k one (multi-head latent attention: DeepSeek V2/V3)
 VALUE_DIM_ATTRS = ("v_head_dim", "value_head_dim")
 

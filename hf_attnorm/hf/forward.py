@@ -23,7 +23,7 @@ from ..settings import AttnormSettings, resolve_settings
 from ..torch_compat import is_exporting
 from . import compat
 from .cache_state import PENDING_ATTR, steps_for
-from .families import refused_keywords
+from .families import SELECTION_KEYWORDS, key_selection, refused_keywords
 from .state import state_of
 
 try:  # transformers' collector of requested outputs (private; looked up once, not per call)
@@ -144,21 +144,25 @@ def _attend(module: nn.Module, state: Any, query: torch.Tensor, key: torch.Tenso
         raise AttnormError(f"{type(module).__name__}: sliding_window={window} with {key.shape[2]} keys but no "
                            "mask; hf_attnorm would attend beyond the window. Build the model's masks with "
                            "transformers' mask functions (sdpa_mask).")
+    # a sparse indexer's choice of keys (indices, block_indices), which eager/sdpa get folded into their mask
+    selection = key_selection(module, state.module_info, kwargs, key.shape[2])
     # state kept on the cache across decoding (hf/cache_state.py): linear attention's recurrent state, selective
     # attention's column sums; a call that cannot be exact is refused here, before any work
     steps = steps_for(module, query, key, value, state.settings, causal)
-    out, weights = _compute(module, state, query, key, value, attention_mask, causal, scaling, dropout, kwargs, steps)
+    out, weights = _compute(module, state, query, key, value, attention_mask, causal, scaling, dropout, kwargs, steps,
+                            selection)
     return _to_model_layout(out), weights
 
 
 def _compute(module: nn.Module, state: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              attention_mask: object, causal: bool, scaling: float | None, dropout: float, kwargs: Mapping[str, Any],
-             steps: list) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One resolved call: query [B, H, Lq, D], key/value [B, Hkv, Lk, D] -> (out [B, H, Lq, Dv], weights or None)."""
+             steps: list, selection: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One resolved call: query [B, H, Lq, D], key/value [B, Hkv, Lk, D], selection None or bool
+    [B, 1 | Hs, Lq, Lk] -> (out [B, H, Lq, Dv], weights or None)."""
     call = make_call(
         query, key, value, state.settings, state(query.device), attention_mask, causal, scaling,
         dropout if module.training else 0.0, _weights_requested(kwargs), state.module_info,
-        **_score_modifiers(kwargs), heads_checked=True,
+        **_score_modifiers(kwargs), selection=selection, heads_checked=True,
     )
     for step in steps:
         step.begin(call, query, key)
@@ -234,6 +238,10 @@ def _attend_packed(module: nn.Module, state: Any, query: torch.Tensor, key: torc
     if any(name in kwargs for name in compat.CACHE_ARGUMENTS):
         raise _packed_error(module, "hands the paged cache to the attention function, so the keys were not gathered "
                                     f"(the module did not call its update; transformers {transformers.__version__})")
+    selections = [k for k in SELECTION_KEYWORDS if kwargs.get(k) is not None]
+    if selections:  # (the families passing one keep their indexer keys in caches of their own, not the paged one)
+        raise _packed_error(module, f"carries {', '.join(map(repr, selections))} (a sparse indexer's choice of "
+                                    "keys), which hf_attnorm does not apply on the packed route; use generate")
     if kwargs.get("block_table") is not None:
         raise _packed_error(module, "carries a block table (paged decoding, whose keys stay in the cache); "
                                     "hf_attnorm needs them gathered, as on the sdpa route")
@@ -305,12 +313,13 @@ def _softmax_settings() -> AttnormSettings:
 def softmax_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: object, scaling: float | None, kwargs: Mapping[str, Any]) -> torch.Tensor:
     """Plain softmax attention of the same call, as the model's own attention computes it (its mask, scaling,
-    causality, softcap, sinks and position bias), without dropout: query [B, H, Lq, D], key/value [B, Hkv, Lk, D]
-    -> [B, Lq, H, Dv]. The teacher of attention transfer (``hf_attnorm.lab.convert``)."""
+    causality, softcap, sinks, position bias and key selection), without dropout: query [B, H, Lq, D], key/value
+    [B, Hkv, Lk, D] -> [B, Lq, H, Dv]. The teacher of attention transfer (``hf_attnorm.lab.convert``)."""
     state = module._modules.get("attnorm")
     info = getattr(state, "module_info", None) or {}
     call = make_call(query, key, value, _softmax_settings(), {}, attention_mask, _causal(module, kwargs), scaling,
-                     0.0, False, info, **_score_modifiers(kwargs))
+                     0.0, False, info, **_score_modifiers(kwargs),
+                     selection=key_selection(module, info, kwargs, key.shape[2]))
     out, _, _ = attend(call)
     return out.transpose(1, 2).contiguous()
 

@@ -21,10 +21,11 @@ used only when it corresponds to exactly the cached keys:
   reorder decoding stays on the exact path).
 
 All of this is identity, shape and version checks on the host: no tensor value is read. Not done under
-``torch.compile`` (static-cache generation compiles the exact path), with grads (training), or for masks that are not
-key padding. Masked (padding) keys are multiplied by 0 when they enter S; a later step's mask is trusted to keep
-the earlier keys' visibility, as ``generate`` does (its 2-D mask only grows by ones): a custom loop that re-masks
-cached keys must start a new cache (or call ``drop_states``).
+``torch.compile`` (static-cache generation compiles the exact path), with grads (training), for masks that are not
+key padding, or for calls selecting keys per query (``indices``/``block_indices``: each step's selection is its
+own). Masked (padding) keys are multiplied by 0 when they enter S; a later step's mask is trusted to keep the earlier
+keys' visibility, as ``generate`` does (its 2-D mask only grows by ones): a custom loop that re-masks cached keys
+must start a new cache (or call ``drop_states``).
 """
 
 from __future__ import annotations

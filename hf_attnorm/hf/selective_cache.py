@@ -26,7 +26,8 @@ that built it. So it lives and dies with the cache, and is used only while it de
 Refused with a clear error at the first cached step (generate time): encoder-decoder caches (the decoder's cross-
 attention would need column sums of its own), static, sliding-window, quantized and other cache layers (a
 StaticCache's call sees max_cache_len keys whose positions only cache_position knows), score modifiers (bias, soft-
-cap, sinks: the column-sum pass forms plain scores), masks that are not key padding x causal, calls under
+cap, sinks: the column-sum pass forms plain scores), masks that are not key padding x causal, key selections
+(``indices``/``block_indices``: a sparse indexer's choice changes per step), calls under
 ``torch.compile`` (nothing may persist across a graph), and caches changed by anything not listed above. A later
 step's mask is trusted to keep the cached keys' visibility, as ``generate`` does.
 """
@@ -240,6 +241,9 @@ def _plain_key_padding(call: AttnCall) -> str | None:
     """Why the state cannot describe this call (None: it can)."""
     if call.modifies_scores:
         return "the call carries score modifiers (bias, soft-cap, ALiBi or sinks), which the column sums do not apply"
+    if call.mask.selected:
+        return ("the call selects keys per query (a sparse indexer's indices), which the column sums, kept for key "
+                "padding x causal, do not follow")
     if call.mask.padding() is None:
         return "the attention mask is not key padding x causal (the pattern generation builds)"
     return None

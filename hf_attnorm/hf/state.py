@@ -18,7 +18,7 @@ from ..attention import param_specs
 from ..registry import NORMALIZERS, SCALES, AttnormError, first_line
 from ..settings import READ_ONLY_MESSAGE, AttnormSettings, ConfigSettings, resolve_settings
 from . import cache_state, recurrent, selective_cache  # noqa: F401  (the kinds register on import)
-from .families import interface_keywords, module_info, num_heads_of, unsupported_keywords
+from .families import interface_keywords, module_info, num_heads_of, unread_selections, unsupported_keywords
 
 logger = logging.getLogger("hf_attnorm")
 
@@ -172,6 +172,10 @@ def check_module(module: nn.Module, settings: AttnormSettings) -> None:
             f"{name} passes {', '.join(bad)} to the attention function, which hf_attnorm does not implement; its "
             f"attention would be computed without it. Use attn_implementation='sdpa' or 'eager'."
         )
+    unread = unread_selections(module)
+    if unread:
+        raise AttnormError(f"{name} passes {', '.join(unread)}; hf_attnorm cannot tell which keys it selects. Use "
+                           "attn_implementation='sdpa' or 'eager'.")
     norm = NORMALIZERS.get(settings.normalizer)
     score_kw = [k for k in SCORE_KEYWORDS if k in interface_keywords(type(module))]
     if score_kw and norm.scoreless:

@@ -122,6 +122,7 @@ def prepend_memory(
         cols = mask.has_keys[..., None].expand(b, h, Lq, M)
         derived = build_mask_info(torch.cat([cols, keep.expand(b, h, Lq, Lk - M)], dim=-1), B, H, Lq, Lk,
                                   mask.causal, q.device, remember=False)
+        derived.selected = mask.selected  # (a key selection stays one with the memory columns in front)
     if not _no_memo():
         mask.derived[key] = derived
     if bias is not None:  # no bias on the memory columns (nor on the zero queries' rows)

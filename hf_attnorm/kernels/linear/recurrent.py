@@ -85,6 +85,9 @@ def accepts(call: AttnCall) -> str | None:
     reason = score_mod_reason(call)
     if reason is not None:
         return f"{reason} (linear attention forms no scores)"
+    if call.mask.selected:
+        return ("the call selects keys per query (a sparse indexer's indices): the state sums every cached key, the "
+                "selection leaves some out")
     if call.mask.padding() is None:
         return "the mask is not key padding (one query with a per-head mask)"
     if torch.is_grad_enabled() and (call.q.requires_grad or call.k.requires_grad or call.v.requires_grad):
@@ -118,10 +121,12 @@ def _key_part(call: AttnCall, ctx: Ctx, k: torch.Tensor, v: torch.Tensor, valid:
 def build_state(call: AttnCall) -> LinearState | None:
     """The state over every key of ``call`` (k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv]): O(Lk D Dv). None when the
     call's mask is not key padding x causal (``MaskInfo.padding``; queries of a later step see every earlier key
-    that the mask keeps for some query) or the inputs need grad."""
+    that the mask keeps for some query), selects keys per query (``MaskInfo.selected``) or the inputs need grad."""
     if takes(call.normalizer) is not None or call.dropout > 0 or score_mod_reason(call) is not None:
         return None
     if torch.is_grad_enabled() and (call.k.requires_grad or call.v.requires_grad):
+        return None
+    if call.mask.selected:  # (a later step's selection is its own: no sum over the cached keys describes it)
         return None
     padding = call.mask.padding()
     if padding is None:
