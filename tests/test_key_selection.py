@@ -12,13 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import first_implementations
-from hf_attnorm.kernels.linear_recurrent import accepts as recurrent_accepts
-from hf_attnorm.kernels.linear_recurrent import build_state
 
 from hf_attnorm.attention import attention, constant_heads, make_call
 from hf_attnorm.hf import forward
 from hf_attnorm.hf.families import SELECTION_KEYWORDS
 from hf_attnorm.kernels import PATHS, choose, paths_for
+from hf_attnorm.kernels.linear.recurrent import accepts as recurrent_accepts
+from hf_attnorm.kernels.linear.recurrent import build_state
 from hf_attnorm.masks import MaskError, causal_keep, selected_keys
 from hf_attnorm.registry import NORMALIZERS, PRESETS, AttnormError
 from hf_attnorm.settings import resolve_settings
