@@ -219,13 +219,22 @@ def _post_init_hook(orig):
         # a plain checkpoint lacks our parameters: they are initialised from the settings, not "missing"; the marker
         # tensor of our checkpoints is there for transformers without hf_attnorm only (persistence.marker_key)
         self._keys_to_ignore_on_load_missing = set(self._keys_to_ignore_on_load_missing or ()) | {r"\.attnorm\."}
-        # a list: older transformers (5.4) concatenate it with a list of their own
-        unexpected = list(self._keys_to_ignore_on_load_unexpected or ())
-        self._keys_to_ignore_on_load_unexpected = unexpected + ([MARKER_PATTERN] if MARKER_PATTERN not in unexpected
-                                                               else [])
+        unexpected = _KeyPatterns(self._keys_to_ignore_on_load_unexpected or ())
+        if MARKER_PATTERN not in unexpected:
+            unexpected.append(MARKER_PATTERN)
+        self._keys_to_ignore_on_load_unexpected = unexpected
         return result
 
     return post_init
+
+
+class _KeyPatterns(list):
+    """Key patterns transformers joins with its own: with ``+`` and a list (5.4), with ``|`` and a set (5.24)."""
+
+    def __or__(self, other: object) -> set:
+        return set(self) | set(other)  # type: ignore[call-overload]
+
+    __ror__ = __or__
 
 
 def _set_hook(orig):
