@@ -212,6 +212,15 @@ def refuse_unknown_name(name: str) -> None:
     )
 
 
+class _Patterns(list):
+    """Key patterns that ``+`` a list (gives a list) and ``|`` a set (gives a set), as transformers versions do."""
+
+    def __or__(self, other: object) -> set:
+        return set(self) | set(other)  # type: ignore[call-overload]
+
+    __ror__ = __or__
+
+
 def _post_init_hook(orig):
     def post_init(self, *args, **kwargs):
         sync_model(self)
@@ -219,10 +228,11 @@ def _post_init_hook(orig):
         # a plain checkpoint lacks our parameters: they are initialised from the settings, not "missing"; the marker
         # tensor of our checkpoints is there for transformers without hf_attnorm only (persistence.marker_key)
         self._keys_to_ignore_on_load_missing = set(self._keys_to_ignore_on_load_missing or ()) | {r"\.attnorm\."}
-        # a list: older transformers (5.4) concatenate it with a list of their own
+        # a list that also unites with a set: older transformers (5.4) concatenate it with a list of their own,
+        # newer ones (5.24) unite it with a set
         unexpected = list(self._keys_to_ignore_on_load_unexpected or ())
-        self._keys_to_ignore_on_load_unexpected = unexpected + ([MARKER_PATTERN] if MARKER_PATTERN not in unexpected
-                                                               else [])
+        self._keys_to_ignore_on_load_unexpected = _Patterns(
+            unexpected + ([MARKER_PATTERN] if MARKER_PATTERN not in unexpected else []))
         return result
 
     return post_init
