@@ -98,7 +98,8 @@ def test_a_formula_returning_a_value_its_owner_does_not_have_is_refused(monkeypa
     from hf_attnorm.normalizers.sink import Sink
 
     monkeypatch.setattr(Sink, "calibrate", lambda self, stats, settings: Calibration({"nosuch": torch.zeros(4)}, "x"))
-    with pytest.raises(ValueError, match=r"normalizer sink: calibrate returned \['nosuch'\].*allowed: \['sink_logit'\]"):
+    with pytest.raises(ValueError,
+                       match=r"normalizer sink: calibrate returned \['nosuch'\].*allowed: \['sink_logit'\]"):
         cal.formulas(_settings("sink"), _random_stats())
 
 
@@ -308,3 +309,55 @@ def test_smollm2_calibration_lowers_the_swapped_perplexity(smollm2, impl):
     calibrated = _smollm2_perplexity(path, impl, options, blocks, held_out)
     print(f"SmolLM2 @512: {impl} swapped {swapped:.3f}, calibrated {calibrated:.3f}")
     assert calibrated < swapped
+
+
+# ------------------------------------------------------------------------------------------- scripts/convert.py
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """A micro Llama (q/k scaled up) with the GPT-2 tokenizer, as a folder (as tests/test_convert.py builds it)."""
+    from hf_attnorm.lab import data as data_lib
+    from hf_attnorm.lab.model_zoo import build_model
+
+    folder = tmp_path_factory.mktemp("source")
+    tokenizer = data_lib.load_tokenizer("gpt2")
+    model = build_model("llama", "micro", attn_implementation="sdpa", seed=0, vocab_size=len(tokenizer),
+                        max_positions=128)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "q_proj" in name or "k_proj" in name:
+                p.mul_(4.0)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _convert(source, out, impl: str, *extra: str) -> dict:
+    return convert.run(["--model_name_or_path", str(source), "--attn_implementation", impl, "--output_dir", str(out),
+                        "--block_size", "32", "--eval_lengths", "32", "--eval_tokens", "256", "--error_blocks", "2",
+                        "--transfer_steps", "0", "--finetune_steps", "0", "--no_save_model",
+                        "--calibration_blocks", "2", *extra])
+
+
+def test_convert_records_the_calibration_and_the_calibrated_perplexity(source, tmp_path):
+    s = _convert(source, tmp_path / "on", "sigmoid")
+    assert s["settings"]["sigmoid_bias_learnable"] is True  # set for the calibration (one offset per head)
+    c = s["calibration"]
+    assert c["calibrated"] and len(c["values"]["sigmoid_bias"]) == 2 and c["tokens"] == 64
+    assert c["perplexity"]["calibrated"]["32"] < c["perplexity"]["swapped"]["32"]
+    assert statistics_mean(s["layer_errors"]["calibrated"]) < statistics_mean(s["layer_errors"]["swapped"])
+    off = _convert(source, tmp_path / "off", "sigmoid", "--no-calibrate")
+    assert not off["calibration"]["calibrated"] and "calibrated" not in off["perplexity"]
+    assert off["perplexity"]["swapped"] == s["perplexity"]["swapped"]
+
+
+def test_convert_reports_a_normalizer_without_a_formula(source, tmp_path, capsys):
+    s = _convert(source, tmp_path / "o", "symax")
+    assert not s["calibration"]["calibrated"] and "calibrated" not in s["perplexity"]
+    assert s["calibration"]["notes"]["normalizer symax"].startswith("not calibrated: no exact start")
+    assert "symax: not calibrated" in capsys.readouterr().err
+
+
+def statistics_mean(values: list[float]) -> float:
+    return sum(values) / len(values)

@@ -30,7 +30,6 @@ from ..registry import NORMALIZERS, SCALES, AttnormError
 from ..scales.base import Scale
 from ..settings import AttnormSettings
 
-
 #: bisection steps of ``unit_sigmoid_bias`` over a bracket 24 wide: 24 / 2^30, far below fp32 rounding of the scores
 UNIT_BIAS_STEPS = 30
 

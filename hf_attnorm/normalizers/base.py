@@ -112,11 +112,11 @@ class TeacherStats:
     bias and sink included), LSE_i = logsumexp_j z_ij, n_i = keys row i sees.
 
     lse_minus_log_n: mean_i (LSE_i - ln n_i), [H]; lse_minus_log_n_std: its standard deviation over the rows,
-    [H]; log_mean_exp_d, log_mean_exp_2d: ln mean_i e^(d_i), ln mean_i e^(2 d_i) with d_i = LSE_i - ln n_i, [H]
-    (the moments a least-squares fit of a per-head offset needs); unit_sigmoid_bias: mean_i c_i over rows of >= 2
-    keys, where c_i makes the row's sigmoid weights sum to 1 (sum_j sigmoid(z_ij + c_i) = 1; c_i >= -LSE_i, equal when the row is flat),
-    [H]; unit_sigmoid_bias_plus_log_n: mean_i (c_i + ln n_i), [H]; lse_mean: mean_i LSE_i, [H]; lse_min: min_i LSE_i, [H]; zero_logit_mass: mean_i sigmoid(-LSE_i), the share
-    a phantom key of logit 0 would take, [H]; rows: rows measured per head; max_n: the longest row (the calibration
+    [H]; log_mean_exp_d, log_mean_exp_2d: ln mean_i e^(d_i), ln mean_i e^(2 d_i) with d_i = LSE_i - ln n_i, [H];
+    unit_sigmoid_bias: mean_i c_i over rows of >= 2 keys, where c_i gives the row's sigmoid weights unit mass
+    (sum_j sigmoid(z_ij + c_i) = 1; c_i > -LSE_i), [H]; unit_sigmoid_bias_plus_log_n: mean_i (c_i + ln n_i), [H];
+    lse_mean: mean_i LSE_i, [H]; lse_min: min_i LSE_i, [H]; zero_logit_mass: mean_i sigmoid(-LSE_i), the share a
+    phantom key of logit 0 would take, [H]; rows: rows measured per head; max_n: the longest row (the calibration
     blocks' length L)."""
 
     lse_minus_log_n: torch.Tensor

@@ -39,8 +39,8 @@ class Sigmoid(Normalizer):
         """sigmoid(z_i + b) is near the softmax weight e^(z_i - LSE) when b = -LSE and the weights are small; exact
         row mass 1 needs b = c_i >= -LSE_i (sum_j sigmoid(z_ij + c_i) = 1, larger on peaked rows, where sigmoid
         saturates). One b per head: with b = -ln n + b_h (the default, derived -ln n), b_h = mean_i (c_i + ln n_i);
-        with a constant sigmoid_bias, b_h = mean_i c_i. Ramapuram et al.'s b = -ln n is the flat row's c_i (c_i =
-        -ln n when every key has the same score); b_h ~ -mean(LSE - ln n) is its small-weight limit."""
+        with a constant sigmoid_bias, b_h = mean_i c_i. Ramapuram et al.'s b = -ln n is about a flat row's c_i (all n
+        scores 0: c_i = -ln(n - 1)); b_h = -mean(LSE - ln n) is the small-weight limit (c_i -> -LSE_i)."""
         if settings.sigmoid_bias is None:
             return Calibration({"sigmoid_bias": stats.unit_sigmoid_bias_plus_log_n.float()},
                                "b = -ln n + b_h, b_h = mean over the teacher's rows of (c_i + ln n_i), c_i the bias "
