@@ -7,6 +7,7 @@ real SmolLM2-135M the calibrated ssmax swap scores within 10% of the original mo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -70,6 +71,8 @@ def _random_stats(heads: int = 4, seed: int = 0) -> TeacherStats:
                         log_mean_exp_2d=torch.rand(heads, generator=g) * 3 + 5,
                         unit_sigmoid_bias=-torch.rand(heads, generator=g) * 4,
                         unit_sigmoid_bias_plus_log_n=torch.randn(heads, generator=g),
+                        weighted_ln_n=torch.rand(heads, generator=g) + 4,
+                        weighted_ln2_n=torch.rand(heads, generator=g) + 25,
                         lse_mean=torch.rand(heads, generator=g) * 5 + 2, lse_min=torch.rand(heads, generator=g),
                         zero_logit_mass=torch.rand(heads, generator=g) * 0.1, rows=100, max_n=512)
 
@@ -130,7 +133,7 @@ def test_the_teacher_statistics_match_an_independent_computation_from_q_and_k():
     layers = len(stats)
     assert len(captured) == layers * len(ids)
     for layer, got in enumerate(stats):
-        lse, d, unit = [], [], []
+        lse, d, unit, var = [], [], [], []
         for q, k, scaling in captured[layer::layers]:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             z = (q.double() @ k.double().transpose(-1, -2)) * scaling
@@ -138,8 +141,10 @@ def test_the_teacher_statistics_match_an_independent_computation_from_q_and_k():
             row_lse = torch.logsumexp(z, -1)[0]  # [H, L]
             lse.append(row_lse)
             unit.append(_unit_bias_by_newton(z[0]))
+            p = torch.softmax(z[0], -1)
+            var.append((p * z[0].nan_to_num(0, 0, 0) ** 2).sum(-1) - (p * z[0].nan_to_num(0, 0, 0)).sum(-1) ** 2)
             d.append(row_lse - torch.log(torch.arange(1, L + 1, dtype=torch.float64)))
-        lse, d, unit = torch.cat(lse, -1), torch.cat(d, -1), torch.cat(unit, -1)
+        lse, d, unit, var = torch.cat(lse, -1), torch.cat(d, -1), torch.cat(unit, -1), torch.cat(var, -1)
         ln_n = torch.log(torch.arange(1, L + 1, dtype=torch.float64)).repeat(len(ids))
         keep = unit.isfinite()  # (one-key rows have no unit bias: sigmoid < 1)
         torch.testing.assert_close(got.unit_sigmoid_bias.double(), torch.where(keep, unit, 0).sum(-1) / len(ln_n) +
@@ -181,7 +186,11 @@ def test_the_formulas_match_their_transcriptions():
     got = cal.formulas(_settings("sink"), stats)["normalizer sink"].values["sink_logit"]
     torch.testing.assert_close(got, stats.lse_min - math.log(9999.0))  # the sink takes <= 1e-4 of each row
     got = cal.formulas(_settings("ssmax"), stats)["scale ssmax"].values
-    torch.testing.assert_close(got["ssmax_s"], torch.full((4,), 1 / math.log(512)))
+    # s_h = argmin_s sum_i V_i (s ln n_i - 1)^2
+    torch.testing.assert_close(got["ssmax_s"], stats.weighted_ln_n / stats.weighted_ln2_n)
+    flat = dataclasses.replace(stats, weighted_ln_n=torch.zeros(4), weighted_ln2_n=torch.zeros(4))
+    got = cal.formulas(_settings("ssmax"), flat)["scale ssmax"].values
+    torch.testing.assert_close(got["ssmax_s"], torch.full((4,), 1 / math.log(512)))  # flat rows: exact at n = L
     got = cal.formulas(_settings("ssmax", ssmax_bias_learnable=True), stats)["scale ssmax"].values
     torch.testing.assert_close(got["ssmax_s"], torch.zeros(4))
     torch.testing.assert_close(got["ssmax_bias"], torch.ones(4))
@@ -208,7 +217,8 @@ def test_sigmoid_calibration_makes_the_rows_weights_close_to_softmax_in_the_mean
     d = lse - torch.log(n)
     unit = cal.unit_sigmoid_bias(scores.masked_fill(~keep, -math.inf), lse)
     stats = TeacherStats(d.mean((0, 2)), d.std((0, 2)), d.exp().mean((0, 2)).log(), (2 * d).exp().mean((0, 2)).log(),
-                         unit.mean((0, 2)), (unit + torch.log(n)).mean((0, 2)), lse.mean((0, 2)), lse.amin((0, 2)),
+                         unit.mean((0, 2)), (unit + torch.log(n)).mean((0, 2)), torch.zeros(3), torch.zeros(3),
+                         lse.mean((0, 2)), lse.amin((0, 2)),
                          torch.sigmoid(-lse).mean((0, 2)), 64, 64)
     settings = _settings("sigmoid")
     norm = cal.NORMALIZERS.get("sigmoid")

@@ -57,12 +57,21 @@ class _Accumulator:
             return torch.zeros(heads, dtype=torch.float64, device=device)
         self.count, self.d_sum, self.d_sq, self.lse_sum, self.zero_mass = zeros(), zeros(), zeros(), zeros(), zeros()
         self.exp_d, self.exp_2d, self.unit, self.unit_n, self.unit_count = zeros(), zeros(), zeros(), zeros(), zeros()
+        self.v_sum, self.v_ln, self.v_ln2 = zeros(), zeros(), zeros()
         self.lse_min = torch.full((heads,), math.inf, dtype=torch.float64, device=device)
         self.max_n = 0
 
     def add(self, lse: torch.Tensor, n: torch.Tensor, z: torch.Tensor) -> None:
         """lse, n: [B, H, Lq] (rows with n = 0 are skipped); z: the scores [B, H, Lq, Lk], -inf where masked."""
         valid = (n >= 1) & torch.isfinite(lse)
+        # V_i = Var_p(z_i): how much row i's softmax moves under a temperature (the weights of a temperature fit)
+        p = torch.exp(z - lse.unsqueeze(-1)).nan_to_num(0.0)
+        zf = torch.where(torch.isfinite(z), z, 0.0)
+        var = torch.where(valid, (p * zf * zf).sum(-1) - (p * zf).sum(-1).square(), 0.0).clamp_min(0).double()
+        ln_n = torch.log(n.clamp_min(1))
+        self.v_sum += var.sum((0, 2))
+        self.v_ln += (var * ln_n).sum((0, 2))
+        self.v_ln2 += (var * ln_n * ln_n).sum((0, 2))
         several = valid & (n >= 2)  # (a row of one key has no unit-mass bias: sigmoid < 1)
         unit = torch.where(several, unit_sigmoid_bias(z, lse), 0.0).double()
         self.unit_count += several.sum((0, 2))
@@ -89,6 +98,8 @@ class _Accumulator:
                             log_mean_exp_2d=(self.exp_2d / count).log().float().cpu(),
                             unit_sigmoid_bias=(self.unit / self.unit_count.clamp_min(1)).float().cpu(),
                             unit_sigmoid_bias_plus_log_n=(self.unit_n / self.unit_count.clamp_min(1)).float().cpu(),
+                            weighted_ln_n=(self.v_ln / self.v_sum.clamp_min(1e-30)).float().cpu(),
+                            weighted_ln2_n=(self.v_ln2 / self.v_sum.clamp_min(1e-30)).float().cpu(),
                             lse_mean=(self.lse_sum / count).float().cpu(), lse_min=self.lse_min.float().cpu(),
                             zero_logit_mass=(self.zero_mass / count).float().cpu(), rows=int(self.count.min()),
                             max_n=self.max_n)

@@ -115,6 +115,9 @@ class TeacherStats:
     [H]; log_mean_exp_d, log_mean_exp_2d: ln mean_i e^(d_i), ln mean_i e^(2 d_i) with d_i = LSE_i - ln n_i, [H];
     unit_sigmoid_bias: mean_i c_i over rows of >= 2 keys, where c_i gives the row's sigmoid weights unit mass
     (sum_j sigmoid(z_ij + c_i) = 1; c_i > -LSE_i), [H]; unit_sigmoid_bias_plus_log_n: mean_i (c_i + ln n_i), [H];
+    weighted_ln_n, weighted_ln2_n: sum_i V_i ln n_i / sum_i V_i and sum_i V_i (ln n_i)^2 / sum_i V_i, V_i =
+    Var_{p_i}(z_i) the variance of row i's scores under its softmax weights p_i (its sensitivity to a temperature:
+    KL(p_i || softmax(beta z_i)) ~ (beta - 1)^2 V_i / 2), [H] (0 where every row is flat);
     lse_mean: mean_i LSE_i, [H]; lse_min: min_i LSE_i, [H]; zero_logit_mass: mean_i sigmoid(-LSE_i), the share a
     phantom key of logit 0 would take, [H]; rows: rows measured per head; max_n: the longest row (the calibration
     blocks' length L)."""
@@ -125,6 +128,8 @@ class TeacherStats:
     log_mean_exp_2d: torch.Tensor
     unit_sigmoid_bias: torch.Tensor
     unit_sigmoid_bias_plus_log_n: torch.Tensor
+    weighted_ln_n: torch.Tensor
+    weighted_ln2_n: torch.Tensor
     lse_mean: torch.Tensor
     lse_min: torch.Tensor
     zero_logit_mass: torch.Tensor

@@ -40,17 +40,22 @@ class SSMax(Scale):
         return out
 
     def calibrate(self, stats: TeacherStats, settings: AttnormSettings) -> Calibration:
-        """With a learnable bias: s_h = 0, b_h = 1, softmax exactly. Without: s_h = 1 / ln L (L = the calibration
-        blocks' length), softmax exactly on rows that see L keys; a row that sees n < L keys has its scores
-        multiplied by ln n / ln L < 1 (flatter)."""
+        """With a learnable bias: s_h = 0, b_h = 1, softmax exactly. Without: the multiplier s_h ln n is 1
+        (softmax) only on rows of n = e^(1/s_h) keys, so s_h is fitted to the teacher: s_h = sum V_i ln n_i /
+        sum V_i (ln n_i)^2 minimises sum_i V_i (s_h ln n_i - 1)^2, the second-order KL of every row's softmax against
+        its ssmax (V_i = the row's score variance, ``TeacherStats.weighted_ln_n``); 1/ln L (exact on rows of L keys)
+        for a head whose rows are all flat."""
         heads = stats.lse_min.shape[0]
         if settings.ssmax_bias_learnable:
             return Calibration({"ssmax_s": torch.zeros(heads), "ssmax_bias": torch.ones(heads)},
                                "s_h = 0, b_h = 1: softmax exactly on every row (training moves s_h from 0)")
         if stats.max_n < 2:
             return Calibration({}, f"rows of {stats.max_n} key: ln n = 0, no s_h reproduces softmax")
-        s = 1.0 / math.log(stats.max_n)
-        return Calibration({"ssmax_s": torch.full((heads,), s)},
-                           f"s_h = 1/ln L = {s:.4f} (L = {stats.max_n}): softmax exactly on rows that see L keys; "
-                           "a row that sees n < L keys has its scores times ln n / ln L (exact everywhere: "
-                           "--attnorm ssmax_bias_learnable=true)")
+        fallback = 1.0 / math.log(stats.max_n)
+        fitted = stats.weighted_ln_n.float() / stats.weighted_ln2_n.float()
+        s = torch.where(stats.weighted_ln2_n > 0, fitted, torch.full((heads,), fallback))
+        return Calibration({"ssmax_s": s},
+                           "s_h = sum V ln n / sum V (ln n)^2 (V = a row's score variance under softmax): the "
+                           "multiplier s_h ln n is 1 only on rows of e^(1/s_h) keys, shorter rows flatter, longer "
+                           f"sharper (1/ln L = {fallback:.4f} would be exact on rows of L = {stats.max_n}; exact "
+                           "everywhere: --attnorm ssmax_bias_learnable=true)")
