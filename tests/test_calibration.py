@@ -297,8 +297,9 @@ def _smollm2_perplexity(path, impl: str, options: dict, blocks: torch.Tensor | N
 
 @pytest.mark.slow
 def test_smollm2_ssmax_calibrated_is_within_10_percent_of_the_original(smollm2):
-    """The bias variant (s_h = 0, b_h = 1) is within 10% of the original model (exact up to rounding); the plain
-    form (s_h = 1/ln 512) lowers the swap's perplexity. Measured numbers: docs/convert.md, "Calibrated start"."""
+    """Both the plain form (s_h fitted to the teacher) and the bias variant (s_h = 0, b_h = 1: exact up to rounding)
+    are within 10% of the original model. Measured (2 shared CPU cores, 12 min): original 52.69, swapped 1,192.6,
+    calibrated 55.30, bias variant 52.69 (docs/convert.md, "Calibrated start")."""
     path, blocks, held_out = smollm2
     original = _smollm2_perplexity(path, "softmax", {}, None, held_out)
     exact = _smollm2_perplexity(path, "ssmax", {"ssmax_bias_learnable": True}, blocks, held_out)
@@ -307,12 +308,13 @@ def test_smollm2_ssmax_calibrated_is_within_10_percent_of_the_original(smollm2):
     print(f"SmolLM2 @512: original {original:.3f}, ssmax swapped {swapped:.3f}, calibrated {plain:.3f}, "
           f"calibrated bias variant {exact:.3f}")
     assert abs(exact / original - 1) < 0.10, (original, exact)
-    assert plain < swapped
+    assert abs(plain / original - 1) < 0.10 and plain < swapped, (original, plain, swapped)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", ["sigmoid", "sink"])
 def test_smollm2_calibration_lowers_the_swapped_perplexity(smollm2, impl):
+    """Measured (2 shared CPU cores): sigmoid 6.1e10 -> 2.0e9; sink 55.12 -> 52.69 (the original's)."""
     path, blocks, held_out = smollm2
     options = cal.calibration_options(resolve_settings(impl))
     swapped = _smollm2_perplexity(path, impl, options, None, held_out)
