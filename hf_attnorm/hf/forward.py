@@ -16,6 +16,7 @@ from torch import nn
 
 from ..attention import make_call
 from ..kernels import attend
+from ..kernels.reference import reference_scores
 from ..masks import additive_keep
 from ..normalizers.base import CONTINUOUS_BATCHING_MODES, ContinuousBatching
 from ..registry import NORMALIZERS, SCALES, AttnormError
@@ -322,6 +323,28 @@ def softmax_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                      selection=key_selection(module, info, kwargs, key.shape[2]))
     out, _, _ = attend(call)
     return out.transpose(1, 2).contiguous()
+
+
+def softmax_row_statistics(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: object, scaling: float | None,
+                           kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows of the call's softmax attention as the model's own attention computes them (see
+    ``softmax_attention``): query [B, H, Lq, D], key/value [B, Hkv, Lk, D] -> (LSE [B, H, Lq], the logsumexp of each
+    row's visible scaled scores, the family's sink logit included; n [B, H, Lq], the keys each row sees, float;
+    z: the scaled scores, -inf where masked, with the sink as a last column [B, H, Lq, Lk (+1)]). Rows that see no
+    key have n = 0 (and LSE -inf). What calibration (``hf_attnorm.lab.calibration``) measures."""
+    state = module._modules.get("attnorm")
+    info = getattr(state, "module_info", None) or {}
+    call = make_call(query, key, value, _softmax_settings(), {}, attention_mask, _causal(module, kwargs), scaling,
+                     0.0, False, info, **_score_modifiers(kwargs),
+                     selection=key_selection(module, info, kwargs, key.shape[2]))
+    scores = reference_scores(call).float()  # [B, H, Lq, Lk]
+    keep = call.mask.dense(scores.device).expand_as(scores)
+    z = scores.masked_fill(~keep, float("-inf"))
+    if call.sinks is not None:  # an always-visible extra key with logit sinks[h]
+        sink = call.sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        z = torch.cat([z, sink], dim=-1)
+    return torch.logsumexp(z, dim=-1), keep.sum(-1).float(), z
 
 
 @functools.cache

@@ -194,6 +194,17 @@ def finalize_saved(model: nn.Module, save_directory: Any, kwargs: Mapping[str, A
 # ------------------------------------------------------------------------------------------------------- loading
 
 
+
+def _with_defaults(saved: dict | None) -> dict | None:
+    """Settings saved by an older version, with the options added since at their defaults (what loading them
+    resolves to), so that only a real difference counts; as saved when they no longer resolve."""
+    if not saved or "implementation" not in saved:
+        return saved
+    try:
+        return settings_core(AttnormSettings.from_dict(saved).to_dict())
+    except AttnormError:
+        return saved
+
 def verify_checkpoint(directory: str | os.PathLike, overrides: Mapping[str, Any] | None = None
                       ) -> AttnormSettings | None:
     """Check a local checkpoint folder; returns its settings (None for a plain checkpoint). Raises CheckpointError.
@@ -243,7 +254,7 @@ def verify_checkpoint(directory: str | os.PathLike, overrides: Mapping[str, Any]
             if settings is None:
                 raise CheckpointError(f"{f}: the safetensors metadata holds hf_attnorm settings "
                                       f"({saved.get('implementation')!r}) but {cfg_path} has none: the files disagree")
-            a, b = settings_core(saved), settings_core(settings.to_dict())
+            a, b = _with_defaults(settings_core(saved)), settings_core(settings.to_dict())
             if a != b:
                 diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
                 raise CheckpointError(

@@ -50,6 +50,7 @@ from ..hf.families import CAUSAL_LM, attention_modules, lm_task
 from ..hf.forward import softmax_attention
 from ..registry import NORMALIZERS, PRESETS, AttnormError, canonical, is_ours
 from ..settings import resolve_settings
+from . import calibration as calibration_lib
 from . import data as data_lib
 from .cli import int_at_least, offline_by_default, positive_float
 from .evaluation import EvaluationError, causal_lm_perplexity, spread_chunks
@@ -64,8 +65,8 @@ TRANSFER_DONE = "transfer_done"
 STAGES = ("transfer", "finetune")
 #: the default stage-2 learning rate per --finetune_mode (LoRA adapters start at zero and take a larger one)
 FINETUNE_LR = {"lora": 2e-3, "full": 5e-5}
-#: where evaluation can happen: before any training, after each stage
-EVAL_POINTS = ("swapped", *STAGES)
+#: where evaluation can happen: before any training, after calibration, after each stage
+EVAL_POINTS = ("swapped", "calibrated", *STAGES)
 #: flags that may differ between a run and its resumption
 RESUME_MAY_DIFFER = ("output_dir", "resume_from_checkpoint", "torch_threads", "overwrite_output_dir")
 
@@ -125,6 +126,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--block_size", type=int_at_least(2), default=512, help="tokens per training sequence")
     g.add_argument("--per_device_train_batch_size", type=int_at_least(1), default=1,
                    help="sequences per process per optimizer step")
+    g = p.add_argument_group("calibrated start")
+    g.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
+                   help="before training, set the new normalizer's per-head values from one pass of the original "
+                        "model over --calibration_blocks training blocks, where its file declares a formula (sigmoid "
+                        "bias, sink logit, ssmax factor; docs/convert.md); --no-calibrate starts from the options' "
+                        "values")
+    g.add_argument("--calibration_blocks", type=int_at_least(1), default=4,
+                   help="training blocks of --block_size tokens the calibration pass reads (spread over the text)")
     g = p.add_argument_group("stage 1: attention transfer")
     g.add_argument("--transfer_steps", type=int_at_least(0), default=20,
                    help="optimizer steps of attention transfer (0 = skip the stage)")
@@ -154,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated contexts at which perplexity is measured, e.g. 512,2048")
     g.add_argument("--eval_stages", type=_stage_names, default=list(EVAL_POINTS),
                    help="after which points perplexity and layer errors are measured, comma-separated among "
-                        f"{', '.join(EVAL_POINTS)} (swapped = before any training)")
+                        f"{', '.join(EVAL_POINTS)} (swapped = before any training, calibrated = after --calibrate)")
     g.add_argument("--eval_tokens", type=int_at_least(2), default=8192,
                    help="held-out tokens scored per context (chunks spread evenly over the validation text)")
     g.add_argument("--error_blocks", type=int_at_least(1), default=2,
@@ -193,6 +202,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                 args.options[key] = value
                 print(f"[convert] {impl}: --attnorm {key}={value} (starts at the model's softmax attention; give "
                       "--attnorm to choose another start)", file=sys.stderr)
+        if args.calibrate:  # per-head values the calibration needs (e.g. a learnable bias); given options win
+            needed = calibration_lib.calibration_options(resolve_settings(impl, args.options))
+            for key, value in needed.items():
+                if key not in args.options:
+                    args.options[key] = value
+                    print(f"[convert] {impl}: --attnorm {key}={value} (calibration sets it per head; give --attnorm "
+                          "or --no-calibrate to choose otherwise)", file=sys.stderr)
         args.settings = resolve_settings(impl, args.options).to_dict()
     except (TrainingError, AttnormError) as exc:
         raise ConvertError(str(exc)) from exc
@@ -323,6 +339,8 @@ class History:
     #: the process's peak resident memory (MB) during each phase: loading, each evaluation, each stage
     peak_rss_mb: dict[str, float] = dataclasses.field(default_factory=dict)
     trained: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    #: what the calibrated start set (``hf_attnorm.lab.calibration.calibrate``'s report), or why nothing
+    calibration: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _reset_peak_rss() -> None:
@@ -483,9 +501,10 @@ class Converter:
             self.history.layer_errors[name] = self.layer_errors()
             self.history.peak_rss_mb[f"evaluation {name}"] = _peak_rss_mb()
             mean_error = {k: statistics.fmean(v) for k, v in self.history.layer_errors.items()}
-            if name == "transfer" and "swapped" in mean_error and mean_error["transfer"] > mean_error["swapped"]:
+            start = next((k for k in ("calibrated", "swapped") if k in mean_error), None)  # where stage 1 began
+            if name == "transfer" and start is not None and mean_error["transfer"] > mean_error[start]:
                 warnings.warn(f"stage 1 raised the held-out per-layer error of {self.args.attn_implementation} from "
-                              f"{mean_error['swapped']:.4g} to {mean_error['transfer']:.4g}: the learning rate "
+                              f"{mean_error[start]:.4g} ({start}) to {mean_error['transfer']:.4g}: the learning rate "
                               "overshoots a normalizer this close to softmax; lower --transfer_learning_rate or skip "
                               "the stage (--transfer_steps 0)", stacklevel=2)
             shown = ", ".join(f"{k} tokens {v:.2f}" for k, v in ppl.items())
@@ -514,6 +533,22 @@ class Converter:
                 decoder_of(self.model)(input_ids=ids[None].to(self.accelerator.device), use_cache=False)
                 out.append(list(transfer.teacher))
         return out
+
+    def calibrate(self) -> None:
+        """The calibrated start (``--calibrate``): per-head values from one pass of the original model over
+        --calibration_blocks training blocks spread over the text; recorded in the history."""
+        a = self.args
+        if not a.calibrate:
+            self.history.calibration = {"calibrated": False, "notes": {"--no-calibrate": "calibration off"}}
+            return
+        rows = torch.linspace(0, len(self.train_blocks) - 1, min(a.calibration_blocks, len(self.train_blocks)))
+        try:
+            report = calibration_lib.calibrate(self.model, self.train_blocks[rows.round().long()])
+        except (AttnormError, ValueError) as exc:
+            raise ConvertError(f"calibration: {exc}") from exc
+        self.history.calibration = report
+        if self.main:
+            print(f"[convert] {a.attn_implementation}: {calibration_lib.describe(report)}", file=sys.stderr)
 
     # ---------------------------------------------------------------- stages
     def _wrap(self, stage: str) -> bool:
@@ -685,12 +720,16 @@ class Converter:
                   file=sys.stderr)
         h = self.history
         h.peak_rss_mb.setdefault("load", _peak_rss_mb())
+        self.evaluate("swapped")
+        # a resume repeats the calibration (deterministic); the trained values loaded below then replace it
+        self.calibrate()
+        if h.calibration.get("calibrated"):
+            self.evaluate("calibrated")
         # rebuild what finished stages made (their trained tensors, merged again)
         if h.stage in ("finetune", "done") and a.transfer_steps:
             self._rebuild("transfer", self.out / CHECKPOINTS / TRANSFER_DONE)
         if h.stage == "done" and a.finetune_steps:
             self._rebuild("finetune", resume)
-        self.evaluate("swapped")
         if h.stage == "transfer":
             if a.transfer_steps:
                 self.run_stage("transfer", resume if resume_stage == "transfer" else None)
@@ -720,6 +759,8 @@ class Converter:
             "seed": a.seed, "stages": stages, "steps": {"transfer": a.transfer_steps, "finetune": a.finetune_steps},
             "tokens_per_step": tokens, "finetune_mode": a.finetune_mode, "perplexity": h.perplexity,
             "layer_errors": h.layer_errors, "losses": h.losses,
+            "calibration": {**h.calibration, "perplexity": {k: h.perplexity[k] for k in ("swapped", "calibrated")
+                                                            if k in h.perplexity}},
             "seconds": {k: round(v, 2) for k, v in h.seconds.items()},
             "peak_rss_mb": h.peak_rss_mb, "trained": h.trained, "processes": self.accelerator.num_processes,
             "torch_threads": torch.get_num_threads(), "args": recorded_args(a),

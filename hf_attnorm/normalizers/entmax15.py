@@ -60,6 +60,7 @@ class Entmax15(Normalizer):
     description = "entmax-1.5: [s_i/2 - tau]_+^2, sparse (exact zeros)"
     row_sum = "one"
     sparse = True
+    calibration_note = "no per-head temperature exists (alpha is fixed at 1.5): not calibrated"
 
     def reference(self, scores: torch.Tensor, keep: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         return entmax15(scores, keep)

@@ -117,6 +117,8 @@ class EntmaxAlpha(Normalizer):
     options = (ENTMAX_ALPHA, ENTMAX_ALPHA_LEARNABLE)
     params = (ParamSpec("entmax_alpha", ENTMAX_ALPHA, ENTMAX_ALPHA_LEARNABLE,
                         "per-head alpha of alpha-entmax (used clamped to >= 1.001)"),)
+    calibration_note = ("no per-head temperature; alpha -> 1 is softmax, a start chosen with --attnorm "
+                        "entmax_alpha=1.001 rather than from the teacher: not calibrated")
 
     def alpha(self, ctx: Ctx, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """alpha_h [H] in ``dtype``, clamped to >= ALPHA_MIN (a learned value may drift below 1)."""

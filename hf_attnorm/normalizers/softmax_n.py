@@ -29,6 +29,9 @@ class SoftmaxN(Normalizer):
     options = (N_EXTRA,)
     kernel_family = "softmax"
     presets = {"softmax1": ("softmax_1, 'attention is off by one': exp(s_i)/(1 + sum exp(s_j))", {"n_extra": 1.0})}
+    calibration_note = ("no per-head value to set: the swap is the start, off softmax by the share n_extra / "
+                        "(n_extra + e^LSE) the phantom key takes (for softmax1 the teacher's statistics give its "
+                        "mean, zero_logit_mass)")
 
     def sink_logit(self, ctx: Ctx, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
         n_extra = ctx.settings.n_extra

@@ -94,6 +94,8 @@ class StickBreaking(Normalizer):
     key_order = True
     key_order_note = ("here every query breaks the stick from the last visible key of the sequence backwards (right "
                       "to left), which is not position-invariant")
+    calibration_note = ("no per-head offset exists to initialise from the teacher (the exact break logits z_ik - "
+                        "log(e^z_ii + sum_{m<k} e^z_im) depend on the row): not calibrated")
 
     def reference(self, scores: torch.Tensor, keep: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         s = ctx.settings

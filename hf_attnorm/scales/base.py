@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import torch
 
-from ..normalizers.base import ContinuousBatching, Ctx, ParamSpec
+from ..normalizers.base import NO_CALIBRATION, Calibration, ContinuousBatching, Ctx, ParamSpec, TeacherStats
 from ..settings import AttnormSettings
 
 
@@ -29,6 +29,16 @@ class Scale:
     continuous_batching: ClassVar[ContinuousBatching] = "packed"
     #: why it is refused there, or what differs there
     continuous_batching_note: ClassVar[str] = ""
+
+    #: option values a calibrated conversion start needs (see ``Normalizer.calibration_options``)
+    calibration_options: ClassVar[dict] = {}
+    #: why ``calibrate`` gives nothing for this scale (reported when the scale has per-head values)
+    calibration_note: ClassVar[str] = NO_CALIBRATION
+
+    def calibrate(self, stats: TeacherStats, settings: AttnormSettings) -> Calibration | None:
+        """Per-head values of this scale for one layer from the teacher's statistics, or None (see
+        ``Normalizer.calibrate``)."""
+        return None
 
     def validate(self, settings: AttnormSettings) -> None:
         """Cross-option checks."""

@@ -1,25 +1,61 @@
-"""ssmax: Scalable-Softmax, scaling * s_h * ln n with s_h learnable per head (Nakanishi 2025, arXiv 2501.19399)."""
+"""ssmax: Scalable-Softmax, scaling * (s_h * ln n + b_h) with s_h learnable per head (Nakanishi 2025, arXiv
+2501.19399). b_h is the paper's bias variant ("SSMax with bias", s log n + b, per layer and head): 0 and constant by
+default (the plain s_h * ln n); ``ssmax_bias_learnable=true`` makes it a per-head value, which admits the exact
+conversion start s_h = 0, b_h = 1 (softmax) and the anchored form 1 + s_h (ln n - ln L) (b_h = 1 - s_h ln L)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ..normalizers.base import Ctx, ParamSpec
+from ..normalizers.base import Calibration, Ctx, ParamSpec, TeacherStats
 from ..registry import register_scale
-from ..settings import declare_option
+from ..settings import AttnormSettings, declare_option
 from .base import Scale
 
-SSMAX_S = declare_option("ssmax_s", float, 1.0, "ssmax: initial per-head factor s_h in s_h * ln n")
+SSMAX_S = declare_option("ssmax_s", float, 1.0, "ssmax: initial per-head factor s_h in s_h * ln n + b_h")
 SSMAX_LEARNABLE = declare_option("ssmax_learnable", bool, True, "ssmax: learn s_h per head (else a constant)")
+SSMAX_BIAS = declare_option("ssmax_bias", float, 0.0,
+                            "ssmax: initial per-head bias b_h in s_h * ln n + b_h (the paper's bias variant; "
+                            "0 = plain SSMax)")
+SSMAX_BIAS_LEARNABLE = declare_option("ssmax_bias_learnable", bool, False,
+                                      "ssmax: learn b_h per head (the paper's bias variant; else the constant "
+                                      "ssmax_bias)")
 
 
 @register_scale
 class SSMax(Scale):
     name = "ssmax"
     paper = "Nakanishi 2025, Scalable-Softmax Is Superior for Attention, https://arxiv.org/abs/2501.19399"
-    description = "scaling * s_h * ln n, s_h per head (learnable)"
-    options = (SSMAX_S, SSMAX_LEARNABLE)
-    params = (ParamSpec("ssmax_s", SSMAX_S, SSMAX_LEARNABLE, "per-head SSMax factor s_h"),)
+    description = "scaling * (s_h * ln n + b_h), s_h per head (learnable), b_h = 0 unless the bias variant is on"
+    options = (SSMAX_S, SSMAX_LEARNABLE, SSMAX_BIAS, SSMAX_BIAS_LEARNABLE)
+    params = (ParamSpec("ssmax_s", SSMAX_S, SSMAX_LEARNABLE, "per-head SSMax factor s_h"),
+              ParamSpec("ssmax_bias", SSMAX_BIAS, SSMAX_BIAS_LEARNABLE, "per-head SSMax bias b_h"))
 
     def multiplier(self, n: torch.Tensor, ctx: Ctx) -> torch.Tensor | None:
-        return ctx.heads["ssmax_s"].to(n.dtype).view(1, -1, 1) * torch.log(n)
+        out = ctx.heads["ssmax_s"].to(n.dtype).view(1, -1, 1) * torch.log(n)
+        if ctx.settings.ssmax_bias_learnable or ctx.settings.ssmax_bias != 0:  # (static: plain SSMax adds nothing)
+            out = out + ctx.heads["ssmax_bias"].to(n.dtype).view(1, -1, 1)
+        return out
+
+    def calibrate(self, stats: TeacherStats, settings: AttnormSettings) -> Calibration:
+        """With a learnable bias: s_h = 0, b_h = 1, softmax exactly. Without: the multiplier s_h ln n is 1
+        (softmax) only on rows of n = e^(1/s_h) keys, so s_h is fitted to the teacher: s_h = sum V_i ln n_i /
+        sum V_i (ln n_i)^2 minimises sum_i V_i (s_h ln n_i - 1)^2, the second-order KL of every row's softmax against
+        its ssmax (V_i = the row's score variance, ``TeacherStats.weighted_ln_n``); 1/ln L (exact on rows of L keys)
+        for a head whose rows are all flat."""
+        heads = stats.lse_min.shape[0]
+        if settings.ssmax_bias_learnable:
+            return Calibration({"ssmax_s": torch.zeros(heads), "ssmax_bias": torch.ones(heads)},
+                               "s_h = 0, b_h = 1: softmax exactly on every row (training moves s_h from 0)")
+        if stats.max_n < 2:
+            return Calibration({}, f"rows of {stats.max_n} key: ln n = 0, no s_h reproduces softmax")
+        fallback = 1.0 / math.log(stats.max_n)
+        fitted = stats.weighted_ln_n.float() / stats.weighted_ln2_n.float()
+        s = torch.where(stats.weighted_ln2_n > 0, fitted, torch.full((heads,), fallback))
+        return Calibration({"ssmax_s": s},
+                           "s_h = sum V ln n / sum V (ln n)^2 (V = a row's score variance under softmax): the "
+                           "multiplier s_h ln n is 1 only on rows of e^(1/s_h) keys, shorter rows flatter, longer "
+                           f"sharper (1/ln L = {fallback:.4f} would be exact on rows of L = {stats.max_n}; exact "
+                           "everywhere: --attnorm ssmax_bias_learnable=true)")
