@@ -325,6 +325,11 @@ def test_save_reload_exact(family, tmp_path):
     for n, p in back.named_parameters():
         if ".attnorm." in n:
             assert torch.equal(p, a[n]), n
+    # loaded tensors sit at the file's offsets (safetensors: not 64-byte aligned), where vectorised kernels can sum in
+    # another order (MiniMax M3's experts: 1 ulp); the values are what is checked, so they run from fresh memory
+    with torch.no_grad():
+        for t in [*back.parameters(), *back.buffers()]:
+            t.data = t.data.clone()
     err = (_run(back, x) - ref).abs().max().item()
     _record(family, "save/reload (max |diff|)", err)
     assert err == 0

@@ -165,8 +165,8 @@ def test_packed_block_diagonal_mask(path, monkeypatch):
     """Sequences packed one after another under a block-diagonal causal mask (continuous batching's layout: a chunk
     after its prefix, decode rows, a prefill): most key tiles are hidden from a whole query block, and the C++ kernel
     skips them; forward and gradients equal the reference."""
-    from hf_attnorm.kernels import stickbreaking as scan_mod
     from hf_attnorm.kernels.stickbreaking import cpu as cpu_mod
+    from hf_attnorm.kernels.stickbreaking import scan as scan_mod
 
     monkeypatch.setattr(scan_mod, "BLOCK_OVERRIDE", (8, 16))
     monkeypatch.setattr(cpu_mod, "BLOCK_OVERRIDE", (8, 16))

@@ -34,10 +34,9 @@ class SSMax(Scale):
               ParamSpec("ssmax_bias", SSMAX_BIAS, SSMAX_BIAS_LEARNABLE, "per-head SSMax bias b_h"))
 
     def multiplier(self, n: torch.Tensor, ctx: Ctx) -> torch.Tensor | None:
-        out = ctx.heads["ssmax_s"].to(n.dtype).view(1, -1, 1) * torch.log(n)
-        if ctx.settings.ssmax_bias_learnable or ctx.settings.ssmax_bias != 0:  # (static: plain SSMax adds nothing)
-            out = out + ctx.heads["ssmax_bias"].to(n.dtype).view(1, -1, 1)
-        return out
+        # (b_h always joins the graph, 0 in plain SSMax: a per-head value handed in is one the call uses)
+        return (ctx.heads["ssmax_s"].to(n.dtype).view(1, -1, 1) * torch.log(n)
+                + ctx.heads["ssmax_bias"].to(n.dtype).view(1, -1, 1))
 
     def calibrate(self, stats: TeacherStats, settings: AttnormSettings) -> Calibration:
         """With a learnable bias: s_h = 0, b_h = 1, softmax exactly. Without: the multiplier s_h ln n is 1
