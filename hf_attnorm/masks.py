@@ -273,16 +273,22 @@ def _build(attention_mask: torch.Tensor, batch: int, heads: int, lq: int, lk: in
             f"attention mask of shape {list(attention_mask.shape)} does not fit queries [B={batch}, H={heads}, "
             f"Lq={lq}] and {lk} keys; expected [B or 1, 1 or H, Lq or 1, Lk]"
         )
-    keep = keep.to(device)
-    count = keep.sum(dim=-1, dtype=torch.int32).to(torch.float32)
-    if count.shape[-1] != lq:
-        count = count.expand(*count.shape[:-1], lq)
-    has_keys = count > 0
     if padding is not None and padding[2]:
         # causal x padding: a query whose own key is padded can still see earlier keys; rows with none are dead
         padding = (padding[0], None, True, 0)
+    return _from_keep(keep.to(device), causal, lq, lk, padding)
+
+
+def _from_keep(keep: torch.Tensor, causal: bool, lq: int, lk: int, padding: tuple | None = None,
+               selected: bool = False) -> MaskInfo:
+    """The MaskInfo of a dense keep-mask [B or 1, 1 or H, Lq or 1, Lk]: n, has_keys and dead counted from it."""
+    b = keep.shape[0]
+    count = keep.sum(dim=-1, dtype=torch.int32).to(torch.float32)
+    if count.shape[-1] != lq:
+        count = count.expand(*count.shape[:-1], lq)
     dead = (~keep.any(dim=2).any(dim=1)).view(b, 1, lk, 1)
-    return MaskInfo(keep, causal, count.clamp_min(1), has_keys, lq, lk, dead, padding, padding is not None)
+    return MaskInfo(keep, causal, count.clamp_min(1), count > 0, lq, lk, dead, padding, padding is not None,
+                    selected=selected)
 
 
 _INDEX_MESSAGE = "selection indices must lie in [-1, {n}) (-1: an unused slot); these hold other values"
@@ -322,10 +328,4 @@ def select_keys(info: MaskInfo, selection: torch.Tensor) -> MaskInfo:
             or selection.shape[2] not in (1, info.lq):
         raise MaskError(f"a key selection must be bool [B, 1 or H, Lq={info.lq} or 1, Lk={info.lk}], got "
                         f"{selection.dtype} of shape {list(selection.shape)}")
-    keep = info.dense(selection.device) & selection
-    b, h, lq, lk = keep.shape
-    count = keep.sum(dim=-1, dtype=torch.int32).to(torch.float32)
-    if count.shape[-1] != info.lq:
-        count = count.expand(*count.shape[:-1], info.lq)
-    dead = (~keep.any(dim=2).any(dim=1)).view(b, 1, lk, 1)
-    return MaskInfo(keep, info.causal, count.clamp_min(1), count > 0, info.lq, info.lk, dead, selected=True)
+    return _from_keep(info.dense(selection.device) & selection, info.causal, info.lq, info.lk, selected=True)
