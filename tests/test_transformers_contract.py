@@ -383,6 +383,7 @@ def test_transformers_cli_app_has_serve_with_the_options_the_serve_command_reads
     model is its first parameter (positional), ``--attn-implementation`` takes a value, ``--continuous-batching`` /
     ``--no-continuous-batching`` is a switch, and the hidden ``--non-blocking`` starts uvicorn in ``self._thread``
     and returns the ``Serve`` object, whose ``kill_server`` stops the generation managers and the model."""
+    _serving()  # (before 5.17 the command refuses, naming what is missing: its own test checks that)
     from transformers.cli import serve as cli_serve
     from transformers.cli.transformers import app
 
@@ -466,9 +467,12 @@ def test_each_selecting_family_passes_its_indexers_keys_as_hf_attnorm_reads_them
     [B, Hkv, Lq, k] key blocks of ``indexer.block_size`` keys, -1 in unused slots, which the indexer's
     ``build_block_mask`` expands (per key/value head, to the query heads of its group) for eager/sdpa."""
     import importlib
+    import importlib.util
 
     from hf_attnorm.hf.families import SELECTION_KEYWORDS, interface_keywords, unread_selections
 
+    if importlib.util.find_spec(f"transformers.models.{folder}") is None:  # a family newer than this transformers
+        pytest.skip(f"transformers {VERSION} does not ship {folder}")
     mod = importlib.import_module(f"transformers.models.{folder}.modeling_{folder}")
     cls = getattr(mod, cls_name, None)
     assert cls is not None, broken(f"{folder} has no {cls_name}", f"{keyword!r} of {folder} (key selections)")

@@ -64,9 +64,9 @@ class KeySelection:
     #: dotted attribute of the attention module holding the block size when the indices name blocks of keys (read
     #: when the implementation is set); None: they name keys
     block_attr: str | None
-    #: source fragments of the module's forward by which it folds the keyword into the eager/sdpa mask in the way
-    #: ``selected_keys`` reads it; a module passing the keyword without them is refused at load (its keyword may
-    #: mean something else)
+    #: source fragments of the module's forward, any one of which shows it folding the keyword into the eager/sdpa
+    #: mask in the way ``selected_keys`` reads it; a module passing the keyword with none of them is refused at load
+    #: (its keyword may mean something else)
     markers: tuple[str, ...]
 
 
@@ -76,7 +76,8 @@ SELECTION_KEYWORDS: dict[str, KeySelection] = {
         "per query, the top-k key positions [B, Lq, k] of a DeepSeek-V3.2-style indexer (DSA: deepseek_v32, "
         "glm_moe_dsa, hy_v4, axk2, dots3_note, mistral_large4); eager/sdpa scatter them into a keep-mask over the "
         "call's keys",
-        None, (".scatter(-1, topk_indices.long(), False)",)),
+        None, (".scatter(-1, topk_indices.long(), False)",  # a keep-mask (current releases)
+               ".scatter_(-1, topk_indices, 0.0)")),  # an additive mask, in every path's mask too (5.4)
     "block_indices": KeySelection(
         "per query and key/value head, the selected key blocks [B, Hkv, Lq, k], -1 in unused slots (MiniMax M3); "
         "eager/sdpa expand them with the indexer's build_block_mask, block b covering keys b * block_size ...",
@@ -199,7 +200,7 @@ def unread_selections(module: nn.Module) -> list[str]:
     return [f"{k!r} (hf_attnorm reads it as {SELECTION_KEYWORDS[k].meaning}, but {type(module).__name__}.forward "
             f"does not fold it into its eager/sdpa mask that way: none of {list(SELECTION_KEYWORDS[k].markers)})"
             for k in sorted(interface_keywords(type(module)) & SELECTION_KEYWORDS.keys())
-            if not all(m in src for m in SELECTION_KEYWORDS[k].markers)]
+            if not any(m in src for m in SELECTION_KEYWORDS[k].markers)]
 
 
 def module_selections(module: nn.Module) -> dict[str, int | None]:
