@@ -45,7 +45,8 @@ def _weights_requested(kwargs: Mapping[str, Any]) -> bool:
 @dataclasses.dataclass(eq=False)  # (records are removed by identity)
 class PathRecord:
     """What the most recent attention call under ``record_paths`` ran: its path and ``MaskInfo.kind`` ("given",
-    "causal" or "none"); ``paths``: every call's path, in order (one per sequence of a call split per sequence)."""
+    "causal" or "none"); ``paths``: every call's path, in order (one per sequence of a call split per sequence),
+    eager calls only (in a compiled graph ``path`` and ``mask`` are written, which Dynamo does without a guard)."""
 
     path: str = ""
     mask: str = ""
@@ -173,7 +174,8 @@ def _compute(module: nn.Module, state: Any, query: torch.Tensor, key: torch.Tens
     if _RECORDS:  # (nothing to do unless record_paths is active)
         for record in _RECORDS:
             record.path, record.mask = path, call.mask.kind
-            record.paths.append(path)
+            if not torch.compiler.is_compiling():  # (a traced append guards on the list's length: a recompile a call)
+                record.paths.append(path)
     return out, weights
 
 
