@@ -51,7 +51,7 @@ class PathRecord:
     path: str = ""
     mask: str = ""
     paths: list[str] = dataclasses.field(default_factory=list)
-    #: how many calls came packed from transformers' continuous batching (``generate_batch``)
+    #: how many eager calls came packed from transformers' continuous batching (``generate_batch``)
     packed: int = 0
 
 
@@ -264,7 +264,7 @@ def _attend_packed(module: nn.Module, state: Any, query: torch.Tensor, key: torc
         out, _ = _compute(module, state, query, key, value, attention_mask, causal, scaling, dropout, kwargs, [])
     else:
         out = _per_sequence(module, state, query, key, value, attention_mask, causal, scaling, dropout, kwargs)
-    if _RECORDS:
+    if _RECORDS and not torch.compiler.is_compiling():  # (traced, the count guards on its value: a recompile a call)
         for record in _RECORDS:
             record.packed += 1
     return _to_model_layout(out), None
