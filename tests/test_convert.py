@@ -102,14 +102,39 @@ def test_a_softmax_target_has_zero_error(source, tmp_path):
     assert max(s["layer_errors"]["swapped"]) < 1e-10, s["layer_errors"]
 
 
+#: a learning rate far too large for softmax1 (close to softmax): stage 1 makes the held-out error worse
+OVERSHOOT = ("--transfer_steps", "3", "--finetune_steps", "0", "--transfer_learning_rate", "3", "--max_grad_norm", "0",
+             "--no_save_model", "--transfer_skip_error", "0")
+
+
 def test_a_stage_1_that_raises_the_error_says_so(source, tmp_path):
-    """A learning rate far too large for the normalizer makes stage 1 worse than the swap: the run warns, naming
-    the flag to change."""
+    """Without --transfer_keep_best, a stage 1 worse than the swap warns, naming the flag to change."""
     with pytest.warns(UserWarning, match="stage 1 raised the held-out per-layer error of softmax1 from .* lower "
                                          "--transfer_learning_rate"):
-        s = convert.run(_args(source, tmp_path / "o", "softmax1", "--transfer_steps", "3", "--finetune_steps", "0",
-                              "--transfer_learning_rate", "3", "--max_grad_norm", "0", "--no_save_model"))
+        s = convert.run(_args(source, tmp_path / "o", "softmax1", *OVERSHOOT, "--no-transfer_keep_best"))
     assert _mean(s["layer_errors"]["transfer"]) > _mean(s["layer_errors"]["swapped"])
+    assert s["transfer_check"] == {}  # (neither kept nor skipped: nothing measured)
+
+
+def test_stage_1_ends_at_its_best_held_out_state(source, tmp_path, capsys):
+    """The same overshooting run with --transfer_keep_best (the default): every step measured, and the stage ends
+    at the best state seen (here the start: LoRA at zero, the swapped model), so the error after stage 1 is the
+    start's, not the worse one of its last step."""
+    s = convert.run(_args(source, tmp_path / "o", "softmax1", *OVERSHOOT, "--transfer_eval_steps", "1"))
+    check = s["transfer_check"]
+    start, after = _mean(s["layer_errors"]["swapped"]), _mean(s["layer_errors"]["transfer"])
+    assert check["start"] == round(start, 6) and [m[0] for m in check["measured"]] == [1, 2, 3]
+    assert all(e > check["start"] for _, e in check["measured"])  # the overshoot, as without keep-best
+    assert check["best_step"] == 0 and check["best"] == check["start"]
+    assert after == pytest.approx(start, rel=1e-4, abs=1e-9), (start, after)
+    assert "stage 1 ends at its best held-out state, step 0" in capsys.readouterr().err
+
+
+def test_stage_1_is_skipped_when_the_start_is_within_tolerance(source, tmp_path):
+    s = convert.run(_args(source, tmp_path / "o", "softmax1", *OVERSHOOT[:-2], "--transfer_skip_error", "1"))
+    assert "within --transfer_skip_error 1.0" in s["transfer_check"]["skipped"]
+    assert s["stages"] == [] and s["losses"]["transfer"] == [] and "transfer" not in s["layer_errors"]
+    assert "transfer" not in s["trained"]
 
 
 # ------------------------------------------------------------------------------------------------ stage 1
@@ -127,6 +152,7 @@ def _lowers(source: Path, out: Path, implementation: str) -> dict:
     lr = "1e-2" if before > 0.05 else "1e-3"
     s = convert.run(_args(source, out / "run", implementation, "--transfer_steps", "12", "--finetune_steps", "0",
                           "--no_save_model", "--checkpointing_steps", "0", "--transfer_learning_rate", lr,
+                          "--transfer_skip_error", "0",
                           "--eval_stages", "swapped,transfer"))
     after = _mean(s["layer_errors"]["transfer"])
     assert _mean(s["layer_errors"]["swapped"]) == before
@@ -148,7 +174,7 @@ def test_attention_transfer_lowers_the_per_layer_error_of_every_normalizer(sourc
 
 def test_transfer_without_lora_trains_only_the_learnable_values(source, tmp_path):
     s = convert.run(_args(source, tmp_path / "o", "ssmax", "--transfer_steps", "12", "--transfer_lora_r", "0",
-                          "--finetune_steps", "0", "--no_save_model"))
+                          "--finetune_steps", "0", "--no_save_model", "--transfer_skip_error", "0"))
     heads = 4 * 2  # micro Llama: 4 heads x 2 layers, one ssmax_s per head
     assert s["trained"]["transfer"] == {"tensors": 2, "parameters": heads, "lora": False}
     assert _mean(s["layer_errors"]["transfer"]) < _mean(s["layer_errors"]["swapped"])

@@ -67,3 +67,14 @@ def positive_float(text: str) -> float:
     if not value > 0 or not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
     return value
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}") from None
+    if not value >= 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value

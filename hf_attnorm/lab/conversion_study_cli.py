@@ -79,7 +79,7 @@ def _one(out: Path, impl: str, kind: str, seed: int, a: argparse.Namespace, step
             str(a.eval_tokens), "--eval_lengths", ",".join(map(str, a.eval_lengths)), "--eval_stages",
             ",".join(points),
             "--output_dir", str(folder), "--no_save_model", "--checkpointing_steps", "0", "--overwrite_output_dir",
-            "--no-calibrate"]  # (the published study's runs start from the options' values)
+            "--no-calibrate", "--no-transfer_keep_best", "--transfer_skip_error", "0"]  # (as the published study ran)
     summary = convert.run(argv)  # writes <folder>/conversion.json with its command, seconds and load
     # a finished run is cached by its conversion.json; its resumable checkpoints (megabytes) are not needed again
     shutil.rmtree(folder / "checkpoints", ignore_errors=True)

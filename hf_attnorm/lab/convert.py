@@ -52,7 +52,7 @@ from ..registry import NORMALIZERS, PRESETS, AttnormError, canonical, is_ours
 from ..settings import resolve_settings
 from . import calibration as calibration_lib
 from . import data as data_lib
-from .cli import int_at_least, offline_by_default, positive_float
+from .cli import int_at_least, non_negative_float, offline_by_default, positive_float
 from .evaluation import EvaluationError, causal_lm_perplexity, spread_chunks
 from .training.args import TrainingError, parse_attnorm_options
 from .training.setup import resolve_model_path
@@ -62,6 +62,8 @@ ARGS_FILE = "conversion_args.json"
 CHECKPOINTS = "checkpoints"
 #: the stage-1 result kept for a resume inside stage 2 (never rotated)
 TRANSFER_DONE = "transfer_done"
+#: stage 1's trained tensors at its best held-out point so far (never rotated; --transfer_keep_best)
+TRANSFER_BEST = "transfer_best"
 STAGES = ("transfer", "finetune")
 #: the default stage-2 learning rate per --finetune_mode (LoRA adapters start at zero and take a larger one)
 FINETUNE_LR = {"lora": 2e-3, "full": 5e-5}
@@ -144,6 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "values)")
     g.add_argument("--transfer_lora_targets", type=_names, default=["q_proj", "k_proj"],
                    help="comma-separated module names that get LoRA in stage 1")
+    g.add_argument("--transfer_keep_best", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure the held-out per-layer error (the --error_blocks) every --transfer_eval_steps "
+                        "steps and at the end of stage 1, and end the stage at the best state seen, its start "
+                        "included: stage 1 cannot leave the model worse on that measure than it found it")
+    g.add_argument("--transfer_eval_steps", type=int_at_least(1), default=5,
+                   help="steps between two held-out error measurements of --transfer_keep_best")
+    g.add_argument("--transfer_skip_error", type=non_negative_float, default=0.002,
+                   help="skip stage 1 when the mean held-out per-layer error of the start (swapped or calibrated) "
+                        "is at most this (0 = never skip; softmax1 starts at about 0.0014 on SmolLM2)")
     g = p.add_argument_group("stage 2: fine-tuning")
     g.add_argument("--finetune_steps", type=int_at_least(0), default=20,
                    help="optimizer steps of next-token fine-tuning (0 = skip the stage)")
@@ -341,6 +352,9 @@ class History:
     trained: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     #: what the calibrated start set (``hf_attnorm.lab.calibration.calibrate``'s report), or why nothing
     calibration: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: stage 1's held-out mean layer error: at its start ("start"), at each measured step ("measured": [[step,
+    #: error]]), the best ("best_step", "best"), and why the stage was skipped ("skipped"), when it was
+    transfer_check: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _reset_peak_rss() -> None:
@@ -511,18 +525,42 @@ class Converter:
             print(f"[convert] {name}: perplexity {shown}; mean layer error {mean_error[name]:.4f}", file=sys.stderr)
         self.accelerator.wait_for_everyone()
 
-    def layer_errors(self) -> list[float]:
+    def layer_errors(self, installed: Transfer | None = None) -> list[float]:
         """Relative error of each layer's attention output against the original model's, on the held-out error
-        blocks, every layer fed the original model's inputs: mean over blocks, one value per layer."""
+        blocks, every layer fed the original model's inputs: mean over blocks, one value per layer. ``installed``:
+        the observer already on the model (stage 1's), used as it is; else one is put on for the measurement."""
         was_training = self.model.training
         self.model.eval()
         try:
-            with observing(self.model, Transfer()) as transfer, torch.no_grad():
+            with (contextlib.nullcontext(installed) if installed is not None
+                  else observing(self.model, Transfer())) as transfer, torch.no_grad():
                 per_block = [transfer_errors(self.model, transfer, ids[None].to(self.accelerator.device), False,
                                              teacher=self._reference[i]) for i, ids in enumerate(self.error_ids)]
         finally:
             self.model.train(was_training)
         return [round(float(v), 6) for v in torch.stack(per_block).mean(0)]
+
+    def _held_out_error(self, installed: Transfer | None = None) -> float:
+        """The mean of ``layer_errors`` (computed on every process alike: each holds the error blocks and their
+        recorded teacher outputs, so all take the same keep-best decisions without a broadcast)."""
+        return round(statistics.fmean(self.layer_errors(installed)), 6)
+
+    def _save_best(self, params: dict[str, nn.Parameter]) -> None:
+        if self.main:
+            folder = self.out / CHECKPOINTS / TRANSFER_BEST
+            folder.mkdir(parents=True, exist_ok=True)
+            save_file({n: p.detach().cpu().contiguous() for n, p in params.items()}, str(folder / ".tmp"))
+            os.replace(folder / ".tmp", folder / "trainable.safetensors")
+        self.accelerator.wait_for_everyone()
+
+    def _check_transfer(self, params: dict[str, nn.Parameter], transfer: Transfer) -> None:
+        """--transfer_keep_best at this step: measure, and keep the trained tensors when they are the best yet."""
+        check = self.history.transfer_check
+        error = self._held_out_error(transfer)
+        check["measured"].append([self.history.step, error])
+        if error < check["best"]:
+            check["best"], check["best_step"] = error, self.history.step
+            self._save_best(params)
 
     def _record_reference(self) -> list[list[torch.Tensor]]:
         """The original model's attention outputs on the error blocks (recorded before any training)."""
@@ -612,6 +650,10 @@ class Converter:
         if resume is not None:
             self._load_trainable(resume, params)
             optimizer.load_state_dict(torch.load(resume / "optimizer.pt", map_location=acc.device))
+        keep_best = stage == "transfer" and a.transfer_keep_best
+        if keep_best and resume is None:  # the start is the first candidate (LoRA at zero: the start's model)
+            h.transfer_check.update(measured=[], best=h.transfer_check["start"], best_step=0)
+            self._save_best(params)
         self.model.train()
         _reset_peak_rss()
         start = time.perf_counter()
@@ -642,10 +684,18 @@ class Converter:
                 h.losses[stage].append([h.step, round(value, 6)])
                 bar.update(1)
                 bar.set_postfix(loss=f"{value:.4f}")
+                if keep_best and (h.step % a.transfer_eval_steps == 0 or h.step == total):
+                    self._check_transfer(params, transfer)
                 if a.checkpointing_steps and h.step % a.checkpointing_steps == 0 and h.step < total:
                     h.seconds[stage] += time.perf_counter() - start
                     start = time.perf_counter()
                     self.checkpoint(params, optimizer)
+        if keep_best and h.transfer_check["best_step"] != h.step:  # end at the best state seen
+            self._load_trainable(self.out / CHECKPOINTS / TRANSFER_BEST, params)
+            if self.main:
+                print(f"[convert] stage 1 ends at its best held-out state, step {h.transfer_check['best_step']} "
+                      f"(mean layer error {h.transfer_check['best']:.4g}; the last step's "
+                      f"{h.transfer_check['measured'][-1][1]:.4g})", file=sys.stderr)
         h.seconds[stage] += time.perf_counter() - start
         h.peak_rss_mb[stage] = max(h.peak_rss_mb.get(stage, 0.0), _peak_rss_mb())
         self.checkpoint(params, optimizer, stage_done=True)
@@ -674,7 +724,7 @@ class Converter:
             shutil.rmtree(root / name, ignore_errors=True)
             tmp.rename(root / name)
             for old in root.iterdir():  # only the newest is kept (and the stage-1 result)
-                if old.name not in (name, TRANSFER_DONE):
+                if old.name not in (name, TRANSFER_DONE, TRANSFER_BEST):
                     shutil.rmtree(old, ignore_errors=True)
         acc.wait_for_everyone()
 
@@ -726,12 +776,19 @@ class Converter:
         if h.calibration.get("calibrated"):
             self.evaluate("calibrated")
         # rebuild what finished stages made (their trained tensors, merged again)
-        if h.stage in ("finetune", "done") and a.transfer_steps:
+        if h.stage in ("finetune", "done") and a.transfer_steps and "skipped" not in h.transfer_check:
             self._rebuild("transfer", self.out / CHECKPOINTS / TRANSFER_DONE)
         if h.stage == "done" and a.finetune_steps:
             self._rebuild("finetune", resume)
         if h.stage == "transfer":
-            if a.transfer_steps:
+            if a.transfer_steps and resume_stage != "transfer" and (a.transfer_keep_best or a.transfer_skip_error):
+                h.transfer_check = {"start": self._held_out_error()}
+                if h.transfer_check["start"] <= a.transfer_skip_error:
+                    h.transfer_check["skipped"] = (f"the start's mean held-out layer error {h.transfer_check['start']}"
+                                                   f" is within --transfer_skip_error {a.transfer_skip_error}")
+                    if self.main:
+                        print(f"[convert] stage 1 skipped: {h.transfer_check['skipped']}", file=sys.stderr)
+            if a.transfer_steps and "skipped" not in h.transfer_check:
                 self.run_stage("transfer", resume if resume_stage == "transfer" else None)
                 self.evaluate("transfer")
             h.stage, h.step = "finetune", 0
@@ -752,13 +809,14 @@ class Converter:
 
     def summary(self) -> dict[str, Any]:
         a, h = self.args, self.history
-        stages = [s for s, n in (("transfer", a.transfer_steps), ("finetune", a.finetune_steps)) if n]
+        stages = [s for s, n in (("transfer", a.transfer_steps and "skipped" not in h.transfer_check),
+                                 ("finetune", a.finetune_steps)) if n]
         tokens = a.block_size * a.per_device_train_batch_size * self.accelerator.num_processes
         return {
             "implementation": a.attn_implementation, "settings": a.settings, "model": a.model_name_or_path,
             "seed": a.seed, "stages": stages, "steps": {"transfer": a.transfer_steps, "finetune": a.finetune_steps},
             "tokens_per_step": tokens, "finetune_mode": a.finetune_mode, "perplexity": h.perplexity,
-            "layer_errors": h.layer_errors, "losses": h.losses,
+            "layer_errors": h.layer_errors, "losses": h.losses, "transfer_check": h.transfer_check,
             "calibration": {**h.calibration, "perplexity": {k: h.perplexity[k] for k in ("swapped", "calibrated")
                                                             if k in h.perplexity}},
             "seconds": {k: round(v, 2) for k, v in h.seconds.items()},
