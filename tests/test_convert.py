@@ -426,3 +426,105 @@ def test_the_study_renders_each_evaluated_context():
     assert "| `ssmax` | — | 80 [60, 100] | 40 [30, 50] | 35 [25, 45] |" in study.table(results, "2048")
     with pytest.raises(KeyError, match="no perplexity at 4096 tokens.*evaluated: \\[512, 2048\\]"):
         study.rows_at(results, 4096)
+
+
+# ------------------------------------------------------------------------------------------- --distill
+
+
+def test_the_top_k_kl_is_the_kl_of_the_coarsened_distributions():
+    """Against an independent computation: with k = V the full KL(p || q) = sum p (log p - log q); with k < V the
+    KL between p and q merged into the teacher's top-k tokens and one outcome for the rest, which is at most the full
+    KL; 0 for equal logits; float32 inside for bf16 logits."""
+    from hf_attnorm.lab.distill import teacher_top_k, top_k_kl
+
+    g = torch.Generator().manual_seed(0)
+    t, s = torch.randn(2, 5, 40, generator=g) * 3, torch.randn(2, 5, 40, generator=g) * 3
+    p, q = torch.softmax(t.double(), -1), torch.softmax(s.double(), -1)
+    full = (p * (p.log() - q.log())).sum(-1).mean()
+    torch.testing.assert_close(top_k_kl(s, teacher_top_k(t, 40)).double(), full, rtol=1e-5, atol=1e-6)
+    idx = p.topk(7, -1).indices
+    p7 = torch.cat([p.gather(-1, idx), 1 - p.gather(-1, idx).sum(-1, keepdim=True)], -1)
+    q7 = torch.cat([q.gather(-1, idx), 1 - q.gather(-1, idx).sum(-1, keepdim=True)], -1)
+    coarse = (p7 * (p7.log() - q7.log())).sum(-1).mean()
+    got = top_k_kl(s, teacher_top_k(t, 7)).double()
+    torch.testing.assert_close(got, coarse, rtol=1e-5, atol=1e-6)
+    assert 0 < got < full
+    assert top_k_kl(t.bfloat16(), teacher_top_k(t.bfloat16(), 7)).abs() < 1e-6
+    leaf = s.clone().requires_grad_(True)
+    top_k_kl(leaf, teacher_top_k(t, 40)).backward()
+    assert torch.isfinite(leaf.grad).all() and leaf.grad.abs().sum() > 0
+
+
+@pytest.fixture(scope="module")
+def sharp_source(source, tmp_path_factory) -> Path:
+    """``source`` with its output layer scaled up: a fresh init's next-token distributions are near-uniform (every
+    KL ~1e-7), a trained model's are not."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("sharp")
+    model = AutoModelForCausalLM.from_pretrained(source)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(40.0)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(source).save_pretrained(folder)
+    return folder
+
+
+def _distilled(source: Path, out: Path, implementation: str, *extra: str) -> dict:
+    return convert.run(_args(source, out, implementation, "--transfer_steps", "0", "--finetune_steps", "3",
+                             "--no_save_model", "--distill", "--distill_top_k", "16", "--eval_stages", "finetune",
+                             *extra))
+
+
+def test_the_teacher_is_the_original_model_and_softmax_starts_at_zero(sharp_source, tmp_path):
+    """The cached teacher of a symax conversion is the original (eager) model's distribution on the same batch, not
+    symax's; hf_attnorm's softmax computes what the teacher computes, so its first KL is 0. The summary records the
+    cache (3 steps x 1 block x 32 positions x 16 tokens)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_attnorm.lab.distill import teacher_top_k, top_k_kl
+
+    flags = ("--transfer_steps", "0", "--finetune_steps", "3", "--no_save_model", "--distill", "--distill_top_k",
+             "16")
+    conv = Converter(parse_args(_args(sharp_source, tmp_path / "c", "symax", *flags)))
+    teacher = conv._record_teacher()
+    ids = conv.batch("finetune", 1)
+    original = AutoModelForCausalLM.from_pretrained(sharp_source, attn_implementation="eager").eval()
+    with torch.no_grad():
+        want = teacher_top_k(original(input_ids=ids).logits, 16)
+        student = conv.model(input_ids=ids).logits
+    assert torch.equal(teacher[1].indices, want.indices)
+    torch.testing.assert_close(teacher[1].log_probs, want.log_probs, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(teacher[1].rest, want.rest, rtol=1e-4, atol=1e-4)
+    assert top_k_kl(student, teacher[1]) > 1e-7  # symax is not the teacher
+    assert conv.history.distill["cache_mb"] == round(3 * 32 * (16 * (4 + 8) + 4) / 2**20, 2)
+    same = _distilled(sharp_source, tmp_path / "softmax", "softmax")
+    assert abs(same["losses"]["finetune"][0][1]) < 1e-6, same["losses"]["finetune"]
+    new = _distilled(sharp_source, tmp_path / "symax", "symax")
+    assert new["distill"]["top_k"] == 16 and new["distill"]["weight"] == 1.0
+    plain = convert.run(_args(sharp_source, tmp_path / "plain", "symax", "--transfer_steps", "0", "--finetune_steps",
+                              "3", "--no_save_model", "--eval_stages", "finetune"))
+    mixed = _distilled(sharp_source, tmp_path / "mixed", "symax", "--distill_weight", "0.5")
+    first = [r["losses"]["finetune"][0][1] for r in (new, plain, mixed)]
+    assert first[2] == pytest.approx(0.5 * first[0] + 0.5 * first[1], rel=1e-4, abs=1e-6)
+    assert plain["distill"] == {}
+
+
+def test_a_resumed_distillation_equals_an_uninterrupted_one(source, tmp_path, monkeypatch):
+    """A resume inside stage 2 recomputes the teacher from the original weights (before rebuilding stage 1)."""
+    flags = ["--transfer_steps", "4", "--finetune_steps", "6", "--checkpointing_steps", "2", "--distill",
+             "--distill_top_k", "8", "--eval_stages", "finetune", "--no_save_model"]
+    expected = convert.run(_args(source, tmp_path / "whole", "symax", *flags))
+    original = Converter.batch
+
+    def interrupted(self, which: str, step: int):
+        if which == "finetune" and step == 5 and self.history.stage == "finetune":
+            raise _Stop
+        return original(self, which, step)
+
+    monkeypatch.setattr(Converter, "batch", interrupted)
+    with pytest.raises(_Stop):
+        convert.run(_args(source, tmp_path / "cut", "symax", *flags))
+    monkeypatch.setattr(Converter, "batch", original)
+    got = convert.run(_args(source, tmp_path / "cut", "symax", *flags, "--resume_from_checkpoint", "latest"))
+    assert got["losses"] == expected["losses"] and got["perplexity"] == expected["perplexity"]

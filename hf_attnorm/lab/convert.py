@@ -11,7 +11,8 @@ SmolLM2-135M (or any causal-LM folder), swaps its attention to an hf_attnorm imp
   Trained: the normalizer's learnable per-head values and, by default, LoRA (peft) on q/k, merged at the end of
   the stage. With LoRA, the teacher outputs of a batch are recorded in a first pass with the adapters off (the
   original q, k, v), then the student pass reads them: one model, no second copy. The LM head does not run.
-* **stage 2, fine-tuning**: next-token loss on text, LoRA (merged at the end) or the full model.
+* **stage 2, fine-tuning**: next-token loss on text, or with ``--distill`` the KL divergence to the original
+  model's distributions (``distill.py``), LoRA (merged at the end) or the full model.
 
 Output: ``<output_dir>/final`` (an ordinary hf_attnorm checkpoint: ``from_pretrained`` reloads it exactly, settings
 and learned values included) and ``<output_dir>/conversion.json`` (losses, per-layer transfer errors, perplexities
@@ -52,6 +53,7 @@ from ..registry import NORMALIZERS, PRESETS, AttnormError, canonical, is_ours
 from ..settings import resolve_settings
 from . import calibration as calibration_lib
 from . import data as data_lib
+from . import distill as distill_lib
 from .cli import int_at_least, non_negative_float, offline_by_default, positive_float
 from .evaluation import EvaluationError, causal_lm_perplexity, spread_chunks
 from .training.args import TrainingError, parse_attnorm_options
@@ -166,6 +168,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lora_r", type=int_at_least(1), default=8, help="LoRA rank of stage 2 (--finetune_mode lora)")
     g.add_argument("--finetune_lora_targets", type=_names, default=["q_proj", "k_proj", "v_proj", "o_proj"],
                    help="comma-separated module names that get LoRA in stage 2")
+    g.add_argument("--distill", action=argparse.BooleanOptionalAction, default=False,
+                   help="stage 2 trains on the KL divergence to the original model's next-token distributions "
+                        "(its top --distill_top_k tokens and the rest, per position; computed once before any "
+                        "training, no second copy of the model) instead of the next-token loss alone")
+    g.add_argument("--distill_top_k", type=int_at_least(1), default=64,
+                   help="teacher tokens kept per position for --distill (the rest of the vocabulary is one outcome)")
+    g.add_argument("--distill_weight", type=positive_float, default=1.0,
+                   help="with --distill, the loss is this times the KL plus (1 - this) times the next-token loss "
+                        "(at most 1)")
     g.add_argument("--weight_decay", type=float, default=0.0, help="AdamW weight decay (both stages)")
     g.add_argument("--max_grad_norm", type=float, default=1.0, help="gradient clipping norm (0 = none)")
     g.add_argument("--seed", type=int, default=0, help="seed of the data order and of the LoRA initialisation")
@@ -225,6 +236,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         raise ConvertError(str(exc)) from exc
     if args.validation_file and not args.train_file:
         raise ConvertError("--validation_file needs --train_file")
+    if args.distill_weight > 1:
+        raise ConvertError(f"--distill_weight must be in (0, 1], got {args.distill_weight}")
     if args.max_grad_norm < 0 or args.weight_decay < 0:
         raise ConvertError("--max_grad_norm and --weight_decay must be >= 0")
     if args.resume_from_checkpoint is not None and args.overwrite_output_dir:
@@ -355,6 +368,8 @@ class History:
     #: stage 1's held-out mean layer error: at its start ("start"), at each measured step ("measured": [[step,
     #: error]]), the best ("best_step", "best"), and why the stage was skipped ("skipped"), when it was
     transfer_check: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: --distill: top-k, weight, the teacher's cache size (MB) and the seconds its pass took
+    distill: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _reset_peak_rss() -> None:
@@ -399,6 +414,7 @@ class Converter:
         self.error_ids = self._error_blocks()
         #: the original model's attention outputs on the error blocks, recorded before anything is trained
         self._reference = self._record_reference()
+        self._teacher: list[distill_lib.TeacherTopK] | None = None  # (--distill: set by run)
 
     # ---------------------------------------------------------------- setup
     def _prepare_output(self) -> None:
@@ -572,6 +588,29 @@ class Converter:
                 out.append(list(transfer.teacher))
         return out
 
+    def _record_teacher(self) -> list[distill_lib.TeacherTopK] | None:
+        """--distill: the original model's distributions over this process's stage-2 batches (one per step), from
+        a pass with every attention call computing the model's own softmax (the observer's "record" mode), run while
+        the weights are still the original ones (before stage 1, or before a resume rebuilds the finished stages)."""
+        a = self.args
+        if not (a.distill and a.finetune_steps):
+            return None
+        start, cache = time.perf_counter(), []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with observing(self.model, Transfer()) as transfer, torch.no_grad():
+                for step in range(a.finetune_steps):
+                    transfer.reset("record")
+                    logits = self.model(input_ids=self.batch("finetune", step), use_cache=False).logits
+                    cache.append(distill_lib.teacher_top_k(logits, a.distill_top_k))
+        finally:
+            self.model.train(was_training)
+        self.history.distill = {"top_k": a.distill_top_k, "weight": a.distill_weight,
+                                "cache_mb": round(sum(t.nbytes() for t in cache) / 2**20, 2),
+                                "seconds": round(time.perf_counter() - start, 2)}
+        return cache
+
     def calibrate(self) -> None:
         """The calibrated start (``--calibrate``): per-head values from one pass of the original model over
         --calibration_blocks training blocks spread over the text; recorded in the history."""
@@ -665,6 +704,12 @@ class Converter:
                 ids = self.batch(stage, h.step)
                 if transfer is not None:
                     loss = transfer_errors(self.model, transfer, ids, lora).mean()
+                elif self._teacher is not None:  # --distill
+                    mixed = a.distill_weight < 1
+                    out = self.model(input_ids=ids, labels=ids if mixed else None, use_cache=False)
+                    loss = a.distill_weight * distill_lib.top_k_kl(out.logits, self._teacher[h.step])
+                    if mixed:
+                        loss = loss + (1 - a.distill_weight) * out.loss
                 else:
                     loss = self.model(input_ids=ids, labels=ids, use_cache=False).loss
                 loss.backward()
@@ -775,6 +820,7 @@ class Converter:
         self.calibrate()
         if h.calibration.get("calibrated"):
             self.evaluate("calibrated")
+        self._teacher = self._record_teacher() if h.stage != "done" else None
         # rebuild what finished stages made (their trained tensors, merged again)
         if h.stage in ("finetune", "done") and a.transfer_steps and "skipped" not in h.transfer_check:
             self._rebuild("transfer", self.out / CHECKPOINTS / TRANSFER_DONE)
@@ -817,6 +863,7 @@ class Converter:
             "seed": a.seed, "stages": stages, "steps": {"transfer": a.transfer_steps, "finetune": a.finetune_steps},
             "tokens_per_step": tokens, "finetune_mode": a.finetune_mode, "perplexity": h.perplexity,
             "layer_errors": h.layer_errors, "losses": h.losses, "transfer_check": h.transfer_check,
+            "distill": h.distill,
             "calibration": {**h.calibration, "perplexity": {k: h.perplexity[k] for k in ("swapped", "calibrated")
                                                             if k in h.perplexity}},
             "seconds": {k: round(v, 2) for k, v in h.seconds.items()},
