@@ -108,6 +108,19 @@ def test_a_declaration_the_kernels_cannot_obey_is_refused():
         dataclasses.replace(base, name="offset2", den_offset=lambda r: 2 * r)
     with pytest.raises(ValueError, match="row_value_factor scales"):
         dataclasses.replace(base, name="factor", row_value_factor=True)
+    with pytest.raises(ValueError, match="the kernels compute shift 'max_score' for the weight"):
+        dataclasses.replace(maps.BY_NAME["squared"], name="shifted", shift="max_score")
+    with pytest.raises(ValueError, match="a running shift cancels only"):
+        dataclasses.replace(maps.BY_NAME["sigmoid"], name="shifted", shift="max_score")
+    with pytest.raises(ValueError, match="row_value_exponent"):
+        dataclasses.replace(maps.BY_NAME["power"], name="exponent", row_value_exponent=False)
+    with pytest.raises(ValueError, match="row_value_in_score needs"):
+        dataclasses.replace(maps.BY_NAME["relu_len"], name="in_score", row_value_factor=False,
+                            row_value_in_score=True)
+    with pytest.raises(ValueError, match="threshold_exponent 2 means"):
+        dataclasses.replace(maps.BY_NAME["sparsemax"], name="squared_threshold", threshold_exponent=2)
+    with pytest.raises(ValueError, match="declare threshold_exponent 1 or 2"):
+        dataclasses.replace(maps.BY_NAME["sparsemax"], name="no_exponent", threshold_exponent=0)
 
 
 def test_an_undeclared_id_is_refused_by_name():
@@ -155,7 +168,8 @@ def test_cpp_build_answers_the_declared_facts(name):
     facts = list(_map_facts(fmap.kernel_id))
     assert facts == [fmap.normalised, fmap.threshold, fmap.constant_on_single_key,
                      fmap.single_key_mark == "negative", maps.DISPATCH_IDS[fmap.dispatch],
-                     fmap.den_offset is not None, fmap.row_value_factor], name
+                     fmap.den_offset is not None, fmap.row_value_factor, fmap.threshold_exponent == 2,
+                     maps.SHIFT_IDS[fmap.shift], fmap.row_value_in_score, fmap.row_value_exponent], name
 
 
 def test_cpp_refuses_an_undeclared_id_in_the_kernel_and_in_the_launcher():

@@ -64,19 +64,22 @@ constexpr int64_t NUM_KINDS = 11;
 // (bit i: map id i; maps.compile_definitions); tests/test_fused_maps.py reads them back through map_facts.
 #if !defined(HF_MAPS_NUM_KINDS) || !defined(HF_MAPS_DECLARED) || !defined(HF_MAPS_NORMALISED) || \
     !defined(HF_MAPS_THRESHOLD) || !defined(HF_MAPS_CONSTANT_ON_SINGLE_KEY) || \
-    !defined(HF_MAPS_SINGLE_KEY_NEGATIVE) || !defined(HF_MAPS_DEN_ADDS_ROW_VALUE) || !defined(HF_MAPS_ROW_VALUE_FACTOR)
+    !defined(HF_MAPS_SINGLE_KEY_NEGATIVE) || !defined(HF_MAPS_DEN_ADDS_ROW_VALUE) || !defined(HF_MAPS_ROW_VALUE_FACTOR) || \
+    !defined(HF_MAPS_DISPATCH_THRESHOLD) || !defined(HF_MAPS_DISPATCH_ALPHA) || !defined(HF_MAPS_THRESHOLD_SQUARED) || \
+    !defined(HF_MAPS_SHIFT_MAX_SCORE) || !defined(HF_MAPS_SHIFT_MAX_SCORE_BELOW_ZERO) || \
+    !defined(HF_MAPS_SHIFT_LOG_ABS_MAX) || !defined(HF_MAPS_ROW_VALUE_IN_SCORE) || !defined(HF_MAPS_ROW_VALUE_EXPONENT)
 #error "fused_cpu.cpp is built by kernels/fused/cpu.py, which defines the map facts of kernels/fused/maps.py"
 #endif
 static_assert(HF_MAPS_NUM_KINDS == NUM_KINDS, "enum Kind and kernels/fused/maps.py declare different numbers of maps");
 
-inline bool map_bit(unsigned long long mask, int64_t kind) {
+constexpr bool map_bit(unsigned long long mask, int64_t kind) {
   return kind >= 0 && kind < 64 && ((mask >> kind) & 1ULL);
 }
 inline bool is_declared(int64_t kind) { return map_bit(HF_MAPS_DECLARED, kind); }
 // rows divided by a denominator accumulated with them (FusedMap.normalised)
-inline bool is_normalised(int64_t kind) { return map_bit(HF_MAPS_NORMALISED, kind); }
+constexpr bool is_normalised(int64_t kind) { return map_bit(HF_MAPS_NORMALISED, kind); }
 // a per-row threshold found by a search over the row (FusedMap.threshold)
-inline bool is_threshold(int64_t kind) { return map_bit(HF_MAPS_THRESHOLD, kind); }
+constexpr bool is_threshold(int64_t kind) { return map_bit(HF_MAPS_THRESHOLD, kind); }
 // the denominator adds the row value (FusedMap.den_offset = r): d out / d r = -out / D
 constexpr bool den_adds_row_value(int64_t kind) {
   return kind >= 0 && kind < 64 && ((HF_MAPS_DEN_ADDS_ROW_VALUE >> kind) & 1ULL);
@@ -85,10 +88,25 @@ constexpr bool den_adds_row_value(int64_t kind) {
 constexpr bool row_value_factor(int64_t kind) {
   return kind >= 0 && kind < 64 && ((HF_MAPS_ROW_VALUE_FACTOR >> kind) & 1ULL);
 }
+// the threshold is the row value's alpha-entmax threshold, searched in forward_alpha (FusedMap.dispatch "alpha")
+constexpr bool is_alpha(int64_t kind) { return map_bit(HF_MAPS_DISPATCH_ALPHA, kind); }
 // the forward driver of map K (FusedMap.dispatch): 0 forward_tiles, 1 forward_threshold, 2 forward_alpha
-constexpr int64_t driver_of(int64_t K) { return K == ENTMAX_ALPHA ? 2 : (K == ENTMAX15 || K == SPARSEMAX) ? 1 : 0; }
+constexpr int64_t driver_of(int64_t K) {
+  return is_alpha(K) ? 2 : map_bit(HF_MAPS_DISPATCH_THRESHOLD, K) ? 1 : 0;
+}
+// threshold maps of driver 1: weight [x / 2 - tau]_+^2 (entmax-1.5), else [x - tau]_+ (FusedMap.threshold_exponent)
+constexpr bool threshold_squared(int64_t kind) { return map_bit(HF_MAPS_THRESHOLD_SQUARED, kind); }
+// the running shift of normalised maps (FusedMap.shift): max(0, visible scores); min(0, max visible score) from
+// -inf; |r| ln max |s| from -inf
+constexpr bool shift_max_score(int64_t kind) { return map_bit(HF_MAPS_SHIFT_MAX_SCORE, kind); }
+constexpr bool shift_max_score_below_zero(int64_t kind) { return map_bit(HF_MAPS_SHIFT_MAX_SCORE_BELOW_ZERO, kind); }
+constexpr bool shift_log_abs_max(int64_t kind) { return map_bit(HF_MAPS_SHIFT_LOG_ABS_MAX, kind); }
+// weight(s, r) = weight(s + r, 0) (FusedMap.row_value_in_score): d out / d r = sum_j dS_j
+constexpr bool row_value_in_score(int64_t kind) { return map_bit(HF_MAPS_ROW_VALUE_IN_SCORE, kind); }
+// weight(s, r) = |s|^|r| (FusedMap.row_value_exponent): d weight / d r = weight ln|s|, accumulated by dmap
+constexpr bool row_value_exponent(int64_t kind) { return map_bit(HF_MAPS_ROW_VALUE_EXPONENT, kind); }
 // alpha-entmax's U holds [U (Dv) | A = sum_j (d p_j / d alpha) v_j (Dv) | Z | H | M] per row (see forward_alpha)
-inline int64_t u_width(int64_t kind, int64_t Dv) { return kind == ENTMAX_ALPHA ? 2 * Dv + 3 : Dv; }
+inline int64_t u_width(int64_t kind, int64_t Dv) { return is_alpha(kind) ? 2 * Dv + 3 : Dv; }
 
 // ------------------------------------------------------------------------------------------------ elementwise math
 
@@ -622,7 +640,7 @@ T power_row_any(T* s, int64_t nb, const bool* keep, T pw, T m) {
 template <typename T, int64_t KIND>
 inline void fwd_tile_row(const bool* kr, int64_t lim, T* s, int64_t nb, T ci, T& den, T& mrow, T* orow, int64_t Dv) {
   lim = std::max<int64_t>(0, std::min(lim, nb));
-  if constexpr (KIND == SOFTPICK) {
+  if constexpr (shift_max_score(KIND)) {
     T mx = kr ? row_max<T, true>(s, lim, kr, mrow) : row_max<T, false>(s, lim, nullptr, mrow);
     if (mx > mrow) {  // rescale what was accumulated under the old shift (flash-softmax style)
       const T sc = vexp(mrow - mx);
@@ -632,7 +650,7 @@ inline void fwd_tile_row(const bool* kr, int64_t lim, T* s, int64_t nb, T ci, T&
     }
     const T em = vexp(-mrow);
     den += kr ? softpick_row<T, true>(s, lim, kr, mrow, em) : softpick_row<T, false>(s, lim, nullptr, mrow, em);
-  } else if constexpr (KIND == POWER) {
+  } else if constexpr (shift_log_abs_max(KIND)) {
     // |s|^p relative to the row's running largest |s| = M (shift m = p ln M, rescaled like softpick when it grows),
     // so large |s| or p cannot overflow: (|s| / M)^p, by multiplications for integer p; ci = +-p (the sign only marks
     // single-key rows for the backward pass). The max is of |s| (one cheap pass), its log taken once per row.
@@ -652,7 +670,7 @@ inline void fwd_tile_row(const bool* kr, int64_t lim, T* s, int64_t nb, T ci, T&
     } else {
       std::fill(s, s + lim, T(0));  // no nonzero score yet: weights 0
     }
-  } else if constexpr (KIND == SOFTPLUS) {
+  } else if constexpr (shift_max_score_below_zero(KIND)) {
     // shift c = min(0, running max), rescaled like softpick when it rises; once 0 (a score >= 0 was seen: most
     // rows after their first tile) it stays, and the max pass is skipped
     const T mx = mrow >= T(0) ? mrow
@@ -701,7 +719,7 @@ void forward_tiles(const Problem<T>& p, T* out, T* r1, T* r2) {
     const T* crow = p.c + bh * p.Lq + i0;
     for (int64_t r = 0; r < m; ++r) {
       den[r] = den_adds_row_value(KIND) ? crow[r] : T(0);
-      mrow[r] = KIND == POWER || KIND == SOFTPLUS ? POW_NEG<T> : T(0);
+      mrow[r] = shift_log_abs_max(KIND) || shift_max_score_below_zero(KIND) ? POW_NEG<T> : T(0);
     }
     std::fill(O.begin(), O.begin() + m * p.Dv, T(0));
     const int64_t jend = p.causal ? std::min(p.Lk, i0 + m) : p.Lk;
@@ -779,7 +797,7 @@ T find_threshold(const T* y, int64_t L) {
 // uout nullptr: U is not wanted (no backward pass will run, e.g. inference): its buffer and matmul are skipped
 template <typename T, int64_t KIND>
 void forward_threshold(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
-  constexpr bool ENTMAX = KIND == ENTMAX15;
+  constexpr bool ENTMAX = threshold_squared(KIND);
   const T half = ENTMAX ? T(0.5) : T(1);
   const T ninf = -std::numeric_limits<T>::infinity();
   const int64_t nqb = (p.Lq + p.BQ - 1) / p.BQ;
@@ -1014,7 +1032,7 @@ void forward_alpha(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
   const T ninf = -std::numeric_limits<T>::infinity();
   const int64_t nqb = (p.Lq + p.BQ - 1) / p.BQ;
   const int64_t nthreads = at::get_num_threads();
-  const int64_t BH = p.B * p.H, UW = u_width(ENTMAX_ALPHA, p.Dv);
+  const int64_t BH = p.B * p.H, UW = 2 * p.Dv + 3;  // u_width of an alpha map
   struct Buffers {
     std::vector<T> S, cand, w, g, lp;
     std::vector<int32_t> cidx;
@@ -1171,7 +1189,7 @@ inline void dmap(T x, T g, const RowC<T>& rc, T& pp, T& ds, T& dr) {
     const bool neg = x < T(0);
     pp = (neg ? w : x + T(1)) * invd;
     ds = (g - delta) * invd * (neg ? w * w : T(1));
-  } else if constexpr (KIND == SOFTPICK) {  // u = e^{s-M} - e^{-M}: P = relu(u)/D, d|u| = sign(u) e^{s-M}
+  } else if constexpr (shift_max_score(KIND)) {  // softpick: u = e^{s-M} - e^{-M}: P = relu(u)/D, d|u| = sign(u) e^{s-M}
     const T e = vexp(x - rc.m), u = e - rc.em;
     const T pos = u > T(0) ? T(1) : T(0), neg = u < T(0) ? T(1) : T(0);
     pp = u * pos * invd;
@@ -1184,23 +1202,23 @@ inline void dmap(T x, T g, const RowC<T>& rc, T& pp, T& ds, T& dr) {
     const T pos = x > T(0) ? rc.c : T(0);
     pp = x * pos;
     ds = g * pos;
-  } else if constexpr (KIND == ENTMAX15) {  // p = r^2 with r = [s/2 - tau]_+: dS = r (g - delta)
+  } else if constexpr (threshold_squared(KIND)) {  // entmax-1.5: p = r^2 with r = [s/2 - tau]_+: dS = r (g - delta)
     const T r = std::max(x * T(0.5) - rc.tau, T(0));
     pp = r * r;
     ds = r * (g - delta);
-  } else if constexpr (KIND == ENTMAX_ALPHA) {  // p = r^P / Z, r = [(alpha-1) s - tau]_+, dS = p^(2-alpha) (g - delta)
+  } else if constexpr (is_alpha(KIND)) {  // alpha-entmax: p = r^P / Z, r = [(alpha-1) s - tau]_+, dS = p^(2-alpha) (g - delta)
     // rc.m: M, as in the forward; powers through vpow_pos as there (vectorised; glibc pow was scalar)
     const T tiny = std::numeric_limits<T>::min();
     const T r = std::max((x - rc.m) * (rc.c - T(1)) - rc.tau, T(0));
     const T pr = r > T(0) ? vpow_pos(std::max(r, tiny), T(1) / (rc.c - T(1))) * invd : T(0);
     pp = pr;
     ds = pr > tiny ? vpow_pos(std::max(pr, tiny), T(2) - rc.c) * (g - delta) : T(0);
-  } else if constexpr (KIND == SPARSEMAX) {
+  } else if constexpr (is_threshold(KIND)) {  // sparsemax: [x - tau]_+
     const T r = x - rc.tau;
     const T pos = r > T(0) ? T(1) : T(0);
     pp = r * pos;
     ds = (g - delta) * pos;
-  } else if constexpr (KIND == POWER) {  // A = |s|^p e^-m: dA/ds = p A / s, dA/dp = A ln|s|
+  } else if constexpr (row_value_exponent(KIND)) {  // power: A = |s|^p e^-m: dA/ds = p A / s, dA/dp = A ln|s|
     const T pw = std::abs(rc.c), ax = std::abs(x), tiny = std::numeric_limits<T>::min();
     const bool nz = ax >= tiny;
     const T lx = nz ? vlog(std::max(ax, tiny)) : T(0);  // (only the p-gradient needs it)
@@ -1219,7 +1237,7 @@ inline void dmap(T x, T g, const RowC<T>& rc, T& pp, T& ds, T& dr) {
     // sum_j P_j (g_j - delta) = 0, so ln|s| may be centred at the row's largest ln|s| (m / p): this keeps the
     // rounding of delta = dO . out from being amplified by large |ln|s|| (fp16 inputs: 4x closer to fp64)
     dr = gp * (lx - rc.m / pw);
-  } else if constexpr (KIND == SOFTPLUS) {  // softplus(s) e^-c, c = rc.m: d/ds = sigmoid(s) e^-c (SLOW: below SP_SLOW)
+  } else if constexpr (shift_max_score_below_zero(KIND)) {  // softplus: softplus(s) e^-c, c = rc.m: d/ds = sigmoid(s) e^-c (SLOW: below SP_SLOW)
     const T c = rc.m;
     const T u = vexp(-std::abs(x)), r = log1p_ratio(u);
     if constexpr (SLOW) {
@@ -1234,7 +1252,7 @@ inline void dmap(T x, T g, const RowC<T>& rc, T& pp, T& ds, T& dr) {
   } else {
     static_assert(KIND < 0, "dmap: no derivative for this fused map id: add its block above");
   }
-  if constexpr (KIND != POWER) dr = ds;
+  if constexpr (!row_value_exponent(KIND)) dr = ds;
 }
 
 // One row of a tile: s (scores) becomes P, dp (dO . v_j) becomes dS; returns sum_j dr (the row value's gradient:
@@ -1266,7 +1284,7 @@ template <typename T, int64_t KIND>
 inline T bwd_tile_row(const bool* kr, int64_t lim, T* s, T* dp, int64_t nb, const RowC<T>& rc) {
   lim = std::max<int64_t>(0, std::min(lim, nb));
   T acc;
-  if constexpr (KIND == POWER) {  // integer p: its own instantiation (see power_row)
+  if constexpr (row_value_exponent(KIND)) {  // integer p: its own instantiation (see power_row)
     const int np = power_int(std::abs(rc.c));
     auto run = [&](auto npc) {
       constexpr int NP = decltype(npc)::value;
@@ -1278,7 +1296,7 @@ inline T bwd_tile_row(const bool* kr, int64_t lim, T* s, T* dp, int64_t nb, cons
           : np == 3 ? run(std::integral_constant<int, 3>{})
           : np == 4 ? run(std::integral_constant<int, 4>{})
                     : run(std::integral_constant<int, 0>{});
-  } else if (KIND == SOFTPLUS && rc.m < SP_SLOW<T>) {  // softplus rows of very negative scores only
+  } else if (shift_max_score_below_zero(KIND) && rc.m < SP_SLOW<T>) {  // softplus rows of very negative scores only
     acc = kr ? bwd_row<T, KIND, true, true>(s, dp, lim, kr, rc)
              : bwd_row<T, KIND, false, true>(s, dp, lim, nullptr, rc);
   } else {
@@ -1296,7 +1314,7 @@ bool sparse_tile(const Problem<T>& p, int st, int64_t b, int64_t h, int64_t g, i
                  int64_t nb, const T* S, int32_t* E, T* dQb, T* dK, T* dV, const T* dout, const T* r1,
                  const T* delta, const T* invd, const T* shift, T* dq, std::mutex* lock, const T* capd) {
   if (p.dbias != nullptr) return false;  // the dense tile forms dS for dbias
-  constexpr bool ENTMAX = KIND == ENTMAX15, ALPHA = KIND == ENTMAX_ALPHA;
+  constexpr bool ENTMAX = threshold_squared(KIND), ALPHA = is_alpha(KIND);
   const int64_t bh = b * p.H + h;
   // the score factor of the map: 1/2 (entmax-1.5), 1 (sparsemax), alpha_i - 1 (alpha-entmax)
   auto factor = [&](int64_t row) { return ALPHA ? p.c[row] - T(1) : (ENTMAX ? T(0.5) : T(1)); };
@@ -1375,7 +1393,7 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
       const T* x = is_threshold(KIND) ? uout + i * u_width(KIND, p.Dv) : out + i * p.Dv;
       T dot = 0;
       for (int64_t d = 0; d < p.Dv; ++d) dot += go[d] * x[d];
-      if (KIND == ENTMAX_ALPHA) {
+      if (is_alpha(KIND)) {
         // d alpha_i = sum_j dp_j [(p_j - pt_j) / (alpha-1)^2 - (p_j ln p_j - pt_j H) / (alpha-1)], pt = g / G
         // (Correia et al. 2019), with dp_j = dO_i . v_j: = dO_i . A_i, A formed per entry in the forward
         T dot_a = 0;
@@ -1447,7 +1465,7 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
           mm_abt<T>(m, nb, p.D, qi, p.qsl, kj, p.ksl, T(0), buf.S.data(), nb);
           T* capd = p.cap != T(0) ? buf.Cd.data() : nullptr;
           if (p.mods()) modify_tile(p, buf.S.data(), nb, b, h, i0, m, j0, nb, capd);
-          if constexpr (KIND == ENTMAX15 || KIND == SPARSEMAX || KIND == ENTMAX_ALPHA) {
+          if constexpr (is_threshold(KIND)) {
             if (sparse_tile<T, KIND>(p, st, b, h, g, i0, m, j0, nb, buf.S.data(), buf.E.data(), buf.dQ.data(),
                                      buf.dK.data(), buf.dV.data(), dout, r1, delta.data(), invd.data(), shift.data(),
                                      dq, per_head ? nullptr : &locks[bh * nqb + qb], capd)) {
@@ -1460,8 +1478,8 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
             const int64_t row = bh * p.Lq + i0 + r;
             const T live = constant_on_single_key(KIND) && single_key_row(KIND, p.c[row]) ? T(0) : T(1);
             // em: e^-m (softpick, softplus), 1/M (power)
-            const T em = KIND == POWER ? power_inv_max(r2[row], std::abs(p.c[row])) : vexp(-r2[row]);
-            RowC<T> rc{invd[row], delta[row], p.c[row], KIND == ENTMAX_ALPHA ? shift[row] : r2[row], em, r1[row],
+            const T em = shift_log_abs_max(KIND) ? power_inv_max(r2[row], std::abs(p.c[row])) : vexp(-r2[row]);
+            RowC<T> rc{invd[row], delta[row], p.c[row], is_alpha(KIND) ? shift[row] : r2[row], em, r1[row],
                        live};
             const bool* kr = st == 2 && p.keep ? p.mrow(b, h, i0 + r) + j0 : nullptr;
             dcrow[r] = bwd_tile_row<T, KIND>(kr, st == 1 ? nb : p.key_end(i0 + r) - j0, buf.S.data() + r * nb,
@@ -1479,7 +1497,7 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
           mm_atb<T>(nb, p.D, m, buf.dP.data(), nb, qi, p.qsl, T(1), buf.dK.data(), p.D);
           auto update = [&]() {
             mm_ab<T>(m, p.D, nb, buf.dP.data(), nb, kj, p.ksl, T(1), dq + (bh * p.Lq + i0) * p.D, p.D);
-            if (KIND == SIGMOID || KIND == POWER)
+            if (row_value_in_score(KIND) || row_value_exponent(KIND))
               for (int64_t r = 0; r < m; ++r) dc[bh * p.Lq + i0 + r] += dcrow[r];
           };
           if (per_head) {
@@ -1519,7 +1537,8 @@ void dispatch_kind(int64_t kind, const F& f) {
 }
 
 // What this build says about map ``kind``, for tests/test_fused_maps.py: [is_normalised, is_threshold,
-// constant_on_single_key, single_key_negative, driver, den_adds_row_value, row_value_factor] with driver
+// constant_on_single_key, single_key_negative, driver, den_adds_row_value, row_value_factor, threshold_squared,
+// shift (0 none, 1 max_score, 2 max_score_below_zero, 3 log_abs_max), row_value_in_score, row_value_exponent] with driver
 // 0 forward_tiles, 1 forward_threshold, 2 forward_alpha (the driver fused_forward picks, through dispatch_kind).
 // Raises for an unknown id.
 std::vector<int64_t> map_facts(int64_t kind) {
@@ -1530,8 +1549,10 @@ std::vector<int64_t> map_facts(int64_t kind) {
     constexpr int64_t K = decltype(kc)::value;
     driver = driver_of(K);
   });
+  const int64_t shift = shift_max_score(kind) ? 1 : shift_max_score_below_zero(kind) ? 2 : shift_log_abs_max(kind) ? 3 : 0;
   return {is_normalised(kind), is_threshold(kind), constant_on_single_key(kind),
-          map_bit(HF_MAPS_SINGLE_KEY_NEGATIVE, kind), driver, den_adds_row_value(kind), row_value_factor(kind)};
+          map_bit(HF_MAPS_SINGLE_KEY_NEGATIVE, kind), driver, den_adds_row_value(kind), row_value_factor(kind),
+          threshold_squared(kind), shift, row_value_in_score(kind), row_value_exponent(kind)};
 }
 
 // forward -> [out, den_or_tau, shift_or_gsum, hv_sum], per row (all [B, H, Lq] but hv_sum):

@@ -45,6 +45,9 @@ Dispatch = Literal["tiles", "threshold", "alpha"]
 #: "n == 1": the row value is n there (maps that read no row value); "negative": the row value is negated there
 SingleKeyMark = Literal["n == 1", "negative", "none"]
 DISPATCH_IDS: dict[str, int] = {"tiles": 0, "threshold": 1, "alpha": 2}
+#: the per-row running shift m a normalised map's weights are computed relative to (``FusedMap.shift``)
+Shift = Literal["none", "max_score", "max_score_below_zero", "log_abs_max"]
+SHIFT_IDS: dict[str, int] = {"none": 0, "max_score": 1, "max_score_below_zero": 2, "log_abs_max": 3}
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,22 @@ class FusedMap:
     #: each row once, and both kernels take dr = sum_j weight(s_j, 1) dP_j (``HF_MAPS_ROW_VALUE_FACTOR`` in C++,
     #: ``ROW_VALUE_FACTOR`` in Triton); tests/test_fused_maps.py checks the identity on the declared ``weight``
     row_value_factor: bool = False
+    #: the weights are kept relative to a per-row running shift m (what was accumulated is rescaled by e^(m_old -
+    #: m_new) when it rises; m cancels in the normalised ratio): "max_score": m = max(0, visible scores) (softpick's
+    #: e^s - 1); "max_score_below_zero": m = min(0, max visible score), starting at -inf (softplus);
+    #: "log_abs_max": m = |r| ln max_j |s_j|, starting at -inf (power's |s|^|r|); "none": none (``HF_MAPS_SHIFT_*``
+    #: in C++, ``SHIFT`` in Triton, ids ``SHIFT_IDS``)
+    shift: Shift = "none"
+    #: weight(s, r) = weight(s + r, 0) (sigmoid's bias): d out / d r = sum_j dS_j (``HF_MAPS_ROW_VALUE_IN_SCORE``,
+    #: ``ROW_VALUE_IN_SCORE``)
+    row_value_in_score: bool = False
+    #: weight(s, r) = |s|^|r| (power's p; the sign of r marks single-key rows): d weight / d r = weight ln|s|
+    #: (``HF_MAPS_ROW_VALUE_EXPONENT``, ``ROW_VALUE_EXPONENT``); goes with shift "log_abs_max"
+    row_value_exponent: bool = False
+    #: dispatch "threshold" maps: weight(x) = [x / e]_+^e with e = threshold_exponent, 1 (sparsemax) or 2
+    #: (entmax-1.5), the form the threshold search solves (``HF_MAPS_THRESHOLD_SQUARED``, ``THRESHOLD_SQUARED``);
+    #: 0 for every other map (alpha-entmax's exponent is its row value: dispatch "alpha")
+    threshold_exponent: int = 0
     wide: bool = False
 
     def __post_init__(self) -> None:
@@ -88,6 +107,54 @@ class FusedMap:
         if self.row_value_factor and (self.normalised or self.threshold):
             raise ValueError(f"fused map {self.name!r}: row_value_factor scales the weights of a map that is "
                              "neither normalised nor a threshold map (the factor would cancel or move the threshold)")
+        if self.shift not in SHIFT_IDS:
+            raise ValueError(f"fused map {self.name!r}: shift must be one of {sorted(SHIFT_IDS)}")
+        if self.shift != "none" and (not self.normalised or self.den_offset is not None):
+            raise ValueError(f"fused map {self.name!r}: a running shift cancels only in a normalised map's ratio "
+                             "with no offset added to its denominator")
+        if self.row_value_exponent != (self.shift == "log_abs_max"):
+            raise ValueError(f"fused map {self.name!r}: row_value_exponent (|s|^|r|) and shift 'log_abs_max' "
+                             "(m = |r| ln max|s|) go together")
+        if self.row_value_exponent and self.single_key_mark != "negative":
+            raise ValueError(f"fused map {self.name!r}: row_value_exponent reads |r|: its sign marks single-key "
+                             "rows (single_key_mark='negative')")
+        if self.shift != "none":
+            form = _SHIFT_FORMS[self.shift]
+            probe = torch.linspace(-2.5, 2.5, 11, dtype=torch.float64)
+            r = torch.full_like(probe, 3.0)
+            term = self.den_term or self.weight
+            if not (torch.allclose(self.weight(probe, r), form[0](probe, r), rtol=1e-12, atol=1e-300)
+                    and torch.allclose(term(probe, r), form[1](probe, r), rtol=1e-12, atol=1e-300)):
+                raise ValueError(f"fused map {self.name!r}: the kernels compute shift {self.shift!r} for the "
+                                 f"weight {form[2]} only")
+        if self.row_value_in_score and (self.normalised or self.threshold or self.row_value_factor):
+            raise ValueError(f"fused map {self.name!r}: row_value_in_score (weight(s + r)) is implemented for maps "
+                             "that are neither normalised, threshold nor row_value_factor maps")
+        if self.row_value_in_score:
+            probe = torch.linspace(-2.0, 2.0, 9, dtype=torch.float64)
+            r = torch.full_like(probe, 0.75)
+            if not torch.allclose(self.weight(probe, r), self.weight(probe + r, torch.zeros_like(r)),
+                                  rtol=1e-12, atol=0):
+                raise ValueError(f"fused map {self.name!r}: row_value_in_score needs weight(s, r) = weight(s + r, 0)")
+        if (self.dispatch == "threshold") != (self.threshold_exponent in (1, 2)) or self.threshold_exponent not in (
+                0, 1, 2):
+            raise ValueError(f"fused map {self.name!r}: dispatch 'threshold' maps declare threshold_exponent 1 or "
+                             "2 ([x / e]_+^e), the others 0")
+        if self.threshold_exponent:
+            e, probe = self.threshold_exponent, torch.linspace(-2.0, 3.0, 11, dtype=torch.float64)
+            if not torch.allclose(self.weight(probe, probe), (probe.clamp(min=0) / e) ** e, rtol=1e-12, atol=0):
+                raise ValueError(f"fused map {self.name!r}: threshold_exponent {e} means weight(x) = [x / {e}]_+^{e}")
+
+
+#: the weight (and denominator term) each running shift is implemented for: the kernels' code for that shift
+#: computes exactly these, so a declaration naming the shift must declare them
+_SHIFT_FORMS: dict[str, tuple[EntryFn, EntryFn, str]] = {
+    "max_score": (lambda s, r: torch.relu(torch.expm1(s)), lambda s, r: torch.expm1(s).abs(),
+                  "relu(e^s - 1) over |e^s - 1|"),
+    "max_score_below_zero": (lambda s, r: torch.nn.functional.softplus(s),
+                             lambda s, r: torch.nn.functional.softplus(s), "softplus(s)"),
+    "log_abs_max": (lambda s, r: s.abs() ** r.abs(), lambda s, r: s.abs() ** r.abs(), "|s|^|r|"),
+}
 
 
 def _n(n: Tensor) -> Tensor:
@@ -124,22 +191,23 @@ MAPS: tuple[FusedMap, ...] = (
     FusedMap("softpick", 3, lambda s, r: torch.relu(torch.expm1(s)), lambda s, r: torch.where(s > 0, s.exp(), 0.0),
              den_term=lambda s, r: torch.expm1(s).abs(), den_slope=lambda s, r: torch.expm1(s).sign() * s.exp(),
              normalised=True, threshold=False, constant_on_single_key=True, single_key_mark="n == 1",
-             row_value=_ROW_IS_N, row_value_for=_n, row_value_has_gradient=False, dispatch="tiles"),
+             row_value=_ROW_IS_N, row_value_for=_n, row_value_has_gradient=False, dispatch="tiles", shift="max_score"),
     FusedMap("sigmoid", 4, lambda s, r: torch.sigmoid(s + r),
              lambda s, r: torch.sigmoid(s + r) * (1 - torch.sigmoid(s + r)), normalised=False, threshold=False,
              constant_on_single_key=False, single_key_mark="none", row_value="the bias b added to every score "
              "(-ln n by default)", row_value_for=lambda n: -torch.log(_n(n)), row_value_has_gradient=True,
-             dispatch="tiles"),
+             dispatch="tiles", row_value_in_score=True),
     FusedMap("relu_len", 5, lambda s, r: torch.relu(s) * r, lambda s, r: (s > 0).to(s.dtype) * r, normalised=False,
              threshold=False, constant_on_single_key=False, single_key_mark="none",
              row_value="1 / n, the factor on relu(s)", row_value_for=lambda n: 1 / _n(n),
              row_value_has_gradient=True, dispatch="tiles", row_value_factor=True),
     FusedMap("entmax15", 6, lambda x, r: (torch.relu(x) / 2) ** 2, lambda x, r: torch.relu(x) / 2,
              normalised=False, threshold=True, constant_on_single_key=True, single_key_mark="n == 1",
-             row_value=_ROW_IS_N, row_value_for=_n, row_value_has_gradient=False, dispatch="threshold"),
+             row_value=_ROW_IS_N, row_value_for=_n, row_value_has_gradient=False, dispatch="threshold",
+             threshold_exponent=2),
     FusedMap("sparsemax", 7, lambda x, r: torch.relu(x), lambda x, r: (x > 0).to(x.dtype), normalised=False,
              threshold=True, constant_on_single_key=True, single_key_mark="n == 1", row_value=_ROW_IS_N,
-             row_value_for=_n, row_value_has_gradient=False, dispatch="threshold"),
+             row_value_for=_n, row_value_has_gradient=False, dispatch="threshold", threshold_exponent=1),
     FusedMap("entmax_alpha", 8, _alpha_weight, _alpha_slope, normalised=False, threshold=True,
              constant_on_single_key=False, single_key_mark="none", row_value="alpha (1 < alpha <= 2, per head)",
              row_value_for=lambda n: torch.full_like(_n(n), _ALPHA), row_value_has_gradient=True, dispatch="alpha",
@@ -148,10 +216,12 @@ MAPS: tuple[FusedMap, ...] = (
              lambda s, r: torch.where(s != 0, r.abs() * s.abs() ** r.abs() / torch.where(s != 0, s, 1.0), 0.0),
              normalised=True, threshold=False, constant_on_single_key=True, single_key_mark="negative",
              row_value="+p on rows with more than one visible key, -p on rows with one",
-             row_value_for=lambda n: torch.where(_n(n) > 1, _P, -_P), row_value_has_gradient=True, dispatch="tiles"),
+             row_value_for=lambda n: torch.where(_n(n) > 1, _P, -_P), row_value_has_gradient=True, dispatch="tiles",
+             shift="log_abs_max", row_value_exponent=True),
     FusedMap("softplus", 10, lambda s, r: torch.nn.functional.softplus(s), lambda s, r: torch.sigmoid(s),
              normalised=True, threshold=False, constant_on_single_key=True, single_key_mark="n == 1",
-             row_value=_ROW_IS_N, row_value_for=_n, row_value_has_gradient=False, dispatch="tiles"),
+             row_value=_ROW_IS_N, row_value_for=_n, row_value_has_gradient=False, dispatch="tiles",
+             shift="max_score_below_zero"),
 )
 
 BY_NAME: dict[str, FusedMap] = {m.name: m for m in MAPS}
@@ -185,6 +255,14 @@ def compile_definitions() -> list[str]:
         "HF_MAPS_SINGLE_KEY_NEGATIVE": _mask(lambda m: m.single_key_mark == "negative"),
         "HF_MAPS_DEN_ADDS_ROW_VALUE": _mask(lambda m: m.den_offset is not None),
         "HF_MAPS_ROW_VALUE_FACTOR": _mask(lambda m: m.row_value_factor),
+        "HF_MAPS_DISPATCH_THRESHOLD": _mask(lambda m: m.dispatch == "threshold"),
+        "HF_MAPS_DISPATCH_ALPHA": _mask(lambda m: m.dispatch == "alpha"),
+        "HF_MAPS_THRESHOLD_SQUARED": _mask(lambda m: m.threshold_exponent == 2),
+        "HF_MAPS_SHIFT_MAX_SCORE": _mask(lambda m: m.shift == "max_score"),
+        "HF_MAPS_SHIFT_MAX_SCORE_BELOW_ZERO": _mask(lambda m: m.shift == "max_score_below_zero"),
+        "HF_MAPS_SHIFT_LOG_ABS_MAX": _mask(lambda m: m.shift == "log_abs_max"),
+        "HF_MAPS_ROW_VALUE_IN_SCORE": _mask(lambda m: m.row_value_in_score),
+        "HF_MAPS_ROW_VALUE_EXPONENT": _mask(lambda m: m.row_value_exponent),
     }
     return [f"-D{name}={value}ULL" if name != "HF_MAPS_NUM_KINDS" else f"-D{name}={value}"
             for name, value in defs.items()]

@@ -51,16 +51,13 @@ import torch
 from ...normalizers.base import Normalizer
 from ..base import AttnCall, compact_bias
 from .kinds import (
-    DEN_ADDS_ROW_VALUE,
     FUSED_KINDS,
-    NORMALISED,
-    ROW_VALUE_FACTOR,
     THRESHOLD,
     constant_name,
     fused_takes,
     kind_id,
 )
-from .maps import lookup_id
+from .maps import SHIFT_IDS, lookup_id
 
 # imported on first use (``_load_triton``): the plain package needs no triton, and triton fixes compiled vs
 # interpreted mode for its own library functions when it is imported
@@ -212,7 +209,7 @@ def interpreter_consistent() -> bool:
 # listed in _JIT_FUNCTIONS (dependency order).
 
 
-def _entry(s, r, keep, shift, KIND: tl.constexpr):
+def _entry(s, r, keep, shift, KIND: tl.constexpr, RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXP: tl.constexpr):
     """Forward map of one score block: (a, b) with a the numerator weight and b the denominator term.
 
     s: [BM, BN] fp32 scores; r: [BM] row values; keep: [BM, BN] bool; shift: [BM] (softpick running max,
@@ -229,7 +226,7 @@ def _entry(s, r, keep, shift, KIND: tl.constexpr):
         g = tl.where(s >= 0, tl.maximum(s, 0.0) + 1.0, 1.0 / (1.0 - tl.minimum(s, 0.0)))
         a = tl.where(keep, g, zero)
         b = a
-    elif KIND == K_SOFTPICK:  # softpick in units of e^-M: e^(s-M) - e^-M
+    elif RUNNING_SHIFT == 1:  # (shift 'max_score') softpick in units of e^-M: e^(s-M) - e^-M
         e = tl.exp(tl.where(keep, s - shift[:, None], -float("inf")))
         p = e - tl.exp(-shift)[:, None]
         a = tl.where(keep & (p > 0), p, zero)
@@ -240,16 +237,17 @@ def _entry(s, r, keep, shift, KIND: tl.constexpr):
     elif KIND == K_RELU_LEN:  # relu(s) / n, r = 1/n
         a = tl.where(keep, tl.maximum(s, 0.0) * r[:, None], zero)
         b = a
-    elif KIND == K_SPARSEMAX:  # sparsemax [s - tau]_+
+    elif THRESHOLD_EXP == 1:  # sparsemax [s - tau]_+
         a = tl.where(keep, tl.maximum(s - shift[:, None], 0.0), zero)
         b = a
-    elif KIND == K_POWER:  # |s|^p = e^(p ln|s| - M), p = |r|, M = running max of p ln|s| (shift)
+    elif RUNNING_SHIFT == 3:  # ('log_abs_max') power |s|^p = e^(p ln|s| - M), p = |r|, M = max of p ln|s|
         mag = tl.abs(s)
         nz = keep & (mag >= TINY)
         a = tl.where(nz, tl.exp(tl.where(nz, tl.abs(r)[:, None] * tl.log(tl.where(nz, mag, 1.0)) - shift[:, None],
                                          POW_NEG)), zero)
         b = a
-    elif KIND == K_SOFTPLUS:  # softplus(s) e^-c, c = min(0, running max) (shift): s + log1p(e^-s) for s > 0
+    elif RUNNING_SHIFT == 2:  # ('max_score_below_zero') softplus(s) e^-c, c = min(0, running max) (shift):
+        # s + log1p(e^-s) for s > 0
         # (then c = 0), else e^(s - c) log1p(u) / u with u = e^s (exact where u underflows); log1p by Goldberg
         u = tl.exp(-tl.abs(s))
         w = 1.0 + u
@@ -259,12 +257,12 @@ def _entry(s, r, keep, shift, KIND: tl.constexpr):
         neg = tl.exp(tl.minimum(s - shift[:, None], 0.0)) * ratio
         a = tl.where(keep, tl.where(s > 0, s + lp, neg), zero)
         b = a
-    elif KIND == K_ENTMAX_ALPHA:  # [x - tau]_+^(1/(alpha-1)), s = x = (s - M)(alpha - 1) formed by the caller
+    elif THRESHOLD_EXP == -1:  # alpha-entmax [x - tau]_+^(1/(alpha-1)), x = (s - M)(alpha - 1) from the caller
         d = tl.where(keep, s - shift[:, None], zero)
         pos = d > 0
         a = tl.where(pos, tl.exp(tl.log(tl.where(pos, d, 1.0)) / (r - 1.0)[:, None]), zero)
         b = a
-    elif KIND == K_ENTMAX15:  # entmax-1.5 [s/2 - tau]_+^2
+    elif THRESHOLD_EXP == 2:  # entmax-1.5 [s/2 - tau]_+^2
         t = tl.where(keep, tl.maximum(s * 0.5 - shift[:, None], 0.0), zero)
         a = t * t
         b = a
@@ -273,7 +271,7 @@ def _entry(s, r, keep, shift, KIND: tl.constexpr):
     return a, b
 
 
-def _slopes(s, r, keep, shift, KIND: tl.constexpr):
+def _slopes(s, r, keep, shift, KIND: tl.constexpr, RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXP: tl.constexpr):
     """Backward map of one score block: (a, da, db) with da = a'(s), db = b'(s) (0 on masked entries).
 
     For the sparse kinds da is the Jacobian weight g = p^(2 - alpha) (1 on sparsemax's support, sqrt(p) for
@@ -293,7 +291,7 @@ def _slopes(s, r, keep, shift, KIND: tl.constexpr):
         a = tl.where(keep, tl.where(s >= 0, tl.maximum(s, 0.0) + 1.0, neg), zero)
         da = tl.where(keep, tl.where(s >= 0, 1.0, neg * neg), zero)
         db = da
-    elif KIND == K_SOFTPICK:
+    elif RUNNING_SHIFT == 1:  # (shift 'max_score') softpick
         e = tl.exp(tl.where(keep, s - shift[:, None], -float("inf")))
         p = e - tl.exp(-shift)[:, None]
         a = tl.where(keep & (p > 0), p, zero)
@@ -307,18 +305,18 @@ def _slopes(s, r, keep, shift, KIND: tl.constexpr):
         a = tl.where(keep, tl.maximum(s, 0.0) * r[:, None], zero)
         da = tl.where(keep & (s > 0), r[:, None] + 0.0 * s, zero)
         db = da
-    elif KIND == K_SPARSEMAX:
+    elif THRESHOLD_EXP == 1:  # sparsemax
         a = tl.where(keep, tl.maximum(s - shift[:, None], 0.0), zero)
         da = tl.where(a > 0, 1.0, 0.0)
         db = da
-    elif KIND == K_POWER:  # d|s|^p/ds = p |s|^p / s (0 at s = 0)
+    elif RUNNING_SHIFT == 3:  # (shift 'log_abs_max') power: d|s|^p/ds = p |s|^p / s (0 at s = 0)
         mag = tl.abs(s)
         nz = keep & (mag >= TINY)
         pw = tl.abs(r)[:, None]
         a = tl.where(nz, tl.exp(tl.where(nz, pw * tl.log(tl.where(nz, mag, 1.0)) - shift[:, None], POW_NEG)), zero)
         da = tl.where(nz, a * pw / tl.where(nz, s, 1.0), zero)
         db = da
-    elif KIND == K_SOFTPLUS:  # (softplus(s) e^-c)' = sigmoid(s) e^-c
+    elif RUNNING_SHIFT == 2:  # (shift 'max_score_below_zero') (softplus(s) e^-c)' = sigmoid(s) e^-c
         u = tl.exp(-tl.abs(s))
         w = 1.0 + u
         d = w - 1.0
@@ -328,14 +326,14 @@ def _slopes(s, r, keep, shift, KIND: tl.constexpr):
         a = tl.where(keep, tl.where(s > 0, s + lp, e * ratio), zero)
         da = tl.where(keep, tl.where(s > 0, 1.0, e) / w, zero)
         db = da
-    elif KIND == K_ENTMAX_ALPHA:  # g = d^(1/(alpha-1) - 1) = p^(2 - alpha) (unnormalised), ds in score units
+    elif THRESHOLD_EXP == -1:  # alpha-entmax: g = d^(1/(alpha-1) - 1) = p^(2 - alpha) (unnormalised)
         d = tl.where(keep, s - shift[:, None], zero)
         pos = d > 0
         d1 = tl.where(pos, d, 1.0)
         a = tl.where(pos, tl.exp(tl.log(d1) / (r - 1.0)[:, None]), zero)
         da = tl.where(pos, a / d1, zero)
         db = da
-    elif KIND == K_ENTMAX15:
+    elif THRESHOLD_EXP == 2:  # entmax-1.5
         t = tl.where(keep, tl.maximum(s * 0.5 - shift[:, None], 0.0), zero)
         a = t * t
         da = t
@@ -408,7 +406,8 @@ def _threshold_kernel(
     H, GROUPS, LQ, LK, DH, R, ROWMAX,
     BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr,
-    KIND: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    KIND: tl.constexpr, THRESHOLD_EXP: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr,
     STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Sparse maps: per-row threshold TAU [B, H, Lq] with sum_j [z_j - tau]_+^(1/(alpha-1)) = 1 (z = s or s/2).
@@ -456,13 +455,13 @@ def _threshold_kernel(
             s, keep, kt, capd = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m,
                                        start_n + offs_n0, m_valid, d_valid, c, LK, CAUSAL, HAS_MASK, PREC, UPCAST,
                 b, h, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP)
-            if KIND == K_ENTMAX15:
+            if THRESHOLD_EXP == 2:
                 s = s * 0.5
             zmax = tl.maximum(zmax, tl.max(tl.where(keep, s, -float("inf")), 1))
     has_keys = zmax > -float("inf")
     hi_t = tl.where(has_keys, zmax, 0.0)
     lo_t = hi_t - 1.0
-    if KIND == K_ENTMAX_ALPHA:
+    if THRESHOLD_EXP == -1:
         am1 = tl.load(R + b * scb + h * sch + offs_m * scm, mask=m_valid, other=2.0) - 1.0
         pw = 1.0 / am1
         mrow = hi_t  # M (0 on fully masked rows)
@@ -484,21 +483,21 @@ def _threshold_kernel(
                                                start_n + offs_n0, m_valid, d_valid, c, LK, CAUSAL, HAS_MASK, PREC,
                                                UPCAST,
                         b, h, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP)
-                    if KIND == K_ENTMAX15:
+                    if THRESHOLD_EXP == 2:
                         s = s * 0.5
-                    if KIND == K_ENTMAX_ALPHA:
+                    if THRESHOLD_EXP == -1:
                         s = (s - mrow[:, None]) * am1[:, None]
                     t = tl.where(keep, tl.maximum(s - tau[:, None], 0.0), 0.0)
-                    if KIND == K_ENTMAX_ALPHA:  # mass = sum t^P, slope = sum t^(P-1) (-d mass/d tau = P slope)
+                    if THRESHOLD_EXP == -1:  # mass = sum t^P, slope = sum t^(P-1) (-d mass/d tau = P slope)
                         pos = t > 0
                         t1 = tl.where(pos, t, 1.0)
                         e = tl.where(pos, tl.exp(tl.log(t1) * pw[:, None]), 0.0)
                         mass += tl.sum(e, 1)
                         slope += tl.sum(e / t1, 1)
-                    elif KIND == K_ENTMAX15:
+                    elif THRESHOLD_EXP == 2:
                         mass += tl.sum(t * t, 1)
                         slope += 2.0 * tl.sum(t, 1)
-                    elif KIND == K_SPARSEMAX:
+                    elif THRESHOLD_EXP == 1:
                         mass += tl.sum(t, 1)
                         slope += tl.sum(tl.where(t > 0, 1.0, 0.0), 1)
                     else:
@@ -506,7 +505,7 @@ def _threshold_kernel(
             f = mass - 1.0  # decreasing and convex in tau
             lo_t = tl.where(f >= 0, tau, lo_t)
             hi_t = tl.where(f >= 0, hi_t, tau)
-            if KIND == K_ENTMAX_ALPHA:
+            if THRESHOLD_EXP == -1:
                 # h = mass^(1/P): tau + (h - 1) / -h' = tau + (mass - mass^(1 - 1/P)) / slope. alpha > 2: bisection
                 # (-2 is outside the bracket), as the C++ kernel: there the slope is infinite at the support's edge,
                 # so Newton's steps on mass shrink to nothing away from the root and stop the search early
@@ -531,8 +530,8 @@ def _fwd_kernel(
     H, GROUPS, LQ, LK, DH, DV, ROWMAX,
     BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr,
-    KIND: tl.constexpr, NORMALISED: tl.constexpr, DEN_ADDS_ROW_VALUE: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_MASK: tl.constexpr,
+    KIND: tl.constexpr, NORMALISED: tl.constexpr, DEN_ADDS_ROW_VALUE: tl.constexpr, RUNNING_SHIFT: tl.constexpr,
+    THRESHOLD_EXP: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
@@ -563,14 +562,14 @@ def _fwd_kernel(
     t_ptr = TABLE + b * stb + h * sth + pid_m * stm
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     den = tl.zeros([BLOCK_M], tl.float32)
-    if ((KIND == K_SPARSEMAX) | (KIND == K_ENTMAX15) | (KIND == K_ENTMAX_ALPHA)):
+    if THRESHOLD_EXP != 0:
         shift = tl.load(SHIFT_IN + row, mask=m_valid, other=0.0)  # the sparse threshold tau
-    elif (KIND == K_POWER) | (KIND == K_SOFTPLUS):
+    elif (RUNNING_SHIFT == 2) | (RUNNING_SHIFT == 3):
         # power: running max of p ln|s| over visible s != 0; softplus: min(0, running max of visible s)
         shift = tl.full([BLOCK_M], POW_NEG, tl.float32)
     else:
-        shift = tl.zeros([BLOCK_M], tl.float32)  # softpick: running max of (0, visible scores)
-    if KIND == K_ENTMAX_ALPHA:
+        shift = tl.zeros([BLOCK_M], tl.float32)  # shift 1 (softpick): running max of (0, visible scores)
+    if THRESHOLD_EXP == -1:
         mrow = tl.load(ROWMAX + row, mask=m_valid, other=0.0)
     hi = LK
     if CAUSAL:
@@ -584,15 +583,15 @@ def _fwd_kernel(
             s, keep, kt, capd = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m, offs_n,
                                        m_valid, d_valid, c, LK, CAUSAL, HAS_MASK, PREC, UPCAST,
                 b, h, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP)
-            if KIND == K_ENTMAX_ALPHA:
+            if THRESHOLD_EXP == -1:
                 s = (s - mrow[:, None]) * (r - 1.0)[:, None]
-            if KIND == K_SOFTPICK:
+            if RUNNING_SHIFT == 1:  # 'max_score'
                 new = tl.maximum(shift, tl.max(tl.where(keep, s, 0.0), 1))
                 alpha = tl.exp(shift - new)
                 acc = acc * alpha[:, None]
                 den = den * alpha
                 shift = new
-            if KIND == K_POWER:
+            if RUNNING_SHIFT == 3:  # 'log_abs_max'
                 mag = tl.abs(s)
                 nz = keep & (mag >= TINY)
                 lmax = tl.max(tl.where(nz, tl.abs(r)[:, None] * tl.log(tl.where(nz, mag, 1.0)), POW_NEG), 1)
@@ -601,13 +600,13 @@ def _fwd_kernel(
                 acc = acc * alpha[:, None]
                 den = den * alpha
                 shift = new
-            if KIND == K_SOFTPLUS:
+            if RUNNING_SHIFT == 2:  # 'max_score_below_zero'
                 new = tl.maximum(shift, tl.minimum(tl.max(tl.where(keep, s, POW_NEG), 1), 0.0))
                 alpha = tl.exp(shift - new)
                 acc = acc * alpha[:, None]
                 den = den * alpha
                 shift = new
-            a, bden = _entry(s, r, keep, shift, KIND)
+            a, bden = _entry(s, r, keep, shift, KIND, RUNNING_SHIFT, THRESHOLD_EXP)
             v = tl.load(v_ptrs + start_n * svn, mask=(offs_n[:, None] < LK) & dv_valid[None, :],
                         other=0.0).to(tl.float32)
             acc += tl.dot(a, v, input_precision=PREC)
@@ -617,11 +616,11 @@ def _fwd_kernel(
             den = den + r
         inv = tl.where(den != 0, 1.0 / tl.where(den != 0, den, 1.0), 0.0)
         acc = acc * inv[:, None]
-    if KIND == K_ENTMAX_ALPHA:
+    if THRESHOLD_EXP == -1:
         acc = acc * tl.where(den != 0, 1.0 / tl.where(den != 0, den, 1.0), 0.0)[:, None]
     tl.store(OUT + row[:, None] * DV + offs_dv[None, :], acc, mask=m_valid[:, None] & dv_valid[None, :])
     tl.store(DEN + row, den, mask=m_valid)
-    if (KIND == K_SOFTPICK) | (KIND == K_POWER) | (KIND == K_SOFTPLUS):
+    if RUNNING_SHIFT != 0:
         tl.store(SHIFT + row, shift, mask=m_valid)
 
 
@@ -634,7 +633,8 @@ def _bwd_dq_kernel(
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr, HAS_DBIAS: tl.constexpr,
     DB_BM: tl.constexpr, DB_BN: tl.constexpr,
     KIND: tl.constexpr, NORMALISED: tl.constexpr, DEN_ADDS_ROW_VALUE: tl.constexpr, ROW_VALUE_FACTOR: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXP: tl.constexpr, ROW_VALUE_IN_SCORE: tl.constexpr,
+    ROW_VALUE_EXPONENT: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
@@ -681,13 +681,13 @@ def _bwd_dq_kernel(
     hi = LK
     if CAUSAL:
         hi = tl.minimum(LK, (pid_m + 1) * BLOCK_M)
-    if KIND == K_ENTMAX_ALPHA:
+    if THRESHOLD_EXP == -1:
         mrow = tl.load(ROWMAX + row, mask=m_valid, other=0.0)
         am1 = r - 1.0
         # g of the renormalised p = a / Z, as the reference: (a / Z)^(2 - alpha) = a^(2 - alpha) Z^(alpha - 2)
         # (Z - 1 is about P times tau's rounding: 6e-5 at alpha = 1.001)
         zg = tl.exp(tl.log(tl.where(den > 0, den, 1.0)) * (r - 2.0))
-    if NORMALISED or ((KIND == K_SPARSEMAX) | (KIND == K_ENTMAX15) | (KIND == K_ENTMAX_ALPHA)):
+    if NORMALISED or (THRESHOLD_EXP != 0):
         # First pass: delta_i, stored for the dk/dv kernel. Normalised kinds: sum_j w_ij dp_ij with w = a / D by
         # true division; sparse kinds: the Jacobian's mean term sum_j g_ij dp_ij / sum_j g_ij. Computed from the
         # same dp as the second pass, a row with one visible key (or a one-key support) gets ds = 0 exactly.
@@ -709,19 +709,19 @@ def _bwd_dq_kernel(
                 vt = tl.load(vt_ptrs + start_n * svn, mask=dv_valid[:, None] & (offs_n[None, :] < LK),
                              other=0.0).to(tl.float32)
                 dp = tl.dot(do, vt, input_precision=PREC)
-                if KIND == K_ENTMAX_ALPHA:
+                if THRESHOLD_EXP == -1:
                     s = (s - mrow[:, None]) * am1[:, None]
                 if NORMALISED:
-                    a, _b = _entry(s, r, keep, shift, KIND)
+                    a, _b = _entry(s, r, keep, shift, KIND, RUNNING_SHIFT, THRESHOLD_EXP)
                     delta += tl.sum(a / den1[:, None] * dp, 1)
                 else:
-                    a, g, _db = _slopes(s, r, keep, shift, KIND)
+                    a, g, _db = _slopes(s, r, keep, shift, KIND, RUNNING_SHIFT, THRESHOLD_EXP)
                     delta += tl.sum(g * dp, 1)
                     gsum += tl.sum(g, 1)
-                    if KIND == K_ENTMAX_ALPHA:
+                    if THRESHOLD_EXP == -1:
                         pa = a * inv[:, None]
                         ent += tl.sum(tl.where(pa > 0, pa * tl.log(tl.where(pa > 0, pa, 1.0)), 0.0), 1)
-        if ((KIND == K_SPARSEMAX) | (KIND == K_ENTMAX15) | (KIND == K_ENTMAX_ALPHA)):
+        if THRESHOLD_EXP != 0:
             delta = tl.where(gsum > 0, delta / tl.where(gsum > 0, gsum, 1.0), 0.0)
         tl.store(DELTA + row, delta, mask=m_valid)
     for start_n in range(0, hi, BLOCK_N):
@@ -736,29 +736,29 @@ def _bwd_dq_kernel(
             vt = tl.load(vt_ptrs + start_n * svn, mask=dv_valid[:, None] & (offs_n[None, :] < LK),
                          other=0.0).to(tl.float32)
             dp = tl.dot(do, vt, input_precision=PREC)
-            if KIND == K_ENTMAX_ALPHA:
+            if THRESHOLD_EXP == -1:
                 s = (s - mrow[:, None]) * am1[:, None]
-            a, da, db = _slopes(s, r, keep, shift, KIND)
+            a, da, db = _slopes(s, r, keep, shift, KIND, RUNNING_SHIFT, THRESHOLD_EXP)
             if NORMALISED:
                 ds = (da * dp - db * delta[:, None]) * inv[:, None]
-            elif ((KIND == K_SPARSEMAX) | (KIND == K_ENTMAX15)):
+            elif (THRESHOLD_EXP == 1) | (THRESHOLD_EXP == 2):
                 ds = da * (dp - delta[:, None])
-            elif KIND == K_ENTMAX_ALPHA:
+            elif THRESHOLD_EXP == -1:
                 ds = da * zg[:, None] * (dp - delta[:, None])
             else:
                 ds = da * dp
-            if KIND == K_SIGMOID:  # sigmoid: r is added to s
+            if ROW_VALUE_IN_SCORE:  # weight(s + r) (maps.py): d/dr = sum_j ds_j
                 dr += tl.sum(ds, 1)
             if ROW_VALUE_FACTOR:  # weight(s, r) = r weight(s, 1) (maps.py): d/dr = sum_j weight(s_j, 1) dp_j
-                a1, _b1 = _entry(s, r * 0.0 + 1.0, keep, shift, KIND)
+                a1, _b1 = _entry(s, r * 0.0 + 1.0, keep, shift, KIND, RUNNING_SHIFT, THRESHOLD_EXP)
                 dr += tl.sum(a1 * dp, 1)
-            if KIND == K_POWER:  # power: d/dp of a_j / D is a_j ln|s_j| (dp_j - delta) / D; ln|s| centred at the
-                # row's largest (shift / p), which sum_j a_j (dp_j - delta) = 0 allows, against rounding
+            if ROW_VALUE_EXPONENT:  # |s|^|r| (power): d/dp of a_j / D is a_j ln|s_j| (dp_j - delta) / D; ln|s|
+                # centred at the row's largest (shift / p), which sum_j a_j (dp_j - delta) = 0 allows, against rounding
                 mag = tl.abs(s)
                 centre = shift / tl.maximum(tl.abs(r), 1.0)  # (|r| = p >= 1; 0 on rows past Lq)
                 lg = tl.where(a > 0, tl.log(tl.where(a > 0, mag, 1.0)) - centre[:, None], 0.0)
                 dr += tl.sum(a * lg * (dp - delta[:, None]), 1) * inv
-            if KIND == K_ENTMAX_ALPHA:
+            if THRESHOLD_EXP == -1:
                 pa = a * inv[:, None]
                 pt = da / tl.where(gsum > 0, gsum, 1.0)[:, None]
                 plp = tl.where(pa > 0, pa * tl.log(tl.where(pa > 0, pa, 1.0)), 0.0)
@@ -781,7 +781,7 @@ def _bwd_dq_kernel(
             acc += tl.dot(ds, tl.trans(kt).to(tl.float32), input_precision=PREC)
     if DEN_ADDS_ROW_VALUE:  # r is added to the denominator (maps.py: den_offset)
         dr = -delta * inv
-    if KIND == K_POWER:  # r = +-p (the sign marks single-key rows; their gradient is 0 anyway)
+    if ROW_VALUE_EXPONENT:  # r = +-p (the sign marks single-key rows; their gradient is 0 anyway)
         dr = tl.where(r < 0, -dr, dr)
     tl.store(DQ + row[:, None] * DH + offs_d[None, :], acc * c[:, None], mask=m_valid[:, None] & d_valid[None, :])
     tl.store(DC + row, tl.sum(q.to(tl.float32) * acc, 1), mask=m_valid)
@@ -795,7 +795,8 @@ def _bwd_dkdv_kernel(
     H, HKV, GROUPS, LQ, LK, DH, DV, ROWMAX,
     BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr,
-    KIND: tl.constexpr, NORMALISED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    KIND: tl.constexpr, NORMALISED: tl.constexpr, RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXP: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
@@ -857,17 +858,17 @@ def _bwd_dkdv_kernel(
                     keep = keep & (offs_n[None, :] <= offs_m[:, None])
                 if HAS_MASK:
                     keep = keep & (tl.load(keep_ptrs + start_m * smm, mask=keep, other=0) != 0)
-                if KIND == K_ENTMAX_ALPHA:
+                if THRESHOLD_EXP == -1:
                     s = (s - tl.load(ROWMAX + row, mask=m_valid, other=0.0)[:, None]) * (r - 1.0)[:, None]
-                a, da, db = _slopes(s, r, keep, shift, KIND)
+                a, da, db = _slopes(s, r, keep, shift, KIND, RUNNING_SHIFT, THRESHOLD_EXP)
                 dp = tl.dot(do, tl.trans(v), input_precision=PREC)
                 if NORMALISED:
                     w = a * inv[:, None]
                     ds = (da * dp - db * delta[:, None]) * inv[:, None]
-                elif KIND == K_ENTMAX_ALPHA:  # renormalised by Z, as the forward (and g, see the dq kernel)
+                elif THRESHOLD_EXP == -1:  # renormalised by Z, as the forward (and g, see the dq kernel)
                     w = a * inv[:, None]
                     ds = da * tl.exp(tl.log(tl.where(den > 0, den, 1.0)) * (r - 2.0))[:, None] * (dp - delta[:, None])
-                elif ((KIND == K_SPARSEMAX) | (KIND == K_ENTMAX15)):
+                elif (THRESHOLD_EXP == 1) | (THRESHOLD_EXP == 2):
                     w = a
                     ds = da * (dp - delta[:, None])
                 else:
@@ -972,7 +973,10 @@ class _Plan:
         self.groups = self.H // self.HKV
         self.name = call.normalizer.fused_kind
         self.kind = kind_id(self.name)
-        self.normalised = self.name in NORMALISED
+        self.fmap = lookup_id(self.kind)
+        self.normalised = self.fmap.normalised
+        #: the threshold search's form (FusedMap.threshold_exponent; -1: alpha-entmax's, from the row value)
+        self.threshold_exp = -1 if self.fmap.dispatch == "alpha" else self.fmap.threshold_exponent
         self.bm, self.bn = block_sizes(q.device, self.DH)
         self.bd, self.bdv = _pow2(self.DH), _pow2(self.DV)
         keep = call.mask.keep
@@ -1018,8 +1022,11 @@ class _Plan:
                 *self.table_strides]
 
     def consts(self) -> dict[str, Any]:
-        return dict(KIND=self.kind, NORMALISED=self.normalised, DEN_ADDS_ROW_VALUE=self.name in DEN_ADDS_ROW_VALUE,
-                    ROW_VALUE_FACTOR=self.name in ROW_VALUE_FACTOR, CAUSAL=self.causal, HAS_MASK=self.table.dim() == 4,
+        fmap = self.fmap
+        return dict(KIND=self.kind, NORMALISED=fmap.normalised, DEN_ADDS_ROW_VALUE=fmap.den_offset is not None,
+                    ROW_VALUE_FACTOR=fmap.row_value_factor, RUNNING_SHIFT=SHIFT_IDS[fmap.shift],
+                    THRESHOLD_EXP=self.threshold_exp, ROW_VALUE_IN_SCORE=fmap.row_value_in_score,
+                    ROW_VALUE_EXPONENT=fmap.row_value_exponent, CAUSAL=self.causal, HAS_MASK=self.table.dim() == 4,
                     PREC=self.prec, UPCAST=self.upcast, BLOCK_M=self.bm, BLOCK_N=self.bn, BLOCK_D=self.bd,
                     BLOCK_DV=self.bdv)
 
@@ -1059,7 +1066,7 @@ class _TritonAttention(torch.autograd.Function):
         # alpha-entmax's row max M of the scores (written by the threshold kernel); other maps never read it and get
         # score_scale, which no kernel writes (Triton's interpreter copies each pointer argument back after a kernel,
         # so a dummy aliasing an output would overwrite it)
-        rowmax = torch.zeros(rows, dtype=torch.float32, device=dev) if plan.kind == K_ENTMAX_ALPHA else score_scale
+        rowmax = torch.zeros(rows, dtype=torch.float32, device=dev) if plan.threshold_exp == -1 else score_scale
         common = plan.common(q, k, v, score_scale)
         cst = plan.consts()
         grid = _grid_q(plan)
