@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from hf_attnorm.kernels.fused import cpu as fused_cpu
-from hf_attnorm.kernels.fused import kinds, maps
+from hf_attnorm.kernels.fused import maps
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -80,13 +80,13 @@ def test_declared_slope_is_the_derivative_of_the_declared_weight(name):
         torch.testing.assert_close(slope(s.detach(), r), auto, rtol=1e-12, atol=1e-12)
 
 
-def test_kinds_are_derived_from_the_declarations():
-    assert kinds.FUSED_KINDS == {m.name: m.kernel_id for m in maps.MAPS}
-    assert kinds.NORMALISED == {m.name for m in maps.MAPS if m.normalised}
-    assert kinds.THRESHOLD == {m.name for m in maps.MAPS if m.threshold}
-    assert kinds.WIDE == {m.name for m in maps.MAPS if m.wide}
-    assert kinds.DEN_ADDS_ROW_VALUE == {m.name for m in maps.MAPS if m.den_offset is not None}
-    assert kinds.ROW_VALUE_FACTOR == {m.name for m in maps.MAPS if m.row_value_factor}
+def test_map_tables_are_derived_from_the_declarations():
+    assert maps.MAP_IDS == {m.name: m.kernel_id for m in maps.MAPS}
+    assert maps.NORMALISED == {m.name for m in maps.MAPS if m.normalised}
+    assert maps.THRESHOLD == {m.name for m in maps.MAPS if m.threshold}
+    assert maps.WIDE == {m.name for m in maps.MAPS if m.wide}
+    assert maps.DEN_ADDS_ROW_VALUE == {m.name for m in maps.MAPS if m.den_offset is not None}
+    assert maps.ROW_VALUE_FACTOR == {m.name for m in maps.MAPS if m.row_value_factor}
 
 
 @pytest.mark.parametrize("name", IDS)
@@ -123,6 +123,17 @@ def test_a_declaration_the_kernels_cannot_obey_is_refused():
         dataclasses.replace(maps.BY_NAME["sparsemax"], name="no_exponent", threshold_exponent=0)
 
 
+def test_a_normalizer_naming_its_map_by_the_former_attribute_still_gets_it():
+    """``fused_kind`` was the attribute's name: a subclass that sets it runs on that map, with a DeprecationWarning."""
+    from hf_attnorm.normalizers.base import Normalizer
+
+    with pytest.warns(DeprecationWarning, match="fused_map"):
+        class Old(Normalizer):
+            fused_kind = "sigmoid"
+
+    assert Old.fused_map == "sigmoid"
+
+
 def test_an_undeclared_id_is_refused_by_name():
     with pytest.raises(ValueError, match=f"unknown fused map id {UNKNOWN_ID}: the declared ids are 0 \\(symax\\)"):
         maps.lookup_id(UNKNOWN_ID)
@@ -141,11 +152,11 @@ def _ops():
     return fused_cpu.native_ops()
 
 
-def _map_facts(kind: int) -> list[int]:
-    """What the C++ build believes about map ``kind`` (a C++-only op: its namespace is the compiled one,
+def _map_facts(map_id: int) -> list[int]:
+    """What the C++ build believes about map ``map_id`` (a C++-only op: its namespace is the compiled one,
     ``hf_attnorm_native``; the ops hf_attnorm calls are declared from Python as ``hf_attnorm_fused``)."""
     _ops()  # builds the extension
-    return torch.ops.hf_attnorm_native.map_facts(kind)
+    return torch.ops.hf_attnorm_native.map_facts(map_id)
 
 
 def test_cpp_enum_spells_the_declared_ids():
@@ -153,13 +164,13 @@ def test_cpp_enum_spells_the_declared_ids():
     from pathlib import Path
 
     src = Path(fused_cpu.__file__).with_name("fused_cpu.cpp").read_text()
-    enum = re.search(r"enum Kind : int64_t \{(.*?)\};", src, re.S).group(1)
+    enum = re.search(r"enum MapId : int64_t \{(.*?)\};", src, re.S).group(1)
     cpp = {m.group(1): int(m.group(2)) for m in re.finditer(r"(\w+) = (\d+)", enum)}
-    declared = {kinds.constant_name(m.name): m.kernel_id for m in maps.MAPS}
-    assert cpp == declared, ("enum Kind in fused/fused_cpu.cpp differs from fused/maps.py: only in the C++ "
+    declared = {maps.constant_name(m.name): m.kernel_id for m in maps.MAPS}
+    assert cpp == declared, ("enum MapId in fused/fused_cpu.cpp differs from fused/maps.py: only in the C++ "
                              f"{sorted(cpp.items() - declared.items())}, "
                              f"only declared {sorted(declared.items() - cpp.items())}")
-    assert int(re.search(r"NUM_KINDS = (\d+);", src).group(1)) == max(maps.BY_ID) + 1
+    assert int(re.search(r"NUM_MAPS = (\d+);", src).group(1)) == max(maps.BY_ID) + 1
 
 
 @pytest.mark.parametrize("name", IDS)
@@ -224,7 +235,7 @@ else:
 
     def _plan(name: str, q, k, v, keep):
         """A launch plan for map ``name`` (the call's fields _Plan reads; no normalizer needed)."""
-        call = types.SimpleNamespace(q=q, k=k, v=v, normalizer=types.SimpleNamespace(fused_kind=name),
+        call = types.SimpleNamespace(q=q, k=k, v=v, normalizer=types.SimpleNamespace(fused_map=name),
                                      mask=types.SimpleNamespace(keep=keep, causal=False), softcap=None,
                                      alibi_slopes=None)
         return ta._Plan(call)
@@ -246,11 +257,11 @@ else:
     def test_triton_refuses_an_undeclared_id_before_launching_and_in_the_device_code(monkeypatch):
         q, k, v, keep = _inputs(torch.float32)
         plan = _plan("symax", q, k, v, keep)
-        plan.kind = UNKNOWN_ID
+        plan.map_id = UNKNOWN_ID
         c = torch.ones(q.shape[:3])
         with pytest.raises(ValueError, match=f"unknown fused map id {UNKNOWN_ID}"):
             ta._TritonAttention.apply(q, k, v, c, c, None, plan)
         # past the launcher (as if a map were declared without device code): the per-map chain refuses to compile
-        monkeypatch.setattr(ta, "check_kind", lambda kind: None)
-        with pytest.raises(Exception, match="no forward branch for this fused map KIND"):
+        monkeypatch.setattr(ta, "check_map", lambda map_id: None)
+        with pytest.raises(Exception, match="no forward branch for this fused map"):
             ta._TritonAttention.apply(q, k, v, c, c, None, plan)

@@ -32,12 +32,12 @@ import torch
 from ...normalizers.base import Normalizer
 from ...torch_compat import register_export_ops
 from ..base import AttnCall, compact_bias, compute_dtype, dense_keep, last_dim_contiguous
-from .kinds import FUSED_KINDS, THRESHOLD, WIDE, fused_takes, kind_id
-from .maps import compile_definitions, lookup_id
+from .maps import MAP_IDS, MAPS, THRESHOLD, WIDE, compile_definitions, fused_takes, lookup_id, map_id
 
 logger = logging.getLogger("hf_attnorm")
 
-_THRESHOLD_KINDS = frozenset(FUSED_KINDS[name] for name in THRESHOLD)
+_THRESHOLD_IDS = frozenset(MAP_IDS[name] for name in THRESHOLD)
+_ALPHA_IDS = frozenset(m.kernel_id for m in MAPS if m.dispatch == "alpha")
 #: (block_q, block_k) of the blocked kernels (tuned on a 2-core AVX-512 Xeon, d = 64: 128 x 256 was best of
 #: 32..256 x 64..512 at n = 1024..4096); threshold maps take block_q_threshold queries against a full row buffer
 BLOCKS = {"block_q": 128, "block_k": 256, "block_q_threshold": 128}
@@ -177,23 +177,25 @@ def build_error_summary(exc: BaseException, max_lines: int = 12) -> str:
 def _define_ops() -> None:
     """The two ops with their shape-only implementations (torch.compile and torch.export trace through them)."""
 
-    def forward_fake(kind, q, k, v, keep, causal, row_value, bias, slopes, cap, block_q, block_k, need_u=True):
+    def forward_fake(map_id, q, k, v, keep, causal, row_value, bias, slopes, cap, block_q, block_k, need_u=True):
         B, H, Lq = q.shape[:3]
         out = q.new_empty((B, H, Lq, v.shape[-1]))
         dv = v.shape[-1]
-        width = 2 * dv + 3 if kind == kind_id("entmax_alpha") else dv  # alpha-entmax: [U | A | Z | H | M]
-        hv_sum = q.new_empty((B, H, Lq, width)) if kind in _THRESHOLD_KINDS and need_u else q.new_empty((0,))
+        width = 2 * dv + 3 if map_id in _ALPHA_IDS else dv  # alpha-entmax: [U | A | Z | H | M]
+        hv_sum = q.new_empty((B, H, Lq, width)) if map_id in _THRESHOLD_IDS and need_u else q.new_empty((0,))
         return [out, q.new_empty((B, H, Lq)), q.new_empty((B, H, Lq)), hv_sum]
 
-    def backward_fake(kind, q, k, v, keep, causal, row_value, bias, slopes, cap, bias_grad, out, den_or_tau,
+    def backward_fake(map_id, q, k, v, keep, causal, row_value, bias, slopes, cap, bias_grad, out, den_or_tau,
                       shift_or_gsum, hv_sum, dout, block_q, block_k):
         # contiguous like the C++ at::empty(x.sizes()) (empty_like would keep a transposed input's strides)
         dbias = q.new_empty(bias.shape) if bias_grad else q.new_empty((0,))
         return [*(x.new_empty(x.shape) for x in (q, k, v, row_value)), dbias]
 
-    define_op("forward(int kind, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor c, Tensor? bias, "
+    define_op("forward(int map_id, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor row_value, "
+              "Tensor? bias, "
               "Tensor? slopes, float cap, int block_q, int block_k, bool need_u=True) -> Tensor[]", forward_fake)
-    define_op("backward(int kind, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor c, Tensor? bias, "
+    define_op("backward(int map_id, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor row_value, "
+              "Tensor? bias, "
               "Tensor? slopes, float cap, bool bias_grad, Tensor out, Tensor r1, Tensor r2, Tensor u, Tensor dout, "
               "int block_q, int block_k) -> Tensor[]", backward_fake)
 
@@ -221,25 +223,25 @@ class _FusedAttention(torch.autograd.Function):
     shift_or_gsum (the weights' running shift, or the sum of the Jacobian weights) and hv_sum (threshold maps)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, row_value, bias, keep, slopes, cap: float, causal: bool, kind: int,
+    def forward(ctx, q, k, v, row_value, bias, keep, slopes, cap: float, causal: bool, map_id: int,
                 blocks: tuple[int, int], need_grad: bool):
         ops = _state["ops"]
-        lookup_id(kind)  # an id no map declares: a ValueError here, before the kernel (which also refuses it)
+        lookup_id(map_id)  # an id no map declares: a ValueError here, before the kernel (which also refuses it)
         # need_grad False (inference): the threshold maps skip hv_sum, which only the backward pass reads
-        out, den_or_tau, shift_or_gsum, hv_sum = ops.forward(kind, q, k, v, keep, causal, row_value, bias, slopes,
+        out, den_or_tau, shift_or_gsum, hv_sum = ops.forward(map_id, q, k, v, keep, causal, row_value, bias, slopes,
                                                              cap, *blocks, need_grad)
         ctx.save_for_backward(q, k, v, row_value, bias, keep, slopes, out, den_or_tau, shift_or_gsum, hv_sum)
-        ctx.meta = (causal, kind, blocks, cap)
+        ctx.meta = (causal, map_id, blocks, cap)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, row_value, bias, keep, slopes, out, den_or_tau, shift_or_gsum, hv_sum = ctx.saved_tensors
-        causal, kind, blocks, cap = ctx.meta
+        causal, map_id, blocks, cap = ctx.meta
         bias_grad = bias is not None and ctx.needs_input_grad[4]
         dq, dk, dv, drow_value, dbias = _state["ops"].backward(
-            kind, q, k, v, keep, causal, row_value, bias, slopes, cap, bias_grad, out, den_or_tau, shift_or_gsum,
+            map_id, q, k, v, keep, causal, row_value, bias, slopes, cap, bias_grad, out, den_or_tau, shift_or_gsum,
             hv_sum, dout.contiguous(), *blocks)
         return (dq, dk, dv, (drow_value if ctx.needs_input_grad[3] else None), (dbias if bias_grad else None),
                 None, None, None, None, None, None, None)
@@ -257,7 +259,7 @@ def row_value(call: AttnCall, dtype: torch.dtype) -> torch.Tensor:
 
 
 def takes(norm: Normalizer) -> str | None:
-    """The normalizers with a fused map and no q/k transform (``kinds.fused_takes``)."""
+    """The normalizers with a fused map and no q/k transform (``maps.fused_takes``)."""
     return fused_takes(norm, "fused")
 
 
@@ -286,8 +288,8 @@ def accepts(call: AttnCall) -> str | None:
 
 def fused_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     """out [B, H, Lq, Dv] in the input dtype (fp16/bf16 computed in fp32), for calls ``accepts`` takes."""
-    kind = call.normalizer.fused_kind
-    dt = torch.float64 if kind in WIDE else compute_dtype(call.q.dtype)
+    name = call.normalizer.fused_map
+    dt = torch.float64 if name in WIDE else compute_dtype(call.q.dtype)
     q = (call.q.to(dt) * call.q_factor(dt)).contiguous()
     k = last_dim_contiguous(call.k.to(dt))
     v = last_dim_contiguous(call.v.to(dt))
@@ -296,7 +298,7 @@ def fused_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     causal = keep is None and call.mask.causal
     if BLOCK_OVERRIDE is not None:
         blocks = BLOCK_OVERRIDE
-    elif kind in THRESHOLD:
+    elif name in THRESHOLD:
         # few queries (decode): a query block no larger than needed, since the threshold maps keep a [block_q, Lk]
         # row buffer per thread (128 rows for one query made a 4096-key decode step about 2x slower)
         blocks = (min(BLOCKS["block_q_threshold"], max(8, Lq)), BLOCKS["block_k"])
@@ -307,7 +309,7 @@ def fused_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     slopes = None if call.alibi_slopes is None else call.alibi_slopes.detach().to(dt).contiguous()
     cap = 0.0 if call.softcap is None else float(call.softcap)
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, rv, bias))
-    out = _FusedAttention.apply(q, k, v, rv, bias, keep, slopes, cap, causal, kind_id(kind), blocks, need_grad)
+    out = _FusedAttention.apply(q, k, v, rv, bias, keep, slopes, cap, causal, map_id(name), blocks, need_grad)
     return out.to(call.q.dtype), None
 
 

@@ -38,6 +38,8 @@ from typing import Literal
 
 import torch
 
+from ...normalizers.base import Normalizer
+
 Tensor = torch.Tensor
 #: elementwise function of the score s [..., Lk] and the row value r (broadcast to s)
 EntryFn = Callable[[Tensor, Tensor], Tensor]
@@ -229,6 +231,44 @@ BY_ID: dict[int, FusedMap] = {m.kernel_id: m for m in MAPS}
 if len(BY_NAME) != len(MAPS) or len(BY_ID) != len(MAPS):
     raise ValueError("kernels/fused/maps.py: every fused map needs its own name and its own kernel_id")
 
+#: map name -> map id (what both kernels take; ``FusedMap.kernel_id``); ids are never reused
+MAP_IDS: dict[str, int] = {m.name: m.kernel_id for m in MAPS}
+#: maps whose rows are divided by a denominator accumulated with them (C++ ``is_normalised``)
+NORMALISED: frozenset[str] = frozenset(m.name for m in MAPS if m.normalised)
+#: maps with a per-row threshold found by a search over the row (C++ ``is_threshold``)
+THRESHOLD: frozenset[str] = frozenset(m.name for m in MAPS if m.threshold)
+#: maps whose denominator adds the row value (``FusedMap.den_offset``; C++ ``den_adds_row_value``)
+DEN_ADDS_ROW_VALUE: frozenset[str] = frozenset(m.name for m in MAPS if m.den_offset is not None)
+#: maps whose weight is the row value times a function of the score (``FusedMap.row_value_factor``)
+ROW_VALUE_FACTOR: frozenset[str] = frozenset(m.name for m in MAPS if m.row_value_factor)
+#: maps the C++ kernel computes in float64 whatever the input dtype (``FusedMap.wide``)
+WIDE: frozenset[str] = frozenset(m.name for m in MAPS if m.wide)
+
+
+def map_id(name: str) -> int:
+    """The id of map ``name`` (KeyError naming the known maps otherwise)."""
+    try:
+        return MAP_IDS[name]
+    except KeyError:
+        raise KeyError(f"no fused kernel map {name!r} (maps: {', '.join(MAP_IDS)})") from None
+
+
+def constant_name(name: str) -> str:
+    """The constant a kernel source uses for map ``name``: ``MAP_SYMAX`` in Triton, ``SYMAX`` in the C++
+    ``enum MapId``."""
+    return name.upper()
+
+
+def fused_takes(norm: Normalizer, kernels: str) -> str | None:
+    """Whether the fused kernels (``kernels`` names which, for the message) can run ``norm``: it declares a fused
+    map (``kernel_family = "fused"``, ``fused_map``) and no q/k transform, since these kernels compute
+    s = score_scale (q . k) directly. None, or the reason."""
+    if norm.kernel_family != "fused" or norm.fused_map not in MAP_IDS:
+        return f"normalizer {norm.name!r} declares no fused kernel map (maps: {', '.join(MAP_IDS)})"
+    if type(norm).transform_qk is not Normalizer.transform_qk or type(norm).feature_map is not Normalizer.feature_map:
+        return f"normalizer {norm.name!r} transforms q/k, which the {kernels} kernels do not"
+    return None
+
 
 def lookup_id(kernel_id: int) -> FusedMap:
     """The map with ``kernel_id``; ValueError naming the declared ids otherwise (the launchers call this before
@@ -247,7 +287,7 @@ def _mask(pred: Callable[[FusedMap], bool]) -> int:
 def compile_definitions() -> list[str]:
     """The map facts as C++ preprocessor definitions (bit i: map id i), read by ``fused/fused_cpu.cpp``."""
     defs = {
-        "HF_MAPS_NUM_KINDS": max(BY_ID) + 1,
+        "HF_MAPS_NUM_MAPS": max(BY_ID) + 1,
         "HF_MAPS_DECLARED": _mask(lambda m: True),
         "HF_MAPS_NORMALISED": _mask(lambda m: m.normalised),
         "HF_MAPS_THRESHOLD": _mask(lambda m: m.threshold),
@@ -264,7 +304,7 @@ def compile_definitions() -> list[str]:
         "HF_MAPS_ROW_VALUE_IN_SCORE": _mask(lambda m: m.row_value_in_score),
         "HF_MAPS_ROW_VALUE_EXPONENT": _mask(lambda m: m.row_value_exponent),
     }
-    return [f"-D{name}={value}ULL" if name != "HF_MAPS_NUM_KINDS" else f"-D{name}={value}"
+    return [f"-D{name}={value}ULL" if name != "HF_MAPS_NUM_MAPS" else f"-D{name}={value}"
             for name, value in defs.items()]
 
 

@@ -1,7 +1,7 @@
 """GPU fast path: flash-style Triton kernels (forward and backward) for the non-softmax normalizers.
 
 One forward kernel (plus a threshold kernel for the sparse maps) and two backward kernels serve every normalizer
-below; the normalizer is a compile-time ``KIND``. No n x n tensor is ever formed: per query block the kernel walks
+below; the normalizer is a compile-time ``MAP``. No n x n tensor is ever formed: per query block the kernel walks
 the key blocks, recomputes the scores s = c_i (q_i . k_j) and accumulates
 
 * sum-normalised maps (symax, squared, stablemax, softpick): numerator O_i = sum_j a(s_ij) v_j and denominator
@@ -50,42 +50,35 @@ import torch
 
 from ...normalizers.base import Normalizer
 from ..base import AttnCall, compact_bias
-from .kinds import (
-    FUSED_KINDS,
-    THRESHOLD,
-    constant_name,
-    fused_takes,
-    kind_id,
-)
-from .maps import SHIFT_IDS, lookup_id
+from .maps import MAP_IDS, SHIFT_IDS, THRESHOLD, FusedMap, constant_name, fused_takes, lookup_id, map_id
 
 # imported on first use (``_load_triton``): the plain package needs no triton, and triton fixes compiled vs
 # interpreted mode for its own library functions when it is imported
 triton: Any = None
 tl: Any = None
 
-# the ids the device code compares KIND with, taken from the shared table (kinds.py); ``_compiled`` hands them to
+# the ids the device code compares MAP with, taken from the shared table (maps.py); ``_compiled`` hands them to
 # the kernels as tl.constexpr. tests/test_triton.py checks that every map of the table has its constant here.
-K_SYMAX, K_SQUARED, K_STABLEMAX = kind_id("symax"), kind_id("squared"), kind_id("stablemax")
-K_SOFTPICK, K_SIGMOID, K_RELU_LEN = kind_id("softpick"), kind_id("sigmoid"), kind_id("relu_len")
-K_ENTMAX15, K_SPARSEMAX = kind_id("entmax15"), kind_id("sparsemax")
-K_POWER, K_SOFTPLUS = kind_id("power"), kind_id("softplus")
+MAP_SYMAX, MAP_SQUARED, MAP_STABLEMAX = map_id("symax"), map_id("squared"), map_id("stablemax")
+MAP_SOFTPICK, MAP_SIGMOID, MAP_RELU_LEN = map_id("softpick"), map_id("sigmoid"), map_id("relu_len")
+MAP_ENTMAX15, MAP_SPARSEMAX = map_id("entmax15"), map_id("sparsemax")
+MAP_POWER, MAP_SOFTPLUS = map_id("power"), map_id("softplus")
 #: power: |s| below the smallest normal fp32 counts as 0 (weight 0); the log-domain "minus infinity" of its shift
 TINY = 1.1754943508222875e-38
 POW_NEG = -1e30
 # alpha-entmax: alpha_i = r_i (per head, d alpha through DR), scores shifted by the row max (ROWMAX) and scaled by
 # alpha - 1 before the threshold, as the reference and the C++ kernel (see _threshold_kernel)
-K_ENTMAX_ALPHA = kind_id("entmax_alpha")
+MAP_ENTMAX_ALPHA = map_id("entmax_alpha")
 #: maps of the shared table without Triton device code: takes() declines them with this reason (none today)
 NOT_IN_TRITON: dict[str, str] = {}
-_missing = [name for name in FUSED_KINDS if name not in NOT_IN_TRITON and f"K_{constant_name(name)}" not in globals()]
+_missing = [name for name in MAP_IDS if name not in NOT_IN_TRITON and f"MAP_{constant_name(name)}" not in globals()]
 if _missing:
     raise ImportError(f"hf_attnorm/kernels/fused/triton.py has no device code for the fused map(s) {_missing} "
-                      "declared in fused/maps.py: add K_<NAME> = kind_id(name) and the map's branches in _entry "
+                      "declared in fused/maps.py: add MAP_<NAME> = map_id(name) and the map's branches in _entry "
                       "and _slopes, or list it in NOT_IN_TRITON with the reason")
 #: constant name -> id, for every map of the shared table that has Triton device code
-KIND_CONSTANTS: dict[str, int] = {f"K_{constant_name(name)}": globals()[f"K_{constant_name(name)}"]
-                                  for name in FUSED_KINDS if name not in NOT_IN_TRITON}
+MAP_CONSTANTS: dict[str, int] = {f"MAP_{constant_name(name)}": globals()[f"MAP_{constant_name(name)}"]
+                                  for name in MAP_IDS if name not in NOT_IN_TRITON}
 #: at most this many Newton passes for the sparse threshold (measured: sparsemax 3-5, entmax15 6-8, plus one max pass)
 THRESHOLD_STEPS = 30
 
@@ -93,8 +86,9 @@ THRESHOLD_STEPS = 30
 BLOCK_OVERRIDE: tuple[int, int] | None = None
 
 
-#: the outputs and the gradients of q, k, v (and c, r) are bitwise reproducible: no atomics outside the score-bias
-#: gradient (dk/dv: one program per key block and kv head). Read by tests/test_gpu.py's determinism check.
+#: the outputs and the gradients of q, k, v (and the score scale and row value) are bitwise reproducible: no
+#: atomics outside the score-bias gradient (dk/dv: one program per key block and kv head). Read by
+#: tests/test_gpu.py's determinism check.
 DETERMINISTIC = True
 #: NVIDIA GPUs below this compute capability are refused with ``TritonKernelError``: Triton's supported range
 #: (compute capability 8.0 and newer), and the kernels were compiled and checked for sm_80 and newer only
@@ -209,20 +203,20 @@ def interpreter_consistent() -> bool:
 # listed in _JIT_FUNCTIONS (dependency order).
 
 
-def _entry(s, r, keep, shift, KIND: tl.constexpr, RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXP: tl.constexpr):
+def _entry(s, r, keep, shift, MAP: tl.constexpr, RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXP: tl.constexpr):
     """Forward map of one score block: (a, b) with a the numerator weight and b the denominator term.
 
     s: [BM, BN] fp32 scores; r: [BM] row values; keep: [BM, BN] bool; shift: [BM] (softpick running max,
     sparse: threshold tau). Masked entries give exactly 0.
     """
     zero = 0.0  # (scalars, not tl.zeros_like: library calls are slow in the interpreter)
-    if KIND == K_SYMAX:  # symax |s|
+    if MAP == MAP_SYMAX:  # symax |s|
         a = tl.where(keep, tl.abs(s), zero)
         b = a
-    elif KIND == K_SQUARED:  # squared
+    elif MAP == MAP_SQUARED:  # squared
         a = tl.where(keep, s * s, zero)
         b = a
-    elif KIND == K_STABLEMAX:  # stablemax g(s); each branch only sees its own half-line (no inf in the unused one)
+    elif MAP == MAP_STABLEMAX:  # stablemax g(s); each branch only sees its own half-line (no inf in the unused one)
         g = tl.where(s >= 0, tl.maximum(s, 0.0) + 1.0, 1.0 / (1.0 - tl.minimum(s, 0.0)))
         a = tl.where(keep, g, zero)
         b = a
@@ -231,10 +225,10 @@ def _entry(s, r, keep, shift, KIND: tl.constexpr, RUNNING_SHIFT: tl.constexpr, T
         p = e - tl.exp(-shift)[:, None]
         a = tl.where(keep & (p > 0), p, zero)
         b = tl.where(keep, tl.abs(p), zero)
-    elif KIND == K_SIGMOID:  # sigmoid(s + r)
+    elif MAP == MAP_SIGMOID:  # sigmoid(s + r)
         a = tl.where(keep, 1.0 / (1.0 + tl.exp(-(s + r[:, None]))), zero)
         b = a
-    elif KIND == K_RELU_LEN:  # relu(s) / n, r = 1/n
+    elif MAP == MAP_RELU_LEN:  # relu(s) / n, r = 1/n
         a = tl.where(keep, tl.maximum(s, 0.0) * r[:, None], zero)
         b = a
     elif THRESHOLD_EXP == 1:  # sparsemax [s - tau]_+
@@ -267,26 +261,26 @@ def _entry(s, r, keep, shift, KIND: tl.constexpr, RUNNING_SHIFT: tl.constexpr, T
         a = t * t
         b = a
     else:  # a map id without a branch here: refuse to compile (the launcher refuses undeclared ids before this)
-        tl.static_assert(False, "hf_attnorm triton: no forward branch for this fused map KIND (see fused/maps.py)")
+        tl.static_assert(False, "hf_attnorm triton: no forward branch for this fused map (see fused/maps.py)")
     return a, b
 
 
-def _slopes(s, r, keep, shift, KIND: tl.constexpr, RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXP: tl.constexpr):
+def _slopes(s, r, keep, shift, MAP: tl.constexpr, RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXP: tl.constexpr):
     """Backward map of one score block: (a, da, db) with da = a'(s), db = b'(s) (0 on masked entries).
 
-    For the sparse kinds da is the Jacobian weight g = p^(2 - alpha) (1 on sparsemax's support, sqrt(p) for
+    For the sparse maps da is the Jacobian weight g = p^(2 - alpha) (1 on sparsemax's support, sqrt(p) for
     entmax-1.5) and db is unused.
     """
     zero = 0.0
-    if KIND == K_SYMAX:
+    if MAP == MAP_SYMAX:
         a = tl.where(keep, tl.abs(s), zero)
         da = tl.where(keep, tl.where(s > 0, 1.0, tl.where(s < 0, -1.0, 0.0)), zero)
         db = da
-    elif KIND == K_SQUARED:
+    elif MAP == MAP_SQUARED:
         a = tl.where(keep, s * s, zero)
         da = tl.where(keep, 2.0 * s, zero)
         db = da
-    elif KIND == K_STABLEMAX:
+    elif MAP == MAP_STABLEMAX:
         neg = 1.0 / (1.0 - tl.minimum(s, 0.0))
         a = tl.where(keep, tl.where(s >= 0, tl.maximum(s, 0.0) + 1.0, neg), zero)
         da = tl.where(keep, tl.where(s >= 0, 1.0, neg * neg), zero)
@@ -297,11 +291,11 @@ def _slopes(s, r, keep, shift, KIND: tl.constexpr, RUNNING_SHIFT: tl.constexpr, 
         a = tl.where(keep & (p > 0), p, zero)
         da = tl.where(keep & (p > 0), e, zero)
         db = tl.where(keep, tl.where(p > 0, e, tl.where(p < 0, -e, 0.0)), zero)
-    elif KIND == K_SIGMOID:
+    elif MAP == MAP_SIGMOID:
         a = tl.where(keep, 1.0 / (1.0 + tl.exp(-(s + r[:, None]))), zero)
         da = a * (1.0 - a)
         db = da
-    elif KIND == K_RELU_LEN:
+    elif MAP == MAP_RELU_LEN:
         a = tl.where(keep, tl.maximum(s, 0.0) * r[:, None], zero)
         da = tl.where(keep & (s > 0), r[:, None] + 0.0 * s, zero)
         db = da
@@ -339,7 +333,7 @@ def _slopes(s, r, keep, shift, KIND: tl.constexpr, RUNNING_SHIFT: tl.constexpr, 
         da = t
         db = da
     else:  # a map id without a branch here: refuse to compile (the launcher refuses undeclared ids before this)
-        tl.static_assert(False, "hf_attnorm triton: no backward branch for this fused map KIND (see fused/maps.py)")
+        tl.static_assert(False, "hf_attnorm triton: no backward branch for this fused map (see fused/maps.py)")
     return a, da, db
 
 
@@ -374,7 +368,8 @@ def _mods(s, b, h, offs_m, offs_n, m_valid, n_valid, BIAS, sbb, sbh, sbm, sbn, S
     return s, capd
 
 
-def _score_block(q, kt_ptrs, keep_ptrs, offs_m, offs_n, m_valid, d_valid, c, LK,
+def _score_block(q, kt_ptrs, keep_ptrs, offs_m, offs_n, m_valid, d_valid, score_scale,
+                                       LK,
                  CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
                  b, h, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF,
                  HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr):
@@ -388,7 +383,7 @@ def _score_block(q, kt_ptrs, keep_ptrs, offs_m, offs_n, m_valid, d_valid, c, LK,
     kt = tl.load(kt_ptrs, mask=d_valid[:, None] & n_valid[None, :], other=0.0)
     if UPCAST:
         kt = kt.to(tl.float32)
-    s = tl.dot(q, kt, input_precision=PREC) * c[:, None]
+    s = tl.dot(q, kt, input_precision=PREC) * score_scale[:, None]
     s, capd = _mods(s, b, h, offs_m, offs_n, m_valid, n_valid, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF,
                     HAS_BIAS, HAS_ALIBI, HAS_CAP)
     keep = m_valid[:, None] & n_valid[None, :]
@@ -400,13 +395,13 @@ def _score_block(q, kt_ptrs, keep_ptrs, offs_m, offs_n, m_valid, d_valid, c, LK,
 
 
 def _threshold_kernel(
-    Q, K, C, KEEP, TABLE, TAU,
+    Q, K, SCORE_SCALE, KEEP, TABLE, TAU,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, scb, sch, scm,
     smb, smh, smm, smn, stb, sth, stm, stn,
     H, GROUPS, LQ, LK, DH, R, ROWMAX,
     BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr,
-    KIND: tl.constexpr, THRESHOLD_EXP: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    MAP: tl.constexpr, THRESHOLD_EXP: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr,
     STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -439,7 +434,7 @@ def _threshold_kernel(
                 mask=m_valid[:, None] & d_valid[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    c = tl.load(C + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
+    score_scale = tl.load(SCORE_SCALE + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
     kt_ptrs = K + b * skb + hk * skh + offs_n0[None, :] * skn + offs_d[:, None] * skd
     keep_ptrs = KEEP + b * smb + h * smh + offs_m[:, None] * smm + offs_n0[None, :] * smn
     t_ptr = TABLE + b * stb + h * sth + pid_m * stm
@@ -453,7 +448,8 @@ def _threshold_kernel(
             live = tl.load(t_ptr + (start_n // BLOCK_N) * stn)
         if live != 0:
             s, keep, kt, capd = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m,
-                                       start_n + offs_n0, m_valid, d_valid, c, LK, CAUSAL, HAS_MASK, PREC, UPCAST,
+                                       start_n + offs_n0, m_valid, d_valid, score_scale,
+                                       LK, CAUSAL, HAS_MASK, PREC, UPCAST,
                 b, h, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP)
             if THRESHOLD_EXP == 2:
                 s = s * 0.5
@@ -480,7 +476,8 @@ def _threshold_kernel(
                     live = tl.load(t_ptr + (start_n // BLOCK_N) * stn)
                 if live != 0:
                     s, keep, kt, capd = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m,
-                                               start_n + offs_n0, m_valid, d_valid, c, LK, CAUSAL, HAS_MASK, PREC,
+                                               start_n + offs_n0, m_valid, d_valid, score_scale,
+                                       LK, CAUSAL, HAS_MASK, PREC,
                                                UPCAST,
                         b, h, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP)
                     if THRESHOLD_EXP == 2:
@@ -501,7 +498,7 @@ def _threshold_kernel(
                         mass += tl.sum(t, 1)
                         slope += tl.sum(tl.where(t > 0, 1.0, 0.0), 1)
                     else:
-                        tl.static_assert(False, "hf_attnorm triton: no threshold search for this fused map KIND")
+                        tl.static_assert(False, "hf_attnorm triton: no threshold search for this fused map MAP")
             f = mass - 1.0  # decreasing and convex in tau
             lo_t = tl.where(f >= 0, tau, lo_t)
             hi_t = tl.where(f >= 0, hi_t, tau)
@@ -524,13 +521,13 @@ def _threshold_kernel(
 
 
 def _fwd_kernel(
-    Q, K, V, C, R, KEEP, TABLE, SHIFT_IN, OUT, DEN, SHIFT,
+    Q, K, V, SCORE_SCALE, R, KEEP, TABLE, SHIFT_IN, OUT, DEN, SHIFT,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, scb, sch, scm,
     smb, smh, smm, smn, stb, sth, stm, stn,
     H, GROUPS, LQ, LK, DH, DV, ROWMAX,
     BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr,
-    KIND: tl.constexpr, NORMALISED: tl.constexpr, DEN_ADDS_ROW_VALUE: tl.constexpr, RUNNING_SHIFT: tl.constexpr,
+    MAP: tl.constexpr, NORMALISED: tl.constexpr, DEN_ADDS_ROW_VALUE: tl.constexpr, RUNNING_SHIFT: tl.constexpr,
     THRESHOLD_EXP: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
@@ -554,7 +551,7 @@ def _fwd_kernel(
                 mask=m_valid[:, None] & d_valid[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    c = tl.load(C + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
+    score_scale = tl.load(SCORE_SCALE + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
     r = tl.load(R + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
     kt_ptrs = K + b * skb + hk * skh + offs_n0[None, :] * skn + offs_d[:, None] * skd
     v_ptrs = V + b * svb + hk * svh + offs_n0[:, None] * svn + offs_dv[None, :] * svd
@@ -581,7 +578,8 @@ def _fwd_kernel(
         if live != 0:
             offs_n = start_n + offs_n0
             s, keep, kt, capd = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m, offs_n,
-                                       m_valid, d_valid, c, LK, CAUSAL, HAS_MASK, PREC, UPCAST,
+                                       m_valid, d_valid, score_scale,
+                                       LK, CAUSAL, HAS_MASK, PREC, UPCAST,
                 b, h, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP)
             if THRESHOLD_EXP == -1:
                 s = (s - mrow[:, None]) * (r - 1.0)[:, None]
@@ -606,7 +604,7 @@ def _fwd_kernel(
                 acc = acc * alpha[:, None]
                 den = den * alpha
                 shift = new
-            a, bden = _entry(s, r, keep, shift, KIND, RUNNING_SHIFT, THRESHOLD_EXP)
+            a, bden = _entry(s, r, keep, shift, MAP, RUNNING_SHIFT, THRESHOLD_EXP)
             v = tl.load(v_ptrs + start_n * svn, mask=(offs_n[:, None] < LK) & dv_valid[None, :],
                         other=0.0).to(tl.float32)
             acc += tl.dot(a, v, input_precision=PREC)
@@ -625,22 +623,22 @@ def _fwd_kernel(
 
 
 def _bwd_dq_kernel(
-    Q, K, V, C, R, KEEP, TABLE, SHIFT, DEN, DELTA, DO, DQ, DC, DR,
+    Q, K, V, SCORE_SCALE, R, KEEP, TABLE, SHIFT, DEN, DELTA, DO, DQ, DSCORE_SCALE, DR,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, scb, sch, scm,
     smb, smh, smm, smn, stb, sth, stm, stn,
     H, GROUPS, LQ, LK, DH, DV, ROWMAX,
     BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, DBIAS, sdb, sdh, sdm, sdn,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr, HAS_DBIAS: tl.constexpr,
     DB_BM: tl.constexpr, DB_BN: tl.constexpr,
-    KIND: tl.constexpr, NORMALISED: tl.constexpr, DEN_ADDS_ROW_VALUE: tl.constexpr, ROW_VALUE_FACTOR: tl.constexpr,
+    MAP: tl.constexpr, NORMALISED: tl.constexpr, DEN_ADDS_ROW_VALUE: tl.constexpr, ROW_VALUE_FACTOR: tl.constexpr,
     RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXP: tl.constexpr, ROW_VALUE_IN_SCORE: tl.constexpr,
     ROW_VALUE_EXPONENT: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
-    """One program per (query block, batch x head): DQ [B, H, Lq, D], DC and DR [B, H, Lq] (fp32).
+    """One program per (query block, batch x head): DQ [B, H, Lq, D], DSCORE_SCALE and DR [B, H, Lq] (fp32).
 
-    DELTA [B, H, Lq]: written here for the dk/dv kernel (normalised and sparse kinds). DO: fp32 contiguous.
+    DELTA [B, H, Lq]: written here for the dk/dv kernel (normalised and sparse maps). DO: fp32 contiguous.
     alpha-entmax: DR = d alpha_i = sum_j dp_ij [(p - pt) / (alpha-1)^2 - (p ln p - pt H) / (alpha-1)]_ij
     (Correia et al. 2019, pt = g / sum g, H = sum p ln p), formed per entry in the second pass once G and H are
     known (no cancellation between row sums), with dp - delta for dp (allowed: the bracket sums to 0 over j).
@@ -665,7 +663,7 @@ def _bwd_dq_kernel(
                 mask=m_valid[:, None] & d_valid[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    c = tl.load(C + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
+    score_scale = tl.load(SCORE_SCALE + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
     r = tl.load(R + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
     shift = tl.load(SHIFT + row, mask=m_valid, other=0.0)
     den = tl.load(DEN + row, mask=m_valid, other=0.0)
@@ -688,8 +686,8 @@ def _bwd_dq_kernel(
         # (Z - 1 is about P times tau's rounding: 6e-5 at alpha = 1.001)
         zg = tl.exp(tl.log(tl.where(den > 0, den, 1.0)) * (r - 2.0))
     if NORMALISED or (THRESHOLD_EXP != 0):
-        # First pass: delta_i, stored for the dk/dv kernel. Normalised kinds: sum_j w_ij dp_ij with w = a / D by
-        # true division; sparse kinds: the Jacobian's mean term sum_j g_ij dp_ij / sum_j g_ij. Computed from the
+        # First pass: delta_i, stored for the dk/dv kernel. Normalised maps: sum_j w_ij dp_ij with w = a / D by
+        # true division; sparse maps: the Jacobian's mean term sum_j g_ij dp_ij / sum_j g_ij. Computed from the
         # same dp as the second pass, a row with one visible key (or a one-key support) gets ds = 0 exactly.
         # Flash attention's shortcut do . out rounds out first, and squared, symax and softpick amplify that
         # rounding by up to 1/|s| when the scores are near 0.
@@ -704,7 +702,8 @@ def _bwd_dq_kernel(
             if live != 0:
                 offs_n = start_n + offs_n0
                 s, keep, kt, capd = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m, offs_n,
-                                           m_valid, d_valid, c, LK, CAUSAL, HAS_MASK, PREC, UPCAST,
+                                           m_valid, d_valid, score_scale,
+                                       LK, CAUSAL, HAS_MASK, PREC, UPCAST,
                     b, h, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP)
                 vt = tl.load(vt_ptrs + start_n * svn, mask=dv_valid[:, None] & (offs_n[None, :] < LK),
                              other=0.0).to(tl.float32)
@@ -712,10 +711,10 @@ def _bwd_dq_kernel(
                 if THRESHOLD_EXP == -1:
                     s = (s - mrow[:, None]) * am1[:, None]
                 if NORMALISED:
-                    a, _b = _entry(s, r, keep, shift, KIND, RUNNING_SHIFT, THRESHOLD_EXP)
+                    a, _b = _entry(s, r, keep, shift, MAP, RUNNING_SHIFT, THRESHOLD_EXP)
                     delta += tl.sum(a / den1[:, None] * dp, 1)
                 else:
-                    a, g, _db = _slopes(s, r, keep, shift, KIND, RUNNING_SHIFT, THRESHOLD_EXP)
+                    a, g, _db = _slopes(s, r, keep, shift, MAP, RUNNING_SHIFT, THRESHOLD_EXP)
                     delta += tl.sum(g * dp, 1)
                     gsum += tl.sum(g, 1)
                     if THRESHOLD_EXP == -1:
@@ -731,14 +730,15 @@ def _bwd_dq_kernel(
         if live != 0:
             offs_n = start_n + offs_n0
             s, keep, kt, capd = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m, offs_n,
-                                       m_valid, d_valid, c, LK, CAUSAL, HAS_MASK, PREC, UPCAST,
+                                       m_valid, d_valid, score_scale,
+                                       LK, CAUSAL, HAS_MASK, PREC, UPCAST,
                 b, h, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP)
             vt = tl.load(vt_ptrs + start_n * svn, mask=dv_valid[:, None] & (offs_n[None, :] < LK),
                          other=0.0).to(tl.float32)
             dp = tl.dot(do, vt, input_precision=PREC)
             if THRESHOLD_EXP == -1:
                 s = (s - mrow[:, None]) * am1[:, None]
-            a, da, db = _slopes(s, r, keep, shift, KIND, RUNNING_SHIFT, THRESHOLD_EXP)
+            a, da, db = _slopes(s, r, keep, shift, MAP, RUNNING_SHIFT, THRESHOLD_EXP)
             if NORMALISED:
                 ds = (da * dp - db * delta[:, None]) * inv[:, None]
             elif (THRESHOLD_EXP == 1) | (THRESHOLD_EXP == 2):
@@ -750,7 +750,7 @@ def _bwd_dq_kernel(
             if ROW_VALUE_IN_SCORE:  # weight(s + r) (maps.py): d/dr = sum_j ds_j
                 dr += tl.sum(ds, 1)
             if ROW_VALUE_FACTOR:  # weight(s, r) = r weight(s, 1) (maps.py): d/dr = sum_j weight(s_j, 1) dp_j
-                a1, _b1 = _entry(s, r * 0.0 + 1.0, keep, shift, KIND, RUNNING_SHIFT, THRESHOLD_EXP)
+                a1, _b1 = _entry(s, r * 0.0 + 1.0, keep, shift, MAP, RUNNING_SHIFT, THRESHOLD_EXP)
                 dr += tl.sum(a1 * dp, 1)
             if ROW_VALUE_EXPONENT:  # |s|^|r| (power): d/dp of a_j / D is a_j ln|s_j| (dp_j - delta) / D; ln|s|
                 # centred at the row's largest (shift / p), which sum_j a_j (dp_j - delta) = 0 allows, against rounding
@@ -777,25 +777,26 @@ def _bwd_dq_kernel(
                     tl.atomic_add(db_ptr + offs_m[:, None] * sdm + offs_n[None, :] * sdn, ds,
                                   mask=m_valid[:, None] & (offs_n[None, :] < LK))
             if HAS_CAP:
-                ds = ds * capd  # w.r.t. the capped score -> w.r.t. c q k^T
+                ds = ds * capd  # w.r.t. the capped score -> w.r.t. score_scale q k^T
             acc += tl.dot(ds, tl.trans(kt).to(tl.float32), input_precision=PREC)
     if DEN_ADDS_ROW_VALUE:  # r is added to the denominator (maps.py: den_offset)
         dr = -delta * inv
     if ROW_VALUE_EXPONENT:  # r = +-p (the sign marks single-key rows; their gradient is 0 anyway)
         dr = tl.where(r < 0, -dr, dr)
-    tl.store(DQ + row[:, None] * DH + offs_d[None, :], acc * c[:, None], mask=m_valid[:, None] & d_valid[None, :])
-    tl.store(DC + row, tl.sum(q.to(tl.float32) * acc, 1), mask=m_valid)
+    tl.store(DQ + row[:, None] * DH + offs_d[None, :], acc * score_scale[:, None],
+             mask=m_valid[:, None] & d_valid[None, :])
+    tl.store(DSCORE_SCALE + row, tl.sum(q.to(tl.float32) * acc, 1), mask=m_valid)
     tl.store(DR + row, dr, mask=m_valid)
 
 
 def _bwd_dkdv_kernel(
-    Q, K, V, C, R, KEEP, TABLE, SHIFT, DEN, DELTA, DO, DK, DV_OUT,
+    Q, K, V, SCORE_SCALE, R, KEEP, TABLE, SHIFT, DEN, DELTA, DO, DK, DV_OUT,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, scb, sch, scm,
     smb, smh, smm, smn, stb, sth, stm, stn,
     H, HKV, GROUPS, LQ, LK, DH, DV, ROWMAX,
     BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr,
-    KIND: tl.constexpr, NORMALISED: tl.constexpr, RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXP: tl.constexpr,
+    MAP: tl.constexpr, NORMALISED: tl.constexpr, RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXP: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
@@ -842,7 +843,7 @@ def _bwd_dkdv_kernel(
                             other=0.0)
                 if UPCAST:
                     q = q.to(tl.float32)
-                c = tl.load(C + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
+                score_scale = tl.load(SCORE_SCALE + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
                 r = tl.load(R + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
                 shift = tl.load(SHIFT + row, mask=m_valid, other=0.0)
                 den = tl.load(DEN + row, mask=m_valid, other=0.0)
@@ -850,7 +851,7 @@ def _bwd_dkdv_kernel(
                 delta = tl.load(DELTA + row, mask=m_valid, other=0.0)
                 do = tl.load(DO + row[:, None] * DV + offs_dv[None, :], mask=m_valid[:, None] & dv_valid[None, :],
                              other=0.0)
-                s = tl.dot(q, tl.trans(k), input_precision=PREC) * c[:, None]
+                s = tl.dot(q, tl.trans(k), input_precision=PREC) * score_scale[:, None]
                 s, capd = _mods(s, b, h, offs_m, offs_n, m_valid, n_valid, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP,
                                 QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP)
                 keep = m_valid[:, None] & n_valid[None, :]
@@ -860,7 +861,7 @@ def _bwd_dkdv_kernel(
                     keep = keep & (tl.load(keep_ptrs + start_m * smm, mask=keep, other=0) != 0)
                 if THRESHOLD_EXP == -1:
                     s = (s - tl.load(ROWMAX + row, mask=m_valid, other=0.0)[:, None]) * (r - 1.0)[:, None]
-                a, da, db = _slopes(s, r, keep, shift, KIND, RUNNING_SHIFT, THRESHOLD_EXP)
+                a, da, db = _slopes(s, r, keep, shift, MAP, RUNNING_SHIFT, THRESHOLD_EXP)
                 dp = tl.dot(do, tl.trans(v), input_precision=PREC)
                 if NORMALISED:
                     w = a * inv[:, None]
@@ -877,7 +878,7 @@ def _bwd_dkdv_kernel(
                 dv += tl.dot(tl.trans(w), do, input_precision=PREC)
                 if HAS_CAP:
                     ds = ds * capd
-                dk += tl.dot(tl.trans(ds * c[:, None]), q.to(tl.float32), input_precision=PREC)
+                dk += tl.dot(tl.trans(ds * score_scale[:, None]), q.to(tl.float32), input_precision=PREC)
     out_row = pid_bk.to(tl.int64) * LK + offs_n
     tl.store(DK + out_row[:, None] * DH + offs_d[None, :], dk, mask=n_valid[:, None] & d_valid[None, :])
     tl.store(DV_OUT + out_row[:, None] * DV + offs_dv[None, :], dv, mask=n_valid[:, None] & dv_valid[None, :])
@@ -899,7 +900,7 @@ def _compiled() -> types.SimpleNamespace:
     _load_triton()
     mode = jit_interprets()
     if mode not in _COMPILED:
-        constants = {name: tl.constexpr(value) for name, value in KIND_CONSTANTS.items()}
+        constants = {name: tl.constexpr(value) for name, value in MAP_CONSTANTS.items()}
         constants.update(TINY=tl.constexpr(TINY), POW_NEG=tl.constexpr(POW_NEG))  # jitted code reads constexprs only
         _COMPILED[mode] = jit_namespace(globals(), _JIT_FUNCTIONS, _HELPERS, mode, constants)
     return _COMPILED[mode]
@@ -971,9 +972,9 @@ class _Plan:
         self.B, self.H, self.LQ, self.DH = q.shape
         self.HKV, self.LK, self.DV = k.shape[1], k.shape[2], v.shape[-1]
         self.groups = self.H // self.HKV
-        self.name = call.normalizer.fused_kind
-        self.kind = kind_id(self.name)
-        self.fmap = lookup_id(self.kind)
+        self.name = call.normalizer.fused_map
+        self.map_id = map_id(self.name)
+        self.fmap = lookup_id(self.map_id)
         self.normalised = self.fmap.normalised
         #: the threshold search's form (FusedMap.threshold_exponent; -1: alpha-entmax's, from the row value)
         self.threshold_exp = -1 if self.fmap.dispatch == "alpha" else self.fmap.threshold_exponent
@@ -1022,22 +1023,26 @@ class _Plan:
                 *self.table_strides]
 
     def consts(self) -> dict[str, Any]:
-        fmap = self.fmap
-        return dict(KIND=self.kind, NORMALISED=fmap.normalised, DEN_ADDS_ROW_VALUE=fmap.den_offset is not None,
-                    ROW_VALUE_FACTOR=fmap.row_value_factor, RUNNING_SHIFT=SHIFT_IDS[fmap.shift],
-                    THRESHOLD_EXP=self.threshold_exp, ROW_VALUE_IN_SCORE=fmap.row_value_in_score,
-                    ROW_VALUE_EXPONENT=fmap.row_value_exponent, CAUSAL=self.causal, HAS_MASK=self.table.dim() == 4,
+        return dict(map_constants(self.fmap), MAP=self.map_id, CAUSAL=self.causal, HAS_MASK=self.table.dim() == 4,
                     PREC=self.prec, UPCAST=self.upcast, BLOCK_M=self.bm, BLOCK_N=self.bn, BLOCK_D=self.bd,
                     BLOCK_DV=self.bdv)
 
 
-def check_kind(kind: int) -> None:
+def map_constants(fmap: FusedMap) -> dict[str, Any]:
+    """The compile-time constants that carry map ``fmap``'s declaration (maps.py) into the kernels."""
+    return dict(MAP=fmap.kernel_id, NORMALISED=fmap.normalised, DEN_ADDS_ROW_VALUE=fmap.den_offset is not None,
+                ROW_VALUE_FACTOR=fmap.row_value_factor, RUNNING_SHIFT=SHIFT_IDS[fmap.shift],
+                THRESHOLD_EXP=-1 if fmap.dispatch == "alpha" else fmap.threshold_exponent,
+                ROW_VALUE_IN_SCORE=fmap.row_value_in_score, ROW_VALUE_EXPONENT=fmap.row_value_exponent)
+
+
+def check_map(map_id: int) -> None:
     """Refuses, before any launch, a map id that ``maps.py`` does not declare or that has no Triton device
     code (ValueError naming it); the device code's per-map chains end in a ``static_assert`` as well."""
-    fmap = lookup_id(kind)
-    if fmap.name in NOT_IN_TRITON or f"K_{constant_name(fmap.name)}" not in KIND_CONSTANTS:
-        raise ValueError(f"fused map {fmap.name!r} (id {kind}) has no Triton device code: "
-                         f"{NOT_IN_TRITON.get(fmap.name, 'no K_ constant in kernels/fused/triton.py')}")
+    fmap = lookup_id(map_id)
+    if fmap.name in NOT_IN_TRITON or f"MAP_{constant_name(fmap.name)}" not in MAP_CONSTANTS:
+        raise ValueError(f"fused map {fmap.name!r} (id {map_id}) has no Triton device code: "
+                         f"{NOT_IN_TRITON.get(fmap.name, 'no MAP_ constant in kernels/fused/triton.py')}")
 
 
 def _only(consts: dict[str, Any], kernel: Any) -> dict[str, Any]:
@@ -1050,13 +1055,14 @@ def _grid_q(p: _Plan) -> tuple[int, int]:
 
 
 class _TritonAttention(torch.autograd.Function):
-    """(q, k, v, score_scale, row_value, bias) -> out [B, H, Lq, Dv] fp32; score_scale (the device code's C: base
-    scaling x the per-query multiplier) and row_value (R: the map's per-row value, ``maps.FusedMap.row_value``): fp32
-    [B, H, Lq]; bias: fp32 [B|1, H|1, Lq|1, Lk|1] or None (its gradient comes back in that shape)."""
+    """(q, k, v, score_scale, row_value, bias) -> out [B, H, Lq, Dv] fp32; score_scale (the device code's
+    SCORE_SCALE: base scaling x the per-query multiplier) and row_value (R: the map's per-row value,
+    ``maps.FusedMap.row_value``): fp32 [B, H, Lq]; bias: fp32 [B|1, H|1, Lq|1, Lk|1] or None (its gradient comes
+    back in that shape)."""
 
     @staticmethod
     def forward(ctx, q, k, v, score_scale, row_value, bias, plan: _Plan):
-        check_kind(plan.kind)
+        check_map(plan.map_id)
         kern = _compiled()
         dev = q.device
         rows = (plan.B, plan.H, plan.LQ)
@@ -1093,7 +1099,7 @@ class _TritonAttention(torch.autograd.Function):
         common = plan.common(q, k, v, score_scale)
         cst = plan.consts()
         grid = _grid_q(plan)
-        delta = torch.zeros_like(den)  # written by the dq kernel (normalised and sparse kinds)
+        delta = torch.zeros_like(den)  # written by the dq kernel (normalised and sparse maps)
         dq = torch.empty(plan.B, plan.H, plan.LQ, plan.DH, dtype=torch.float32, device=dev)
         dscore_scale = torch.empty_like(den)
         drow_value = torch.empty_like(den)
@@ -1137,9 +1143,9 @@ def _warn_once(key: str, message: str) -> None:
 
 
 def takes(norm: Normalizer) -> str | None:
-    """The normalizers with a fused map and no q/k transform (``kinds.fused_takes``)."""
+    """The normalizers with a fused map and no q/k transform (``maps.fused_takes``)."""
     reason = fused_takes(norm, "Triton")
-    return reason if reason is not None else NOT_IN_TRITON.get(norm.fused_kind)
+    return reason if reason is not None else NOT_IN_TRITON.get(norm.fused_map)
 
 
 def accepts(call: AttnCall) -> str | None:
