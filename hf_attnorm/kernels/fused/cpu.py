@@ -32,7 +32,19 @@ import torch
 from ...normalizers.base import Normalizer
 from ...torch_compat import register_export_ops
 from ..base import AttnCall, compact_bias, compute_dtype, dense_keep, last_dim_contiguous
-from .maps import MAP_IDS, MAPS, THRESHOLD, WIDE, compile_definitions, fused_takes, lookup_id, map_id
+from .maps import (
+    MAP_IDS,
+    MAPS,
+    THRESHOLD,
+    WIDE,
+    FusedMap,
+    compile_definitions,
+    cpp_header,
+    fused_takes,
+    lookup_id,
+    map_id,
+    table_key,
+)
 
 logger = logging.getLogger("hf_attnorm")
 
@@ -81,9 +93,10 @@ def define_op(schema: str, fake: Callable[..., Any]) -> None:
     torch.library.register_fake(f"{OPS_NAMESPACE}::{name}", lib=_LIB)(fake)
 
 
-def _cpu_fingerprint() -> str:
-    """Identifies the instruction set the extension is compiled for (-march=native): a cache shared between
-    machines must not hand one CPU's binary to another."""
+def _cpu_fingerprint(table: tuple[FusedMap, ...] = MAPS) -> str:
+    """Identifies the instruction set the extension is compiled for (-march=native) and the map table it is
+    built for (its facts and per-entry code: maps.table_key): a cache shared between machines must not hand one
+    CPU's binary to another, nor one table's build to another table."""
     flags = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -95,7 +108,7 @@ def _cpu_fingerprint() -> str:
     # torch's JIT rebuilds when a source file changes but does not read the headers they include: hash those into
     # the build name, so an edited header (kernels/*.h) never links against a stale cached build
     headers = "".join(h.read_text() for h in sorted(_KERNELS.glob("*.h")))
-    maps = " ".join(compile_definitions())  # (torch's JIT also rebuilds on changed flags; this keeps names apart)
+    maps = table_key(table)  # (torch's JIT also rebuilds on changed flags; this keeps names apart)
     return hashlib.sha1(f"{flags}|{torch.__version__}|{headers}|{maps}".encode()).hexdigest()[:10]
 
 
@@ -103,14 +116,55 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
 
 
-def _cflags() -> list[str]:
+def _cflags(table: tuple[FusedMap, ...] = MAPS) -> list[str]:
     """Compiler flags, with the fused maps' facts (kernels/fused/maps.py) as preprocessor definitions."""
     # -fno-trapping-math lets GCC vectorise floor() (in the exponential); on x86, 512-bit vectors where the CPU has
     # them (measured 5-10% faster at n = 4096 on an AVX-512 Xeon; a no-op without AVX-512)
     flags = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-math-errno", "-DNDEBUG"]
     if platform.machine().lower() in ("x86_64", "amd64", "x86", "i686"):
         flags.insert(-1, "-mprefer-vector-width=512")
-    return flags + compile_definitions()
+    return flags + compile_definitions(table)
+
+
+def _load(name: str, sources: list[str], table: tuple[FusedMap, ...], extra: tuple[str, ...] = ()) -> None:
+    """Compile (or load from torch's cache) extension ``name`` from ``sources`` for the map table ``table``:
+    the generated ``hf_maps_generated.h`` (maps.cpp_header) is written into the build directory first."""
+    from torch.utils.cpp_extension import _get_build_directory, load
+
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    if not (build_dir / f"{name}.so").exists():  # a first build takes about a minute: say so
+        logger.warning("hf_attnorm: compiling the fused CPU attention kernels (first use only, about a "
+                       "minute; cached in %s)", build_dir)
+    generated = build_dir / "generated"
+    generated.mkdir(parents=True, exist_ok=True)
+    header = generated / "hf_maps_generated.h"
+    text = cpp_header(table)
+    if not header.exists() or header.read_text() != text:
+        header.write_text(text)
+    load(
+        name=name,
+        sources=sources,
+        extra_cflags=[*_cflags(table), *extra],
+        extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(_KERNELS), str(generated)],
+        is_python_module=False,
+        verbose=os.environ.get("HF_ATTNORM_VERBOSE_BUILD", "0") not in ("", "0"),
+    )
+
+
+def build_ops(table: tuple[FusedMap, ...]) -> Any:
+    """The C++ kernel (``fused_cpu.cpp`` alone) built for the map table ``table`` instead of ``maps.MAPS``, as its
+    own extension with its own op namespace (returned: ``torch.ops.<namespace>``, whose ``forward`` / ``backward``
+    / ``map_facts`` take the ids of ``table``). For tests of maps declared outside ``MAPS``; raises on a build
+    error."""
+    if _compiler() is None:
+        raise RuntimeError("no C++ compiler found (set CXX or install g++)")
+    tag = _cpu_fingerprint(table)
+    namespace = f"hf_attnorm_maps_{tag}"
+    with _lock:
+        if not hasattr(torch.ops, namespace) or not hasattr(getattr(torch.ops, namespace), "forward"):
+            _load(f"hf_attnorm_maps_{tag}", [str(_SOURCE)], table, (f"-DHF_ATTNORM_NATIVE_NS={namespace}",))
+    return getattr(torch.ops, namespace)
 
 
 def native_ops(warn: bool = True) -> Any | None:
@@ -134,22 +188,7 @@ def native_ops(warn: bool = True) -> Any | None:
             _fail("no C++ compiler found (set CXX or install g++)", warn)
             return None
         try:
-            from torch.utils.cpp_extension import _get_build_directory, load
-
-            name = f"hf_attnorm_fused_{_cpu_fingerprint()}"
-            build_dir = Path(_get_build_directory(name, verbose=False))
-            if not (build_dir / f"{name}.so").exists():  # a first build takes about a minute: say so
-                logger.warning("hf_attnorm: compiling the fused CPU attention kernels (first use only, about a "
-                               "minute; cached in %s)", build_dir)
-            load(
-                name=name,
-                sources=[str(_SOURCE), *map(str, EXTRA_SOURCES)],
-                extra_cflags=_cflags(),
-                extra_ldflags=["-fopenmp"],
-                extra_include_paths=[str(_KERNELS)],
-                is_python_module=False,
-                verbose=os.environ.get("HF_ATTNORM_VERBOSE_BUILD", "0") not in ("", "0"),
-            )
+            _load(f"hf_attnorm_fused_{_cpu_fingerprint()}", [str(_SOURCE), *map(str, EXTRA_SOURCES)], MAPS)
             if not torch.ops.hf_attnorm_native.blas_available():
                 _fail("this torch build exports no BLAS sgemm_/dgemm_ for extensions", warn)
                 return None

@@ -53,6 +53,26 @@ SHIFT_IDS: dict[str, int] = {"none": 0, "max_score": 1, "max_score_below_zero": 
 
 
 @dataclass(frozen=True)
+class EntryCode:
+    """A map's per-entry code in the languages of both kernels, compiled into them as written (``cpp_header``
+    and ``triton_source`` generate the code that calls it; nothing in a kernel names a map).
+
+    * ``cpp_weight`` / ``cpp_slope``: C++ expressions of type ``T`` (float or double) in the score ``s`` and the row
+      value ``r`` (``cpp_slope`` may also read ``w``, the weight at s); ``vexp``, ``sgn``, ``std::abs``,
+      ``std::max`` / ``std::min`` are at hand. Written branch-free (``?:`` selects), so the loops that call them
+      vectorise as before;
+    * ``triton_weight`` / ``triton_slope``: the same as Triton expressions on a block ``s`` [BM, BN] and ``r``
+      [BM, 1] (``tl.where`` / ``tl.maximum`` ..., fp32; ``w`` as above). Both sides are evaluated on invisible
+      entries too (the kernels select 0 there), so neither may produce NaN for any finite or infinite s.
+    """
+
+    cpp_weight: str
+    cpp_slope: str
+    triton_weight: str
+    triton_slope: str
+
+
+@dataclass(frozen=True)
 class FusedMap:
     name: str
     kernel_id: int
@@ -92,6 +112,10 @@ class FusedMap:
     #: 0 for every other map (alpha-entmax's exponent is its row value: dispatch "alpha")
     threshold_exponent: int = 0
     wide: bool = False
+    #: the per-entry code both kernels compile for this map (``EntryCode``): every map whose weights take no
+    #: running shift and no threshold search declares it; the others are computed by the kernels' code for their
+    #: declared ``shift`` / threshold form, which ``__post_init__`` checks against ``weight``
+    code: EntryCode | None = None
 
     def __post_init__(self) -> None:
         if self.threshold == self.normalised and self.threshold:
@@ -109,6 +133,14 @@ class FusedMap:
         if self.row_value_factor and (self.normalised or self.threshold):
             raise ValueError(f"fused map {self.name!r}: row_value_factor scales the weights of a map that is "
                              "neither normalised nor a threshold map (the factor would cancel or move the threshold)")
+        plain = self.shift == "none" and not self.threshold
+        if plain != (self.code is not None):
+            raise ValueError(f"fused map {self.name!r}: a map with neither a running shift nor a threshold declares "
+                             "its per-entry code (code=EntryCode(...)); the others take the kernels' code for their "
+                             "shift or threshold form and declare none")
+        if self.code is not None and self.den_term is not None:
+            raise ValueError(f"fused map {self.name!r}: the kernels sum a map's own weight in its denominator: "
+                             "only shift 'max_score' (softpick) sums another term")
         if self.shift not in SHIFT_IDS:
             raise ValueError(f"fused map {self.name!r}: shift must be one of {sorted(SHIFT_IDS)}")
         if self.shift != "none" and (not self.normalised or self.den_offset is not None):
@@ -183,13 +215,20 @@ MAPS: tuple[FusedMap, ...] = (
     FusedMap("symax", 0, lambda s, r: s.abs(), lambda s, r: s.sign(), normalised=True, threshold=False,
              constant_on_single_key=False, single_key_mark="none", den_offset=lambda r: r,
              row_value="eta (|eta_h| >= 0), added to the denominator", row_value_for=lambda n: torch.ones_like(_n(n)),
-             row_value_has_gradient=True, dispatch="tiles"),
+             row_value_has_gradient=True, dispatch="tiles",
+             code=EntryCode("std::abs(s)", "sgn(s)",
+                            "tl.abs(s)", "tl.where(s > 0, 1.0, tl.where(s < 0, -1.0, 0.0))")),
     FusedMap("squared", 1, lambda s, r: s * s, lambda s, r: 2 * s, normalised=True, threshold=False,
              constant_on_single_key=True, single_key_mark="n == 1", row_value=_ROW_IS_N, row_value_for=_n,
-             row_value_has_gradient=False, dispatch="tiles"),
+             row_value_has_gradient=False, dispatch="tiles",
+             code=EntryCode("s * s", "T(2) * s", "s * s", "2.0 * s")),
     FusedMap("stablemax", 2, _stablemax, lambda s, r: torch.where(s >= 0, 1.0, 1 / (1 - s.clamp(max=0)) ** 2),
              normalised=True, threshold=False, constant_on_single_key=True, single_key_mark="n == 1",
-             row_value=_ROW_IS_N, row_value_for=_n, row_value_has_gradient=False, dispatch="tiles"),
+             row_value=_ROW_IS_N, row_value_for=_n, row_value_has_gradient=False, dispatch="tiles",
+             # each side of 0 sees only its own half-line (no inf in the branch not taken); slope: w^2 below 0
+             code=EntryCode("s >= T(0) ? s + T(1) : T(1) / (T(1) - std::min(s, T(0)))", "s >= T(0) ? T(1) : w * w",
+                            "tl.where(s >= 0, tl.maximum(s, 0.0) + 1.0, 1.0 / (1.0 - tl.minimum(s, 0.0)))",
+                            "tl.where(s >= 0, 1.0, w * w)")),
     FusedMap("softpick", 3, lambda s, r: torch.relu(torch.expm1(s)), lambda s, r: torch.where(s > 0, s.exp(), 0.0),
              den_term=lambda s, r: torch.expm1(s).abs(), den_slope=lambda s, r: torch.expm1(s).sign() * s.exp(),
              normalised=True, threshold=False, constant_on_single_key=True, single_key_mark="n == 1",
@@ -198,11 +237,15 @@ MAPS: tuple[FusedMap, ...] = (
              lambda s, r: torch.sigmoid(s + r) * (1 - torch.sigmoid(s + r)), normalised=False, threshold=False,
              constant_on_single_key=False, single_key_mark="none", row_value="the bias b added to every score "
              "(-ln n by default)", row_value_for=lambda n: -torch.log(_n(n)), row_value_has_gradient=True,
-             dispatch="tiles", row_value_in_score=True),
+             dispatch="tiles", row_value_in_score=True,
+             code=EntryCode("T(1) / (T(1) + vexp(-(s + r)))", "w * (T(1) - w)",
+                            "1.0 / (1.0 + tl.exp(-(s + r)))", "w * (1.0 - w)")),
     FusedMap("relu_len", 5, lambda s, r: torch.relu(s) * r, lambda s, r: (s > 0).to(s.dtype) * r, normalised=False,
              threshold=False, constant_on_single_key=False, single_key_mark="none",
              row_value="1 / n, the factor on relu(s)", row_value_for=lambda n: 1 / _n(n),
-             row_value_has_gradient=True, dispatch="tiles", row_value_factor=True),
+             row_value_has_gradient=True, dispatch="tiles", row_value_factor=True,
+             code=EntryCode("std::max(s, T(0)) * r", "s > T(0) ? r : T(0)",
+                            "tl.maximum(s, 0.0) * r", "tl.where(s > 0, r + 0.0 * s, 0.0)")),
     FusedMap("entmax15", 6, lambda x, r: (torch.relu(x) / 2) ** 2, lambda x, r: torch.relu(x) / 2,
              normalised=False, threshold=True, constant_on_single_key=True, single_key_mark="n == 1",
              row_value=_ROW_IS_N, row_value_for=_n, row_value_has_gradient=False, dispatch="threshold",
@@ -280,32 +323,91 @@ def lookup_id(kernel_id: int) -> FusedMap:
         raise ValueError(f"unknown fused map id {kernel_id!r}: the declared ids are {known}") from None
 
 
-def _mask(pred: Callable[[FusedMap], bool]) -> int:
-    return sum(1 << m.kernel_id for m in MAPS if pred(m))
+def _mask(pred: Callable[[FusedMap], bool], table: tuple[FusedMap, ...]) -> int:
+    return sum(1 << m.kernel_id for m in table if pred(m))
 
 
-def compile_definitions() -> list[str]:
+def check_table(table: tuple[FusedMap, ...]) -> None:
+    """A map table the kernels can be built for: distinct names, distinct ids below 64 (the C++ bit masks)."""
+    if len({m.name for m in table}) != len(table) or len({m.kernel_id for m in table}) != len(table):
+        raise ValueError("a fused map table needs distinct names and distinct kernel ids")
+    if any(not 0 <= m.kernel_id < 64 for m in table):
+        raise ValueError("fused map ids are 0..63 (the C++ kernel reads its facts from 64-bit masks)")
+
+
+def compile_definitions(table: tuple[FusedMap, ...] = MAPS) -> list[str]:
     """The map facts as C++ preprocessor definitions (bit i: map id i), read by ``fused/fused_cpu.cpp``."""
-    defs = {
-        "HF_MAPS_NUM_MAPS": max(BY_ID) + 1,
-        "HF_MAPS_DECLARED": _mask(lambda m: True),
-        "HF_MAPS_NORMALISED": _mask(lambda m: m.normalised),
-        "HF_MAPS_THRESHOLD": _mask(lambda m: m.threshold),
-        "HF_MAPS_CONSTANT_ON_SINGLE_KEY": _mask(lambda m: m.constant_on_single_key),
-        "HF_MAPS_SINGLE_KEY_NEGATIVE": _mask(lambda m: m.single_key_mark == "negative"),
-        "HF_MAPS_DEN_ADDS_ROW_VALUE": _mask(lambda m: m.den_offset is not None),
-        "HF_MAPS_ROW_VALUE_FACTOR": _mask(lambda m: m.row_value_factor),
-        "HF_MAPS_DISPATCH_THRESHOLD": _mask(lambda m: m.dispatch == "threshold"),
-        "HF_MAPS_DISPATCH_ALPHA": _mask(lambda m: m.dispatch == "alpha"),
-        "HF_MAPS_THRESHOLD_SQUARED": _mask(lambda m: m.threshold_exponent == 2),
-        "HF_MAPS_SHIFT_MAX_SCORE": _mask(lambda m: m.shift == "max_score"),
-        "HF_MAPS_SHIFT_MAX_SCORE_BELOW_ZERO": _mask(lambda m: m.shift == "max_score_below_zero"),
-        "HF_MAPS_SHIFT_LOG_ABS_MAX": _mask(lambda m: m.shift == "log_abs_max"),
-        "HF_MAPS_ROW_VALUE_IN_SCORE": _mask(lambda m: m.row_value_in_score),
-        "HF_MAPS_ROW_VALUE_EXPONENT": _mask(lambda m: m.row_value_exponent),
+    check_table(table)
+    facts: dict[str, Callable[[FusedMap], bool]] = {
+        "HF_MAPS_DECLARED": lambda m: True,
+        "HF_MAPS_NORMALISED": lambda m: m.normalised,
+        "HF_MAPS_THRESHOLD": lambda m: m.threshold,
+        "HF_MAPS_CONSTANT_ON_SINGLE_KEY": lambda m: m.constant_on_single_key,
+        "HF_MAPS_SINGLE_KEY_NEGATIVE": lambda m: m.single_key_mark == "negative",
+        "HF_MAPS_DEN_ADDS_ROW_VALUE": lambda m: m.den_offset is not None,
+        "HF_MAPS_ROW_VALUE_FACTOR": lambda m: m.row_value_factor,
+        "HF_MAPS_DISPATCH_THRESHOLD": lambda m: m.dispatch == "threshold",
+        "HF_MAPS_DISPATCH_ALPHA": lambda m: m.dispatch == "alpha",
+        "HF_MAPS_THRESHOLD_SQUARED": lambda m: m.threshold_exponent == 2,
+        "HF_MAPS_SHIFT_MAX_SCORE": lambda m: m.shift == "max_score",
+        "HF_MAPS_SHIFT_MAX_SCORE_BELOW_ZERO": lambda m: m.shift == "max_score_below_zero",
+        "HF_MAPS_SHIFT_LOG_ABS_MAX": lambda m: m.shift == "log_abs_max",
+        "HF_MAPS_ROW_VALUE_IN_SCORE": lambda m: m.row_value_in_score,
+        "HF_MAPS_ROW_VALUE_EXPONENT": lambda m: m.row_value_exponent,
     }
-    return [f"-D{name}={value}ULL" if name != "HF_MAPS_NUM_MAPS" else f"-D{name}={value}"
-            for name, value in defs.items()]
+    return [f"-D{name}={_mask(pred, table)}ULL" for name, pred in facts.items()]
+
+
+def cpp_header(table: tuple[FusedMap, ...] = MAPS) -> str:
+    """The C++ that ``fused/fused_cpu.cpp`` includes as ``hf_maps_generated.h`` (``cpu.py`` writes it beside the
+    build): ``HF_MAPS_FOR_EACH(X)``, X(id) for every declared id (the kernels' dispatch switch), and
+    ``MapEntry<T, id>`` with the declared ``EntryCode`` (``weight(s, r)``, ``slope(s, r, w)``) of each map that has
+    one. Inline functions of plain expressions: each call is inlined into the kernels' loops."""
+    check_table(table)
+    ids = sorted(m.kernel_id for m in table)
+    out = ["// generated by hf_attnorm/kernels/fused/maps.py (cpp_header) from the map declarations; not a source",
+           "#pragma once", "", "#define HF_MAPS_FOR_EACH(X) " + " ".join(f"X({i})" for i in ids), "",
+           "// MapEntry<T, id>::declared: the map has per-entry code (FusedMap.code); the others are computed by the",
+           "// kernels' code for their declared running shift or threshold form",
+           "template <typename T, int64_t MAP>", "struct MapEntry {", "  static constexpr bool declared = false;",
+           "};"]
+    for m in sorted(table, key=lambda m: m.kernel_id):
+        if m.code is None:
+            continue
+        out += ["", f"template <typename T>  // {m.name}", f"struct MapEntry<T, {m.kernel_id}> {{",
+                "  static constexpr bool declared = true;",
+                "  static inline __attribute__((always_inline)) T weight(T s, [[maybe_unused]] T r) {",
+                f"    return {m.code.cpp_weight};", "  }",
+                "  static inline __attribute__((always_inline)) T slope(T s, [[maybe_unused]] T r, "
+                "[[maybe_unused]] T w) {",
+                f"    return {m.code.cpp_slope};", "  }", "};"]
+    return "\n".join(out) + "\n"
+
+
+def triton_source(table: tuple[FusedMap, ...] = MAPS) -> str:
+    """The Triton device functions ``triton.py`` jits with its kernels: ``_map_weight(s, r, MAP)`` and
+    ``_map_slope(s, r, w, MAP)``, each a compile-time chain over the ids of the maps with per-entry code (the
+    declared ``EntryCode`` expressions); an id without code fails to compile there."""
+    check_table(table)
+    coded = [m for m in sorted(table, key=lambda m: m.kernel_id) if m.code is not None]
+    lines = ["# generated by hf_attnorm/kernels/fused/maps.py (triton_source) from the map declarations", ""]
+    for fn, args, attr, var in (("_map_weight", "s, r", "triton_weight", "w"),
+                                ("_map_slope", "s, r, w", "triton_slope", "d")):
+        lines.append(f"def {fn}({args}, MAP: tl.constexpr):")
+        for i, m in enumerate(coded):
+            lines += [f"    {'if' if i == 0 else 'elif'} MAP == {m.kernel_id}:  # {m.name}",
+                      f"        {var} = {getattr(m.code, attr)}"]
+        lines += [f"    {'else:' if coded else 'if True:'}",
+                  '        tl.static_assert(False, "hf_attnorm triton: no per-entry code for this fused map '
+                  '(see fused/maps.py)")',
+                  f"        {var} = s", f"    return {var}", "", ""]
+    return "\n".join(lines)
+
+
+def table_key(table: tuple[FusedMap, ...] = MAPS) -> str:
+    """What the kernels built for ``table`` depend on (its facts and its per-entry code): builds for different
+    tables get different names."""
+    return "|".join([*compile_definitions(table), cpp_header(table), triton_source(table)])
 
 
 def threshold_weights(fmap: FusedMap, s: Tensor, r: Tensor, keep: Tensor, iters: int = 200) -> Tensor:

@@ -38,8 +38,10 @@ are jitted on first use (per interpreter mode), so importing this module needs n
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import importlib.util
+import linecache
 import math
 import os
 import types
@@ -50,35 +52,18 @@ import torch
 
 from ...normalizers.base import Normalizer
 from ..base import AttnCall, compact_bias
-from .maps import MAP_IDS, SHIFT_IDS, THRESHOLD, FusedMap, constant_name, fused_takes, lookup_id, map_id
+from .maps import MAPS, SHIFT_IDS, THRESHOLD, FusedMap, fused_takes, lookup_id, table_key, triton_source
 
 # imported on first use (``_load_triton``): the plain package needs no triton, and triton fixes compiled vs
 # interpreted mode for its own library functions when it is imported
 triton: Any = None
 tl: Any = None
 
-# the ids the device code compares MAP with, taken from the shared table (maps.py); ``_compiled`` hands them to
-# the kernels as tl.constexpr. tests/test_triton.py checks that every map of the table has its constant here.
-MAP_SYMAX, MAP_SQUARED, MAP_STABLEMAX = map_id("symax"), map_id("squared"), map_id("stablemax")
-MAP_SOFTPICK, MAP_SIGMOID, MAP_RELU_LEN = map_id("softpick"), map_id("sigmoid"), map_id("relu_len")
-MAP_ENTMAX15, MAP_SPARSEMAX = map_id("entmax15"), map_id("sparsemax")
-MAP_POWER, MAP_SOFTPLUS = map_id("power"), map_id("softplus")
 #: power: |s| below the smallest normal fp32 counts as 0 (weight 0); the log-domain "minus infinity" of its shift
 TINY = 1.1754943508222875e-38
 POW_NEG = -1e30
 # alpha-entmax: alpha_i = r_i (per head, d alpha through DR), scores shifted by the row max (ROWMAX) and scaled by
 # alpha - 1 before the threshold, as the reference and the C++ kernel (see _threshold_kernel)
-MAP_ENTMAX_ALPHA = map_id("entmax_alpha")
-#: maps of the shared table without Triton device code: takes() declines them with this reason (none today)
-NOT_IN_TRITON: dict[str, str] = {}
-_missing = [name for name in MAP_IDS if name not in NOT_IN_TRITON and f"MAP_{constant_name(name)}" not in globals()]
-if _missing:
-    raise ImportError(f"hf_attnorm/kernels/fused/triton.py has no device code for the fused map(s) {_missing} "
-                      "declared in fused/maps.py: add MAP_<NAME> = map_id(name) and the map's branches in _entry "
-                      "and _slopes, or list it in NOT_IN_TRITON with the reason")
-#: constant name -> id, for every map of the shared table that has Triton device code
-MAP_CONSTANTS: dict[str, int] = {f"MAP_{constant_name(name)}": globals()[f"MAP_{constant_name(name)}"]
-                                  for name in MAP_IDS if name not in NOT_IN_TRITON}
 #: at most this many Newton passes for the sparse threshold (measured: sparsemax 3-5, entmax15 6-8, plus one max pass)
 THRESHOLD_STEPS = 30
 
@@ -210,27 +195,11 @@ def _entry(s, r, keep, shift, MAP: tl.constexpr, RUNNING_SHIFT: tl.constexpr, TH
     sparse: threshold tau). Masked entries give exactly 0.
     """
     zero = 0.0  # (scalars, not tl.zeros_like: library calls are slow in the interpreter)
-    if MAP == MAP_SYMAX:  # symax |s|
-        a = tl.where(keep, tl.abs(s), zero)
-        b = a
-    elif MAP == MAP_SQUARED:  # squared
-        a = tl.where(keep, s * s, zero)
-        b = a
-    elif MAP == MAP_STABLEMAX:  # stablemax g(s); each branch only sees its own half-line (no inf in the unused one)
-        g = tl.where(s >= 0, tl.maximum(s, 0.0) + 1.0, 1.0 / (1.0 - tl.minimum(s, 0.0)))
-        a = tl.where(keep, g, zero)
-        b = a
-    elif RUNNING_SHIFT == 1:  # (shift 'max_score') softpick in units of e^-M: e^(s-M) - e^-M
+    if RUNNING_SHIFT == 1:  # (shift 'max_score') softpick in units of e^-M: e^(s-M) - e^-M
         e = tl.exp(tl.where(keep, s - shift[:, None], -float("inf")))
         p = e - tl.exp(-shift)[:, None]
         a = tl.where(keep & (p > 0), p, zero)
         b = tl.where(keep, tl.abs(p), zero)
-    elif MAP == MAP_SIGMOID:  # sigmoid(s + r)
-        a = tl.where(keep, 1.0 / (1.0 + tl.exp(-(s + r[:, None]))), zero)
-        b = a
-    elif MAP == MAP_RELU_LEN:  # relu(s) / n, r = 1/n
-        a = tl.where(keep, tl.maximum(s, 0.0) * r[:, None], zero)
-        b = a
     elif THRESHOLD_EXP == 1:  # sparsemax [s - tau]_+
         a = tl.where(keep, tl.maximum(s - shift[:, None], 0.0), zero)
         b = a
@@ -260,8 +229,9 @@ def _entry(s, r, keep, shift, MAP: tl.constexpr, RUNNING_SHIFT: tl.constexpr, TH
         t = tl.where(keep, tl.maximum(s * 0.5 - shift[:, None], 0.0), zero)
         a = t * t
         b = a
-    else:  # a map id without a branch here: refuse to compile (the launcher refuses undeclared ids before this)
-        tl.static_assert(False, "hf_attnorm triton: no forward branch for this fused map (see fused/maps.py)")
+    else:  # the declared per-entry code (FusedMap.code; _map_weight is generated from it)
+        a = tl.where(keep, _map_weight(s, r[:, None], MAP), zero)  # noqa: F821  (generated: _compiled)
+        b = a
     return a, b
 
 
@@ -272,33 +242,12 @@ def _slopes(s, r, keep, shift, MAP: tl.constexpr, RUNNING_SHIFT: tl.constexpr, T
     entmax-1.5) and db is unused.
     """
     zero = 0.0
-    if MAP == MAP_SYMAX:
-        a = tl.where(keep, tl.abs(s), zero)
-        da = tl.where(keep, tl.where(s > 0, 1.0, tl.where(s < 0, -1.0, 0.0)), zero)
-        db = da
-    elif MAP == MAP_SQUARED:
-        a = tl.where(keep, s * s, zero)
-        da = tl.where(keep, 2.0 * s, zero)
-        db = da
-    elif MAP == MAP_STABLEMAX:
-        neg = 1.0 / (1.0 - tl.minimum(s, 0.0))
-        a = tl.where(keep, tl.where(s >= 0, tl.maximum(s, 0.0) + 1.0, neg), zero)
-        da = tl.where(keep, tl.where(s >= 0, 1.0, neg * neg), zero)
-        db = da
-    elif RUNNING_SHIFT == 1:  # (shift 'max_score') softpick
+    if RUNNING_SHIFT == 1:  # (shift 'max_score') softpick
         e = tl.exp(tl.where(keep, s - shift[:, None], -float("inf")))
         p = e - tl.exp(-shift)[:, None]
         a = tl.where(keep & (p > 0), p, zero)
         da = tl.where(keep & (p > 0), e, zero)
         db = tl.where(keep, tl.where(p > 0, e, tl.where(p < 0, -e, 0.0)), zero)
-    elif MAP == MAP_SIGMOID:
-        a = tl.where(keep, 1.0 / (1.0 + tl.exp(-(s + r[:, None]))), zero)
-        da = a * (1.0 - a)
-        db = da
-    elif MAP == MAP_RELU_LEN:
-        a = tl.where(keep, tl.maximum(s, 0.0) * r[:, None], zero)
-        da = tl.where(keep & (s > 0), r[:, None] + 0.0 * s, zero)
-        db = da
     elif THRESHOLD_EXP == 1:  # sparsemax
         a = tl.where(keep, tl.maximum(s - shift[:, None], 0.0), zero)
         da = tl.where(a > 0, 1.0, 0.0)
@@ -332,8 +281,11 @@ def _slopes(s, r, keep, shift, MAP: tl.constexpr, RUNNING_SHIFT: tl.constexpr, T
         a = t * t
         da = t
         db = da
-    else:  # a map id without a branch here: refuse to compile (the launcher refuses undeclared ids before this)
-        tl.static_assert(False, "hf_attnorm triton: no backward branch for this fused map (see fused/maps.py)")
+    else:  # the declared per-entry code (FusedMap.code; _map_weight / _map_slope are generated from it)
+        w = _map_weight(s, r[:, None], MAP)  # noqa: F821  (generated: _compiled)
+        a = tl.where(keep, w, zero)
+        da = tl.where(keep, _map_slope(s, r[:, None], w, MAP), zero)  # noqa: F821
+        db = da
     return a, da, db
 
 
@@ -887,23 +839,40 @@ def _bwd_dkdv_kernel(
 _JIT_FUNCTIONS = ("_entry", "_slopes", "_tanh", "_mods", "_score_block", "_threshold_kernel", "_fwd_kernel",
                   "_bwd_dq_kernel", "_bwd_dkdv_kernel")
 _HELPERS = ("_entry", "_slopes", "_tanh", "_mods", "_score_block")
-_COMPILED: dict[bool, types.SimpleNamespace] = {}
+_MAP_FUNCTIONS = ("_map_weight", "_map_slope")
+_COMPILED: dict[tuple[bool, str], types.SimpleNamespace] = {}
 
 
-def _compiled() -> types.SimpleNamespace:
-    """The jitted kernels for the current mode (compiled or interpreted), built once per mode.
+def _map_functions(table: tuple[FusedMap, ...]) -> dict[str, Any]:
+    """``_map_weight`` and ``_map_slope`` for the map table ``table``: the Python functions of
+    ``maps.triton_source(table)``, compiled from a source registered with linecache (triton.jit reads a
+    function's source through inspect)."""
+    src = triton_source(table)
+    filename = f"<hf_attnorm fused maps {hashlib.sha1(src.encode()).hexdigest()[:12]}>"
+    linecache.cache[filename] = (len(src), None, src.splitlines(keepends=True), filename)
+    namespace: dict[str, Any] = {"tl": tl, "__name__": __name__}  # (the compiler reads a function's module)
+    exec(compile(src, filename, "exec"), namespace)  # noqa: S102  (source generated from maps.py's declarations)
+    return {name: namespace[name] for name in _MAP_FUNCTIONS}
+
+
+def _compiled(table: tuple[FusedMap, ...] = MAPS) -> types.SimpleNamespace:
+    """The jitted kernels for the current mode (compiled or interpreted) and the map table ``table`` (default
+    ``maps.MAPS``), built once per mode and table.
 
     triton decides compiled vs interpreted when ``triton.jit`` runs, and the interpreter writes its helpers into the
     function's globals; so each mode gets its own namespace holding its own jitted copies, which resolve each
-    other by name.
+    other by name. The per-entry code of the table's maps comes in as ``_map_weight`` / ``_map_slope``
+    (``_map_functions``), called by ``_entry`` and ``_slopes``.
     """
     _load_triton()
     mode = jit_interprets()
-    if mode not in _COMPILED:
-        constants = {name: tl.constexpr(value) for name, value in MAP_CONSTANTS.items()}
-        constants.update(TINY=tl.constexpr(TINY), POW_NEG=tl.constexpr(POW_NEG))  # jitted code reads constexprs only
-        _COMPILED[mode] = jit_namespace(globals(), _JIT_FUNCTIONS, _HELPERS, mode, constants)
-    return _COMPILED[mode]
+    key = (mode, table_key(table))
+    if key not in _COMPILED:
+        constants = dict(TINY=tl.constexpr(TINY), POW_NEG=tl.constexpr(POW_NEG))  # jitted code reads constexprs only
+        source = {**globals(), **_map_functions(table)}
+        _COMPILED[key] = jit_namespace(source, _MAP_FUNCTIONS + _JIT_FUNCTIONS, _MAP_FUNCTIONS + _HELPERS, mode,
+                                       constants)
+    return _COMPILED[key]
 
 
 def jit_namespace(module_globals: dict[str, Any], names: tuple[str, ...], helpers: tuple[str, ...], mode: bool,
@@ -967,14 +936,19 @@ def _strides4(t: torch.Tensor) -> list[int]:
 class _Plan:
     """Everything about one call that is not a differentiable tensor: mask, sizes, launch constants."""
 
-    def __init__(self, call: AttnCall) -> None:
+    def __init__(self, call: AttnCall, table: tuple[FusedMap, ...] = MAPS) -> None:
         q, k, v = call.q, call.k, call.v
         self.B, self.H, self.LQ, self.DH = q.shape
         self.HKV, self.LK, self.DV = k.shape[1], k.shape[2], v.shape[-1]
         self.groups = self.H // self.HKV
         self.name = call.normalizer.fused_map
-        self.map_id = map_id(self.name)
-        self.fmap = lookup_id(self.map_id)
+        #: the map table the kernels are built for (``maps.MAPS``; tests pass others)
+        self.maps = table
+        by_name = {m.name: m for m in table}
+        if self.name not in by_name:
+            raise KeyError(f"no fused kernel map {self.name!r} (maps: {', '.join(by_name)})")
+        self.fmap = by_name[self.name]
+        self.map_id = self.fmap.kernel_id
         self.normalised = self.fmap.normalised
         #: the threshold search's form (FusedMap.threshold_exponent; -1: alpha-entmax's, from the row value)
         self.threshold_exp = -1 if self.fmap.dispatch == "alpha" else self.fmap.threshold_exponent
@@ -1036,13 +1010,14 @@ def map_constants(fmap: FusedMap) -> dict[str, Any]:
                 ROW_VALUE_IN_SCORE=fmap.row_value_in_score, ROW_VALUE_EXPONENT=fmap.row_value_exponent)
 
 
-def check_map(map_id: int) -> None:
-    """Refuses, before any launch, a map id that ``maps.py`` does not declare or that has no Triton device
-    code (ValueError naming it); the device code's per-map chains end in a ``static_assert`` as well."""
-    fmap = lookup_id(map_id)
-    if fmap.name in NOT_IN_TRITON or f"MAP_{constant_name(fmap.name)}" not in MAP_CONSTANTS:
-        raise ValueError(f"fused map {fmap.name!r} (id {map_id}) has no Triton device code: "
-                         f"{NOT_IN_TRITON.get(fmap.name, 'no MAP_ constant in kernels/fused/triton.py')}")
+def check_map(map_id: int, table: tuple[FusedMap, ...] = MAPS) -> None:
+    """Refuses, before any launch, a map id that ``table`` (``maps.MAPS``) does not declare (ValueError naming the
+    declared ids); the device code's generated per-entry chain ends in a ``static_assert`` as well."""
+    if table is MAPS:
+        lookup_id(map_id)
+    elif map_id not in {m.kernel_id for m in table}:
+        known = ", ".join(f"{m.kernel_id} ({m.name})" for m in table)
+        raise ValueError(f"unknown fused map id {map_id!r}: the declared ids are {known}")
 
 
 def _only(consts: dict[str, Any], kernel: Any) -> dict[str, Any]:
@@ -1062,8 +1037,8 @@ class _TritonAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, score_scale, row_value, bias, plan: _Plan):
-        check_map(plan.map_id)
-        kern = _compiled()
+        check_map(plan.map_id, plan.maps)
+        kern = _compiled(plan.maps)
         dev = q.device
         rows = (plan.B, plan.H, plan.LQ)
         out = torch.empty(*rows, plan.DV, dtype=torch.float32, device=dev)
@@ -1093,7 +1068,7 @@ class _TritonAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, score_scale, row_value, bias, den, shift, rowmax = ctx.saved_tensors
         plan: _Plan = ctx.plan
-        kern = _compiled()
+        kern = _compiled(plan.maps)
         dev = q.device
         do = dout.to(torch.float32).contiguous()
         common = plan.common(q, k, v, score_scale)
@@ -1145,7 +1120,7 @@ def _warn_once(key: str, message: str) -> None:
 def takes(norm: Normalizer) -> str | None:
     """The normalizers with a fused map and no q/k transform (``maps.fused_takes``)."""
     reason = fused_takes(norm, "Triton")
-    return reason if reason is not None else NOT_IN_TRITON.get(norm.fused_map)
+    return reason
 
 
 def accepts(call: AttnCall) -> str | None:
