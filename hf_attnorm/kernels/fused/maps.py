@@ -15,18 +15,23 @@ A fused map turns a score s (q . k with every scale applied) and the row's value
 * ``row_value``: what r holds, ``row_value_for(n)``: the value a normalizer with default options passes for rows
   with n visible keys, ``row_value_has_gradient``: whether the kernels return d out / d r;
 * ``dispatch``: which C++ driver runs it ("tiles": one blocked pass; "threshold": a threshold search, then a pass;
-  "alpha": alpha-entmax's search in float64), ``wide``: computed in float64 whatever the input dtype.
+  "alpha": alpha-entmax's search in float64), ``wide``: computed in float64 whatever the input dtype;
+* the facts that pick the kernels' code for a map without its own: ``shift`` (a running shift, as softpick's,
+  softplus's and power's), ``threshold_exponent`` (sparsemax, entmax-1.5), ``row_value_in_score`` (sigmoid's
+  bias), ``row_value_exponent`` (power's p), ``den_offset``, ``row_value_factor``; each is checked here against the
+  declared ``weight`` (``FusedMap.__post_init__`` refuses what the kernels cannot obey);
+* ``code`` (``EntryCode``): the per-entry code of every other map, as C++ and Triton expressions.
 
-How the kernels read it: ``kinds.py`` derives the id table and sets from ``MAPS``; ``cpu.py`` compiles the C++
-with the facts as preprocessor definitions (``compile_definitions``), so ``is_normalised``, ``is_threshold``,
-``constant_on_single_key`` and ``single_key_row`` are this table; the C++ ``enum Kind``, the ``dispatch_kind``
-switch and the elementwise code cannot be generated, so ``tests/test_fused_maps.py`` evaluates every map here
-through both kernels (forward and gradients against ``weight`` / ``slope``) and asks the compiled C++ for its facts
-per id (``map_facts``). An id outside this table raises in both kernels.
+How the kernels read it: ``cpu.py`` compiles the C++ with the facts as preprocessor definitions
+(``compile_definitions``) and with the generated header ``cpp_header`` (the dispatch over the declared ids and each
+map's ``EntryCode``); ``triton.py`` hands the facts to its kernels as constexprs (``triton.map_constants``) and
+jits the generated ``triton_source`` (``_map_weight`` / ``_map_slope``) with them. Neither kernel names a map;
+``tests/test_fused_maps.py`` evaluates every map here through both kernels (forward and gradients against
+``weight`` / ``slope``), asks the compiled C++ for its facts per id (``map_facts``), and runs a map declared only
+in the test. An id outside the table raises in both kernels.
 
-Adding a map: one ``FusedMap`` entry below (next free id, never reuse one), its ``enum Kind`` entry, its
-``dispatch_kind`` case and its elementwise code in the C++, its branches in ``_entry`` / ``_slopes`` of
-``triton.py`` (see docs/extending.md).
+Adding a map: one ``FusedMap`` entry in ``MAPS`` (next free id below 64, never reuse one), with its ``code``, or
+with the facts of a form the kernels already compute (see docs/extending.md).
 """
 
 from __future__ import annotations
@@ -294,12 +299,6 @@ def map_id(name: str) -> int:
         return MAP_IDS[name]
     except KeyError:
         raise KeyError(f"no fused kernel map {name!r} (maps: {', '.join(MAP_IDS)})") from None
-
-
-def constant_name(name: str) -> str:
-    """The constant a kernel source uses for map ``name``: ``MAP_SYMAX`` in Triton, ``SYMAX`` in the C++
-    ``enum MapId``."""
-    return name.upper()
 
 
 def fused_takes(norm: Normalizer, kernels: str) -> str | None:

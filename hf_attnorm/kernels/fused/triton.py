@@ -1,8 +1,10 @@
 """GPU fast path: flash-style Triton kernels (forward and backward) for the non-softmax normalizers.
 
 One forward kernel (plus a threshold kernel for the sparse maps) and two backward kernels serve every normalizer
-below; the normalizer is a compile-time ``MAP``. No n x n tensor is ever formed: per query block the kernel walks
-the key blocks, recomputes the scores s = c_i (q_i . k_j) and accumulates
+below: a map's declared facts (``maps.py``) are compile-time constants (``map_constants``) and its per-entry code
+the generated ``_map_weight`` / ``_map_slope`` (``maps.triton_source``); no device code names a map. No n x n tensor
+is ever formed: per query block the kernel walks the key blocks, recomputes the scores
+s = score_scale_i (q_i . k_j) and accumulates
 
 * sum-normalised maps (symax, squared, stablemax, softpick): numerator O_i = sum_j a(s_ij) v_j and denominator
   D_i = r_i + sum_j b(s_ij) (r_i = |eta| for symax, else 0); out = O / D, 0 where D = 0. Without exponentials
@@ -12,12 +14,13 @@ the key blocks, recomputes the scores s = c_i (q_i . k_j) and accumulates
   one pass over the key blocks each (O(n d) memory); the forward kernel then accumulates
   p = [z - tau]_+^(1/(alpha-1)) (z = s or s/2) like a non-normalised map.
 
-Per row i: c_i = base x multiplier (the per-query scale, with gradient), r_i = the normalizer's row value
+Per row i: score_scale_i = base x multiplier (the per-query scale, with gradient), r_i = the normalizer's row value
 (symax |eta_h|, sigmoid b_h - ln n_i or b_h, relu_len 1/n_i) with gradient. The forward pass saves D and the
 softpick shift / sparse threshold per row (fp32); the backward pass recomputes score blocks. With
 dp_ij = do_i . v_j: normalised ds_ij = (a'(s_ij) dp_ij - b'(s_ij) delta_i) / D_i, delta_i = sum_j w_ij dp_ij;
 sparse ds_ij = g_ij (dp_ij - delta_i), g = p^(2 - alpha), delta_i = sum_j g_ij dp_ij / sum_j g_ij; non-normalised
-ds_ij = a'(s_ij) dp_ij. Then dq_i = c_i sum_j ds_ij k_j, dc_i = q_i . sum_j ds_ij k_j, dk_j = sum_i c_i ds_ij q_i,
+ds_ij = a'(s_ij) dp_ij. Then dq_i = score_scale_i sum_j ds_ij k_j, dscore_scale_i = q_i . sum_j ds_ij k_j,
+dk_j = sum_i score_scale_i ds_ij q_i,
 dv_j = sum_i w_ij do_i. delta comes from a first pass of the dq kernel rather than flash attention's do . out:
 see ``_bwd_dq_kernel``.
 One program per (key block, batch, kv head) loops over the heads of its GQA group, so dk/dv need no atomics.
