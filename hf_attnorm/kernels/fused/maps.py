@@ -67,8 +67,8 @@ class EntryCode:
       ``std::max`` / ``std::min`` are at hand. Written branch-free (``?:`` selects), so the loops that call them
       vectorise as before;
     * ``triton_weight`` / ``triton_slope``: the same as Triton expressions on a block ``s`` [BM, BN] and ``r``
-      [BM, 1] (``tl.where`` / ``tl.maximum`` ..., fp32; ``w`` as above). Both sides are evaluated on invisible
-      entries too (the kernels select 0 there), so neither may produce NaN for any finite or infinite s.
+      [BM, 1] (``tl.where`` / ``tl.maximum`` ..., fp32; ``w`` as above). Both are evaluated on invisible entries
+      too (the kernels select 0 there): keep them finite for every finite s.
     """
 
     cpp_weight: str
