@@ -128,7 +128,8 @@ if not INTERPRETED:
         flagged_somewhere = False
         for name in names:
             jitted = getattr(kern, name)
-            raw = getattr(mod, name)
+            # the per-entry functions generated from the map declarations are not module attributes
+            raw = getattr(mod, name) if hasattr(mod, name) else mod._map_functions(mod.MAPS)[name]
             declared = [a for a, ann in raw.__annotations__.items() if "constexpr" in str(ann)]
             params = getattr(jitted, "params", None)
             if params is None:  # (a device helper kept as a plain function)
