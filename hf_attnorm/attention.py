@@ -14,7 +14,7 @@ import torch
 
 from .kernels import attend
 from .kernels.base import AttnCall, alibi_bias
-from .kernels.fused.kinds import fused_takes
+from .kernels.fused.maps import fused_takes
 from .kernels.memory import memory_specs, prepend_memory
 from .masks import MaskError, build_mask_info, select_keys, split_float_mask
 from .normalizers.base import Ctx, ParamSpec

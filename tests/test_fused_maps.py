@@ -22,13 +22,29 @@ import pytest
 import torch
 
 from hf_attnorm.kernels.fused import cpu as fused_cpu
-from hf_attnorm.kernels.fused import kinds, maps
+from hf_attnorm.kernels.fused import maps
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
 IDS = [m.name for m in maps.MAPS]
 UNKNOWN_ID = max(maps.BY_ID) + 5
+
+#: A fused map declared here and nowhere else (no normalizer uses it): 1 + softsign(s) = 1 + s / (1 + |s|),
+#: positive, normalised. Both kernels run it from this declaration alone: a new fused map is its declaration
+#: (docs/extending.md walks through it).
+NEW_MAP = maps.FusedMap(
+    "softsign", max(maps.BY_ID) + 1,
+    weight=lambda s, r: 1 + s / (1 + s.abs()), slope=lambda s, r: 1 / (1 + s.abs()) ** 2,
+    normalised=True, threshold=False, constant_on_single_key=True, single_key_mark="n == 1",
+    row_value="n, the keys the query sees (the map reads no row value; n == 1 marks single-key rows)",
+    row_value_for=lambda n: n.to(torch.float64), row_value_has_gradient=False, dispatch="tiles",
+    code=maps.EntryCode(cpp_weight="T(1) + s / (T(1) + std::abs(s))",
+                        cpp_slope="T(1) / ((T(1) + std::abs(s)) * (T(1) + std::abs(s)))",
+                        triton_weight="1.0 + s / (1.0 + tl.abs(s))",
+                        triton_slope="1.0 / ((1.0 + tl.abs(s)) * (1.0 + tl.abs(s)))"))
+#: the declared maps and the new one: the kernels are built for this table in tests below (a separate build)
+TABLE = (*maps.MAPS, NEW_MAP)
 
 
 def _inputs(dtype: torch.dtype, seed: int = 0):
@@ -67,9 +83,9 @@ def _compare(fmap, got: dict[str, torch.Tensor], q, k, v, keep, r, atol: float) 
         assert err <= atol * max(1.0, ref.abs().max().item()), f"{fmap.name}: {key} differs by {err:.3g}"
 
 
-@pytest.mark.parametrize("name", IDS)
+@pytest.mark.parametrize("name", [*IDS, NEW_MAP.name])
 def test_declared_slope_is_the_derivative_of_the_declared_weight(name):
-    fmap = maps.BY_NAME[name]
+    fmap = maps.BY_NAME.get(name, NEW_MAP)
     s = torch.linspace(-3.1, 2.9, 61, dtype=torch.float64).requires_grad_(True)  # no grid point at a kink (0)
     r = fmap.row_value_for(torch.full((61,), 7))
     for value, slope in ((fmap.weight, fmap.slope), (fmap.den_term, fmap.den_slope)):
@@ -80,13 +96,13 @@ def test_declared_slope_is_the_derivative_of_the_declared_weight(name):
         torch.testing.assert_close(slope(s.detach(), r), auto, rtol=1e-12, atol=1e-12)
 
 
-def test_kinds_are_derived_from_the_declarations():
-    assert kinds.FUSED_KINDS == {m.name: m.kernel_id for m in maps.MAPS}
-    assert kinds.NORMALISED == {m.name for m in maps.MAPS if m.normalised}
-    assert kinds.THRESHOLD == {m.name for m in maps.MAPS if m.threshold}
-    assert kinds.WIDE == {m.name for m in maps.MAPS if m.wide}
-    assert kinds.DEN_ADDS_ROW_VALUE == {m.name for m in maps.MAPS if m.den_offset is not None}
-    assert kinds.ROW_VALUE_FACTOR == {m.name for m in maps.MAPS if m.row_value_factor}
+def test_map_tables_are_derived_from_the_declarations():
+    assert maps.MAP_IDS == {m.name: m.kernel_id for m in maps.MAPS}
+    assert maps.NORMALISED == {m.name for m in maps.MAPS if m.normalised}
+    assert maps.THRESHOLD == {m.name for m in maps.MAPS if m.threshold}
+    assert maps.WIDE == {m.name for m in maps.MAPS if m.wide}
+    assert maps.DEN_ADDS_ROW_VALUE == {m.name for m in maps.MAPS if m.den_offset is not None}
+    assert maps.ROW_VALUE_FACTOR == {m.name for m in maps.MAPS if m.row_value_factor}
 
 
 @pytest.mark.parametrize("name", IDS)
@@ -108,6 +124,36 @@ def test_a_declaration_the_kernels_cannot_obey_is_refused():
         dataclasses.replace(base, name="offset2", den_offset=lambda r: 2 * r)
     with pytest.raises(ValueError, match="row_value_factor scales"):
         dataclasses.replace(base, name="factor", row_value_factor=True)
+    with pytest.raises(ValueError, match="the kernels compute shift 'max_score' for the weight"):
+        dataclasses.replace(maps.BY_NAME["squared"], name="shifted", shift="max_score", code=None)
+    with pytest.raises(ValueError, match="a running shift cancels only"):
+        dataclasses.replace(maps.BY_NAME["sigmoid"], name="shifted", shift="max_score", code=None)
+    with pytest.raises(ValueError, match="row_value_exponent"):
+        dataclasses.replace(maps.BY_NAME["power"], name="exponent", row_value_exponent=False)
+    with pytest.raises(ValueError, match="row_value_in_score needs"):
+        dataclasses.replace(maps.BY_NAME["relu_len"], name="in_score", row_value_factor=False,
+                            row_value_in_score=True)
+    with pytest.raises(ValueError, match="threshold_exponent 2 means"):
+        dataclasses.replace(maps.BY_NAME["sparsemax"], name="squared_threshold", threshold_exponent=2)
+    with pytest.raises(ValueError, match="declare threshold_exponent 1 or 2"):
+        dataclasses.replace(maps.BY_NAME["sparsemax"], name="no_exponent", threshold_exponent=0)
+    with pytest.raises(ValueError, match="declares its per-entry code"):
+        dataclasses.replace(base, name="uncoded", code=None)
+    with pytest.raises(ValueError, match="declares its per-entry code"):
+        dataclasses.replace(maps.BY_NAME["softpick"], name="coded", code=base.code)
+    with pytest.raises(ValueError, match="only shift 'max_score'"):
+        dataclasses.replace(base, name="den_term", den_term=lambda s, r: s * s, den_slope=lambda s, r: 2 * s)
+
+
+def test_a_normalizer_naming_its_map_by_the_former_attribute_still_gets_it():
+    """``fused_kind`` was the attribute's name: a subclass that sets it runs on that map, with a DeprecationWarning."""
+    from hf_attnorm.normalizers.base import Normalizer
+
+    with pytest.warns(DeprecationWarning, match="fused_map"):
+        class Old(Normalizer):
+            fused_kind = "sigmoid"
+
+    assert Old.fused_map == "sigmoid"
 
 
 def test_an_undeclared_id_is_refused_by_name():
@@ -128,25 +174,39 @@ def _ops():
     return fused_cpu.native_ops()
 
 
-def _map_facts(kind: int) -> list[int]:
-    """What the C++ build believes about map ``kind`` (a C++-only op: its namespace is the compiled one,
+def _map_facts(map_id: int) -> list[int]:
+    """What the C++ build believes about map ``map_id`` (a C++-only op: its namespace is the compiled one,
     ``hf_attnorm_native``; the ops hf_attnorm calls are declared from Python as ``hf_attnorm_fused``)."""
     _ops()  # builds the extension
-    return torch.ops.hf_attnorm_native.map_facts(kind)
+    return torch.ops.hf_attnorm_native.map_facts(map_id)
 
 
-def test_cpp_enum_spells_the_declared_ids():
+def test_the_kernels_name_no_map_and_the_generated_code_covers_every_id():
+    """Every per-map difference in the kernels comes from the declarations: the C++ source names no map (no id
+    constant, no enum) and the hand-written Triton device code compares ``MAP`` with nothing; the generated C++
+    header dispatches every declared id and holds the code of every map declaring some, as does the generated
+    Triton source."""
+    import inspect
     import re
     from pathlib import Path
 
-    src = Path(fused_cpu.__file__).with_name("fused_cpu.cpp").read_text()
-    enum = re.search(r"enum Kind : int64_t \{(.*?)\};", src, re.S).group(1)
-    cpp = {m.group(1): int(m.group(2)) for m in re.finditer(r"(\w+) = (\d+)", enum)}
-    declared = {kinds.constant_name(m.name): m.kernel_id for m in maps.MAPS}
-    assert cpp == declared, ("enum Kind in fused/fused_cpu.cpp differs from fused/maps.py: only in the C++ "
-                             f"{sorted(cpp.items() - declared.items())}, "
-                             f"only declared {sorted(declared.items() - cpp.items())}")
-    assert int(re.search(r"NUM_KINDS = (\d+);", src).group(1)) == max(maps.BY_ID) + 1
+    from hf_attnorm.kernels.fused import triton as ta
+
+    cpp = Path(fused_cpu.__file__).with_name("fused_cpu.cpp").read_text()
+    code_lines = "\n".join(line.split("//")[0] for line in cpp.splitlines())  # comments may describe a form
+    for m in maps.MAPS:
+        assert not re.search(rf"\b{m.name.upper()}\b", code_lines), m.name
+    assert "enum" not in code_lines
+    device = "".join(inspect.getsource(getattr(ta, name)) for name in ta._JIT_FUNCTIONS)
+    assert not re.search(r"\bMAP\s*(==|!=|>=|<=|<|>)", device)
+    assert not re.search(r"\bMAP_[A-Z0-9_]+\b", device)
+    header, source = maps.cpp_header(), maps.triton_source()
+    ids = re.search(r"#define HF_MAPS_FOR_EACH\(X\) (.*)", header).group(1)
+    assert ids == " ".join(f"X({m.kernel_id})" for m in sorted(maps.MAPS, key=lambda m: m.kernel_id))
+    for m in maps.MAPS:
+        coded = m.code is not None
+        assert (f"struct MapEntry<T, {m.kernel_id}> {{" in header) == coded, m.name
+        assert (f"MAP == {m.kernel_id}:  # {m.name}" in source) == coded, m.name
 
 
 @pytest.mark.parametrize("name", IDS)
@@ -155,7 +215,8 @@ def test_cpp_build_answers_the_declared_facts(name):
     facts = list(_map_facts(fmap.kernel_id))
     assert facts == [fmap.normalised, fmap.threshold, fmap.constant_on_single_key,
                      fmap.single_key_mark == "negative", maps.DISPATCH_IDS[fmap.dispatch],
-                     fmap.den_offset is not None, fmap.row_value_factor], name
+                     fmap.den_offset is not None, fmap.row_value_factor, fmap.threshold_exponent == 2,
+                     maps.SHIFT_IDS[fmap.shift], fmap.row_value_in_score, fmap.row_value_exponent], name
 
 
 def test_cpp_refuses_an_undeclared_id_in_the_kernel_and_in_the_launcher():
@@ -189,6 +250,36 @@ def test_cpp_kernel_computes_the_declared_map(name):
         assert dr.abs().max().item() == 0.0, name
 
 
+def _run_new_map_cpp(ops, q, k, v, keep, r, w):
+    """out and the gradients of sum(out * w) (q, k, v, r) from the ops of a build for TABLE (float64, 4 x 4
+    blocks), called directly: nothing else could have computed them."""
+    fid = NEW_MAP.kernel_id
+    out, den, shift, hv_sum = ops.forward(fid, q, k, v, keep, False, r, None, None, 0.0, 4, 4, True)
+    dq, dk, dv, dr, _ = ops.backward(fid, q, k, v, keep, False, r, None, None, 0.0, False, out, den, shift, hv_sum,
+                                     w.contiguous(), 4, 4)
+    return out, dq, dk, dv, dr
+
+
+def test_cpp_kernel_computes_a_map_declared_only_in_a_test():
+    """NEW_MAP, declared above and not in maps.MAPS: the C++ kernel built for TABLE (its own extension and op
+    namespace, since the table differs) reports its facts and computes its weights and gradients; the build for
+    maps.MAPS does not know its id."""
+    _ops()
+    ops = fused_cpu.build_ops(TABLE)
+    assert ops is not torch.ops.hf_attnorm_native
+    facts = list(ops.map_facts(NEW_MAP.kernel_id))
+    assert facts[:2] == [1, 0] and facts[4] == 0, facts
+    q, k, v, keep = _inputs(torch.float64)
+    r = NEW_MAP.row_value_for(keep.sum(-1).clamp(min=1)).to(torch.float64).contiguous()
+    w = torch.linspace(-1, 1, q.shape[2] * 2 * v.shape[-1], dtype=torch.float64).view(1, 2, q.shape[2], v.shape[-1])
+    out, dq, dk, dv, dr = _run_new_map_cpp(ops, q, k, v, keep, r, w)
+    assert out[..., 2:, :].abs().max().item() > 0  # rows with keys got weights
+    _compare(NEW_MAP, {"out": out, "dq": dq, "dk": dk, "dv": dv, "dr": None}, q, k, v, keep, r, atol=1e-9)
+    assert dr.abs().max().item() == 0.0
+    with pytest.raises(RuntimeError, match=f"unknown fused map id {NEW_MAP.kernel_id}"):
+        torch.ops.hf_attnorm_native.forward(NEW_MAP.kernel_id, q, k, v, keep, False, r, None, None, 0.0, 4, 4, True)
+
+
 # ------------------------------------------------------------------------------------------------------ Triton
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -208,12 +299,12 @@ if not INTERPRETED:
 else:
     from hf_attnorm.kernels.fused import triton as ta
 
-    def _plan(name: str, q, k, v, keep):
+    def _plan(name: str, q, k, v, keep, table=maps.MAPS):
         """A launch plan for map ``name`` (the call's fields _Plan reads; no normalizer needed)."""
-        call = types.SimpleNamespace(q=q, k=k, v=v, normalizer=types.SimpleNamespace(fused_kind=name),
+        call = types.SimpleNamespace(q=q, k=k, v=v, normalizer=types.SimpleNamespace(fused_map=name),
                                      mask=types.SimpleNamespace(keep=keep, causal=False), softcap=None,
                                      alibi_slopes=None)
-        return ta._Plan(call)
+        return ta._Plan(call, table)
 
     @pytest.mark.parametrize("name", IDS)
     def test_triton_kernel_computes_the_declared_map(name, monkeypatch):
@@ -229,14 +320,34 @@ else:
         got = {"out": out.detach(), "dq": dq, "dk": dk, "dv": dv, "dr": dr if fmap.row_value_has_gradient else None}
         _compare(fmap, got, q, k, v, keep, r, atol=2e-4)
 
+    def test_triton_kernel_computes_a_map_declared_only_in_a_test(monkeypatch):
+        """NEW_MAP through the Triton kernels built for TABLE (the per-entry code generated from its declaration),
+        called directly; the kernels for maps.MAPS refuse its id."""
+        monkeypatch.setattr(ta, "BLOCK_OVERRIDE", (16, 16))
+        q, k, v, keep = _inputs(torch.float32)
+        r = NEW_MAP.row_value_for(keep.sum(-1).clamp(min=1)).to(torch.float32)
+        scale = torch.ones(q.shape[:3])
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        plan = _plan(NEW_MAP.name, q, k, v, keep, TABLE)
+        assert plan.map_id == NEW_MAP.kernel_id
+        out = ta._TritonAttention.apply(*leaves, scale, r, None, plan)
+        assert out[..., 2:, :].abs().max().item() > 0
+        w = torch.linspace(-1, 1, out.numel()).view_as(out)
+        dq, dk, dv = torch.autograd.grad((out * w).sum(), leaves)
+        _compare(NEW_MAP, {"out": out.detach(), "dq": dq, "dk": dk, "dv": dv}, q, k, v, keep, r, atol=2e-4)
+        with pytest.raises(KeyError, match="no fused kernel map 'softsign'"):
+            _plan(NEW_MAP.name, q, k, v, keep)
+        with pytest.raises(ValueError, match=f"unknown fused map id {NEW_MAP.kernel_id}"):
+            ta.check_map(NEW_MAP.kernel_id)
+
     def test_triton_refuses_an_undeclared_id_before_launching_and_in_the_device_code(monkeypatch):
         q, k, v, keep = _inputs(torch.float32)
         plan = _plan("symax", q, k, v, keep)
-        plan.kind = UNKNOWN_ID
+        plan.map_id = UNKNOWN_ID
         c = torch.ones(q.shape[:3])
         with pytest.raises(ValueError, match=f"unknown fused map id {UNKNOWN_ID}"):
             ta._TritonAttention.apply(q, k, v, c, c, None, plan)
         # past the launcher (as if a map were declared without device code): the per-map chain refuses to compile
-        monkeypatch.setattr(ta, "check_kind", lambda kind: None)
-        with pytest.raises(Exception, match="no forward branch for this fused map KIND"):
+        monkeypatch.setattr(ta, "check_map", lambda map_id, table: None)
+        with pytest.raises(Exception, match="no per-entry code for this fused map"):
             ta._TritonAttention.apply(q, k, v, c, c, None, plan)

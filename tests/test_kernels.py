@@ -33,7 +33,7 @@ from hf_attnorm.kernels import (
 )
 from hf_attnorm.kernels import chunked as chunked_mod
 from hf_attnorm.kernels.fused import cpu as fused_cpu
-from hf_attnorm.kernels.fused import kinds
+from hf_attnorm.kernels.fused import maps
 from hf_attnorm.normalizers.base import KernelFamily
 from hf_attnorm.registry import NORMALIZERS, SCALES, AttnormError
 from hf_attnorm.settings import OPTIONS, AttnormSettings, resolve_settings
@@ -494,10 +494,10 @@ def test_normalizers_declare_their_kernel_facts():
     for name, norm in NORMALIZERS.items():
         assert norm.kernel_family in typing.get_args(KernelFamily), name
         if norm.kernel_family == "fused":
-            assert norm.fused_kind in kinds.FUSED_KINDS, (name, norm.fused_kind)
+            assert norm.fused_map in maps.MAP_IDS, (name, norm.fused_map)
             assert set(declared_normalizers("fused_cpu")) >= {name}
         else:
-            assert norm.fused_kind is None, name
+            assert norm.fused_map is None, name
         if type(norm).sink_logit is not Normalizer.sink_logit:
             assert norm.kernel_family == "softmax", name
 

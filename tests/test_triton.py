@@ -1,6 +1,6 @@
 """The Triton kernels (hf_attnorm/kernels/fused/triton.py) against the reference path, run on the CPU by Triton's
 interpreter: forward and the gradients of q, k, v and every learnable per-head value, generic over the normalizers
-the kernels implement (the normalizers declaring a fused map of ``kernels/fused/kinds.py``).
+the kernels implement (the normalizers declaring a fused map of ``kernels/fused/maps.py``).
 
 Triton fixes interpreted vs compiled mode for its own library when it is imported, so ``TRITON_INTERPRET=1`` must be
 set before anything imports triton. The kernel tests therefore run in a child pytest process started with it set
@@ -25,7 +25,7 @@ from numerics import assert_all_within_reference_error, run_interpreted  # noqa:
 
 from hf_attnorm.attention import attention, constant_heads, make_call, param_specs  # noqa: E402
 from hf_attnorm.kernels import PATHS, attend, candidate_paths, declared_normalizers, paths_for  # noqa: E402
-from hf_attnorm.kernels.fused import kinds  # noqa: E402
+from hf_attnorm.kernels.fused import maps  # noqa: E402
 from hf_attnorm.kernels.fused import triton as ta  # noqa: E402
 from hf_attnorm.registry import NORMALIZERS  # noqa: E402
 from hf_attnorm.settings import resolve_settings  # noqa: E402
@@ -49,16 +49,15 @@ if not INTERPRETED:
     def test_kernels_interpreted_slow():
         run_interpreted(HERE, "slow", allow_skips=True)
 
-    def test_every_map_of_the_shared_table_has_its_triton_constant():
-        """The device code compares KIND with K_<MAP> constants taken from kinds.FUSED_KINDS: one per map, same id,
-        and the source names no map by a bare number."""
+    def test_the_device_code_compares_the_map_id_with_nothing():
+        """The kernels branch on the declared facts (constexprs from maps.py) and call the generated per-entry code
+        (``_map_weight`` / ``_map_slope``): the hand-written device code never compares ``MAP`` with an id (see
+        tests/test_fused_maps.py for the generated code)."""
         import inspect
         import re
 
-        assert ta.KIND_CONSTANTS == {f"K_{kinds.constant_name(n)}": i for n, i in kinds.FUSED_KINDS.items()}
         src = "".join(inspect.getsource(getattr(ta, name)) for name in ta._JIT_FUNCTIONS)
-        assert not re.search(r"KIND\s*(==|>=|<=|<|>)\s*\d", src)
-        assert set(re.findall(r"\bK_[A-Z0-9_]+", src)) <= set(ta.KIND_CONSTANTS)
+        assert not re.search(r"\bMAP\s*(==|!=|>=|<=|<|>)", src)
 
     def _call(name: str, device: str = "cpu", **kw):
         q = torch.randn(1, 2, 5, 16, device=device)
@@ -73,24 +72,23 @@ if not INTERPRETED:
             attend(_call(name), path="triton")
 
     @pytest.mark.slow
-    @pytest.mark.parametrize("kind_name, dtype, masked, mods", [
+    @pytest.mark.parametrize("map_name, dtype, masked, mods", [
         ("symax", "*fp16", True, True), ("softpick", "*bf16", False, False), ("entmax15", "*fp32", False, True),
         ("entmax_alpha", "*fp32", True, True)])
-    def test_kernels_compile_for_a_gpu_target(kind_name, dtype, masked, mods):
+    def test_kernels_compile_for_a_gpu_target(map_name, dtype, masked, mods):
         """The interpreter does not check what the compiler does (types across branches, dot shapes): compile the
         kernels to PTX for sm_80 (Triton's bundled ptxas; no GPU or driver needed). A subset (every kernel of
-        every kind compiled once by hand: docs/triton.md); ~15 s per kernel."""
+        every map compiled once by hand: docs/triton.md); ~15 s per kernel."""
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource, compile
 
         kern = ta._compiled()
-        kind = ta.kind_id(kind_name)
-        consts = dict(KIND=kind, NORMALISED=kind_name in ta.NORMALISED, CAUSAL=not masked, HAS_MASK=masked,
+        consts = dict(**ta.map_constants(maps.BY_NAME[map_name]), CAUSAL=not masked, HAS_MASK=masked,
                       PREC="ieee" if masked else "tf32", UPCAST=False, BLOCK_M=64, BLOCK_N=64, BLOCK_D=64,
                       BLOCK_DV=64, STEPS=ta.THRESHOLD_STEPS, HAS_BIAS=mods, HAS_ALIBI=mods, HAS_CAP=mods,
                       HAS_DBIAS=mods, DB_BM=False, DB_BN=masked)  # with mods: every score modifier, dbias
         fns = [kern._fwd_kernel, kern._bwd_dq_kernel, kern._bwd_dkdv_kernel]
-        fns += [kern._threshold_kernel] if kind_name in ta.THRESHOLD else []
+        fns += [kern._threshold_kernel] if map_name in maps.THRESHOLD else []
         for fn in fns:
             cs = {a: b for a, b in consts.items() if a in fn.arg_names}
             sig = {}
@@ -130,7 +128,8 @@ if not INTERPRETED:
         flagged_somewhere = False
         for name in names:
             jitted = getattr(kern, name)
-            raw = getattr(mod, name)
+            # the per-entry functions generated from the map declarations are not module attributes
+            raw = getattr(mod, name) if hasattr(mod, name) else mod._map_functions(mod.MAPS)[name]
             declared = [a for a, ann in raw.__annotations__.items() if "constexpr" in str(ann)]
             params = getattr(jitted, "params", None)
             if params is None:  # (a device helper kept as a plain function)
@@ -368,8 +367,8 @@ if INTERPRETED:  # the kernel tests proper: only where the interpreter was on be
         runs in fp16 and bf16 natively on a GPU (tests/test_gpu.py)."""
         first: dict[tuple[bool, bool], str] = {}
         for name in NAMES:
-            kind = NORMALIZERS.get(name).fused_kind
-            first.setdefault((kind in kinds.NORMALISED, kind in kinds.THRESHOLD), name)
+            kind = NORMALIZERS.get(name).fused_map
+            first.setdefault((kind in maps.NORMALISED, kind in maps.THRESHOLD), name)
         return list(first.values())
 
     def _more_shapes() -> list[tuple[str, str]]:

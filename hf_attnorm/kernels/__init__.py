@@ -3,7 +3,7 @@
 Every path (``register_path``) states, without running anything:
 
 * ``takes(normalizer)``: None if it implements that normalizer (read from the normalizer's declared
-  ``kernel_family`` / ``fused_kind``, never from its name), else the reason;
+  ``kernel_family`` / ``fused_map``, never from its name), else the reason;
 * ``accepts(call)``: None if it can run this call (device, dtype, dropout, mask kind, weights, head dims ...), else
   the reason. It looks only at shapes, dtypes, devices and settings: no kernel runs, no value is read from a tensor,
   so it costs microseconds and traces under torch.compile;

@@ -19,6 +19,7 @@ Pipeline for one attention call (see ``hf_attnorm.attention``)::
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import zlib
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal, get_args
@@ -229,12 +230,21 @@ class Normalizer:
 
     # ---- what the kernels need to know (hf_attnorm.kernels reads these; no kernel switches on a name) ----
     #: "softmax": exp(s) over the visible keys plus at most one always-visible sink logit (``sink_logit``), exact
-    #: on SDPA; "fused": an elementwise map of the fused CPU / Triton kernels, named by ``fused_kind``; "linear":
+    #: on SDPA; "fused": an elementwise map of the fused CPU / Triton kernels, named by ``fused_map``; "linear":
     #: scoreless (``feature_map`` only), the O(n) path; "stickbreaking": the stick-breaking scan kernels
     #: (``kernels/stickbreaking/``); "generic": only the chunked and reference paths
     kernel_family: ClassVar[KernelFamily] = "generic"
-    #: with kernel_family "fused": the kernels' map, a name of ``hf_attnorm.kernels.fused.kinds.FUSED_KINDS``
-    fused_kind: ClassVar[str | None] = None
+    #: with kernel_family "fused": the kernels' map, a name of ``hf_attnorm.kernels.fused.maps.MAP_IDS``
+    fused_map: ClassVar[str | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # the attribute's former name: a subclass setting it still runs on its map, with a DeprecationWarning
+        if "fused_kind" in cls.__dict__:
+            warnings.warn(f"{cls.__name__}.fused_kind is deprecated: name the fused map with fused_map",
+                          DeprecationWarning, stacklevel=2)
+            if "fused_map" not in cls.__dict__:
+                cls.fused_map = cls.__dict__["fused_kind"]
 
     def row_value(self, ctx: Ctx, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
         """The per-row constant r of a fused map, in ``dtype`` broadcastable to [B, H, Lq] (autograd-connected to the

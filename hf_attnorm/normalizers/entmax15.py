@@ -56,7 +56,7 @@ class Entmax15(Normalizer):
     name = "entmax15"
     paper = "Peters et al. 2019, Sparse Sequence-to-Sequence Models, https://arxiv.org/abs/1905.05702"
     kernel_family = "fused"
-    fused_kind = "entmax15"
+    fused_map = "entmax15"
     description = "entmax-1.5: [s_i/2 - tau]_+^2, sparse (exact zeros)"
     row_sum = "one"
     sparse = True

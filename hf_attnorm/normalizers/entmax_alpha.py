@@ -113,7 +113,7 @@ class EntmaxAlpha(Normalizer):
     row_sum = "one"
     sparse = True
     kernel_family = "fused"
-    fused_kind = "entmax_alpha"
+    fused_map = "entmax_alpha"
     options = (ENTMAX_ALPHA, ENTMAX_ALPHA_LEARNABLE)
     params = (ParamSpec("entmax_alpha", ENTMAX_ALPHA, ENTMAX_ALPHA_LEARNABLE,
                         "per-head alpha of alpha-entmax (used clamped to >= 1.001)"),)

@@ -48,7 +48,7 @@ class Power(Normalizer):
     row_sum = "at_most_one"  # 1 except on all-zero rows, where it is 0 by convention
     options = (POWER_P, POWER_LEARNABLE)
     kernel_family = "fused"
-    fused_kind = "power"
+    fused_map = "power"
     params = (ParamSpec("power_p", POWER_P, POWER_LEARNABLE, "per-head exponent p (used as max(p, 1))"),)
 
     def row_value(self, ctx: Ctx, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -16,7 +16,7 @@ class ReluLen(Normalizer):
     description = "relu(s_i)/n, n = visible keys (not normalised)"
     row_sum = "free"
     kernel_family = "fused"
-    fused_kind = "relu_len"
+    fused_map = "relu_len"
 
     def row_value(self, ctx: Ctx, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """1 / n [B or 1, 1 or H, Lq], the factor on relu(s)."""

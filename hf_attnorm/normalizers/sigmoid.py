@@ -30,7 +30,7 @@ class Sigmoid(Normalizer):
     row_sum = "free"
     options = (SIGMOID_BIAS, SIGMOID_BIAS_LEARNABLE)
     kernel_family = "fused"
-    fused_kind = "sigmoid"
+    fused_map = "sigmoid"
     params = (ParamSpec("sigmoid_bias", SIGMOID_BIAS, SIGMOID_BIAS_LEARNABLE, "per-head bias offset"),)
     #: one offset per head needs the learnable (per-head) value
     calibration_options = {"sigmoid_bias_learnable": True}

@@ -18,7 +18,7 @@ class Softpick(Normalizer):
     name = "softpick"
     paper = "Zuhri et al. 2025, Softpick, https://arxiv.org/abs/2504.20966"
     kernel_family = "fused"
-    fused_kind = "softpick"
+    fused_map = "softpick"
     description = "relu(e^s_i - 1)/sum |e^s_j - 1| (rectified, can put weight nowhere)"
     row_sum = "at_most_one"
 

@@ -33,7 +33,7 @@ class Softplus(Normalizer):
     description = "softplus(s_i)/sum softplus(s_j); preset lssa adds the length scale log_{L_train} n (2501.13428)"
     row_sum = "one"
     kernel_family = "fused"
-    fused_kind = "softplus"
+    fused_map = "softplus"
     presets = {"lssa": ("LSSA (arXiv 2501.13428): softplus(a(n) s_i)/sum softplus(a(n) s_j), a(n) = log_{L_train} n",
                         {"scale": "log_train_n"})}
 

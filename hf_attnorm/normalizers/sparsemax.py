@@ -60,7 +60,7 @@ class Sparsemax(Normalizer):
     name = "sparsemax"
     paper = "Martins & Astudillo 2016, From Softmax to Sparsemax, https://arxiv.org/abs/1602.02068"
     kernel_family = "fused"
-    fused_kind = "sparsemax"
+    fused_map = "sparsemax"
     description = "sparsemax: Euclidean projection onto the simplex (exact zeros)"
     row_sum = "one"
     sparse = True

@@ -17,7 +17,7 @@ class Squared(Normalizer):
     name = "squared"
     paper = "no paper: the p = 2 case of power (PolySketchFormer, https://arxiv.org/abs/2310.01655)"
     kernel_family = "fused"
-    fused_kind = "squared"
+    fused_map = "squared"
     description = "s_i^2/sum s_j^2 (rows of zeros give 0)"
     row_sum = "at_most_one"  # 1 except on all-zero rows, where it is 0 by convention
 

@@ -20,7 +20,7 @@ class Stablemax(Normalizer):
     name = "stablemax"
     paper = "Prieto et al. 2025, Grokking at the Edge of Numerical Stability, https://arxiv.org/abs/2501.04697"
     kernel_family = "fused"
-    fused_kind = "stablemax"
+    fused_map = "stablemax"
     description = "g(s_i)/sum g(s_j), g(x) = x+1 (x>=0), 1/(1-x) (x<0)"
     row_sum = "one"
 

@@ -23,7 +23,7 @@ class Symax(Normalizer):
     row_sum = "at_most_one"
     options = (ETA, ETA_LEARNABLE)
     kernel_family = "fused"
-    fused_kind = "symax"
+    fused_map = "symax"
     params = (ParamSpec("symax_eta", ETA, ETA_LEARNABLE, "per-head eta (used as |eta|)"),)
     calibration_note = ("no exact start: |s_i| / (eta + sum |s_j|) is not a function of softmax's e^s_i for any eta; "
                         "not calibrated (attention transfer trains eta)")

@@ -32,12 +32,24 @@ import torch
 from ...normalizers.base import Normalizer
 from ...torch_compat import register_export_ops
 from ..base import AttnCall, compact_bias, compute_dtype, dense_keep, last_dim_contiguous
-from .kinds import FUSED_KINDS, THRESHOLD, WIDE, fused_takes, kind_id
-from .maps import compile_definitions, lookup_id
+from .maps import (
+    MAP_IDS,
+    MAPS,
+    THRESHOLD,
+    WIDE,
+    FusedMap,
+    compile_definitions,
+    cpp_header,
+    fused_takes,
+    lookup_id,
+    map_id,
+    table_key,
+)
 
 logger = logging.getLogger("hf_attnorm")
 
-_THRESHOLD_KINDS = frozenset(FUSED_KINDS[name] for name in THRESHOLD)
+_THRESHOLD_IDS = frozenset(MAP_IDS[name] for name in THRESHOLD)
+_ALPHA_IDS = frozenset(m.kernel_id for m in MAPS if m.dispatch == "alpha")
 #: (block_q, block_k) of the blocked kernels (tuned on a 2-core AVX-512 Xeon, d = 64: 128 x 256 was best of
 #: 32..256 x 64..512 at n = 1024..4096); threshold maps take block_q_threshold queries against a full row buffer
 BLOCKS = {"block_q": 128, "block_k": 256, "block_q_threshold": 128}
@@ -81,9 +93,10 @@ def define_op(schema: str, fake: Callable[..., Any]) -> None:
     torch.library.register_fake(f"{OPS_NAMESPACE}::{name}", lib=_LIB)(fake)
 
 
-def _cpu_fingerprint() -> str:
-    """Identifies the instruction set the extension is compiled for (-march=native): a cache shared between
-    machines must not hand one CPU's binary to another."""
+def _cpu_fingerprint(table: tuple[FusedMap, ...] = MAPS) -> str:
+    """Identifies the instruction set the extension is compiled for (-march=native) and the map table it is
+    built for (its facts and per-entry code: maps.table_key): a cache shared between machines must not hand one
+    CPU's binary to another, nor one table's build to another table."""
     flags = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -95,7 +108,7 @@ def _cpu_fingerprint() -> str:
     # torch's JIT rebuilds when a source file changes but does not read the headers they include: hash those into
     # the build name, so an edited header (kernels/*.h) never links against a stale cached build
     headers = "".join(h.read_text() for h in sorted(_KERNELS.glob("*.h")))
-    maps = " ".join(compile_definitions())  # (torch's JIT also rebuilds on changed flags; this keeps names apart)
+    maps = table_key(table)  # (torch's JIT also rebuilds on changed flags; this keeps names apart)
     return hashlib.sha1(f"{flags}|{torch.__version__}|{headers}|{maps}".encode()).hexdigest()[:10]
 
 
@@ -103,14 +116,55 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
 
 
-def _cflags() -> list[str]:
+def _cflags(table: tuple[FusedMap, ...] = MAPS) -> list[str]:
     """Compiler flags, with the fused maps' facts (kernels/fused/maps.py) as preprocessor definitions."""
     # -fno-trapping-math lets GCC vectorise floor() (in the exponential); on x86, 512-bit vectors where the CPU has
     # them (measured 5-10% faster at n = 4096 on an AVX-512 Xeon; a no-op without AVX-512)
     flags = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-math-errno", "-DNDEBUG"]
     if platform.machine().lower() in ("x86_64", "amd64", "x86", "i686"):
         flags.insert(-1, "-mprefer-vector-width=512")
-    return flags + compile_definitions()
+    return flags + compile_definitions(table)
+
+
+def _load(name: str, sources: list[str], table: tuple[FusedMap, ...], extra: tuple[str, ...] = ()) -> None:
+    """Compile (or load from torch's cache) extension ``name`` from ``sources`` for the map table ``table``:
+    the generated ``hf_maps_generated.h`` (maps.cpp_header) is written into the build directory first."""
+    from torch.utils.cpp_extension import _get_build_directory, load
+
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    if not (build_dir / f"{name}.so").exists():  # a first build takes about a minute: say so
+        logger.warning("hf_attnorm: compiling the fused CPU attention kernels (first use only, about a "
+                       "minute; cached in %s)", build_dir)
+    generated = build_dir / "generated"
+    generated.mkdir(parents=True, exist_ok=True)
+    header = generated / "hf_maps_generated.h"
+    text = cpp_header(table)
+    if not header.exists() or header.read_text() != text:
+        header.write_text(text)
+    load(
+        name=name,
+        sources=sources,
+        extra_cflags=[*_cflags(table), *extra],
+        extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(_KERNELS), str(generated)],
+        is_python_module=False,
+        verbose=os.environ.get("HF_ATTNORM_VERBOSE_BUILD", "0") not in ("", "0"),
+    )
+
+
+def build_ops(table: tuple[FusedMap, ...]) -> Any:
+    """The C++ kernel (``fused_cpu.cpp`` alone) built for the map table ``table`` instead of ``maps.MAPS``, as its
+    own extension with its own op namespace (returned: ``torch.ops.<namespace>``, whose ``forward`` / ``backward``
+    / ``map_facts`` take the ids of ``table``). For tests of maps declared outside ``MAPS``; raises on a build
+    error."""
+    if _compiler() is None:
+        raise RuntimeError("no C++ compiler found (set CXX or install g++)")
+    tag = _cpu_fingerprint(table)
+    namespace = f"hf_attnorm_maps_{tag}"
+    with _lock:
+        if not hasattr(torch.ops, namespace) or not hasattr(getattr(torch.ops, namespace), "forward"):
+            _load(f"hf_attnorm_maps_{tag}", [str(_SOURCE)], table, (f"-DHF_ATTNORM_NATIVE_NS={namespace}",))
+    return getattr(torch.ops, namespace)
 
 
 def native_ops(warn: bool = True) -> Any | None:
@@ -134,22 +188,7 @@ def native_ops(warn: bool = True) -> Any | None:
             _fail("no C++ compiler found (set CXX or install g++)", warn)
             return None
         try:
-            from torch.utils.cpp_extension import _get_build_directory, load
-
-            name = f"hf_attnorm_fused_{_cpu_fingerprint()}"
-            build_dir = Path(_get_build_directory(name, verbose=False))
-            if not (build_dir / f"{name}.so").exists():  # a first build takes about a minute: say so
-                logger.warning("hf_attnorm: compiling the fused CPU attention kernels (first use only, about a "
-                               "minute; cached in %s)", build_dir)
-            load(
-                name=name,
-                sources=[str(_SOURCE), *map(str, EXTRA_SOURCES)],
-                extra_cflags=_cflags(),
-                extra_ldflags=["-fopenmp"],
-                extra_include_paths=[str(_KERNELS)],
-                is_python_module=False,
-                verbose=os.environ.get("HF_ATTNORM_VERBOSE_BUILD", "0") not in ("", "0"),
-            )
+            _load(f"hf_attnorm_fused_{_cpu_fingerprint()}", [str(_SOURCE), *map(str, EXTRA_SOURCES)], MAPS)
             if not torch.ops.hf_attnorm_native.blas_available():
                 _fail("this torch build exports no BLAS sgemm_/dgemm_ for extensions", warn)
                 return None
@@ -177,23 +216,25 @@ def build_error_summary(exc: BaseException, max_lines: int = 12) -> str:
 def _define_ops() -> None:
     """The two ops with their shape-only implementations (torch.compile and torch.export trace through them)."""
 
-    def forward_fake(kind, q, k, v, keep, causal, row_value, bias, slopes, cap, block_q, block_k, need_u=True):
+    def forward_fake(map_id, q, k, v, keep, causal, row_value, bias, slopes, cap, block_q, block_k, need_u=True):
         B, H, Lq = q.shape[:3]
         out = q.new_empty((B, H, Lq, v.shape[-1]))
         dv = v.shape[-1]
-        width = 2 * dv + 3 if kind == kind_id("entmax_alpha") else dv  # alpha-entmax: [U | A | Z | H | M]
-        hv_sum = q.new_empty((B, H, Lq, width)) if kind in _THRESHOLD_KINDS and need_u else q.new_empty((0,))
+        width = 2 * dv + 3 if map_id in _ALPHA_IDS else dv  # alpha-entmax: [U | A | Z | H | M]
+        hv_sum = q.new_empty((B, H, Lq, width)) if map_id in _THRESHOLD_IDS and need_u else q.new_empty((0,))
         return [out, q.new_empty((B, H, Lq)), q.new_empty((B, H, Lq)), hv_sum]
 
-    def backward_fake(kind, q, k, v, keep, causal, row_value, bias, slopes, cap, bias_grad, out, den_or_tau,
+    def backward_fake(map_id, q, k, v, keep, causal, row_value, bias, slopes, cap, bias_grad, out, den_or_tau,
                       shift_or_gsum, hv_sum, dout, block_q, block_k):
         # contiguous like the C++ at::empty(x.sizes()) (empty_like would keep a transposed input's strides)
         dbias = q.new_empty(bias.shape) if bias_grad else q.new_empty((0,))
         return [*(x.new_empty(x.shape) for x in (q, k, v, row_value)), dbias]
 
-    define_op("forward(int kind, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor c, Tensor? bias, "
+    define_op("forward(int map_id, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor row_value, "
+              "Tensor? bias, "
               "Tensor? slopes, float cap, int block_q, int block_k, bool need_u=True) -> Tensor[]", forward_fake)
-    define_op("backward(int kind, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor c, Tensor? bias, "
+    define_op("backward(int map_id, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor row_value, "
+              "Tensor? bias, "
               "Tensor? slopes, float cap, bool bias_grad, Tensor out, Tensor r1, Tensor r2, Tensor u, Tensor dout, "
               "int block_q, int block_k) -> Tensor[]", backward_fake)
 
@@ -221,25 +262,25 @@ class _FusedAttention(torch.autograd.Function):
     shift_or_gsum (the weights' running shift, or the sum of the Jacobian weights) and hv_sum (threshold maps)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, row_value, bias, keep, slopes, cap: float, causal: bool, kind: int,
+    def forward(ctx, q, k, v, row_value, bias, keep, slopes, cap: float, causal: bool, map_id: int,
                 blocks: tuple[int, int], need_grad: bool):
         ops = _state["ops"]
-        lookup_id(kind)  # an id no map declares: a ValueError here, before the kernel (which also refuses it)
+        lookup_id(map_id)  # an id no map declares: a ValueError here, before the kernel (which also refuses it)
         # need_grad False (inference): the threshold maps skip hv_sum, which only the backward pass reads
-        out, den_or_tau, shift_or_gsum, hv_sum = ops.forward(kind, q, k, v, keep, causal, row_value, bias, slopes,
+        out, den_or_tau, shift_or_gsum, hv_sum = ops.forward(map_id, q, k, v, keep, causal, row_value, bias, slopes,
                                                              cap, *blocks, need_grad)
         ctx.save_for_backward(q, k, v, row_value, bias, keep, slopes, out, den_or_tau, shift_or_gsum, hv_sum)
-        ctx.meta = (causal, kind, blocks, cap)
+        ctx.meta = (causal, map_id, blocks, cap)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, row_value, bias, keep, slopes, out, den_or_tau, shift_or_gsum, hv_sum = ctx.saved_tensors
-        causal, kind, blocks, cap = ctx.meta
+        causal, map_id, blocks, cap = ctx.meta
         bias_grad = bias is not None and ctx.needs_input_grad[4]
         dq, dk, dv, drow_value, dbias = _state["ops"].backward(
-            kind, q, k, v, keep, causal, row_value, bias, slopes, cap, bias_grad, out, den_or_tau, shift_or_gsum,
+            map_id, q, k, v, keep, causal, row_value, bias, slopes, cap, bias_grad, out, den_or_tau, shift_or_gsum,
             hv_sum, dout.contiguous(), *blocks)
         return (dq, dk, dv, (drow_value if ctx.needs_input_grad[3] else None), (dbias if bias_grad else None),
                 None, None, None, None, None, None, None)
@@ -257,7 +298,7 @@ def row_value(call: AttnCall, dtype: torch.dtype) -> torch.Tensor:
 
 
 def takes(norm: Normalizer) -> str | None:
-    """The normalizers with a fused map and no q/k transform (``kinds.fused_takes``)."""
+    """The normalizers with a fused map and no q/k transform (``maps.fused_takes``)."""
     return fused_takes(norm, "fused")
 
 
@@ -286,8 +327,8 @@ def accepts(call: AttnCall) -> str | None:
 
 def fused_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     """out [B, H, Lq, Dv] in the input dtype (fp16/bf16 computed in fp32), for calls ``accepts`` takes."""
-    kind = call.normalizer.fused_kind
-    dt = torch.float64 if kind in WIDE else compute_dtype(call.q.dtype)
+    name = call.normalizer.fused_map
+    dt = torch.float64 if name in WIDE else compute_dtype(call.q.dtype)
     q = (call.q.to(dt) * call.q_factor(dt)).contiguous()
     k = last_dim_contiguous(call.k.to(dt))
     v = last_dim_contiguous(call.v.to(dt))
@@ -296,7 +337,7 @@ def fused_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     causal = keep is None and call.mask.causal
     if BLOCK_OVERRIDE is not None:
         blocks = BLOCK_OVERRIDE
-    elif kind in THRESHOLD:
+    elif name in THRESHOLD:
         # few queries (decode): a query block no larger than needed, since the threshold maps keep a [block_q, Lk]
         # row buffer per thread (128 rows for one query made a 4096-key decode step about 2x slower)
         blocks = (min(BLOCKS["block_q_threshold"], max(8, Lq)), BLOCKS["block_k"])
@@ -307,7 +348,7 @@ def fused_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     slopes = None if call.alibi_slopes is None else call.alibi_slopes.detach().to(dt).contiguous()
     cap = 0.0 if call.softcap is None else float(call.softcap)
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, rv, bias))
-    out = _FusedAttention.apply(q, k, v, rv, bias, keep, slopes, cap, causal, kind_id(kind), blocks, need_grad)
+    out = _FusedAttention.apply(q, k, v, rv, bias, keep, slopes, cap, causal, map_id(name), blocks, need_grad)
     return out.to(call.q.dtype), None
 
 

@@ -14,7 +14,7 @@
 //
 // Shapes: q [B, H, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv] (last dim contiguous, any other strides; head h
 // uses kv head h / (H / Hkv)); keep: optional bool mask broadcast to [B, H, Lq, Lk] (strides may be 0); causal:
-// query i sees keys j <= i (upper-left, as SDPA's is_causal); c [B, H, Lq]: per-row constant of the map
+// query i sees keys j <= i (upper-left, as SDPA's is_causal); row_value [B, H, Lq]: the map's per-row value
 // (symax: eta, sigmoid: bias, relu_len: 1/n, the others: n). q is already multiplied by every scale factor.
 // Score modifiers (optional), applied to each score tile right after Q K^T, before the map: soft-cap
 // s = cap tanh(s / cap), then an additive bias [B|1, H|1, Lq|1, Lk|1] read through its strides (broadcast dims
@@ -45,50 +45,54 @@
 
 namespace {
 
-enum Kind : int64_t {
-  SYMAX = 0,
-  SQUARED = 1,
-  STABLEMAX = 2,
-  SOFTPICK = 3,
-  SIGMOID = 4,
-  RELU_LEN = 5,
-  ENTMAX15 = 6,
-  SPARSEMAX = 7,
-  ENTMAX_ALPHA = 8,
-  POWER = 9,
-  SOFTPLUS = 10,
-};
-constexpr int64_t NUM_KINDS = 11;
-
-// The facts of each map come from its declaration in maps.py (FusedMap), passed by cpu.py as bit masks
-// (bit i: map id i; maps.compile_definitions); tests/test_fused_maps.py reads them back through map_facts.
-#if !defined(HF_MAPS_NUM_KINDS) || !defined(HF_MAPS_DECLARED) || !defined(HF_MAPS_NORMALISED) || \
+// Every per-map difference comes from the map's declaration in maps.py (FusedMap): its facts, passed by cpu.py as
+// bit masks (bit i: map id i; maps.compile_definitions; tests/test_fused_maps.py reads them back through
+// map_facts), and its per-entry code (FusedMap.code) with the id list, in the generated hf_maps_generated.h
+// (maps.cpp_header) included below. Nothing here names a map.
+#if !defined(HF_MAPS_DECLARED) || !defined(HF_MAPS_NORMALISED) || \
     !defined(HF_MAPS_THRESHOLD) || !defined(HF_MAPS_CONSTANT_ON_SINGLE_KEY) || \
-    !defined(HF_MAPS_SINGLE_KEY_NEGATIVE) || !defined(HF_MAPS_DEN_ADDS_ROW_VALUE) || !defined(HF_MAPS_ROW_VALUE_FACTOR)
+    !defined(HF_MAPS_SINGLE_KEY_NEGATIVE) || !defined(HF_MAPS_DEN_ADDS_ROW_VALUE) || !defined(HF_MAPS_ROW_VALUE_FACTOR) || \
+    !defined(HF_MAPS_DISPATCH_THRESHOLD) || !defined(HF_MAPS_DISPATCH_ALPHA) || !defined(HF_MAPS_THRESHOLD_SQUARED) || \
+    !defined(HF_MAPS_SHIFT_MAX_SCORE) || !defined(HF_MAPS_SHIFT_MAX_SCORE_BELOW_ZERO) || \
+    !defined(HF_MAPS_SHIFT_LOG_ABS_MAX) || !defined(HF_MAPS_ROW_VALUE_IN_SCORE) || !defined(HF_MAPS_ROW_VALUE_EXPONENT)
 #error "fused_cpu.cpp is built by kernels/fused/cpu.py, which defines the map facts of kernels/fused/maps.py"
 #endif
-static_assert(HF_MAPS_NUM_KINDS == NUM_KINDS, "enum Kind and kernels/fused/maps.py declare different numbers of maps");
 
-inline bool map_bit(unsigned long long mask, int64_t kind) {
-  return kind >= 0 && kind < 64 && ((mask >> kind) & 1ULL);
+constexpr bool map_bit(unsigned long long mask, int64_t map_id) {
+  return map_id >= 0 && map_id < 64 && ((mask >> map_id) & 1ULL);
 }
-inline bool is_declared(int64_t kind) { return map_bit(HF_MAPS_DECLARED, kind); }
+inline bool is_declared(int64_t map_id) { return map_bit(HF_MAPS_DECLARED, map_id); }
 // rows divided by a denominator accumulated with them (FusedMap.normalised)
-inline bool is_normalised(int64_t kind) { return map_bit(HF_MAPS_NORMALISED, kind); }
+constexpr bool is_normalised(int64_t map_id) { return map_bit(HF_MAPS_NORMALISED, map_id); }
 // a per-row threshold found by a search over the row (FusedMap.threshold)
-inline bool is_threshold(int64_t kind) { return map_bit(HF_MAPS_THRESHOLD, kind); }
+constexpr bool is_threshold(int64_t map_id) { return map_bit(HF_MAPS_THRESHOLD, map_id); }
 // the denominator adds the row value (FusedMap.den_offset = r): d out / d r = -out / D
-constexpr bool den_adds_row_value(int64_t kind) {
-  return kind >= 0 && kind < 64 && ((HF_MAPS_DEN_ADDS_ROW_VALUE >> kind) & 1ULL);
+constexpr bool den_adds_row_value(int64_t map_id) {
+  return map_id >= 0 && map_id < 64 && ((HF_MAPS_DEN_ADDS_ROW_VALUE >> map_id) & 1ULL);
 }
 // weight(s, r) = r weight(s, 1) (FusedMap.row_value_factor): fmap gives weight(s, 1), the row is scaled by r once
-constexpr bool row_value_factor(int64_t kind) {
-  return kind >= 0 && kind < 64 && ((HF_MAPS_ROW_VALUE_FACTOR >> kind) & 1ULL);
+constexpr bool row_value_factor(int64_t map_id) {
+  return map_id >= 0 && map_id < 64 && ((HF_MAPS_ROW_VALUE_FACTOR >> map_id) & 1ULL);
 }
+// the threshold is the row value's alpha-entmax threshold, searched in forward_alpha (FusedMap.dispatch "alpha")
+constexpr bool is_alpha(int64_t map_id) { return map_bit(HF_MAPS_DISPATCH_ALPHA, map_id); }
 // the forward driver of map K (FusedMap.dispatch): 0 forward_tiles, 1 forward_threshold, 2 forward_alpha
-constexpr int64_t driver_of(int64_t K) { return K == ENTMAX_ALPHA ? 2 : (K == ENTMAX15 || K == SPARSEMAX) ? 1 : 0; }
+constexpr int64_t driver_of(int64_t K) {
+  return is_alpha(K) ? 2 : map_bit(HF_MAPS_DISPATCH_THRESHOLD, K) ? 1 : 0;
+}
+// threshold maps of driver 1: weight [x / 2 - tau]_+^2 (entmax-1.5), else [x - tau]_+ (FusedMap.threshold_exponent)
+constexpr bool threshold_squared(int64_t map_id) { return map_bit(HF_MAPS_THRESHOLD_SQUARED, map_id); }
+// the running shift of normalised maps (FusedMap.shift): max(0, visible scores); min(0, max visible score) from
+// -inf; |r| ln max |s| from -inf
+constexpr bool shift_max_score(int64_t map_id) { return map_bit(HF_MAPS_SHIFT_MAX_SCORE, map_id); }
+constexpr bool shift_max_score_below_zero(int64_t map_id) { return map_bit(HF_MAPS_SHIFT_MAX_SCORE_BELOW_ZERO, map_id); }
+constexpr bool shift_log_abs_max(int64_t map_id) { return map_bit(HF_MAPS_SHIFT_LOG_ABS_MAX, map_id); }
+// weight(s, r) = weight(s + r, 0) (FusedMap.row_value_in_score): d out / d r = sum_j dS_j
+constexpr bool row_value_in_score(int64_t map_id) { return map_bit(HF_MAPS_ROW_VALUE_IN_SCORE, map_id); }
+// weight(s, r) = |s|^|r| (FusedMap.row_value_exponent): d weight / d r = weight ln|s|, accumulated by dmap
+constexpr bool row_value_exponent(int64_t map_id) { return map_bit(HF_MAPS_ROW_VALUE_EXPONENT, map_id); }
 // alpha-entmax's U holds [U (Dv) | A = sum_j (d p_j / d alpha) v_j (Dv) | Z | H | M] per row (see forward_alpha)
-inline int64_t u_width(int64_t kind, int64_t Dv) { return kind == ENTMAX_ALPHA ? 2 * Dv + 3 : Dv; }
+inline int64_t u_width(int64_t map_id, int64_t Dv) { return is_alpha(map_id) ? 2 * Dv + 3 : Dv; }
 
 // ------------------------------------------------------------------------------------------------ elementwise math
 
@@ -201,18 +205,18 @@ inline float inv_one_plus(float u) {
 }
 inline double inv_one_plus(double u) { return 1.0 / (1.0 + u); }
 
-// softplus in units of e^c, c = min(0, row max) <= 0 (the row's running shift, as softpick's): softplus(x) e^-c
-// with u = e^-|x|: (max(x, 0) + u r(u)) e^-c, r(u) = log1p(u) / u. Rows whose every score is below SP_SLOW (where
-// e^-c would overflow and softplus(x) ~ e^x underflows) use e^(x - c) r(u) (then x <= c < 0, u = e^x), so they
+// softplus in units of e^shift, shift = min(0, row max) <= 0 (the row's running shift, as softpick's): softplus(x) e^-shift
+// with u = e^-|x|: (max(x, 0) + u r(u)) e^-shift, r(u) = log1p(u) / u. Rows whose every score is below SP_SLOW (where
+// e^-shift would overflow and softplus(x) ~ e^x underflows) use e^(x - shift) r(u) (then x <= shift < 0, u = e^x), so they
 // get softmax-like weights, not 0.
 template <typename T>
 constexpr T SP_SLOW = sizeof(T) == 4 ? T(-60) : T(-650);
 
 template <typename T, bool SLOW>
-inline T softplus_shifted(T x, T c, T ec) {
+inline T softplus_shifted(T x, T shift, T e_neg_shift) {
   const T u = vexp(-std::abs(x)), r = log1p_ratio(u);
-  if constexpr (SLOW) return vexp(x - c) * r;
-  return (std::max(x, T(0)) + u * r) * ec;
+  if constexpr (SLOW) return vexp(x - shift) * r;
+  return (std::max(x, T(0)) + u * r) * e_neg_shift;
 }
 
 // s[j] <- f(j) for j < nb; returns the sum. The lanes accumulate in a vector-sized array, summed as a tree once:
@@ -242,11 +246,11 @@ inline __attribute__((always_inline)) T map_sum(T* __restrict s, int64_t nb, con
   return acc[0] + tail;
 }
 
-// softplus: s[j] <- softplus(s_j) e^-c (0 where invisible); returns the sum. The slow form only on slow rows.
+// softplus: s[j] <- softplus(s_j) e^-shift (0 where invisible); returns the sum. The slow form only on slow rows.
 template <typename T, bool MASKED, bool SLOW>
-T softplus_row(T* __restrict s, int64_t nb, const bool* __restrict keep, T c, T ec) {
+T softplus_row(T* __restrict s, int64_t nb, const bool* __restrict keep, T shift, T e_neg_shift) {
   return map_sum(s, nb, [&](int64_t j) __attribute__((always_inline)) {
-    const T a = softplus_shifted<T, SLOW>(s[j], c, ec);
+    const T a = softplus_shifted<T, SLOW>(s[j], shift, e_neg_shift);
     return MASKED ? (keep[j] ? a : T(0)) : a;
   });
 }
@@ -260,6 +264,9 @@ inline T sgn(T x) {
   return T(x > T(0)) - T(x < T(0));
 }
 
+// HF_MAPS_FOR_EACH (the declared ids) and MapEntry<T, id> (the declared per-entry code), generated by cpu.py
+#include "hf_maps_generated.h"
+
 // ------------------------------------------------------------------------------------------------ row-major gemm
 
 // sgemm_/dgemm_ and the row-major mm_abt / mm_ab / mm_atb wrappers: cpu_common.h
@@ -269,8 +276,8 @@ bool blas_available() { return sgemm_ != nullptr && dgemm_ != nullptr; }
 
 template <typename T>
 struct Problem {
-  int64_t kind, B, H, Hkv, G, Lq, Lk, D, Dv, BQ, BK;
-  const T *q, *k, *v, *c;
+  int64_t map_id, B, H, Hkv, G, Lq, Lk, D, Dv, BQ, BK;
+  const T *q, *k, *v, *row_value;
   int64_t qsb, qsh, qsl, ksb, ksh, ksl, vsb, vsh, vsl;
   const bool* keep;  // nullptr: no mask
   int64_t msb, msh, msl;
@@ -310,13 +317,13 @@ struct Problem {
 };
 
 template <typename T>
-Problem<T> make_problem(int64_t kind, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        const std::optional<at::Tensor>& keep, bool causal, const at::Tensor& c, int64_t block_q,
+Problem<T> make_problem(int64_t map_id, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const std::optional<at::Tensor>& keep, bool causal, const at::Tensor& row_value, int64_t block_q,
                         int64_t block_k, const std::optional<at::Tensor>& bias = std::nullopt,
                         const std::optional<at::Tensor>& slopes = std::nullopt, double cap = 0.0,
                         at::Tensor* dbias = nullptr) {
   Problem<T> p;
-  p.kind = kind;
+  p.map_id = map_id;
   p.B = q.size(0);
   p.H = q.size(1);
   p.Lq = q.size(2);
@@ -330,7 +337,7 @@ Problem<T> make_problem(int64_t kind, const at::Tensor& q, const at::Tensor& k, 
   p.q = q.data_ptr<T>();
   p.k = k.data_ptr<T>();
   p.v = v.data_ptr<T>();
-  p.c = c.data_ptr<T>();
+  p.row_value = row_value.data_ptr<T>();
   p.qsb = q.stride(0), p.qsh = q.stride(1), p.qsl = q.stride(2);
   p.ksb = k.stride(0), p.ksh = k.stride(1), p.ksl = k.stride(2);
   p.vsb = v.stride(0), p.vsh = v.stride(1), p.vsl = v.stride(2);
@@ -361,23 +368,23 @@ Problem<T> make_problem(int64_t kind, const at::Tensor& q, const at::Tensor& k, 
   return p;
 }
 
-void check_inputs(int64_t kind, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                  const std::optional<at::Tensor>& keep, const at::Tensor& c, int64_t block_q, int64_t block_k) {
-  TORCH_CHECK(is_declared(kind), "hf_attnorm fused_cpu: unknown fused map id ", kind,
+void check_inputs(int64_t map_id, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const std::optional<at::Tensor>& keep, const at::Tensor& row_value, int64_t block_q, int64_t block_k) {
+  TORCH_CHECK(is_declared(map_id), "hf_attnorm fused_cpu: unknown fused map id ", map_id,
               " (not declared in kernels/fused/maps.py)");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "fused_cpu: q, k, v must be 4-D");
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "fused_cpu: CPU tensors only");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
-                  q.scalar_type() == c.scalar_type(),
-              "fused_cpu: q, k, v, c must share a dtype");
+                  q.scalar_type() == row_value.scalar_type(),
+              "fused_cpu: q, k, v, row_value must share a dtype");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble, "fused_cpu: float32/float64 only");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "fused_cpu: last dim must be contiguous");
   TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && k.size(3) == q.size(3) &&
                   v.size(1) == k.size(1) && v.size(2) == k.size(2) && q.size(1) % k.size(1) == 0,
               "fused_cpu: incompatible q, k, v shapes");
-  TORCH_CHECK(c.is_contiguous() && c.dim() == 3 && c.size(0) == q.size(0) && c.size(1) == q.size(1) &&
-                  c.size(2) == q.size(2),
-              "fused_cpu: c must be contiguous [B, H, Lq]");
+  TORCH_CHECK(row_value.is_contiguous() && row_value.dim() == 3 && row_value.size(0) == q.size(0) &&
+                  row_value.size(1) == q.size(1) && row_value.size(2) == q.size(2),
+              "fused_cpu: row_value must be contiguous [B, H, Lq]");
   TORCH_CHECK(block_q > 0 && block_k > 0, "fused_cpu: block sizes must be positive");
   TORCH_CHECK(blas_available(), "fused_cpu: this torch build exports no sgemm_/dgemm_");
   if (keep.has_value()) {
@@ -504,23 +511,20 @@ void add_dbias(const Problem<T>& p, const T* dS, int64_t b, int64_t h, int64_t i
 // The loops below are written branch-free (selects, no short-circuit conditions) so that GCC vectorises every
 // instantiation; MASKED rows read keep[j] over keys the caller already limited to the causal range.
 
-template <typename T, int64_t KIND>
-inline T fmap(T x, T ci) {
-  if constexpr (KIND == SYMAX) return std::abs(x);
-  else if constexpr (KIND == SQUARED) return x * x;
-  else if constexpr (KIND == STABLEMAX) return x >= T(0) ? x + T(1) : T(1) / (T(1) - std::min(x, T(0)));
-  else if constexpr (KIND == SIGMOID) return T(1) / (T(1) + vexp(-(x + ci)));
-  else if constexpr (KIND == RELU_LEN) return std::max(x, T(0));
-  else static_assert(KIND < 0, "fmap: no forward formula for this fused map id (fwd_tile_row sends it here)");
+// the declared weight (FusedMap.code); row_value_factor maps: weight(s, 1), the row being scaled by r once
+template <typename T, int64_t MAP>
+inline T fmap(T x, T row_value) {
+  if constexpr (MapEntry<T, MAP>::declared) return MapEntry<T, MAP>::weight(x, row_value_factor(MAP) ? T(1) : row_value);
+  else static_assert(MAP < 0, "fmap: this fused map declares no per-entry code (fwd_tile_row sends it here)");
 }
 
 // s[j] <- A_j = f(s_j) (0 where invisible); returns sum_j A_j
-template <typename T, int64_t KIND, bool MASKED>
-T map_row(T* __restrict s, int64_t nb, const bool* __restrict keep, T ci) {
+template <typename T, int64_t MAP, bool MASKED>
+T map_row(T* __restrict s, int64_t nb, const bool* __restrict keep, T row_value) {
   T acc = 0;
 #pragma omp simd reduction(+ : acc)
   for (int64_t j = 0; j < nb; ++j) {
-    T a = fmap<T, KIND>(s[j], ci);
+    T a = fmap<T, MAP>(s[j], row_value);
     if constexpr (MASKED) a = keep[j] ? a : T(0);
     s[j] = a;
     acc += a;
@@ -619,10 +623,11 @@ T power_row_any(T* s, int64_t nb, const bool* keep, T pw, T m) {
 
 // One row of keys [0, nb) of a tile: visible are keys < lim (causality) that keep allows (keep nullptr: all).
 // Maps the scores in place to the numerator and adds to the row's denominator (softpick: with its running max).
-template <typename T, int64_t KIND>
-inline void fwd_tile_row(const bool* kr, int64_t lim, T* s, int64_t nb, T ci, T& den, T& mrow, T* orow, int64_t Dv) {
+template <typename T, int64_t MAP>
+inline void fwd_tile_row(const bool* kr, int64_t lim, T* s, int64_t nb, T row_value, T& den, T& mrow, T* orow,
+                         int64_t Dv) {
   lim = std::max<int64_t>(0, std::min(lim, nb));
-  if constexpr (KIND == SOFTPICK) {
+  if constexpr (shift_max_score(MAP)) {
     T mx = kr ? row_max<T, true>(s, lim, kr, mrow) : row_max<T, false>(s, lim, nullptr, mrow);
     if (mx > mrow) {  // rescale what was accumulated under the old shift (flash-softmax style)
       const T sc = vexp(mrow - mx);
@@ -632,11 +637,11 @@ inline void fwd_tile_row(const bool* kr, int64_t lim, T* s, int64_t nb, T ci, T&
     }
     const T em = vexp(-mrow);
     den += kr ? softpick_row<T, true>(s, lim, kr, mrow, em) : softpick_row<T, false>(s, lim, nullptr, mrow, em);
-  } else if constexpr (KIND == POWER) {
+  } else if constexpr (shift_log_abs_max(MAP)) {
     // |s|^p relative to the row's running largest |s| = M (shift m = p ln M, rescaled like softpick when it grows),
-    // so large |s| or p cannot overflow: (|s| / M)^p, by multiplications for integer p; ci = +-p (the sign only marks
+    // so large |s| or p cannot overflow: (|s| / M)^p, by multiplications for integer p; row_value = +-p (the sign only marks
     // single-key rows for the backward pass). The max is of |s| (one cheap pass), its log taken once per row.
-    const T pw = std::abs(ci);
+    const T pw = std::abs(row_value);
     const T amax = kr ? abs_max_row<T, true>(s, lim, kr) : abs_max_row<T, false>(s, lim, nullptr);
     if (amax >= std::numeric_limits<T>::min()) {
       const T mx = pw * static_cast<T>(std::log(static_cast<double>(amax)));
@@ -652,8 +657,8 @@ inline void fwd_tile_row(const bool* kr, int64_t lim, T* s, int64_t nb, T ci, T&
     } else {
       std::fill(s, s + lim, T(0));  // no nonzero score yet: weights 0
     }
-  } else if constexpr (KIND == SOFTPLUS) {
-    // shift c = min(0, running max), rescaled like softpick when it rises; once 0 (a score >= 0 was seen: most
+  } else if constexpr (shift_max_score_below_zero(MAP)) {
+    // shift shift = min(0, running max), rescaled like softpick when it rises; once 0 (a score >= 0 was seen: most
     // rows after their first tile) it stays, and the max pass is skipped
     const T mx = mrow >= T(0) ? mrow
                  : std::min(kr ? row_max<T, true>(s, lim, kr, mrow) : row_max<T, false>(s, lim, nullptr, mrow), T(0));
@@ -663,16 +668,17 @@ inline void fwd_tile_row(const bool* kr, int64_t lim, T* s, int64_t nb, T ci, T&
       den *= sc;
       mrow = mx;
     }
-    const T c = mrow, ec = vexp(-std::max(c, SP_SLOW<T>));
-    if (c < SP_SLOW<T>) {
-      den += kr ? softplus_row<T, true, true>(s, lim, kr, c, ec)
-                : softplus_row<T, false, true>(s, lim, nullptr, c, ec);
+    const T shift = mrow, e_neg_shift = vexp(-std::max(shift, SP_SLOW<T>));
+    if (shift < SP_SLOW<T>) {
+      den += kr ? softplus_row<T, true, true>(s, lim, kr, shift, e_neg_shift)
+                : softplus_row<T, false, true>(s, lim, nullptr, shift, e_neg_shift);
     } else {
-      den += kr ? softplus_row<T, true, false>(s, lim, kr, c, ec)
-                : softplus_row<T, false, false>(s, lim, nullptr, c, ec);
+      den += kr ? softplus_row<T, true, false>(s, lim, kr, shift, e_neg_shift)
+                : softplus_row<T, false, false>(s, lim, nullptr, shift, e_neg_shift);
     }
   } else {
-    den += kr ? map_row<T, KIND, true>(s, lim, kr, ci) : map_row<T, KIND, false>(s, lim, nullptr, ci);
+    den += kr ? map_row<T, MAP, true>(s, lim, kr, row_value)
+       : map_row<T, MAP, false>(s, lim, nullptr, row_value);
   }
   for (int64_t j = lim; j < nb; ++j) s[j] = T(0);
 }
@@ -682,7 +688,7 @@ constexpr int64_t MAX_BQ = 512;
 // instead of with dense matmuls (entmax/sparsemax rows typically keep a few dozen keys out of thousands)
 constexpr int64_t SPARSE_RATIO = 16;
 
-template <typename T, int64_t KIND>
+template <typename T, int64_t MAP>
 void forward_tiles(const Problem<T>& p, T* out, T* r1, T* r2) {
   const int64_t nqb = (p.Lq + p.BQ - 1) / p.BQ;
   const int64_t nthreads = at::get_num_threads();
@@ -698,10 +704,10 @@ void forward_tiles(const Problem<T>& p, T* out, T* r1, T* r2) {
       O.resize(p.BQ * p.Dv);
     }
     T den[MAX_BQ], mrow[MAX_BQ];
-    const T* crow = p.c + bh * p.Lq + i0;
+    const T* row_values = p.row_value + bh * p.Lq + i0;
     for (int64_t r = 0; r < m; ++r) {
-      den[r] = den_adds_row_value(KIND) ? crow[r] : T(0);
-      mrow[r] = KIND == POWER || KIND == SOFTPLUS ? POW_NEG<T> : T(0);
+      den[r] = den_adds_row_value(MAP) ? row_values[r] : T(0);
+      mrow[r] = shift_log_abs_max(MAP) || shift_max_score_below_zero(MAP) ? POW_NEG<T> : T(0);
     }
     std::fill(O.begin(), O.begin() + m * p.Dv, T(0));
     const int64_t jend = p.causal ? std::min(p.Lk, i0 + m) : p.Lk;
@@ -714,7 +720,7 @@ void forward_tiles(const Problem<T>& p, T* out, T* r1, T* r2) {
       if (p.mods()) modify_tile(p, S.data(), nb, b, h, i0, m, j0, nb, static_cast<T*>(nullptr));
       for (int64_t r = 0; r < m; ++r) {
         const bool* kr = st == 2 && p.keep ? p.mrow(b, h, i0 + r) + j0 : nullptr;
-        fwd_tile_row<T, KIND>(kr, st == 1 ? nb : p.key_end(i0 + r) - j0, S.data() + r * nb, nb, crow[r], den[r],
+        fwd_tile_row<T, MAP>(kr, st == 1 ? nb : p.key_end(i0 + r) - j0, S.data() + r * nb, nb, row_values[r], den[r],
                               mrow[r], O.data() + r * p.Dv, p.Dv);
       }
       mm_ab<T>(m, p.Dv, nb, S.data(), nb, p.vrow(b, g, j0), p.vsl, T(1), O.data(), p.Dv);
@@ -722,8 +728,8 @@ void forward_tiles(const Problem<T>& p, T* out, T* r1, T* r2) {
     T* orow = out + (bh * p.Lq + i0) * p.Dv;
     for (int64_t r = 0; r < m; ++r) {
       T scale = T(1);
-      if (is_normalised(KIND)) scale = den[r] != T(0) ? T(1) / den[r] : T(0);
-      if (row_value_factor(KIND)) scale = crow[r];
+      if (is_normalised(MAP)) scale = den[r] != T(0) ? T(1) / den[r] : T(0);
+      if (row_value_factor(MAP)) scale = row_values[r];
       for (int64_t d = 0; d < p.Dv; ++d) orow[r * p.Dv + d] = O[r * p.Dv + d] * scale;
       r1[bh * p.Lq + i0 + r] = den[r];
       r2[bh * p.Lq + i0 + r] = mrow[r];
@@ -777,9 +783,9 @@ T find_threshold(const T* y, int64_t L) {
 }
 
 // uout nullptr: U is not wanted (no backward pass will run, e.g. inference): its buffer and matmul are skipped
-template <typename T, int64_t KIND>
+template <typename T, int64_t MAP>
 void forward_threshold(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
-  constexpr bool ENTMAX = KIND == ENTMAX15;
+  constexpr bool ENTMAX = threshold_squared(MAP);
   const T half = ENTMAX ? T(0.5) : T(1);
   const T ninf = -std::numeric_limits<T>::infinity();
   const int64_t nqb = (p.Lq + p.BQ - 1) / p.BQ;
@@ -920,7 +926,7 @@ void forward_threshold(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
   });
 }
 
-// alpha-entmax (kind ENTMAX_ALPHA, alpha_i = c_i > 1 per row): p_j = [x_j - tau]_+^(1/(alpha-1)) / Z with
+// alpha-entmax (dispatch "alpha", alpha_i = row_value_i > 1 per row): p_j = [x_j - tau]_+^(1/(alpha-1)) / Z with
 // x = (alpha - 1)(s - max s), candidates x > -1 as above. tau by Newton on h(t) = ||[x - t]_+||_P, P = 1/(alpha-1):
 // for alpha <= 2 (P >= 1) h is a monotone norm of convex functions, so convex and decreasing, and Newton from
 // t = -1 never overshoots (for P = 2 this is the entmax-1.5 step above); for alpha > 2 bisection. The weights are
@@ -1014,7 +1020,7 @@ void forward_alpha(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
   const T ninf = -std::numeric_limits<T>::infinity();
   const int64_t nqb = (p.Lq + p.BQ - 1) / p.BQ;
   const int64_t nthreads = at::get_num_threads();
-  const int64_t BH = p.B * p.H, UW = u_width(ENTMAX_ALPHA, p.Dv);
+  const int64_t BH = p.B * p.H, UW = 2 * p.Dv + 3;  // u_width of an alpha map
   struct Buffers {
     std::vector<T> S, cand, w, g, lp;
     std::vector<int32_t> cidx;
@@ -1046,7 +1052,7 @@ void forward_alpha(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
       const int64_t i = i0 + r, row = bh * p.Lq + i, lim = std::min(L, p.key_end(i));
       const bool* kr = p.keep ? p.mrow(b, h, i) : nullptr;
       const T* srow = S + r * L;
-      const T alpha = p.c[row], am1 = alpha - T(1);
+      const T alpha = p.row_value[row], am1 = alpha - T(1);
       // shifted before scaling, x = (s - max s)(alpha - 1), as the reference: (alpha - 1) s - (alpha - 1) max s would
       // round (alpha - 1) s first and lose the small differences that P = 1/(alpha-1) then amplifies
       // (max: vectorised; candidates: compacted branch-free, a store per key and a conditional advance; these two
@@ -1139,69 +1145,60 @@ void forward_alpha(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
 // ------------------------------------------------------------------------------------------------ backward
 
 template <typename T>
-struct RowC {
-  T invd, delta, c, m, em, tau, live;
+struct RowConstants {
+  T invd, delta, row_value, m, em, tau, live;
 };
 
 // Maps whose weights are constant on a row with a single visible key (sum-normalised without an extra constant:
 // P = 1, or softpick's 0/1), FusedMap.constant_on_single_key. Their gradient there is exactly 0, but
 // dS = f'(s) (dP - delta) / D would be rounding noise amplified by f'/D (2/s for squared): such rows get dS = 0.
-inline bool constant_on_single_key(int64_t kind) { return map_bit(HF_MAPS_CONSTANT_ON_SINGLE_KEY, kind); }
+inline bool constant_on_single_key(int64_t map_id) { return map_bit(HF_MAPS_CONSTANT_ON_SINGLE_KEY, map_id); }
 
-// whether a row's value c marks it as having a single visible key (FusedMap.single_key_mark): c = n == 1, or, for
-// maps marked "negative" (power: c = -p there, +p elsewhere), c < 0
+// whether a row's value marks it as having a single visible key (FusedMap.single_key_mark): row_value = n == 1, or,
+// for maps marked "negative" (power: -p there, +p elsewhere), row_value < 0
 template <typename T>
-inline bool single_key_row(int64_t kind, T c) {
-  return map_bit(HF_MAPS_SINGLE_KEY_NEGATIVE, kind) ? c < T(0) : c == T(1);
+inline bool single_key_row(int64_t map_id, T row_value) {
+  return map_bit(HF_MAPS_SINGLE_KEY_NEGATIVE, map_id) ? row_value < T(0) : row_value == T(1);
 }
 
 // d/ds of one entry: P and dS from the score x and g = dO_i . v_j (branch-free, see the forward); dr: the entry's
-// term of the gradient of the row value c (sigmoid: dS; power: d/dp)
-template <typename T, int64_t KIND, bool SLOW = false, int NP = 0>
-inline void dmap(T x, T g, const RowC<T>& rc, T& pp, T& ds, T& dr) {
+// term of the gradient of the row value (sigmoid: dS; power: d/dp)
+template <typename T, int64_t MAP, bool SLOW = false, int NP = 0>
+inline void dmap(T x, T g, const RowConstants<T>& rc, T& pp, T& ds, T& dr) {
   const T invd = rc.invd, delta = rc.delta;
-  if constexpr (KIND == SYMAX) {
-    pp = std::abs(x) * invd;
-    ds = (g - delta) * invd * sgn(x);
-  } else if constexpr (KIND == SQUARED) {
-    pp = x * x * invd;
-    ds = (g - delta) * invd * T(2) * x;
-  } else if constexpr (KIND == STABLEMAX) {
-    const T w = T(1) / (T(1) - std::min(x, T(0)));
-    const bool neg = x < T(0);
-    pp = (neg ? w : x + T(1)) * invd;
-    ds = (g - delta) * invd * (neg ? w * w : T(1));
-  } else if constexpr (KIND == SOFTPICK) {  // u = e^{s-M} - e^{-M}: P = relu(u)/D, d|u| = sign(u) e^{s-M}
+  if constexpr (MapEntry<T, MAP>::declared) {  // the declared weight and slope (FusedMap.code)
+    const T w = MapEntry<T, MAP>::weight(x, rc.row_value);
+    const T slope = MapEntry<T, MAP>::slope(x, rc.row_value, w);
+    if constexpr (is_normalised(MAP)) {
+      pp = w * invd;
+      ds = (g - delta) * invd * slope;
+    } else {
+      pp = w;
+      ds = g * slope;
+    }
+  } else if constexpr (shift_max_score(MAP)) {  // softpick: u = e^{s-M} - e^{-M}: P = relu(u)/D, d|u| = sign(u) e^{s-M}
     const T e = vexp(x - rc.m), u = e - rc.em;
     const T pos = u > T(0) ? T(1) : T(0), neg = u < T(0) ? T(1) : T(0);
     pp = u * pos * invd;
     ds = (g * pos - delta * (pos - neg)) * e * invd;
-  } else if constexpr (KIND == SIGMOID) {
-    const T a = T(1) / (T(1) + vexp(-(x + rc.c)));
-    pp = a;
-    ds = g * a * (T(1) - a);
-  } else if constexpr (KIND == RELU_LEN) {
-    const T pos = x > T(0) ? rc.c : T(0);
-    pp = x * pos;
-    ds = g * pos;
-  } else if constexpr (KIND == ENTMAX15) {  // p = r^2 with r = [s/2 - tau]_+: dS = r (g - delta)
+  } else if constexpr (threshold_squared(MAP)) {  // entmax-1.5: p = r^2 with r = [s/2 - tau]_+: dS = r (g - delta)
     const T r = std::max(x * T(0.5) - rc.tau, T(0));
     pp = r * r;
     ds = r * (g - delta);
-  } else if constexpr (KIND == ENTMAX_ALPHA) {  // p = r^P / Z, r = [(alpha-1) s - tau]_+, dS = p^(2-alpha) (g - delta)
+  } else if constexpr (is_alpha(MAP)) {  // alpha-entmax: p = r^P / Z, r = [(alpha-1) s - tau]_+, dS = p^(2-alpha) (g - delta)
     // rc.m: M, as in the forward; powers through vpow_pos as there (vectorised; glibc pow was scalar)
     const T tiny = std::numeric_limits<T>::min();
-    const T r = std::max((x - rc.m) * (rc.c - T(1)) - rc.tau, T(0));
-    const T pr = r > T(0) ? vpow_pos(std::max(r, tiny), T(1) / (rc.c - T(1))) * invd : T(0);
+    const T r = std::max((x - rc.m) * (rc.row_value - T(1)) - rc.tau, T(0));
+    const T pr = r > T(0) ? vpow_pos(std::max(r, tiny), T(1) / (rc.row_value - T(1))) * invd : T(0);
     pp = pr;
-    ds = pr > tiny ? vpow_pos(std::max(pr, tiny), T(2) - rc.c) * (g - delta) : T(0);
-  } else if constexpr (KIND == SPARSEMAX) {
+    ds = pr > tiny ? vpow_pos(std::max(pr, tiny), T(2) - rc.row_value) * (g - delta) : T(0);
+  } else if constexpr (is_threshold(MAP)) {  // sparsemax: [x - tau]_+
     const T r = x - rc.tau;
     const T pos = r > T(0) ? T(1) : T(0);
     pp = r * pos;
     ds = (g - delta) * pos;
-  } else if constexpr (KIND == POWER) {  // A = |s|^p e^-m: dA/ds = p A / s, dA/dp = A ln|s|
-    const T pw = std::abs(rc.c), ax = std::abs(x), tiny = std::numeric_limits<T>::min();
+  } else if constexpr (row_value_exponent(MAP)) {  // power: A = |s|^p e^-m: dA/ds = p A / s, dA/dp = A ln|s|
+    const T pw = std::abs(rc.row_value), ax = std::abs(x), tiny = std::numeric_limits<T>::min();
     const bool nz = ax >= tiny;
     const T lx = nz ? vlog(std::max(ax, tiny)) : T(0);  // (only the p-gradient needs it)
     // e1 = A / |s| = |s|^(p-1) e^-m, so that dA/ds = p e1 sign(s) takes no division; integer p (NP): by
@@ -1219,35 +1216,35 @@ inline void dmap(T x, T g, const RowC<T>& rc, T& pp, T& ds, T& dr) {
     // sum_j P_j (g_j - delta) = 0, so ln|s| may be centred at the row's largest ln|s| (m / p): this keeps the
     // rounding of delta = dO . out from being amplified by large |ln|s|| (fp16 inputs: 4x closer to fp64)
     dr = gp * (lx - rc.m / pw);
-  } else if constexpr (KIND == SOFTPLUS) {  // softplus(s) e^-c, c = rc.m: d/ds = sigmoid(s) e^-c (SLOW: below SP_SLOW)
-    const T c = rc.m;
+  } else if constexpr (shift_max_score_below_zero(MAP)) {  // softplus: softplus(s) e^-shift, shift = rc.m: d/ds = sigmoid(s) e^-shift (SLOW: below SP_SLOW)
+    const T shift = rc.m;
     const T u = vexp(-std::abs(x)), r = log1p_ratio(u);
     if constexpr (SLOW) {
-      const T e = vexp(x - c);
+      const T e = vexp(x - shift);
       pp = e * r * invd;
       ds = (g - delta) * invd * e * inv_one_plus(u);
     } else {
-      const T ec = rc.em;  // e^-c, c in [SP_SLOW, 0]
-      pp = (std::max(x, T(0)) + u * r) * ec * invd;
-      ds = (g - delta) * invd * ec * (x >= T(0) ? T(1) : u) * inv_one_plus(u);
+      const T e_neg_shift = rc.em;  // e^-shift, shift in [SP_SLOW, 0]
+      pp = (std::max(x, T(0)) + u * r) * e_neg_shift * invd;
+      ds = (g - delta) * invd * e_neg_shift * (x >= T(0) ? T(1) : u) * inv_one_plus(u);
     }
   } else {
-    static_assert(KIND < 0, "dmap: no derivative for this fused map id: add its block above");
+    static_assert(MAP < 0, "dmap: no derivative for this fused map id: add its block above");
   }
-  if constexpr (KIND != POWER) dr = ds;
+  if constexpr (!row_value_exponent(MAP)) dr = ds;
 }
 
 // One row of a tile: s (scores) becomes P, dp (dO . v_j) becomes dS; returns sum_j dr (the row value's gradient:
 // sigmoid's bias sum_j dS, power's dp).
-template <typename T, int64_t KIND, bool MASKED, bool SLOW = false, int NP = 0>
-T bwd_row(T* __restrict s, T* __restrict dp, int64_t nb, const bool* __restrict keep, const RowC<T>& rcr) {
-  const RowC<T> rc = rcr;
+template <typename T, int64_t MAP, bool MASKED, bool SLOW = false, int NP = 0>
+T bwd_row(T* __restrict s, T* __restrict dp, int64_t nb, const bool* __restrict keep, const RowConstants<T>& rcr) {
+  const RowConstants<T> rc = rcr;
   const T live = rc.live;
-  T dcacc = 0;
-#pragma omp simd reduction(+ : dcacc)
+  T d_row_value = 0;
+#pragma omp simd reduction(+ : d_row_value)
   for (int64_t j = 0; j < nb; ++j) {
     T pp, ds, dr;
-    dmap<T, KIND, SLOW, NP>(s[j], dp[j], rc, pp, ds, dr);
+    dmap<T, MAP, SLOW, NP>(s[j], dp[j], rc, pp, ds, dr);
     ds *= live;
     dr *= live;
     if constexpr (MASKED) {
@@ -1255,34 +1252,34 @@ T bwd_row(T* __restrict s, T* __restrict dp, int64_t nb, const bool* __restrict 
       ds = keep[j] ? ds : T(0);
       dr = keep[j] ? dr : T(0);
     }
-    dcacc += dr;
+    d_row_value += dr;
     s[j] = pp;
     dp[j] = ds;
   }
-  return dcacc;
+  return d_row_value;
 }
 
-template <typename T, int64_t KIND>
-inline T bwd_tile_row(const bool* kr, int64_t lim, T* s, T* dp, int64_t nb, const RowC<T>& rc) {
+template <typename T, int64_t MAP>
+inline T bwd_tile_row(const bool* kr, int64_t lim, T* s, T* dp, int64_t nb, const RowConstants<T>& rc) {
   lim = std::max<int64_t>(0, std::min(lim, nb));
   T acc;
-  if constexpr (KIND == POWER) {  // integer p: its own instantiation (see power_row)
-    const int np = power_int(std::abs(rc.c));
+  if constexpr (row_value_exponent(MAP)) {  // integer p: its own instantiation (see power_row)
+    const int np = power_int(std::abs(rc.row_value));
     auto run = [&](auto npc) {
       constexpr int NP = decltype(npc)::value;
-      return kr ? bwd_row<T, KIND, true, false, NP>(s, dp, lim, kr, rc)
-                : bwd_row<T, KIND, false, false, NP>(s, dp, lim, nullptr, rc);
+      return kr ? bwd_row<T, MAP, true, false, NP>(s, dp, lim, kr, rc)
+                : bwd_row<T, MAP, false, false, NP>(s, dp, lim, nullptr, rc);
     };
     acc = np == 1   ? run(std::integral_constant<int, 1>{})
           : np == 2 ? run(std::integral_constant<int, 2>{})
           : np == 3 ? run(std::integral_constant<int, 3>{})
           : np == 4 ? run(std::integral_constant<int, 4>{})
                     : run(std::integral_constant<int, 0>{});
-  } else if (KIND == SOFTPLUS && rc.m < SP_SLOW<T>) {  // softplus rows of very negative scores only
-    acc = kr ? bwd_row<T, KIND, true, true>(s, dp, lim, kr, rc)
-             : bwd_row<T, KIND, false, true>(s, dp, lim, nullptr, rc);
+  } else if (shift_max_score_below_zero(MAP) && rc.m < SP_SLOW<T>) {  // softplus rows of very negative scores only
+    acc = kr ? bwd_row<T, MAP, true, true>(s, dp, lim, kr, rc)
+             : bwd_row<T, MAP, false, true>(s, dp, lim, nullptr, rc);
   } else {
-    acc = kr ? bwd_row<T, KIND, true>(s, dp, lim, kr, rc) : bwd_row<T, KIND, false>(s, dp, lim, nullptr, rc);
+    acc = kr ? bwd_row<T, MAP, true>(s, dp, lim, kr, rc) : bwd_row<T, MAP, false>(s, dp, lim, nullptr, rc);
   }
   for (int64_t j = lim; j < nb; ++j) s[j] = dp[j] = T(0);
   return acc;
@@ -1291,15 +1288,15 @@ inline T bwd_tile_row(const bool* kr, int64_t lim, T* s, T* dp, int64_t nb, cons
 // Threshold maps in the backward pass: the tile's support entries (visible, [half s - tau]_+ > 0) are usually a
 // small fraction, and only they carry gradient. If so, update dV, dK (tile-local) and dQ entry by entry and return
 // true; otherwise return false and the caller runs the dense tile.
-template <typename T, int64_t KIND>
+template <typename T, int64_t MAP>
 bool sparse_tile(const Problem<T>& p, int st, int64_t b, int64_t h, int64_t g, int64_t i0, int64_t m, int64_t j0,
                  int64_t nb, const T* S, int32_t* E, T* dQb, T* dK, T* dV, const T* dout, const T* r1,
                  const T* delta, const T* invd, const T* shift, T* dq, std::mutex* lock, const T* capd) {
   if (p.dbias != nullptr) return false;  // the dense tile forms dS for dbias
-  constexpr bool ENTMAX = KIND == ENTMAX15, ALPHA = KIND == ENTMAX_ALPHA;
+  constexpr bool ENTMAX = threshold_squared(MAP), ALPHA = is_alpha(MAP);
   const int64_t bh = b * p.H + h;
   // the score factor of the map: 1/2 (entmax-1.5), 1 (sparsemax), alpha_i - 1 (alpha-entmax)
-  auto factor = [&](int64_t row) { return ALPHA ? p.c[row] - T(1) : (ENTMAX ? T(0.5) : T(1)); };
+  auto factor = [&](int64_t row) { return ALPHA ? p.row_value[row] - T(1) : (ENTMAX ? T(0.5) : T(1)); };
   int64_t ns = 0;
   for (int64_t r = 0; r < m; ++r) {
     const T tau = r1[bh * p.Lq + i0 + r], sh = shift[bh * p.Lq + i0 + r];
@@ -1323,13 +1320,13 @@ bool sparse_tile(const Problem<T>& p, int st, int64_t b, int64_t h, int64_t g, i
     T pp, hh;
     if constexpr (ALPHA) {
       const T tiny = std::numeric_limits<T>::min();
-      pp = vpow_pos(std::max(rr, tiny), T(1) / (p.c[row] - T(1))) * invd[row];
-      hh = pp > tiny ? vpow_pos(pp, T(2) - p.c[row]) : T(0);
+      pp = vpow_pos(std::max(rr, tiny), T(1) / (p.row_value[row] - T(1))) * invd[row];
+      hh = pp > tiny ? vpow_pos(pp, T(2) - p.row_value[row]) : T(0);
     } else {
       pp = ENTMAX ? rr * rr : rr;
       hh = ENTMAX ? rr : T(1);
     }
-    const T live = p.c[row] == T(1) ? T(0) : T(1);  // single visible key: constant weights (see RowC)
+    const T live = p.row_value[row] == T(1) ? T(0) : T(1);  // single visible key: constant weights (see RowConstants)
     const T* go = dout + row * p.Dv;
     const T* vj = p.vrow(b, g, j0 + j);
     T dpv = 0;
@@ -1363,19 +1360,19 @@ bool sparse_tile(const Problem<T>& p, int st, int64_t b, int64_t h, int64_t g, i
   return true;
 }
 
-template <typename T, int64_t KIND>
+template <typename T, int64_t MAP>
 void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, const T* r2, const T* uout, T* dq,
-              T* dk, T* dv, T* dc) {
+              T* dk, T* dv, T* d_row_value) {
   const int64_t BH = p.B * p.H, rows = BH * p.Lq;
   // per-row constants: delta_i = dO_i . out_i (or dO_i . U_i / Hs_i), 1 / D_i
   std::vector<T> delta(rows), invd(rows), shift(rows, T(0));  // shift: alpha-entmax's M
   at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* go = dout + i * p.Dv;
-      const T* x = is_threshold(KIND) ? uout + i * u_width(KIND, p.Dv) : out + i * p.Dv;
+      const T* x = is_threshold(MAP) ? uout + i * u_width(MAP, p.Dv) : out + i * p.Dv;
       T dot = 0;
       for (int64_t d = 0; d < p.Dv; ++d) dot += go[d] * x[d];
-      if (KIND == ENTMAX_ALPHA) {
+      if (is_alpha(MAP)) {
         // d alpha_i = sum_j dp_j [(p_j - pt_j) / (alpha-1)^2 - (p_j ln p_j - pt_j H) / (alpha-1)], pt = g / G
         // (Correia et al. 2019), with dp_j = dO_i . v_j: = dO_i . A_i, A formed per entry in the forward
         T dot_a = 0;
@@ -1384,19 +1381,19 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
         shift[i] = x[2 * p.Dv + 2];
         invd[i] = z != T(0) ? T(1) / z : T(0);
         delta[i] = r2[i] != T(0) ? dot / r2[i] : T(0);
-        dc[i] = dot_a;
-      } else if (is_normalised(KIND)) {
+        d_row_value[i] = dot_a;
+      } else if (is_normalised(MAP)) {
         invd[i] = r1[i] != T(0) ? T(1) / r1[i] : T(0);
         delta[i] = dot;
-        dc[i] = den_adds_row_value(KIND) ? -dot * invd[i] : T(0);  // d out_i / d r = -out_i / D_i
-      } else if (is_threshold(KIND)) {
+        d_row_value[i] = den_adds_row_value(MAP) ? -dot * invd[i] : T(0);  // d out_i / d r = -out_i / D_i
+      } else if (is_threshold(MAP)) {
         invd[i] = T(1);
         delta[i] = r2[i] != T(0) ? dot / r2[i] : T(0);
-        dc[i] = T(0);
+        d_row_value[i] = T(0);
       } else {
         invd[i] = T(1);
         delta[i] = T(0);
-        dc[i] = (row_value_factor(KIND) && p.c[i] != T(0)) ? dot / p.c[i] : T(0);  // out_i = c_i O_i
+        d_row_value[i] = (row_value_factor(MAP) && p.row_value[i] != T(0)) ? dot / p.row_value[i] : T(0);  // out_i = c_i O_i
       }
     }
   });
@@ -1405,7 +1402,7 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
   const int64_t nthreads = at::get_num_threads();
   const int64_t BG = p.B * p.Hkv;
   // Whole (batch, kv head) items write dq without sharing (deterministic) when they balance the threads;
-  // otherwise items are single key blocks and dq / dc updates of a query block take that block's lock.
+  // otherwise items are single key blocks and dq / d_row_value updates of a query block take that block's lock.
   const bool per_head = nthreads == 1 || BG % nthreads == 0 || BG >= 4 * nthreads;
   const int64_t nitems = per_head ? BG : BG * nkb;
   std::vector<std::mutex> locks(per_head ? 0 : BH * nqb);
@@ -1447,24 +1444,24 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
           mm_abt<T>(m, nb, p.D, qi, p.qsl, kj, p.ksl, T(0), buf.S.data(), nb);
           T* capd = p.cap != T(0) ? buf.Cd.data() : nullptr;
           if (p.mods()) modify_tile(p, buf.S.data(), nb, b, h, i0, m, j0, nb, capd);
-          if constexpr (KIND == ENTMAX15 || KIND == SPARSEMAX || KIND == ENTMAX_ALPHA) {
-            if (sparse_tile<T, KIND>(p, st, b, h, g, i0, m, j0, nb, buf.S.data(), buf.E.data(), buf.dQ.data(),
+          if constexpr (is_threshold(MAP)) {
+            if (sparse_tile<T, MAP>(p, st, b, h, g, i0, m, j0, nb, buf.S.data(), buf.E.data(), buf.dQ.data(),
                                      buf.dK.data(), buf.dV.data(), dout, r1, delta.data(), invd.data(), shift.data(),
                                      dq, per_head ? nullptr : &locks[bh * nqb + qb], capd)) {
               continue;
             }
           }
           mm_abt<T>(m, nb, p.Dv, doi, p.Dv, vj, p.vsl, T(0), buf.dP.data(), nb);
-          T dcrow[MAX_BQ];
+          T d_row_values[MAX_BQ];
           for (int64_t r = 0; r < m; ++r) {
             const int64_t row = bh * p.Lq + i0 + r;
-            const T live = constant_on_single_key(KIND) && single_key_row(KIND, p.c[row]) ? T(0) : T(1);
+            const T live = constant_on_single_key(MAP) && single_key_row(MAP, p.row_value[row]) ? T(0) : T(1);
             // em: e^-m (softpick, softplus), 1/M (power)
-            const T em = KIND == POWER ? power_inv_max(r2[row], std::abs(p.c[row])) : vexp(-r2[row]);
-            RowC<T> rc{invd[row], delta[row], p.c[row], KIND == ENTMAX_ALPHA ? shift[row] : r2[row], em, r1[row],
+            const T em = shift_log_abs_max(MAP) ? power_inv_max(r2[row], std::abs(p.row_value[row])) : vexp(-r2[row]);
+            RowConstants<T> rc{invd[row], delta[row], p.row_value[row], is_alpha(MAP) ? shift[row] : r2[row], em, r1[row],
                        live};
             const bool* kr = st == 2 && p.keep ? p.mrow(b, h, i0 + r) + j0 : nullptr;
-            dcrow[r] = bwd_tile_row<T, KIND>(kr, st == 1 ? nb : p.key_end(i0 + r) - j0, buf.S.data() + r * nb,
+            d_row_values[r] = bwd_tile_row<T, MAP>(kr, st == 1 ? nb : p.key_end(i0 + r) - j0, buf.S.data() + r * nb,
                                              buf.dP.data() + r * nb, nb, rc);
           }
           if (p.dbias != nullptr) {
@@ -1479,8 +1476,8 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
           mm_atb<T>(nb, p.D, m, buf.dP.data(), nb, qi, p.qsl, T(1), buf.dK.data(), p.D);
           auto update = [&]() {
             mm_ab<T>(m, p.D, nb, buf.dP.data(), nb, kj, p.ksl, T(1), dq + (bh * p.Lq + i0) * p.D, p.D);
-            if (KIND == SIGMOID || KIND == POWER)
-              for (int64_t r = 0; r < m; ++r) dc[bh * p.Lq + i0 + r] += dcrow[r];
+            if (row_value_in_score(MAP) || row_value_exponent(MAP))
+              for (int64_t r = 0; r < m; ++r) d_row_value[bh * p.Lq + i0 + r] += d_row_values[r];
           };
           if (per_head) {
             update();
@@ -1499,39 +1496,37 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
 // ------------------------------------------------------------------------------------------------ dispatch
 
 template <typename F>
-void dispatch_kind(int64_t kind, const F& f) {
-  switch (kind) {
-    case SYMAX: f(std::integral_constant<int64_t, SYMAX>{}); break;
-    case SQUARED: f(std::integral_constant<int64_t, SQUARED>{}); break;
-    case STABLEMAX: f(std::integral_constant<int64_t, STABLEMAX>{}); break;
-    case SOFTPICK: f(std::integral_constant<int64_t, SOFTPICK>{}); break;
-    case SIGMOID: f(std::integral_constant<int64_t, SIGMOID>{}); break;
-    case RELU_LEN: f(std::integral_constant<int64_t, RELU_LEN>{}); break;
-    case ENTMAX15: f(std::integral_constant<int64_t, ENTMAX15>{}); break;
-    case SPARSEMAX: f(std::integral_constant<int64_t, SPARSEMAX>{}); break;
-    case ENTMAX_ALPHA: f(std::integral_constant<int64_t, ENTMAX_ALPHA>{}); break;
-    case POWER: f(std::integral_constant<int64_t, POWER>{}); break;
-    case SOFTPLUS: f(std::integral_constant<int64_t, SOFTPLUS>{}); break;
+void dispatch_map(int64_t map_id, const F& f) {
+  switch (map_id) {
+#define HF_MAP_CASE(ID)                          \
+  case ID:                                       \
+    f(std::integral_constant<int64_t, ID>{});    \
+    break;
+    HF_MAPS_FOR_EACH(HF_MAP_CASE)
+#undef HF_MAP_CASE
     default:
-      TORCH_CHECK(false, "hf_attnorm fused_cpu: unknown fused map id ", kind,
-                  " (no case in dispatch_kind; the declared maps are in kernels/fused/maps.py)");
+      TORCH_CHECK(false, "hf_attnorm fused_cpu: unknown fused map id ", map_id,
+                  " (not declared in kernels/fused/maps.py)");
   }
 }
 
-// What this build says about map ``kind``, for tests/test_fused_maps.py: [is_normalised, is_threshold,
-// constant_on_single_key, single_key_negative, driver, den_adds_row_value, row_value_factor] with driver
-// 0 forward_tiles, 1 forward_threshold, 2 forward_alpha (the driver fused_forward picks, through dispatch_kind).
+// What this build says about map ``map_id``, for tests/test_fused_maps.py: [is_normalised, is_threshold,
+// constant_on_single_key, single_key_negative, driver, den_adds_row_value, row_value_factor, threshold_squared,
+// shift (0 none, 1 max_score, 2 max_score_below_zero, 3 log_abs_max), row_value_in_score, row_value_exponent] with driver
+// 0 forward_tiles, 1 forward_threshold, 2 forward_alpha (the driver fused_forward picks, through dispatch_map).
 // Raises for an unknown id.
-std::vector<int64_t> map_facts(int64_t kind) {
-  TORCH_CHECK(is_declared(kind), "hf_attnorm fused_cpu: unknown fused map id ", kind,
+std::vector<int64_t> map_facts(int64_t map_id) {
+  TORCH_CHECK(is_declared(map_id), "hf_attnorm fused_cpu: unknown fused map id ", map_id,
               " (not declared in kernels/fused/maps.py)");
   int64_t driver = -1;
-  dispatch_kind(kind, [&](auto kc) {
+  dispatch_map(map_id, [&](auto kc) {
     constexpr int64_t K = decltype(kc)::value;
     driver = driver_of(K);
   });
-  return {is_normalised(kind), is_threshold(kind), constant_on_single_key(kind),
-          map_bit(HF_MAPS_SINGLE_KEY_NEGATIVE, kind), driver, den_adds_row_value(kind), row_value_factor(kind)};
+  const int64_t shift = shift_max_score(map_id) ? 1 : shift_max_score_below_zero(map_id) ? 2 : shift_log_abs_max(map_id) ? 3 : 0;
+  return {is_normalised(map_id), is_threshold(map_id), constant_on_single_key(map_id),
+          map_bit(HF_MAPS_SINGLE_KEY_NEGATIVE, map_id), driver, den_adds_row_value(map_id), row_value_factor(map_id),
+          threshold_squared(map_id), shift, row_value_in_score(map_id), row_value_exponent(map_id)};
 }
 
 // forward -> [out, den_or_tau, shift_or_gsum, hv_sum], per row (all [B, H, Lq] but hv_sum):
@@ -1540,11 +1535,11 @@ std::vector<int64_t> map_facts(int64_t kind) {
 //     p ln max|s|; softplus: min(0, row max); else 0), or, for threshold maps, sum_j g_j (g = p^(2 - alpha));
 //   hv_sum: threshold maps' sum_j h(p_ij) v_j ([B, H, Lq, u_width]; empty otherwise or when need_u is false).
 // row_value [B, H, Lq]: the map's per-row value (FusedMap.row_value); backward returns its gradient drow_value.
-std::vector<at::Tensor> fused_forward(int64_t kind, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+std::vector<at::Tensor> fused_forward(int64_t map_id, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       const std::optional<at::Tensor>& keep, bool causal, const at::Tensor& row_value,
                                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& slopes,
                                       double cap, int64_t block_q, int64_t block_k, bool need_u) {
-  check_inputs(kind, q, k, v, keep, row_value, block_q, block_k);
+  check_inputs(map_id, q, k, v, keep, row_value, block_q, block_k);
   check_mods(q, k, bias, slopes, cap);
   TORCH_CHECK(block_q <= MAX_BQ, "fused_cpu: block_q must be <= ", MAX_BQ);
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Dv = v.size(3);
@@ -1552,11 +1547,11 @@ std::vector<at::Tensor> fused_forward(int64_t kind, const at::Tensor& q, const a
   auto den_or_tau = at::empty({B, H, Lq}, q.options());
   auto shift_or_gsum = at::empty({B, H, Lq}, q.options());
   // U (threshold maps) only feeds the backward pass: need_u false (inference) skips it and returns it empty
-  auto hv_sum = is_threshold(kind) && need_u ? at::empty({B, H, Lq, u_width(kind, Dv)}, q.options())
+  auto hv_sum = is_threshold(map_id) && need_u ? at::empty({B, H, Lq, u_width(map_id, Dv)}, q.options())
                                         : at::empty({0}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "hf_attnorm_fused_forward", [&] {
-    auto p = make_problem<scalar_t>(kind, q, k, v, keep, causal, row_value, block_q, block_k, bias, slopes, cap);
-    dispatch_kind(kind, [&](auto kc) {
+    auto p = make_problem<scalar_t>(map_id, q, k, v, keep, causal, row_value, block_q, block_k, bias, slopes, cap);
+    dispatch_map(map_id, [&](auto kc) {
       constexpr int64_t K = decltype(kc)::value;
       if constexpr (driver_of(K) == 2) {
         forward_alpha<scalar_t>(p, out.data_ptr<scalar_t>(), den_or_tau.data_ptr<scalar_t>(),
@@ -1574,7 +1569,7 @@ std::vector<at::Tensor> fused_forward(int64_t kind, const at::Tensor& q, const a
   return {out, den_or_tau, shift_or_gsum, hv_sum};
 }
 
-std::vector<at::Tensor> fused_backward(int64_t kind, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+std::vector<at::Tensor> fused_backward(int64_t map_id, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                        const std::optional<at::Tensor>& keep, bool causal, const at::Tensor& row_value,
                                        const std::optional<at::Tensor>& bias,
                                        const std::optional<at::Tensor>& slopes, double cap, bool bias_grad,
@@ -1582,7 +1577,7 @@ std::vector<at::Tensor> fused_backward(int64_t kind, const at::Tensor& q, const 
                                        const at::Tensor& shift_or_gsum, const at::Tensor& hv_sum,
                                        const at::Tensor& dout, int64_t block_q,
                                        int64_t block_k) {
-  check_inputs(kind, q, k, v, keep, row_value, block_q, block_k);
+  check_inputs(map_id, q, k, v, keep, row_value, block_q, block_k);
   check_mods(q, k, bias, slopes, cap);
   TORCH_CHECK(!bias_grad || bias.has_value(), "fused_cpu: bias_grad without a bias");
   TORCH_CHECK(block_q <= MAX_BQ, "fused_cpu: block_q must be <= ", MAX_BQ);
@@ -1590,8 +1585,8 @@ std::vector<at::Tensor> fused_backward(int64_t kind, const at::Tensor& q, const 
                   shift_or_gsum.is_contiguous(),
               "fused_cpu: out, dout, den_or_tau, shift_or_gsum must be contiguous");
   TORCH_CHECK(dout.sizes() == out.sizes() && dout.scalar_type() == q.scalar_type(), "fused_cpu: bad dout");
-  TORCH_CHECK(!is_threshold(kind) || (hv_sum.is_contiguous() && hv_sum.dim() == 4 &&
-                                      hv_sum.size(3) == u_width(kind, v.size(3)) && hv_sum.size(2) == out.size(2)),
+  TORCH_CHECK(!is_threshold(map_id) || (hv_sum.is_contiguous() && hv_sum.dim() == 4 &&
+                                      hv_sum.size(3) == u_width(map_id, v.size(3)) && hv_sum.size(2) == out.size(2)),
               "fused_cpu: bad hv_sum");
   auto dq = at::empty(q.sizes(), q.options());
   auto dk = at::empty(k.sizes(), k.options());
@@ -1600,13 +1595,13 @@ std::vector<at::Tensor> fused_backward(int64_t kind, const at::Tensor& q, const 
   // dbias has the bias's (broadcast) shape, contiguous; empty when not needed
   auto dbias = bias_grad ? at::zeros(bias->sizes(), q.options()) : at::empty({0}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "hf_attnorm_fused_backward", [&] {
-    auto p = make_problem<scalar_t>(kind, q, k, v, keep, causal, row_value, block_q, block_k, bias, slopes, cap,
+    auto p = make_problem<scalar_t>(map_id, q, k, v, keep, causal, row_value, block_q, block_k, bias, slopes, cap,
                                     bias_grad ? &dbias : nullptr);
-    dispatch_kind(kind, [&](auto kc) {
+    dispatch_map(map_id, [&](auto kc) {
       constexpr int64_t K = decltype(kc)::value;
       backward<scalar_t, K>(p, dout.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), den_or_tau.data_ptr<scalar_t>(),
                             shift_or_gsum.data_ptr<scalar_t>(),
-                            is_threshold(kind) ? hv_sum.data_ptr<scalar_t>() : nullptr,
+                            is_threshold(map_id) ? hv_sum.data_ptr<scalar_t>() : nullptr,
                             dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
                             drow_value.data_ptr<scalar_t>());
     });
@@ -1616,20 +1611,28 @@ std::vector<at::Tensor> fused_backward(int64_t kind, const at::Tensor& q, const 
 
 }  // namespace
 
-TORCH_LIBRARY(hf_attnorm_native, m) {
+// the ops' namespace: hf_attnorm_native, or another for a build of another map table (cpu.build_ops), so that
+// both can be loaded in one process
+#ifndef HF_ATTNORM_NATIVE_NS
+#define HF_ATTNORM_NATIVE_NS hf_attnorm_native
+#endif
+#define HF_TORCH_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define HF_TORCH_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+
+HF_TORCH_LIBRARY(HF_ATTNORM_NATIVE_NS, m) {
   m.def("blas_available() -> bool", &blas_available);
-  m.def("map_facts(int kind) -> int[]", &map_facts);
+  m.def("map_facts(int map_id) -> int[]", &map_facts);
   m.def(
-      "forward(int kind, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor row_value, Tensor? bias, "
+      "forward(int map_id, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor row_value, Tensor? bias, "
       "Tensor? slopes, float cap, int block_q, int block_k, bool need_u=True) -> Tensor[]");
   m.def(
-      "backward(int kind, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor row_value, Tensor? bias, "
+      "backward(int map_id, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor row_value, Tensor? bias, "
       "Tensor? slopes, float cap, bool bias_grad, Tensor out, Tensor den_or_tau, Tensor shift_or_gsum, "
       "Tensor hv_sum, Tensor dout, "
       "int block_q, int block_k) -> Tensor[]");
 }
 
-TORCH_LIBRARY_IMPL(hf_attnorm_native, CPU, m) {
+HF_TORCH_LIBRARY_IMPL(HF_ATTNORM_NATIVE_NS, CPU, m) {
   m.impl("forward", &fused_forward);
   m.impl("backward", &fused_backward);
 }

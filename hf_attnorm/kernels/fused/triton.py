@@ -1,8 +1,10 @@
 """GPU fast path: flash-style Triton kernels (forward and backward) for the non-softmax normalizers.
 
 One forward kernel (plus a threshold kernel for the sparse maps) and two backward kernels serve every normalizer
-below; the normalizer is a compile-time ``KIND``. No n x n tensor is ever formed: per query block the kernel walks
-the key blocks, recomputes the scores s = c_i (q_i . k_j) and accumulates
+below: a map's declared facts (``maps.py``) are compile-time constants (``map_constants``) and its per-entry code
+the generated ``_map_weight`` / ``_map_slope`` (``maps.triton_source``); no device code names a map. No n x n tensor
+is ever formed: per query block the kernel walks the key blocks, recomputes the scores
+s = score_scale_i (q_i . k_j) and accumulates
 
 * sum-normalised maps (symax, squared, stablemax, softpick): numerator O_i = sum_j a(s_ij) v_j and denominator
   D_i = r_i + sum_j b(s_ij) (r_i = |eta| for symax, else 0); out = O / D, 0 where D = 0. Without exponentials
@@ -12,12 +14,13 @@ the key blocks, recomputes the scores s = c_i (q_i . k_j) and accumulates
   one pass over the key blocks each (O(n d) memory); the forward kernel then accumulates
   p = [z - tau]_+^(1/(alpha-1)) (z = s or s/2) like a non-normalised map.
 
-Per row i: c_i = base x multiplier (the per-query scale, with gradient), r_i = the normalizer's row value
+Per row i: score_scale_i = base x multiplier (the per-query scale, with gradient), r_i = the normalizer's row value
 (symax |eta_h|, sigmoid b_h - ln n_i or b_h, relu_len 1/n_i) with gradient. The forward pass saves D and the
 softpick shift / sparse threshold per row (fp32); the backward pass recomputes score blocks. With
 dp_ij = do_i . v_j: normalised ds_ij = (a'(s_ij) dp_ij - b'(s_ij) delta_i) / D_i, delta_i = sum_j w_ij dp_ij;
 sparse ds_ij = g_ij (dp_ij - delta_i), g = p^(2 - alpha), delta_i = sum_j g_ij dp_ij / sum_j g_ij; non-normalised
-ds_ij = a'(s_ij) dp_ij. Then dq_i = c_i sum_j ds_ij k_j, dc_i = q_i . sum_j ds_ij k_j, dk_j = sum_i c_i ds_ij q_i,
+ds_ij = a'(s_ij) dp_ij. Then dq_i = score_scale_i sum_j ds_ij k_j, dscore_scale_i = q_i . sum_j ds_ij k_j,
+dk_j = sum_i score_scale_i ds_ij q_i,
 dv_j = sum_i w_ij do_i. delta comes from a first pass of the dq kernel rather than flash attention's do . out:
 see ``_bwd_dq_kernel``.
 One program per (key block, batch, kv head) loops over the heads of its GQA group, so dk/dv need no atomics.
@@ -38,8 +41,10 @@ are jitted on first use (per interpreter mode), so importing this module needs n
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import importlib.util
+import linecache
 import math
 import os
 import types
@@ -50,45 +55,18 @@ import torch
 
 from ...normalizers.base import Normalizer
 from ..base import AttnCall, compact_bias
-from .kinds import (
-    DEN_ADDS_ROW_VALUE,
-    FUSED_KINDS,
-    NORMALISED,
-    ROW_VALUE_FACTOR,
-    THRESHOLD,
-    constant_name,
-    fused_takes,
-    kind_id,
-)
-from .maps import lookup_id
+from .maps import MAPS, SHIFT_IDS, THRESHOLD, FusedMap, fused_takes, lookup_id, table_key, triton_source
 
 # imported on first use (``_load_triton``): the plain package needs no triton, and triton fixes compiled vs
 # interpreted mode for its own library functions when it is imported
 triton: Any = None
 tl: Any = None
 
-# the ids the device code compares KIND with, taken from the shared table (kinds.py); ``_compiled`` hands them to
-# the kernels as tl.constexpr. tests/test_triton.py checks that every map of the table has its constant here.
-K_SYMAX, K_SQUARED, K_STABLEMAX = kind_id("symax"), kind_id("squared"), kind_id("stablemax")
-K_SOFTPICK, K_SIGMOID, K_RELU_LEN = kind_id("softpick"), kind_id("sigmoid"), kind_id("relu_len")
-K_ENTMAX15, K_SPARSEMAX = kind_id("entmax15"), kind_id("sparsemax")
-K_POWER, K_SOFTPLUS = kind_id("power"), kind_id("softplus")
 #: power: |s| below the smallest normal fp32 counts as 0 (weight 0); the log-domain "minus infinity" of its shift
 TINY = 1.1754943508222875e-38
 POW_NEG = -1e30
 # alpha-entmax: alpha_i = r_i (per head, d alpha through DR), scores shifted by the row max (ROWMAX) and scaled by
 # alpha - 1 before the threshold, as the reference and the C++ kernel (see _threshold_kernel)
-K_ENTMAX_ALPHA = kind_id("entmax_alpha")
-#: maps of the shared table without Triton device code: takes() declines them with this reason (none today)
-NOT_IN_TRITON: dict[str, str] = {}
-_missing = [name for name in FUSED_KINDS if name not in NOT_IN_TRITON and f"K_{constant_name(name)}" not in globals()]
-if _missing:
-    raise ImportError(f"hf_attnorm/kernels/fused/triton.py has no device code for the fused map(s) {_missing} "
-                      "declared in fused/maps.py: add K_<NAME> = kind_id(name) and the map's branches in _entry "
-                      "and _slopes, or list it in NOT_IN_TRITON with the reason")
-#: constant name -> id, for every map of the shared table that has Triton device code
-KIND_CONSTANTS: dict[str, int] = {f"K_{constant_name(name)}": globals()[f"K_{constant_name(name)}"]
-                                  for name in FUSED_KINDS if name not in NOT_IN_TRITON}
 #: at most this many Newton passes for the sparse threshold (measured: sparsemax 3-5, entmax15 6-8, plus one max pass)
 THRESHOLD_STEPS = 30
 
@@ -96,8 +74,9 @@ THRESHOLD_STEPS = 30
 BLOCK_OVERRIDE: tuple[int, int] | None = None
 
 
-#: the outputs and the gradients of q, k, v (and c, r) are bitwise reproducible: no atomics outside the score-bias
-#: gradient (dk/dv: one program per key block and kv head). Read by tests/test_gpu.py's determinism check.
+#: the outputs and the gradients of q, k, v (and the score scale and row value) are bitwise reproducible: no
+#: atomics outside the score-bias gradient (dk/dv: one program per key block and kv head). Read by
+#: tests/test_gpu.py's determinism check.
 DETERMINISTIC = True
 #: NVIDIA GPUs below this compute capability are refused with ``TritonKernelError``: Triton's supported range
 #: (compute capability 8.0 and newer), and the kernels were compiled and checked for sm_80 and newer only
@@ -212,44 +191,29 @@ def interpreter_consistent() -> bool:
 # listed in _JIT_FUNCTIONS (dependency order).
 
 
-def _entry(s, r, keep, shift, KIND: tl.constexpr):
+def _entry(s, r, keep, shift, MAP: tl.constexpr, RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXP: tl.constexpr):
     """Forward map of one score block: (a, b) with a the numerator weight and b the denominator term.
 
     s: [BM, BN] fp32 scores; r: [BM] row values; keep: [BM, BN] bool; shift: [BM] (softpick running max,
     sparse: threshold tau). Masked entries give exactly 0.
     """
     zero = 0.0  # (scalars, not tl.zeros_like: library calls are slow in the interpreter)
-    if KIND == K_SYMAX:  # symax |s|
-        a = tl.where(keep, tl.abs(s), zero)
-        b = a
-    elif KIND == K_SQUARED:  # squared
-        a = tl.where(keep, s * s, zero)
-        b = a
-    elif KIND == K_STABLEMAX:  # stablemax g(s); each branch only sees its own half-line (no inf in the unused one)
-        g = tl.where(s >= 0, tl.maximum(s, 0.0) + 1.0, 1.0 / (1.0 - tl.minimum(s, 0.0)))
-        a = tl.where(keep, g, zero)
-        b = a
-    elif KIND == K_SOFTPICK:  # softpick in units of e^-M: e^(s-M) - e^-M
+    if RUNNING_SHIFT == 1:  # (shift 'max_score') softpick in units of e^-M: e^(s-M) - e^-M
         e = tl.exp(tl.where(keep, s - shift[:, None], -float("inf")))
         p = e - tl.exp(-shift)[:, None]
         a = tl.where(keep & (p > 0), p, zero)
         b = tl.where(keep, tl.abs(p), zero)
-    elif KIND == K_SIGMOID:  # sigmoid(s + r)
-        a = tl.where(keep, 1.0 / (1.0 + tl.exp(-(s + r[:, None]))), zero)
-        b = a
-    elif KIND == K_RELU_LEN:  # relu(s) / n, r = 1/n
-        a = tl.where(keep, tl.maximum(s, 0.0) * r[:, None], zero)
-        b = a
-    elif KIND == K_SPARSEMAX:  # sparsemax [s - tau]_+
+    elif THRESHOLD_EXP == 1:  # sparsemax [s - tau]_+
         a = tl.where(keep, tl.maximum(s - shift[:, None], 0.0), zero)
         b = a
-    elif KIND == K_POWER:  # |s|^p = e^(p ln|s| - M), p = |r|, M = running max of p ln|s| (shift)
+    elif RUNNING_SHIFT == 3:  # ('log_abs_max') power |s|^p = e^(p ln|s| - M), p = |r|, M = max of p ln|s|
         mag = tl.abs(s)
         nz = keep & (mag >= TINY)
         a = tl.where(nz, tl.exp(tl.where(nz, tl.abs(r)[:, None] * tl.log(tl.where(nz, mag, 1.0)) - shift[:, None],
                                          POW_NEG)), zero)
         b = a
-    elif KIND == K_SOFTPLUS:  # softplus(s) e^-c, c = min(0, running max) (shift): s + log1p(e^-s) for s > 0
+    elif RUNNING_SHIFT == 2:  # ('max_score_below_zero') softplus(s) e^-c, c = min(0, running max) (shift):
+        # s + log1p(e^-s) for s > 0
         # (then c = 0), else e^(s - c) log1p(u) / u with u = e^s (exact where u underflows); log1p by Goldberg
         u = tl.exp(-tl.abs(s))
         w = 1.0 + u
@@ -259,66 +223,46 @@ def _entry(s, r, keep, shift, KIND: tl.constexpr):
         neg = tl.exp(tl.minimum(s - shift[:, None], 0.0)) * ratio
         a = tl.where(keep, tl.where(s > 0, s + lp, neg), zero)
         b = a
-    elif KIND == K_ENTMAX_ALPHA:  # [x - tau]_+^(1/(alpha-1)), s = x = (s - M)(alpha - 1) formed by the caller
+    elif THRESHOLD_EXP == -1:  # alpha-entmax [x - tau]_+^(1/(alpha-1)), x = (s - M)(alpha - 1) from the caller
         d = tl.where(keep, s - shift[:, None], zero)
         pos = d > 0
         a = tl.where(pos, tl.exp(tl.log(tl.where(pos, d, 1.0)) / (r - 1.0)[:, None]), zero)
         b = a
-    elif KIND == K_ENTMAX15:  # entmax-1.5 [s/2 - tau]_+^2
+    elif THRESHOLD_EXP == 2:  # entmax-1.5 [s/2 - tau]_+^2
         t = tl.where(keep, tl.maximum(s * 0.5 - shift[:, None], 0.0), zero)
         a = t * t
         b = a
-    else:  # a map id without a branch here: refuse to compile (the launcher refuses undeclared ids before this)
-        tl.static_assert(False, "hf_attnorm triton: no forward branch for this fused map KIND (see fused/maps.py)")
+    else:  # the declared per-entry code (FusedMap.code; _map_weight is generated from it)
+        a = tl.where(keep, _map_weight(s, r[:, None], MAP), zero)  # noqa: F821  (generated: _compiled)
+        b = a
     return a, b
 
 
-def _slopes(s, r, keep, shift, KIND: tl.constexpr):
+def _slopes(s, r, keep, shift, MAP: tl.constexpr, RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXP: tl.constexpr):
     """Backward map of one score block: (a, da, db) with da = a'(s), db = b'(s) (0 on masked entries).
 
-    For the sparse kinds da is the Jacobian weight g = p^(2 - alpha) (1 on sparsemax's support, sqrt(p) for
+    For the sparse maps da is the Jacobian weight g = p^(2 - alpha) (1 on sparsemax's support, sqrt(p) for
     entmax-1.5) and db is unused.
     """
     zero = 0.0
-    if KIND == K_SYMAX:
-        a = tl.where(keep, tl.abs(s), zero)
-        da = tl.where(keep, tl.where(s > 0, 1.0, tl.where(s < 0, -1.0, 0.0)), zero)
-        db = da
-    elif KIND == K_SQUARED:
-        a = tl.where(keep, s * s, zero)
-        da = tl.where(keep, 2.0 * s, zero)
-        db = da
-    elif KIND == K_STABLEMAX:
-        neg = 1.0 / (1.0 - tl.minimum(s, 0.0))
-        a = tl.where(keep, tl.where(s >= 0, tl.maximum(s, 0.0) + 1.0, neg), zero)
-        da = tl.where(keep, tl.where(s >= 0, 1.0, neg * neg), zero)
-        db = da
-    elif KIND == K_SOFTPICK:
+    if RUNNING_SHIFT == 1:  # (shift 'max_score') softpick
         e = tl.exp(tl.where(keep, s - shift[:, None], -float("inf")))
         p = e - tl.exp(-shift)[:, None]
         a = tl.where(keep & (p > 0), p, zero)
         da = tl.where(keep & (p > 0), e, zero)
         db = tl.where(keep, tl.where(p > 0, e, tl.where(p < 0, -e, 0.0)), zero)
-    elif KIND == K_SIGMOID:
-        a = tl.where(keep, 1.0 / (1.0 + tl.exp(-(s + r[:, None]))), zero)
-        da = a * (1.0 - a)
-        db = da
-    elif KIND == K_RELU_LEN:
-        a = tl.where(keep, tl.maximum(s, 0.0) * r[:, None], zero)
-        da = tl.where(keep & (s > 0), r[:, None] + 0.0 * s, zero)
-        db = da
-    elif KIND == K_SPARSEMAX:
+    elif THRESHOLD_EXP == 1:  # sparsemax
         a = tl.where(keep, tl.maximum(s - shift[:, None], 0.0), zero)
         da = tl.where(a > 0, 1.0, 0.0)
         db = da
-    elif KIND == K_POWER:  # d|s|^p/ds = p |s|^p / s (0 at s = 0)
+    elif RUNNING_SHIFT == 3:  # (shift 'log_abs_max') power: d|s|^p/ds = p |s|^p / s (0 at s = 0)
         mag = tl.abs(s)
         nz = keep & (mag >= TINY)
         pw = tl.abs(r)[:, None]
         a = tl.where(nz, tl.exp(tl.where(nz, pw * tl.log(tl.where(nz, mag, 1.0)) - shift[:, None], POW_NEG)), zero)
         da = tl.where(nz, a * pw / tl.where(nz, s, 1.0), zero)
         db = da
-    elif KIND == K_SOFTPLUS:  # (softplus(s) e^-c)' = sigmoid(s) e^-c
+    elif RUNNING_SHIFT == 2:  # (shift 'max_score_below_zero') (softplus(s) e^-c)' = sigmoid(s) e^-c
         u = tl.exp(-tl.abs(s))
         w = 1.0 + u
         d = w - 1.0
@@ -328,20 +272,23 @@ def _slopes(s, r, keep, shift, KIND: tl.constexpr):
         a = tl.where(keep, tl.where(s > 0, s + lp, e * ratio), zero)
         da = tl.where(keep, tl.where(s > 0, 1.0, e) / w, zero)
         db = da
-    elif KIND == K_ENTMAX_ALPHA:  # g = d^(1/(alpha-1) - 1) = p^(2 - alpha) (unnormalised), ds in score units
+    elif THRESHOLD_EXP == -1:  # alpha-entmax: g = d^(1/(alpha-1) - 1) = p^(2 - alpha) (unnormalised)
         d = tl.where(keep, s - shift[:, None], zero)
         pos = d > 0
         d1 = tl.where(pos, d, 1.0)
         a = tl.where(pos, tl.exp(tl.log(d1) / (r - 1.0)[:, None]), zero)
         da = tl.where(pos, a / d1, zero)
         db = da
-    elif KIND == K_ENTMAX15:
+    elif THRESHOLD_EXP == 2:  # entmax-1.5
         t = tl.where(keep, tl.maximum(s * 0.5 - shift[:, None], 0.0), zero)
         a = t * t
         da = t
         db = da
-    else:  # a map id without a branch here: refuse to compile (the launcher refuses undeclared ids before this)
-        tl.static_assert(False, "hf_attnorm triton: no backward branch for this fused map KIND (see fused/maps.py)")
+    else:  # the declared per-entry code (FusedMap.code; _map_weight / _map_slope are generated from it)
+        w = _map_weight(s, r[:, None], MAP)  # noqa: F821  (generated: _compiled)
+        a = tl.where(keep, w, zero)
+        da = tl.where(keep, _map_slope(s, r[:, None], w, MAP), zero)  # noqa: F821
+        db = da
     return a, da, db
 
 
@@ -376,7 +323,8 @@ def _mods(s, b, h, offs_m, offs_n, m_valid, n_valid, BIAS, sbb, sbh, sbm, sbn, S
     return s, capd
 
 
-def _score_block(q, kt_ptrs, keep_ptrs, offs_m, offs_n, m_valid, d_valid, c, LK,
+def _score_block(q, kt_ptrs, keep_ptrs, offs_m, offs_n, m_valid, d_valid, score_scale,
+                                       LK,
                  CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
                  b, h, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF,
                  HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr):
@@ -390,7 +338,7 @@ def _score_block(q, kt_ptrs, keep_ptrs, offs_m, offs_n, m_valid, d_valid, c, LK,
     kt = tl.load(kt_ptrs, mask=d_valid[:, None] & n_valid[None, :], other=0.0)
     if UPCAST:
         kt = kt.to(tl.float32)
-    s = tl.dot(q, kt, input_precision=PREC) * c[:, None]
+    s = tl.dot(q, kt, input_precision=PREC) * score_scale[:, None]
     s, capd = _mods(s, b, h, offs_m, offs_n, m_valid, n_valid, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF,
                     HAS_BIAS, HAS_ALIBI, HAS_CAP)
     keep = m_valid[:, None] & n_valid[None, :]
@@ -402,13 +350,14 @@ def _score_block(q, kt_ptrs, keep_ptrs, offs_m, offs_n, m_valid, d_valid, c, LK,
 
 
 def _threshold_kernel(
-    Q, K, C, KEEP, TABLE, TAU,
+    Q, K, SCORE_SCALE, KEEP, TABLE, TAU,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, scb, sch, scm,
     smb, smh, smm, smn, stb, sth, stm, stn,
     H, GROUPS, LQ, LK, DH, R, ROWMAX,
     BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr,
-    KIND: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    MAP: tl.constexpr, THRESHOLD_EXP: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr,
     STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Sparse maps: per-row threshold TAU [B, H, Lq] with sum_j [z_j - tau]_+^(1/(alpha-1)) = 1 (z = s or s/2).
@@ -440,7 +389,7 @@ def _threshold_kernel(
                 mask=m_valid[:, None] & d_valid[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    c = tl.load(C + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
+    score_scale = tl.load(SCORE_SCALE + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
     kt_ptrs = K + b * skb + hk * skh + offs_n0[None, :] * skn + offs_d[:, None] * skd
     keep_ptrs = KEEP + b * smb + h * smh + offs_m[:, None] * smm + offs_n0[None, :] * smn
     t_ptr = TABLE + b * stb + h * sth + pid_m * stm
@@ -454,15 +403,16 @@ def _threshold_kernel(
             live = tl.load(t_ptr + (start_n // BLOCK_N) * stn)
         if live != 0:
             s, keep, kt, capd = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m,
-                                       start_n + offs_n0, m_valid, d_valid, c, LK, CAUSAL, HAS_MASK, PREC, UPCAST,
+                                       start_n + offs_n0, m_valid, d_valid, score_scale,
+                                       LK, CAUSAL, HAS_MASK, PREC, UPCAST,
                 b, h, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP)
-            if KIND == K_ENTMAX15:
+            if THRESHOLD_EXP == 2:
                 s = s * 0.5
             zmax = tl.maximum(zmax, tl.max(tl.where(keep, s, -float("inf")), 1))
     has_keys = zmax > -float("inf")
     hi_t = tl.where(has_keys, zmax, 0.0)
     lo_t = hi_t - 1.0
-    if KIND == K_ENTMAX_ALPHA:
+    if THRESHOLD_EXP == -1:
         am1 = tl.load(R + b * scb + h * sch + offs_m * scm, mask=m_valid, other=2.0) - 1.0
         pw = 1.0 / am1
         mrow = hi_t  # M (0 on fully masked rows)
@@ -481,32 +431,33 @@ def _threshold_kernel(
                     live = tl.load(t_ptr + (start_n // BLOCK_N) * stn)
                 if live != 0:
                     s, keep, kt, capd = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m,
-                                               start_n + offs_n0, m_valid, d_valid, c, LK, CAUSAL, HAS_MASK, PREC,
+                                               start_n + offs_n0, m_valid, d_valid, score_scale,
+                                       LK, CAUSAL, HAS_MASK, PREC,
                                                UPCAST,
                         b, h, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP)
-                    if KIND == K_ENTMAX15:
+                    if THRESHOLD_EXP == 2:
                         s = s * 0.5
-                    if KIND == K_ENTMAX_ALPHA:
+                    if THRESHOLD_EXP == -1:
                         s = (s - mrow[:, None]) * am1[:, None]
                     t = tl.where(keep, tl.maximum(s - tau[:, None], 0.0), 0.0)
-                    if KIND == K_ENTMAX_ALPHA:  # mass = sum t^P, slope = sum t^(P-1) (-d mass/d tau = P slope)
+                    if THRESHOLD_EXP == -1:  # mass = sum t^P, slope = sum t^(P-1) (-d mass/d tau = P slope)
                         pos = t > 0
                         t1 = tl.where(pos, t, 1.0)
                         e = tl.where(pos, tl.exp(tl.log(t1) * pw[:, None]), 0.0)
                         mass += tl.sum(e, 1)
                         slope += tl.sum(e / t1, 1)
-                    elif KIND == K_ENTMAX15:
+                    elif THRESHOLD_EXP == 2:
                         mass += tl.sum(t * t, 1)
                         slope += 2.0 * tl.sum(t, 1)
-                    elif KIND == K_SPARSEMAX:
+                    elif THRESHOLD_EXP == 1:
                         mass += tl.sum(t, 1)
                         slope += tl.sum(tl.where(t > 0, 1.0, 0.0), 1)
                     else:
-                        tl.static_assert(False, "hf_attnorm triton: no threshold search for this fused map KIND")
+                        tl.static_assert(False, "hf_attnorm triton: no threshold search for this fused map MAP")
             f = mass - 1.0  # decreasing and convex in tau
             lo_t = tl.where(f >= 0, tau, lo_t)
             hi_t = tl.where(f >= 0, hi_t, tau)
-            if KIND == K_ENTMAX_ALPHA:
+            if THRESHOLD_EXP == -1:
                 # h = mass^(1/P): tau + (h - 1) / -h' = tau + (mass - mass^(1 - 1/P)) / slope. alpha > 2: bisection
                 # (-2 is outside the bracket), as the C++ kernel: there the slope is infinite at the support's edge,
                 # so Newton's steps on mass shrink to nothing away from the root and stop the search early
@@ -525,14 +476,14 @@ def _threshold_kernel(
 
 
 def _fwd_kernel(
-    Q, K, V, C, R, KEEP, TABLE, SHIFT_IN, OUT, DEN, SHIFT,
+    Q, K, V, SCORE_SCALE, R, KEEP, TABLE, SHIFT_IN, OUT, DEN, SHIFT,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, scb, sch, scm,
     smb, smh, smm, smn, stb, sth, stm, stn,
     H, GROUPS, LQ, LK, DH, DV, ROWMAX,
     BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr,
-    KIND: tl.constexpr, NORMALISED: tl.constexpr, DEN_ADDS_ROW_VALUE: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_MASK: tl.constexpr,
+    MAP: tl.constexpr, NORMALISED: tl.constexpr, DEN_ADDS_ROW_VALUE: tl.constexpr, RUNNING_SHIFT: tl.constexpr,
+    THRESHOLD_EXP: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
@@ -555,7 +506,7 @@ def _fwd_kernel(
                 mask=m_valid[:, None] & d_valid[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    c = tl.load(C + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
+    score_scale = tl.load(SCORE_SCALE + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
     r = tl.load(R + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
     kt_ptrs = K + b * skb + hk * skh + offs_n0[None, :] * skn + offs_d[:, None] * skd
     v_ptrs = V + b * svb + hk * svh + offs_n0[:, None] * svn + offs_dv[None, :] * svd
@@ -563,14 +514,14 @@ def _fwd_kernel(
     t_ptr = TABLE + b * stb + h * sth + pid_m * stm
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     den = tl.zeros([BLOCK_M], tl.float32)
-    if ((KIND == K_SPARSEMAX) | (KIND == K_ENTMAX15) | (KIND == K_ENTMAX_ALPHA)):
+    if THRESHOLD_EXP != 0:
         shift = tl.load(SHIFT_IN + row, mask=m_valid, other=0.0)  # the sparse threshold tau
-    elif (KIND == K_POWER) | (KIND == K_SOFTPLUS):
+    elif (RUNNING_SHIFT == 2) | (RUNNING_SHIFT == 3):
         # power: running max of p ln|s| over visible s != 0; softplus: min(0, running max of visible s)
         shift = tl.full([BLOCK_M], POW_NEG, tl.float32)
     else:
-        shift = tl.zeros([BLOCK_M], tl.float32)  # softpick: running max of (0, visible scores)
-    if KIND == K_ENTMAX_ALPHA:
+        shift = tl.zeros([BLOCK_M], tl.float32)  # shift 1 (softpick): running max of (0, visible scores)
+    if THRESHOLD_EXP == -1:
         mrow = tl.load(ROWMAX + row, mask=m_valid, other=0.0)
     hi = LK
     if CAUSAL:
@@ -582,17 +533,18 @@ def _fwd_kernel(
         if live != 0:
             offs_n = start_n + offs_n0
             s, keep, kt, capd = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m, offs_n,
-                                       m_valid, d_valid, c, LK, CAUSAL, HAS_MASK, PREC, UPCAST,
+                                       m_valid, d_valid, score_scale,
+                                       LK, CAUSAL, HAS_MASK, PREC, UPCAST,
                 b, h, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP)
-            if KIND == K_ENTMAX_ALPHA:
+            if THRESHOLD_EXP == -1:
                 s = (s - mrow[:, None]) * (r - 1.0)[:, None]
-            if KIND == K_SOFTPICK:
+            if RUNNING_SHIFT == 1:  # 'max_score'
                 new = tl.maximum(shift, tl.max(tl.where(keep, s, 0.0), 1))
                 alpha = tl.exp(shift - new)
                 acc = acc * alpha[:, None]
                 den = den * alpha
                 shift = new
-            if KIND == K_POWER:
+            if RUNNING_SHIFT == 3:  # 'log_abs_max'
                 mag = tl.abs(s)
                 nz = keep & (mag >= TINY)
                 lmax = tl.max(tl.where(nz, tl.abs(r)[:, None] * tl.log(tl.where(nz, mag, 1.0)), POW_NEG), 1)
@@ -601,13 +553,13 @@ def _fwd_kernel(
                 acc = acc * alpha[:, None]
                 den = den * alpha
                 shift = new
-            if KIND == K_SOFTPLUS:
+            if RUNNING_SHIFT == 2:  # 'max_score_below_zero'
                 new = tl.maximum(shift, tl.minimum(tl.max(tl.where(keep, s, POW_NEG), 1), 0.0))
                 alpha = tl.exp(shift - new)
                 acc = acc * alpha[:, None]
                 den = den * alpha
                 shift = new
-            a, bden = _entry(s, r, keep, shift, KIND)
+            a, bden = _entry(s, r, keep, shift, MAP, RUNNING_SHIFT, THRESHOLD_EXP)
             v = tl.load(v_ptrs + start_n * svn, mask=(offs_n[:, None] < LK) & dv_valid[None, :],
                         other=0.0).to(tl.float32)
             acc += tl.dot(a, v, input_precision=PREC)
@@ -617,30 +569,31 @@ def _fwd_kernel(
             den = den + r
         inv = tl.where(den != 0, 1.0 / tl.where(den != 0, den, 1.0), 0.0)
         acc = acc * inv[:, None]
-    if KIND == K_ENTMAX_ALPHA:
+    if THRESHOLD_EXP == -1:
         acc = acc * tl.where(den != 0, 1.0 / tl.where(den != 0, den, 1.0), 0.0)[:, None]
     tl.store(OUT + row[:, None] * DV + offs_dv[None, :], acc, mask=m_valid[:, None] & dv_valid[None, :])
     tl.store(DEN + row, den, mask=m_valid)
-    if (KIND == K_SOFTPICK) | (KIND == K_POWER) | (KIND == K_SOFTPLUS):
+    if RUNNING_SHIFT != 0:
         tl.store(SHIFT + row, shift, mask=m_valid)
 
 
 def _bwd_dq_kernel(
-    Q, K, V, C, R, KEEP, TABLE, SHIFT, DEN, DELTA, DO, DQ, DC, DR,
+    Q, K, V, SCORE_SCALE, R, KEEP, TABLE, SHIFT, DEN, DELTA, DO, DQ, DSCORE_SCALE, DR,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, scb, sch, scm,
     smb, smh, smm, smn, stb, sth, stm, stn,
     H, GROUPS, LQ, LK, DH, DV, ROWMAX,
     BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, DBIAS, sdb, sdh, sdm, sdn,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr, HAS_DBIAS: tl.constexpr,
     DB_BM: tl.constexpr, DB_BN: tl.constexpr,
-    KIND: tl.constexpr, NORMALISED: tl.constexpr, DEN_ADDS_ROW_VALUE: tl.constexpr, ROW_VALUE_FACTOR: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    MAP: tl.constexpr, NORMALISED: tl.constexpr, DEN_ADDS_ROW_VALUE: tl.constexpr, ROW_VALUE_FACTOR: tl.constexpr,
+    RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXP: tl.constexpr, ROW_VALUE_IN_SCORE: tl.constexpr,
+    ROW_VALUE_EXPONENT: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
-    """One program per (query block, batch x head): DQ [B, H, Lq, D], DC and DR [B, H, Lq] (fp32).
+    """One program per (query block, batch x head): DQ [B, H, Lq, D], DSCORE_SCALE and DR [B, H, Lq] (fp32).
 
-    DELTA [B, H, Lq]: written here for the dk/dv kernel (normalised and sparse kinds). DO: fp32 contiguous.
+    DELTA [B, H, Lq]: written here for the dk/dv kernel (normalised and sparse maps). DO: fp32 contiguous.
     alpha-entmax: DR = d alpha_i = sum_j dp_ij [(p - pt) / (alpha-1)^2 - (p ln p - pt H) / (alpha-1)]_ij
     (Correia et al. 2019, pt = g / sum g, H = sum p ln p), formed per entry in the second pass once G and H are
     known (no cancellation between row sums), with dp - delta for dp (allowed: the bracket sums to 0 over j).
@@ -665,7 +618,7 @@ def _bwd_dq_kernel(
                 mask=m_valid[:, None] & d_valid[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    c = tl.load(C + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
+    score_scale = tl.load(SCORE_SCALE + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
     r = tl.load(R + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
     shift = tl.load(SHIFT + row, mask=m_valid, other=0.0)
     den = tl.load(DEN + row, mask=m_valid, other=0.0)
@@ -681,15 +634,15 @@ def _bwd_dq_kernel(
     hi = LK
     if CAUSAL:
         hi = tl.minimum(LK, (pid_m + 1) * BLOCK_M)
-    if KIND == K_ENTMAX_ALPHA:
+    if THRESHOLD_EXP == -1:
         mrow = tl.load(ROWMAX + row, mask=m_valid, other=0.0)
         am1 = r - 1.0
         # g of the renormalised p = a / Z, as the reference: (a / Z)^(2 - alpha) = a^(2 - alpha) Z^(alpha - 2)
         # (Z - 1 is about P times tau's rounding: 6e-5 at alpha = 1.001)
         zg = tl.exp(tl.log(tl.where(den > 0, den, 1.0)) * (r - 2.0))
-    if NORMALISED or ((KIND == K_SPARSEMAX) | (KIND == K_ENTMAX15) | (KIND == K_ENTMAX_ALPHA)):
-        # First pass: delta_i, stored for the dk/dv kernel. Normalised kinds: sum_j w_ij dp_ij with w = a / D by
-        # true division; sparse kinds: the Jacobian's mean term sum_j g_ij dp_ij / sum_j g_ij. Computed from the
+    if NORMALISED or (THRESHOLD_EXP != 0):
+        # First pass: delta_i, stored for the dk/dv kernel. Normalised maps: sum_j w_ij dp_ij with w = a / D by
+        # true division; sparse maps: the Jacobian's mean term sum_j g_ij dp_ij / sum_j g_ij. Computed from the
         # same dp as the second pass, a row with one visible key (or a one-key support) gets ds = 0 exactly.
         # Flash attention's shortcut do . out rounds out first, and squared, symax and softpick amplify that
         # rounding by up to 1/|s| when the scores are near 0.
@@ -704,24 +657,25 @@ def _bwd_dq_kernel(
             if live != 0:
                 offs_n = start_n + offs_n0
                 s, keep, kt, capd = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m, offs_n,
-                                           m_valid, d_valid, c, LK, CAUSAL, HAS_MASK, PREC, UPCAST,
+                                           m_valid, d_valid, score_scale,
+                                       LK, CAUSAL, HAS_MASK, PREC, UPCAST,
                     b, h, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP)
                 vt = tl.load(vt_ptrs + start_n * svn, mask=dv_valid[:, None] & (offs_n[None, :] < LK),
                              other=0.0).to(tl.float32)
                 dp = tl.dot(do, vt, input_precision=PREC)
-                if KIND == K_ENTMAX_ALPHA:
+                if THRESHOLD_EXP == -1:
                     s = (s - mrow[:, None]) * am1[:, None]
                 if NORMALISED:
-                    a, _b = _entry(s, r, keep, shift, KIND)
+                    a, _b = _entry(s, r, keep, shift, MAP, RUNNING_SHIFT, THRESHOLD_EXP)
                     delta += tl.sum(a / den1[:, None] * dp, 1)
                 else:
-                    a, g, _db = _slopes(s, r, keep, shift, KIND)
+                    a, g, _db = _slopes(s, r, keep, shift, MAP, RUNNING_SHIFT, THRESHOLD_EXP)
                     delta += tl.sum(g * dp, 1)
                     gsum += tl.sum(g, 1)
-                    if KIND == K_ENTMAX_ALPHA:
+                    if THRESHOLD_EXP == -1:
                         pa = a * inv[:, None]
                         ent += tl.sum(tl.where(pa > 0, pa * tl.log(tl.where(pa > 0, pa, 1.0)), 0.0), 1)
-        if ((KIND == K_SPARSEMAX) | (KIND == K_ENTMAX15) | (KIND == K_ENTMAX_ALPHA)):
+        if THRESHOLD_EXP != 0:
             delta = tl.where(gsum > 0, delta / tl.where(gsum > 0, gsum, 1.0), 0.0)
         tl.store(DELTA + row, delta, mask=m_valid)
     for start_n in range(0, hi, BLOCK_N):
@@ -731,34 +685,35 @@ def _bwd_dq_kernel(
         if live != 0:
             offs_n = start_n + offs_n0
             s, keep, kt, capd = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m, offs_n,
-                                       m_valid, d_valid, c, LK, CAUSAL, HAS_MASK, PREC, UPCAST,
+                                       m_valid, d_valid, score_scale,
+                                       LK, CAUSAL, HAS_MASK, PREC, UPCAST,
                 b, h, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP)
             vt = tl.load(vt_ptrs + start_n * svn, mask=dv_valid[:, None] & (offs_n[None, :] < LK),
                          other=0.0).to(tl.float32)
             dp = tl.dot(do, vt, input_precision=PREC)
-            if KIND == K_ENTMAX_ALPHA:
+            if THRESHOLD_EXP == -1:
                 s = (s - mrow[:, None]) * am1[:, None]
-            a, da, db = _slopes(s, r, keep, shift, KIND)
+            a, da, db = _slopes(s, r, keep, shift, MAP, RUNNING_SHIFT, THRESHOLD_EXP)
             if NORMALISED:
                 ds = (da * dp - db * delta[:, None]) * inv[:, None]
-            elif ((KIND == K_SPARSEMAX) | (KIND == K_ENTMAX15)):
+            elif (THRESHOLD_EXP == 1) | (THRESHOLD_EXP == 2):
                 ds = da * (dp - delta[:, None])
-            elif KIND == K_ENTMAX_ALPHA:
+            elif THRESHOLD_EXP == -1:
                 ds = da * zg[:, None] * (dp - delta[:, None])
             else:
                 ds = da * dp
-            if KIND == K_SIGMOID:  # sigmoid: r is added to s
+            if ROW_VALUE_IN_SCORE:  # weight(s + r) (maps.py): d/dr = sum_j ds_j
                 dr += tl.sum(ds, 1)
             if ROW_VALUE_FACTOR:  # weight(s, r) = r weight(s, 1) (maps.py): d/dr = sum_j weight(s_j, 1) dp_j
-                a1, _b1 = _entry(s, r * 0.0 + 1.0, keep, shift, KIND)
+                a1, _b1 = _entry(s, r * 0.0 + 1.0, keep, shift, MAP, RUNNING_SHIFT, THRESHOLD_EXP)
                 dr += tl.sum(a1 * dp, 1)
-            if KIND == K_POWER:  # power: d/dp of a_j / D is a_j ln|s_j| (dp_j - delta) / D; ln|s| centred at the
-                # row's largest (shift / p), which sum_j a_j (dp_j - delta) = 0 allows, against rounding
+            if ROW_VALUE_EXPONENT:  # |s|^|r| (power): d/dp of a_j / D is a_j ln|s_j| (dp_j - delta) / D; ln|s|
+                # centred at the row's largest (shift / p), which sum_j a_j (dp_j - delta) = 0 allows, against rounding
                 mag = tl.abs(s)
                 centre = shift / tl.maximum(tl.abs(r), 1.0)  # (|r| = p >= 1; 0 on rows past Lq)
                 lg = tl.where(a > 0, tl.log(tl.where(a > 0, mag, 1.0)) - centre[:, None], 0.0)
                 dr += tl.sum(a * lg * (dp - delta[:, None]), 1) * inv
-            if KIND == K_ENTMAX_ALPHA:
+            if THRESHOLD_EXP == -1:
                 pa = a * inv[:, None]
                 pt = da / tl.where(gsum > 0, gsum, 1.0)[:, None]
                 plp = tl.where(pa > 0, pa * tl.log(tl.where(pa > 0, pa, 1.0)), 0.0)
@@ -777,25 +732,27 @@ def _bwd_dq_kernel(
                     tl.atomic_add(db_ptr + offs_m[:, None] * sdm + offs_n[None, :] * sdn, ds,
                                   mask=m_valid[:, None] & (offs_n[None, :] < LK))
             if HAS_CAP:
-                ds = ds * capd  # w.r.t. the capped score -> w.r.t. c q k^T
+                ds = ds * capd  # w.r.t. the capped score -> w.r.t. score_scale q k^T
             acc += tl.dot(ds, tl.trans(kt).to(tl.float32), input_precision=PREC)
     if DEN_ADDS_ROW_VALUE:  # r is added to the denominator (maps.py: den_offset)
         dr = -delta * inv
-    if KIND == K_POWER:  # r = +-p (the sign marks single-key rows; their gradient is 0 anyway)
+    if ROW_VALUE_EXPONENT:  # r = +-p (the sign marks single-key rows; their gradient is 0 anyway)
         dr = tl.where(r < 0, -dr, dr)
-    tl.store(DQ + row[:, None] * DH + offs_d[None, :], acc * c[:, None], mask=m_valid[:, None] & d_valid[None, :])
-    tl.store(DC + row, tl.sum(q.to(tl.float32) * acc, 1), mask=m_valid)
+    tl.store(DQ + row[:, None] * DH + offs_d[None, :], acc * score_scale[:, None],
+             mask=m_valid[:, None] & d_valid[None, :])
+    tl.store(DSCORE_SCALE + row, tl.sum(q.to(tl.float32) * acc, 1), mask=m_valid)
     tl.store(DR + row, dr, mask=m_valid)
 
 
 def _bwd_dkdv_kernel(
-    Q, K, V, C, R, KEEP, TABLE, SHIFT, DEN, DELTA, DO, DK, DV_OUT,
+    Q, K, V, SCORE_SCALE, R, KEEP, TABLE, SHIFT, DEN, DELTA, DO, DK, DV_OUT,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, scb, sch, scm,
     smb, smh, smm, smn, stb, sth, stm, stn,
     H, HKV, GROUPS, LQ, LK, DH, DV, ROWMAX,
     BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr,
-    KIND: tl.constexpr, NORMALISED: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    MAP: tl.constexpr, NORMALISED: tl.constexpr, RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXP: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
@@ -841,7 +798,7 @@ def _bwd_dkdv_kernel(
                             other=0.0)
                 if UPCAST:
                     q = q.to(tl.float32)
-                c = tl.load(C + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
+                score_scale = tl.load(SCORE_SCALE + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
                 r = tl.load(R + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
                 shift = tl.load(SHIFT + row, mask=m_valid, other=0.0)
                 den = tl.load(DEN + row, mask=m_valid, other=0.0)
@@ -849,7 +806,7 @@ def _bwd_dkdv_kernel(
                 delta = tl.load(DELTA + row, mask=m_valid, other=0.0)
                 do = tl.load(DO + row[:, None] * DV + offs_dv[None, :], mask=m_valid[:, None] & dv_valid[None, :],
                              other=0.0)
-                s = tl.dot(q, tl.trans(k), input_precision=PREC) * c[:, None]
+                s = tl.dot(q, tl.trans(k), input_precision=PREC) * score_scale[:, None]
                 s, capd = _mods(s, b, h, offs_m, offs_n, m_valid, n_valid, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP,
                                 QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP)
                 keep = m_valid[:, None] & n_valid[None, :]
@@ -857,17 +814,17 @@ def _bwd_dkdv_kernel(
                     keep = keep & (offs_n[None, :] <= offs_m[:, None])
                 if HAS_MASK:
                     keep = keep & (tl.load(keep_ptrs + start_m * smm, mask=keep, other=0) != 0)
-                if KIND == K_ENTMAX_ALPHA:
+                if THRESHOLD_EXP == -1:
                     s = (s - tl.load(ROWMAX + row, mask=m_valid, other=0.0)[:, None]) * (r - 1.0)[:, None]
-                a, da, db = _slopes(s, r, keep, shift, KIND)
+                a, da, db = _slopes(s, r, keep, shift, MAP, RUNNING_SHIFT, THRESHOLD_EXP)
                 dp = tl.dot(do, tl.trans(v), input_precision=PREC)
                 if NORMALISED:
                     w = a * inv[:, None]
                     ds = (da * dp - db * delta[:, None]) * inv[:, None]
-                elif KIND == K_ENTMAX_ALPHA:  # renormalised by Z, as the forward (and g, see the dq kernel)
+                elif THRESHOLD_EXP == -1:  # renormalised by Z, as the forward (and g, see the dq kernel)
                     w = a * inv[:, None]
                     ds = da * tl.exp(tl.log(tl.where(den > 0, den, 1.0)) * (r - 2.0))[:, None] * (dp - delta[:, None])
-                elif ((KIND == K_SPARSEMAX) | (KIND == K_ENTMAX15)):
+                elif (THRESHOLD_EXP == 1) | (THRESHOLD_EXP == 2):
                     w = a
                     ds = da * (dp - delta[:, None])
                 else:
@@ -876,7 +833,7 @@ def _bwd_dkdv_kernel(
                 dv += tl.dot(tl.trans(w), do, input_precision=PREC)
                 if HAS_CAP:
                     ds = ds * capd
-                dk += tl.dot(tl.trans(ds * c[:, None]), q.to(tl.float32), input_precision=PREC)
+                dk += tl.dot(tl.trans(ds * score_scale[:, None]), q.to(tl.float32), input_precision=PREC)
     out_row = pid_bk.to(tl.int64) * LK + offs_n
     tl.store(DK + out_row[:, None] * DH + offs_d[None, :], dk, mask=n_valid[:, None] & d_valid[None, :])
     tl.store(DV_OUT + out_row[:, None] * DV + offs_dv[None, :], dv, mask=n_valid[:, None] & dv_valid[None, :])
@@ -885,23 +842,40 @@ def _bwd_dkdv_kernel(
 _JIT_FUNCTIONS = ("_entry", "_slopes", "_tanh", "_mods", "_score_block", "_threshold_kernel", "_fwd_kernel",
                   "_bwd_dq_kernel", "_bwd_dkdv_kernel")
 _HELPERS = ("_entry", "_slopes", "_tanh", "_mods", "_score_block")
-_COMPILED: dict[bool, types.SimpleNamespace] = {}
+_MAP_FUNCTIONS = ("_map_weight", "_map_slope")
+_COMPILED: dict[tuple[bool, str], types.SimpleNamespace] = {}
 
 
-def _compiled() -> types.SimpleNamespace:
-    """The jitted kernels for the current mode (compiled or interpreted), built once per mode.
+def _map_functions(table: tuple[FusedMap, ...]) -> dict[str, Any]:
+    """``_map_weight`` and ``_map_slope`` for the map table ``table``: the Python functions of
+    ``maps.triton_source(table)``, compiled from a source registered with linecache (triton.jit reads a
+    function's source through inspect)."""
+    src = triton_source(table)
+    filename = f"<hf_attnorm fused maps {hashlib.sha1(src.encode()).hexdigest()[:12]}>"
+    linecache.cache[filename] = (len(src), None, src.splitlines(keepends=True), filename)
+    namespace: dict[str, Any] = {"tl": tl, "__name__": __name__}  # (the compiler reads a function's module)
+    exec(compile(src, filename, "exec"), namespace)  # noqa: S102  (source generated from maps.py's declarations)
+    return {name: namespace[name] for name in _MAP_FUNCTIONS}
+
+
+def _compiled(table: tuple[FusedMap, ...] = MAPS) -> types.SimpleNamespace:
+    """The jitted kernels for the current mode (compiled or interpreted) and the map table ``table`` (default
+    ``maps.MAPS``), built once per mode and table.
 
     triton decides compiled vs interpreted when ``triton.jit`` runs, and the interpreter writes its helpers into the
     function's globals; so each mode gets its own namespace holding its own jitted copies, which resolve each
-    other by name.
+    other by name. The per-entry code of the table's maps comes in as ``_map_weight`` / ``_map_slope``
+    (``_map_functions``), called by ``_entry`` and ``_slopes``.
     """
     _load_triton()
     mode = jit_interprets()
-    if mode not in _COMPILED:
-        constants = {name: tl.constexpr(value) for name, value in KIND_CONSTANTS.items()}
-        constants.update(TINY=tl.constexpr(TINY), POW_NEG=tl.constexpr(POW_NEG))  # jitted code reads constexprs only
-        _COMPILED[mode] = jit_namespace(globals(), _JIT_FUNCTIONS, _HELPERS, mode, constants)
-    return _COMPILED[mode]
+    key = (mode, table_key(table))
+    if key not in _COMPILED:
+        constants = dict(TINY=tl.constexpr(TINY), POW_NEG=tl.constexpr(POW_NEG))  # jitted code reads constexprs only
+        source = {**globals(), **_map_functions(table)}
+        _COMPILED[key] = jit_namespace(source, _MAP_FUNCTIONS + _JIT_FUNCTIONS, _MAP_FUNCTIONS + _HELPERS, mode,
+                                       constants)
+    return _COMPILED[key]
 
 
 def jit_namespace(module_globals: dict[str, Any], names: tuple[str, ...], helpers: tuple[str, ...], mode: bool,
@@ -965,14 +939,22 @@ def _strides4(t: torch.Tensor) -> list[int]:
 class _Plan:
     """Everything about one call that is not a differentiable tensor: mask, sizes, launch constants."""
 
-    def __init__(self, call: AttnCall) -> None:
+    def __init__(self, call: AttnCall, table: tuple[FusedMap, ...] = MAPS) -> None:
         q, k, v = call.q, call.k, call.v
         self.B, self.H, self.LQ, self.DH = q.shape
         self.HKV, self.LK, self.DV = k.shape[1], k.shape[2], v.shape[-1]
         self.groups = self.H // self.HKV
-        self.name = call.normalizer.fused_kind
-        self.kind = kind_id(self.name)
-        self.normalised = self.name in NORMALISED
+        self.name = call.normalizer.fused_map
+        #: the map table the kernels are built for (``maps.MAPS``; tests pass others)
+        self.maps = table
+        by_name = {m.name: m for m in table}
+        if self.name not in by_name:
+            raise KeyError(f"no fused kernel map {self.name!r} (maps: {', '.join(by_name)})")
+        self.fmap = by_name[self.name]
+        self.map_id = self.fmap.kernel_id
+        self.normalised = self.fmap.normalised
+        #: the threshold search's form (FusedMap.threshold_exponent; -1: alpha-entmax's, from the row value)
+        self.threshold_exp = -1 if self.fmap.dispatch == "alpha" else self.fmap.threshold_exponent
         self.bm, self.bn = block_sizes(q.device, self.DH)
         self.bd, self.bdv = _pow2(self.DH), _pow2(self.DV)
         keep = call.mask.keep
@@ -1018,19 +1000,27 @@ class _Plan:
                 *self.table_strides]
 
     def consts(self) -> dict[str, Any]:
-        return dict(KIND=self.kind, NORMALISED=self.normalised, DEN_ADDS_ROW_VALUE=self.name in DEN_ADDS_ROW_VALUE,
-                    ROW_VALUE_FACTOR=self.name in ROW_VALUE_FACTOR, CAUSAL=self.causal, HAS_MASK=self.table.dim() == 4,
+        return dict(map_constants(self.fmap), MAP=self.map_id, CAUSAL=self.causal, HAS_MASK=self.table.dim() == 4,
                     PREC=self.prec, UPCAST=self.upcast, BLOCK_M=self.bm, BLOCK_N=self.bn, BLOCK_D=self.bd,
                     BLOCK_DV=self.bdv)
 
 
-def check_kind(kind: int) -> None:
-    """Refuses, before any launch, a map id that ``maps.py`` does not declare or that has no Triton device
-    code (ValueError naming it); the device code's per-map chains end in a ``static_assert`` as well."""
-    fmap = lookup_id(kind)
-    if fmap.name in NOT_IN_TRITON or f"K_{constant_name(fmap.name)}" not in KIND_CONSTANTS:
-        raise ValueError(f"fused map {fmap.name!r} (id {kind}) has no Triton device code: "
-                         f"{NOT_IN_TRITON.get(fmap.name, 'no K_ constant in kernels/fused/triton.py')}")
+def map_constants(fmap: FusedMap) -> dict[str, Any]:
+    """The compile-time constants that carry map ``fmap``'s declaration (maps.py) into the kernels."""
+    return dict(MAP=fmap.kernel_id, NORMALISED=fmap.normalised, DEN_ADDS_ROW_VALUE=fmap.den_offset is not None,
+                ROW_VALUE_FACTOR=fmap.row_value_factor, RUNNING_SHIFT=SHIFT_IDS[fmap.shift],
+                THRESHOLD_EXP=-1 if fmap.dispatch == "alpha" else fmap.threshold_exponent,
+                ROW_VALUE_IN_SCORE=fmap.row_value_in_score, ROW_VALUE_EXPONENT=fmap.row_value_exponent)
+
+
+def check_map(map_id: int, table: tuple[FusedMap, ...] = MAPS) -> None:
+    """Refuses, before any launch, a map id that ``table`` (``maps.MAPS``) does not declare (ValueError naming the
+    declared ids); the device code's generated per-entry chain ends in a ``static_assert`` as well."""
+    if table is MAPS:
+        lookup_id(map_id)
+    elif map_id not in {m.kernel_id for m in table}:
+        known = ", ".join(f"{m.kernel_id} ({m.name})" for m in table)
+        raise ValueError(f"unknown fused map id {map_id!r}: the declared ids are {known}")
 
 
 def _only(consts: dict[str, Any], kernel: Any) -> dict[str, Any]:
@@ -1043,14 +1033,15 @@ def _grid_q(p: _Plan) -> tuple[int, int]:
 
 
 class _TritonAttention(torch.autograd.Function):
-    """(q, k, v, score_scale, row_value, bias) -> out [B, H, Lq, Dv] fp32; score_scale (the device code's C: base
-    scaling x the per-query multiplier) and row_value (R: the map's per-row value, ``maps.FusedMap.row_value``): fp32
-    [B, H, Lq]; bias: fp32 [B|1, H|1, Lq|1, Lk|1] or None (its gradient comes back in that shape)."""
+    """(q, k, v, score_scale, row_value, bias) -> out [B, H, Lq, Dv] fp32; score_scale (the device code's
+    SCORE_SCALE: base scaling x the per-query multiplier) and row_value (R: the map's per-row value,
+    ``maps.FusedMap.row_value``): fp32 [B, H, Lq]; bias: fp32 [B|1, H|1, Lq|1, Lk|1] or None (its gradient comes
+    back in that shape)."""
 
     @staticmethod
     def forward(ctx, q, k, v, score_scale, row_value, bias, plan: _Plan):
-        check_kind(plan.kind)
-        kern = _compiled()
+        check_map(plan.map_id, plan.maps)
+        kern = _compiled(plan.maps)
         dev = q.device
         rows = (plan.B, plan.H, plan.LQ)
         out = torch.empty(*rows, plan.DV, dtype=torch.float32, device=dev)
@@ -1059,7 +1050,7 @@ class _TritonAttention(torch.autograd.Function):
         # alpha-entmax's row max M of the scores (written by the threshold kernel); other maps never read it and get
         # score_scale, which no kernel writes (Triton's interpreter copies each pointer argument back after a kernel,
         # so a dummy aliasing an output would overwrite it)
-        rowmax = torch.zeros(rows, dtype=torch.float32, device=dev) if plan.kind == K_ENTMAX_ALPHA else score_scale
+        rowmax = torch.zeros(rows, dtype=torch.float32, device=dev) if plan.threshold_exp == -1 else score_scale
         common = plan.common(q, k, v, score_scale)
         cst = plan.consts()
         grid = _grid_q(plan)
@@ -1080,13 +1071,13 @@ class _TritonAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, score_scale, row_value, bias, den, shift, rowmax = ctx.saved_tensors
         plan: _Plan = ctx.plan
-        kern = _compiled()
+        kern = _compiled(plan.maps)
         dev = q.device
         do = dout.to(torch.float32).contiguous()
         common = plan.common(q, k, v, score_scale)
         cst = plan.consts()
         grid = _grid_q(plan)
-        delta = torch.zeros_like(den)  # written by the dq kernel (normalised and sparse kinds)
+        delta = torch.zeros_like(den)  # written by the dq kernel (normalised and sparse maps)
         dq = torch.empty(plan.B, plan.H, plan.LQ, plan.DH, dtype=torch.float32, device=dev)
         dscore_scale = torch.empty_like(den)
         drow_value = torch.empty_like(den)
@@ -1130,9 +1121,9 @@ def _warn_once(key: str, message: str) -> None:
 
 
 def takes(norm: Normalizer) -> str | None:
-    """The normalizers with a fused map and no q/k transform (``kinds.fused_takes``)."""
+    """The normalizers with a fused map and no q/k transform (``maps.fused_takes``)."""
     reason = fused_takes(norm, "Triton")
-    return reason if reason is not None else NOT_IN_TRITON.get(norm.fused_kind)
+    return reason
 
 
 def accepts(call: AttnCall) -> str | None:
