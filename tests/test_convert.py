@@ -135,6 +135,10 @@ def test_stage_1_is_skipped_when_the_start_is_within_tolerance(source, tmp_path)
     assert "within --transfer_skip_error 1.0" in s["transfer_check"]["skipped"]
     assert s["stages"] == [] and s["losses"]["transfer"] == [] and "transfer" not in s["layer_errors"]
     assert "transfer" not in s["trained"]
+    # 0 never skips, even a start that equals the teacher (softmax: error 0)
+    s = convert.run(_args(source, tmp_path / "z", "softmax", "--transfer_steps", "1", "--finetune_steps", "0",
+                          "--no_save_model", "--transfer_skip_error", "0", "--transfer_lora_r", "2"))
+    assert s["transfer_check"]["start"] == 0 and "skipped" not in s["transfer_check"] and s["stages"] == ["transfer"]
 
 
 # ------------------------------------------------------------------------------------------------ stage 1

@@ -829,7 +829,7 @@ class Converter:
         if h.stage == "transfer":
             if a.transfer_steps and resume_stage != "transfer" and (a.transfer_keep_best or a.transfer_skip_error):
                 h.transfer_check = {"start": self._held_out_error()}
-                if h.transfer_check["start"] <= a.transfer_skip_error:
+                if a.transfer_skip_error > 0 and h.transfer_check["start"] <= a.transfer_skip_error:
                     h.transfer_check["skipped"] = (f"the start's mean held-out layer error {h.transfer_check['start']}"
                                                    f" is within --transfer_skip_error {a.transfer_skip_error}")
                     if self.main:
