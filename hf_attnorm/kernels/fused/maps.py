@@ -403,10 +403,19 @@ def triton_source(table: tuple[FusedMap, ...] = MAPS) -> str:
     return "\n".join(lines)
 
 
+#: id(table) -> (table, its key): each Triton launch looks its kernels up by the key, so it is generated once per
+#: table (the entry holds the table, so its id is not reused while cached; tables and maps are immutable)
+_TABLE_KEYS: dict[int, tuple[tuple[FusedMap, ...], str]] = {}
+
+
 def table_key(table: tuple[FusedMap, ...] = MAPS) -> str:
     """What the kernels built for ``table`` depend on (its facts and its per-entry code): builds for different
     tables get different names."""
-    return "|".join([*compile_definitions(table), cpp_header(table), triton_source(table)])
+    cached = _TABLE_KEYS.get(id(table))
+    if cached is None or cached[0] is not table:
+        cached = _TABLE_KEYS[id(table)] = (
+            table, "|".join([*compile_definitions(table), cpp_header(table), triton_source(table)]))
+    return cached[1]
 
 
 def threshold_weights(fmap: FusedMap, s: Tensor, r: Tensor, keep: Tensor, iters: int = 200) -> Tensor:
