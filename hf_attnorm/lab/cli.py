@@ -58,23 +58,23 @@ positive_int = int_at_least(1, "positive_int")
 nonnegative_int = int_at_least(0, "nonnegative_int")
 
 
-def positive_float(text: str) -> float:
-    """An argparse type: a finite number > 0."""
+def _finite_float(text: str, allowed: Callable[[float], bool], what: str) -> float:
+    """An argparse type's check: ``text`` as a finite number for which ``allowed`` holds, else an error saying
+    ``what`` it must be."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}") from None
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+    if not math.isfinite(value) or not allowed(value):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
     return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    return _finite_float(text, lambda v: v > 0, "a finite number > 0")
 
 
 def non_negative_float(text: str) -> float:
     """An argparse type: a finite number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}") from None
-    if not value >= 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return value
+    return _finite_float(text, lambda v: v >= 0, "a finite number >= 0")
