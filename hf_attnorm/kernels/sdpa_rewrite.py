@@ -13,13 +13,20 @@
   (with a causal call and no mask, a prepended zero query keeps the upper-left causal pattern aligned; its row is
   dropped). It is exact but on CPU D+1 falls off SDPA's fast kernel (several times slower), so the rule uses it
   only on other devices.
-* forgetting attention (``AttnCall.forget``): its bias F_ij = -|c_{p_i} - c_j| goes in SDPA's float mask,
-  materialised, so only for calls whose bias is small (``FORGET_BIAS_ELEMENTS``: decode steps, short sequences;
-  with a gradient, SDPA's own autograd gives the bias's); a larger causal call without gradients (evaluation,
-  generation's prefill) runs SDPA on blocks of query rows with the decay as a per-key bias (``_forget_blocks``);
-  the rest go to ``chunked``, which forms the bias per chunk (O(n) memory). (Appending -c_j
-  as one feature of k would avoid the materialised bias, but fp32 rounds -c_j at the magnitude of the whole
-  decay, which grows with the length: at 4096 keys and f = 1/2 that is ~100x the reference path's error.)
+* forgetting attention (``AttnCall.forget``), F_ij = -|c_{p_i} - c_j|. On a CPU, a call of several queries whose
+  visible keys all precede the query's own key (causal, or key padding x causal) runs SDPA's CPU flash kernel on
+  blocks of query rows (``_ForgetFlash``), O(n) memory beside one mask block of at most ``FORGET_BIAS_ELEMENTS``:
+  there F_ij = c_{p_i} - c_j, and with c = hi + lo split into two fp32 numbers the block's float mask holds
+  hi_{p_i} - hi_j (exact for near keys, however large c grows with the length), while lo goes into the values:
+  v' = [e^{-lo_j} v_j, e^{-lo_j}], out = v'-weighted sum / its last column, which is softmax with the exact decay.
+  The gradient of c comes from two extra features, q' = [s q, 1, 0], k' = [k, 0, 1], which leave the scores as they
+  are: the flash backward's dk' of the first is the column sum sum_i dS_ij, its dq' of the second the row sum
+  sum_j dS_ij, and dc_t = row sum of the query at key t - column sum of key t. A single fp32
+  feature -c_j in k instead would round every score at the magnitude of the whole decay (1e-4 at 2048 keys and
+  f = 1/2, 100x the reference path's error). Elsewhere the bias goes in SDPA's float mask, materialised, for calls
+  whose bias is small (decode steps, short sequences; with a gradient, SDPA's own autograd gives the bias's); a
+  larger causal call without gradients runs SDPA on blocks of query rows with the decay as a per-key bias
+  (``_forget_blocks``); the rest go to ``chunked``, which forms the bias per chunk (O(n) memory).
 
 Fully masked rows give 0 with finite gradients; fp16/bf16 on CPU are computed in fp32.
 """
@@ -110,9 +117,142 @@ def _forget_too_large(call: AttnCall) -> bool:
     return B * H * Lq * Lk > FORGET_BIAS_ELEMENTS
 
 
+def _forget_keys_precede(call: AttnCall) -> bool:
+    """Every key a query sees lies at or before the query's own key p_i = Lk - Lq + i, so its decay is
+    c_{p_i} - c_j: a causal call (Lq <= Lk; causal here is upper-left, j <= i <= p_i), a single query, or a given mask
+    that is key padding x causal with an offset of at most Lk - Lq (``MaskInfo.padding``: read once per mask, unknown
+    under torch.compile)."""
+    m, lq, lk = call.mask, call.q.shape[2], call.k.shape[2]
+    if lq > lk:
+        return False
+    if m.keep is None:
+        return m.causal or lq == 1
+    pad = m.padding()
+    return pad is not None and (lq == 1 or (pad[2] and pad[3] <= lk - lq))
+
+
+def _forget_by_flash(call: AttnCall) -> bool:
+    """The decay through SDPA's CPU flash kernel on row blocks (module docstring): a CPU call of several queries in
+    fp32/fp64 compute without sink or dropout whose visible keys precede the query, on a torch whose CPU flash op
+    is called directly (not under torch.export, whose ONNX translation of it is wrong with masks). Decode steps
+    (one query) keep the materialised bias, which is as cheap there."""
+    return (call.forget is not None and call.q.device.type == "cpu" and call.q.shape[2] > 1 and call.dropout == 0
+            and not _has_sink(call) and compute_dtype(call.q.dtype) in (torch.float32, torch.float64)
+            and not is_exporting() and _forget_keys_precede(call))
+
+
+def _forget_rows(B: int, H: int, Lq: int, Lk: int) -> int:
+    """Query rows per block of ``_ForgetFlash``: Lq / 8 within [64, 256], and the block's mask [B, H, rows, <= Lk] at
+    most ``FORGET_BIAS_ELEMENTS`` entries. The kernel computes a whole block, so the keys after a causal block's
+    queries cost rows / (2 Lq) of the work; short blocks cost calls. Measured (fox fwd+bwd over SDPA softmax, B1 H8
+    d64, 2 threads): at n = 1024 one block 2.10x, 128 rows 1.25x, 64 rows 1.33x; at n = 4096 512 rows 1.42x,
+    256 rows 1.31x, 128 rows 1.48x."""
+    return max(1, min(FORGET_BIAS_ELEMENTS // (B * H * Lk), max(64, min(256, Lq // 8))))
+
+
+class _ForgetFlash(torch.autograd.Function):
+    """SDPA's CPU flash kernel per block of query rows with forgetting attention's decay in the block's mask.
+
+    q2: [B, H, Lq, W] = [s q, 1, 0, 0...], k2: [B, H, Lk, W] = [k, 0, 1, 0...], v2: [B, H, Lk, W] = [e^-lo v, e^-lo,
+    0...] (W = max(D, Dv) + 2, q2's 1 at ``one_at``, k2's at ``one_at + 1``; k and v repeated to the query heads,
+    as the decay is per query head); hi: [B, H, Lk] (fp32, or fp64 for fp64 calls); extra: None or the other
+    additive mask terms, float [B|1, H|1, Lq, Lk] with -inf where hidden (the call's keep-mask, its bias); causal:
+    no keep-mask, query i sees keys j <= i. Returns out2 [B, H, Lq, W]. The two features leave the scores as they
+    are and give the flash backward's column sums sum_i dS_ij (dk2 at ``one_at``) and row sums sum_j dS_ij (dq2 at
+    ``one_at + 1``): dhi_j = -colsum_j + rowsum of the query at key j. The row sums vanish in exact arithmetic
+    (softmax), but kept they pair each dS_ij with the decay between i and j, as the reference's gradient does:
+    without them the fp32 rounding of the row sums reaches the gate parameters multiplied by the whole length."""
+
+    @staticmethod
+    def forward(ctx, q2, k2, v2, hi, extra, causal: bool, one_at: int):
+        B, H, Lq, _ = q2.shape
+        Lk = k2.shape[2]
+        rows = _forget_rows(B, H, Lq, Lk)
+        buf = q2.new_empty(B, H, min(rows, Lq), Lk)
+        out, lse = q2.new_empty(q2.shape), q2.new_empty(B, H, Lq)
+        for r0 in range(0, Lq, rows):
+            r1 = min(Lq, r0 + rows)
+            mask, t1 = _forget_mask(hi, extra, Lq, r0, r1, causal, buf)
+            o, lse_block = _FLASH(q2[:, :, r0:r1], k2[:, :, :t1], v2[:, :, :t1], 0.0, False, attn_mask=mask,
+                                  scale=1.0)[:2]
+            out[:, :, r0:r1], lse[:, :, r0:r1] = o, lse_block
+        ctx.save_for_backward(q2, k2, v2, hi, extra, out, lse)
+        ctx.causal, ctx.one_at = causal, one_at
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q2, k2, v2, hi, extra, out, lse = ctx.saved_tensors
+        B, H, Lq, _ = q2.shape
+        Lk = k2.shape[2]
+        rows = _forget_rows(B, H, Lq, Lk)
+        buf = q2.new_empty(B, H, min(rows, Lq), Lk)
+        dout = dout.contiguous()
+        dq, dk, dv = torch.empty_like(q2), torch.zeros_like(k2), torch.zeros_like(v2)
+        for r0 in range(0, Lq, rows):
+            r1 = min(Lq, r0 + rows)
+            mask, t1 = _forget_mask(hi, extra, Lq, r0, r1, ctx.causal, buf)
+            gq, gk, gv = _FLASH_BWD(dout[:, :, r0:r1], q2[:, :, r0:r1], k2[:, :, :t1], v2[:, :, :t1],
+                                    out[:, :, r0:r1], lse[:, :, r0:r1], 0.0, False, attn_mask=mask, scale=1.0)
+            dq[:, :, r0:r1] = gq
+            dk[:, :, :t1] += gk
+            dv[:, :, :t1] += gv
+        dhi = -dk[..., ctx.one_at]
+        dhi[..., Lk - Lq:] += dq[..., ctx.one_at + 1]
+        return dq, dk, dv, dhi, None, None, None
+
+
+def _forget_mask(hi: torch.Tensor, extra: torch.Tensor | None, lq: int, r0: int, r1: int, causal: bool,
+                 buf: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(mask [B, H, r1 - r0, t1], t1) for query rows [r0, r1) of ``_ForgetFlash``: hi_{p_i} - hi_j, p_i = Lk - Lq + i,
+    over the keys [0, t1) the rows may see: causal, t1 = r1 and -inf after key i (only the block's own square
+    has such keys); otherwise t1 = p_{r1 - 1} + 1 (``_forget_keys_precede``: no later key is visible), then plus
+    ``extra``. Written into ``buf``; one pass over the block without ``extra``."""
+    off = hi.shape[-1] - lq
+    t1 = r1 if causal else off + r1
+    m = buf[:, :, : r1 - r0, :t1]
+    torch.sub(hi[..., off + r0:off + r1, None], hi[..., None, :t1], out=m)
+    if causal:
+        n = r1 - r0
+        m[..., r0:r1].masked_fill_(torch.ones(n, n, dtype=torch.bool, device=m.device).triu(1), float("-inf"))
+    if extra is not None:
+        m.add_(extra[:, :, r0:r1 if extra.shape[2] > 1 else 1, :t1])
+    return m, t1
+
+
+def _forget_flash(call: AttnCall) -> torch.Tensor:
+    """out [B, H, Lq, Dv] of a forget call through ``_ForgetFlash`` (module docstring)."""
+    dt = compute_dtype(call.q.dtype)
+    q, k, v, scale = _prepare(call, dt)
+    B, H, Lq, D = q.shape
+    Lk, Dv = k.shape[2], v.shape[-1]
+    k, v = repeat_kv(k, H // k.shape[1]), repeat_kv(v, H // v.shape[1])
+    c = call.forget  # [B, H, Lk], float64
+    hi = c.to(dt)
+    weight = torch.exp(hi.detach().to(c.dtype) - c.detach()).to(dt).unsqueeze(-1)  # e^{-lo}, lo = c - hi (fp32 rounding)
+    width = max(D, Dv) + 2
+    q2 = torch.cat([q * scale if scale != 1.0 else q, q.new_ones(B, H, Lq, 1),
+                    q.new_zeros(B, H, Lq, width - D - 1)], dim=-1)
+    k2 = torch.cat([k, k.new_zeros(B, H, Lk, 1), k.new_ones(B, H, Lk, 1), k.new_zeros(B, H, Lk, width - D - 2)],
+                   dim=-1)
+    v2 = torch.cat([v * weight, weight, v.new_zeros(B, H, Lk, width - Dv - 1)], dim=-1)
+    keep, bias = call.mask.keep, call.score_bias(with_forget=False)
+    extra = None
+    if bias is not None:
+        extra = bias.to(dt) if keep is None else bias.to(dt).masked_fill(~keep, float("-inf"))
+    elif keep is not None:
+        extra = call.mask.additive(dt)
+    out2 = _ForgetFlash.apply(q2, k2, v2, hi, extra, keep is None and call.mask.causal, D)
+    den = out2[..., Dv:Dv + 1]  # sum_j P_ij e^{-lo_j}: 0 on rows that see no key
+    out = torch.where(den > 0, out2[..., :Dv] / den.clamp_min(torch.finfo(dt).tiny), 0.0)
+    return out.to(call.q.dtype)
+
+
 def _forget_reason(call: AttnCall) -> str | None:
-    """Why this path leaves a forget call to ``chunked`` (module docstring), or None. Shapes and flags only."""
-    if call.forget is None or not _forget_too_large(call):
+    """Why this path leaves a forget call to ``chunked`` (module docstring), or None. Shapes and flags only (and a
+    given mask's padding form, read once per mask)."""
+    if call.forget is None or not _forget_too_large(call) or _forget_by_flash(call):
         return None
     if (call.needs_grad or _has_sink(call) or call.dropout > 0 or call.mask.kind != "causal"
             or call.q.shape[2] > call.k.shape[2]):
@@ -255,6 +395,8 @@ def _open_dead_rows(keep: torch.Tensor | None, call: AttnCall) -> tuple[torch.Te
 def sdpa_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     """softmax / cosine (any device, dropout ok) and softmax_n / sink (CPU, no dropout, D == Dv); forgetting
     attention (module docstring)."""
+    if _forget_by_flash(call):
+        return _forget_flash(call), None
     if call.forget is not None and _forget_too_large(call):  # (accepts: no gradient) blocks of query rows
         return _forget_blocks(call), None
     if call.forget is not None:  # (accepts: a small bias) the float mask carries the decay

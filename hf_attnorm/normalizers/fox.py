@@ -14,9 +14,9 @@ decay that training adjusts). Starting a converted pretrained model at plain sof
 from the cached values, so each step recomputes c from them. Outside causal rows (a bidirectional mask) the decay is
 -|c_i - c_j|, the gates between the two positions; the paper defines the causal case only.
 
-Kernels: every path that declares ``forget=True`` (``hf_attnorm.kernels``): sdpa (the materialised bias in its float
-mask, for small calls: decode steps, short sequences), chunked (the bias formed per chunk, O(n) memory), decode,
-reference.
+Kernels: every path that declares ``forget=True`` (``hf_attnorm.kernels``): sdpa (on a CPU, causal and padded calls
+through SDPA's flash kernel with the exact decay in blocks of its mask, training included; elsewhere the materialised
+bias for small calls), chunked (the bias formed per chunk, O(n) memory), decode, reference.
 """
 
 from __future__ import annotations
