@@ -297,19 +297,16 @@ def _smollm2_perplexity(path, impl: str, options: dict, blocks: torch.Tensor | N
 
 @pytest.mark.slow
 def test_smollm2_ssmax_calibrated_is_within_10_percent_of_the_original(smollm2):
-    """Both the plain form (s_h fitted to the teacher) and the bias variant (s_h = 0, b_h = 1: exact up to rounding)
-    are within 10% of the original model. Measured on these 2,048 held-out tokens: original 38.01, swapped 780.1,
-    calibrated 40.37 (+6.2%), bias variant 38.01; on 4,096: 52.69, 1,192.6, 55.30 (+5.0%), 52.69 (docs/convert.md,
-    "Calibrated start")."""
+    """The plain form (s_h fitted to the teacher) is within 10% of the original model. Measured on these 2,048
+    held-out tokens: original 38.01, swapped uncalibrated 780.1, calibrated 40.37 (+6.2%), bias variant 38.01; on
+    4,096: 52.69, 1,192.6, 55.30 (+5.0%), 52.69 (docs/convert.md, "Calibrated start"). The bias variant's exactness
+    is checked on a tiny model (``test_the_ssmax_bias_variant_at_s_0_b_1_is_softmax``), the swapped model's distance
+    by the conversion tests; this real-model check runs the two evaluations the claim needs."""
     path, blocks, held_out = smollm2
     original = _smollm2_perplexity(path, "softmax", {}, None, held_out)
-    exact = _smollm2_perplexity(path, "ssmax", {"ssmax_bias_learnable": True}, blocks, held_out)
-    swapped = _smollm2_perplexity(path, "ssmax", {}, None, held_out)
     plain = _smollm2_perplexity(path, "ssmax", {}, blocks, held_out)
-    print(f"SmolLM2 @512: original {original:.3f}, ssmax swapped {swapped:.3f}, calibrated {plain:.3f}, "
-          f"calibrated bias variant {exact:.3f}")
-    assert abs(exact / original - 1) < 0.10, (original, exact)
-    assert abs(plain / original - 1) < 0.10 and plain < swapped, (original, plain, swapped)
+    print(f"SmolLM2 @512: original {original:.3f}, ssmax calibrated {plain:.3f}")
+    assert abs(plain / original - 1) < 0.10, (original, plain)
 
 
 # ------------------------------------------------------------------------------------------- scripts/convert.py
