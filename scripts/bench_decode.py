@@ -59,7 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--curve", nargs="+", type=int, default=None,
                    help="context lengths for the decode-step curve (replaces the prefill/generate table)")
     p.add_argument("--curve_implementations", nargs="+", default=["softmax", "linear", "linear_exact"],
-                   help="implementations on the curve besides sdpa (default: %(default)s)")
+                   help="implementations on the curve besides sdpa (default: %(default)s); 'all': every registered "
+                        "attn_implementation (hf_attnorm.available())")
     p.add_argument("--steps", type=int, default=16, help="curve: timed decode steps per length and repeat")
     p.add_argument("--out", type=Path, default=Path("bench/decode"),
                    help="output directory: decode.json and decode.md are written there")
@@ -139,8 +140,16 @@ def decode_steps(model, impl: str, ids: torch.Tensor, steps: int) -> tuple[float
     return statistics.median(times), rec.path or "sdpa"
 
 
+def curve_implementations(names: list[str]) -> list[str]:
+    """The curve's implementations besides sdpa: ``names`` with ``all`` expanded to every registered one."""
+    out = []
+    for name in names:
+        out += list(hf_attnorm.available()) if name == "all" else [name]
+    return [n for n in dict.fromkeys(out) if n != "sdpa"]
+
+
 def curve(args: argparse.Namespace) -> None:
-    impls = ["sdpa", *[i for i in args.curve_implementations if i != "sdpa"]]
+    impls = ["sdpa", *curve_implementations(args.curve_implementations)]
     model = build(args, max(args.curve) + args.steps + 8)
     rows = []
     for n in args.curve:
@@ -165,11 +174,13 @@ def curve(args: argparse.Namespace) -> None:
             "load_average_at_start": os.getloadavg()[0],
             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
     (args.out / "curve.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = ["| context L | " + " | ".join(f"{i} ms/step (x sdpa)" for i in impls) + " |",
-             "|---|" + "---|" * len(impls)]
-    for n in args.curve:
-        cells = [next(r for r in rows if r["implementation"] == i and r["context"] == n) for i in impls]
-        lines.append(f"| {n} | " + " | ".join(f"{c['step_ms']:.2f} ({c['ratio_to_sdpa']:.2f}x)" for c in cells) + " |")
+    # one row per implementation (there may be dozens), one column per context
+    lines = ["| implementation | path | " + " | ".join(f"L = {n}: ms/step (x sdpa)" for n in args.curve) + " |",
+             "|---|---|" + "---|" * len(args.curve)]
+    for impl in impls:
+        cells = [next(r for r in rows if r["implementation"] == impl and r["context"] == n) for n in args.curve]
+        lines.append(f"| {impl} | {cells[-1]['path']} | "
+                     + " | ".join(f"{c['step_ms']:.2f} ({c['ratio_to_sdpa']:.2f}x)" for c in cells) + " |")
     (args.out / "curve.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:

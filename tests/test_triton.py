@@ -371,11 +371,23 @@ if INTERPRETED:  # the kernel tests proper: only where the interpreter was on be
             first.setdefault((kind in maps.NORMALISED, kind in maps.THRESHOLD), name)
         return list(first.values())
 
+    def _form_sample() -> list[str]:
+        """The first normalizer of each kernel form: the constexprs a map's declaration gives the kernels except
+        its id (``map_constants``), which decide every branch they take; normalizers of one form differ only in
+        the per-entry code (``_map_weight`` / ``_map_slope``, run by the non-slow scenarios for every normalizer)
+        or in what happens before the kernel (asentmax's query scale)."""
+        first: dict[tuple, str] = {}
+        for name in NAMES:
+            consts = ta.map_constants(maps.BY_NAME[NORMALIZERS.get(name).fused_map])
+            first.setdefault(tuple(sorted((k, v) for k, v in consts.items() if k != "MAP")), name)
+        return list(first.values())
+
     def _more_shapes() -> list[tuple[str, str]]:
-        """(normalizer, scenario): the shapes and masks for every normalizer; the score-modifier scenarios (bias
-        shapes, ALiBi, soft-cap: the same load and broadcast code for every map) for the sample of each kind."""
-        sample = _half_sample()
-        return [(name, sid) for sid in SLOW_SCENARIOS for name in NAMES
+        """(normalizer, scenario): the shapes and masks for the first normalizer of each kernel form; the
+        score-modifier scenarios (bias shapes, ALiBi, soft-cap: the same load and broadcast code for every map)
+        for the sample of each kind."""
+        forms, sample = _form_sample(), _half_sample()
+        return [(name, sid) for sid in SLOW_SCENARIOS for name in forms
                 if not sid.startswith("bias-") or name in sample]
 
     @pytest.mark.slow

@@ -230,7 +230,8 @@ def _forget_flash(call: AttnCall) -> torch.Tensor:
     k, v = repeat_kv(k, H // k.shape[1]), repeat_kv(v, H // v.shape[1])
     c = call.forget  # [B, H, Lk], float64
     hi = c.to(dt)
-    weight = torch.exp(hi.detach().to(c.dtype) - c.detach()).to(dt).unsqueeze(-1)  # e^{-lo}, lo = c - hi (fp32 rounding)
+    # e^{-lo} per key, lo = c - hi (what fp32 rounded away), no gradient (c's comes through hi)
+    weight = torch.exp(hi.detach().to(c.dtype) - c.detach()).to(dt).unsqueeze(-1)
     width = max(D, Dv) + 2
     q2 = torch.cat([q * scale if scale != 1.0 else q, q.new_ones(B, H, Lq, 1),
                     q.new_zeros(B, H, Lq, width - D - 1)], dim=-1)
