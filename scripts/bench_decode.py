@@ -150,6 +150,7 @@ def curve_implementations(names: list[str]) -> list[str]:
 
 def curve(args: argparse.Namespace) -> None:
     impls = ["sdpa", *curve_implementations(args.curve_implementations)]
+    load_at_start, started = os.getloadavg()[0], time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     model = build(args, max(args.curve) + args.steps + 8)
     rows = []
     for n in args.curve:
@@ -171,8 +172,8 @@ def curve(args: argparse.Namespace) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"threads": args.threads, "repeats": args.repeats, "steps": args.steps, "torch": torch.__version__,
             "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads},
-            "load_average_at_start": os.getloadavg()[0],
-            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
+            "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg()[0],
+            "date": started, "command": " ".join(["python scripts/bench_decode.py", *sys.argv[1:]])}
     (args.out / "curve.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     # one row per implementation (there may be dozens), one column per context
     lines = ["| implementation | path | " + " | ".join(f"L = {n}: ms/step (x sdpa)" for n in args.curve) + " |",

@@ -9,7 +9,8 @@ reference row shows the materialised path's own fp32 error, for scale). Times ar
 after ``--warmup``. With ``--memory`` the peak extra RSS of forward + backward is measured in a fresh subprocess
 per (row, path) at ``--memory-length``.
 
-Rows: every normalizer under its preset (default scale), then softmax under every other scale (``--rows``).
+Rows: every attn_implementation (``hf_attnorm.available()``: a new one is benchmarked with no edit); ``--rows``
+normalizers / scales: every normalizer under its preset, or softmax under every other scale.
 Writes a table (stdout and markdown), JSON and a log-log PNG of fwd+bwd time against n.
 
 Example (the README table)::
@@ -58,7 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="input dtype")
     p.add_argument("--no-causal", action="store_true", help="bidirectional attention instead of causal")
     p.add_argument("--rows", choices=["all", "normalizers", "scales"], default="all",
-                   help="which rows: every normalizer (preset scale), softmax under every scale, or both")
+                   help="which rows: every attn_implementation (hf_attnorm.available(): each normalizer's preset, "
+                        "each scale's, learned memory), every normalizer (preset scale), or softmax under every scale")
     p.add_argument("--only", nargs="+", default=None,
                    help="restrict to these row names (a normalizer name, or softmax+<scale>)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (the median is reported)")
@@ -101,12 +103,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def rows(which: str, only: list[str] | None) -> list[tuple[str, dict]]:
     """(row name, settings overrides for the preset named by the first part)."""
     out = []
-    if which in ("all", "normalizers"):
+    if which == "all":
+        out = [(name, {}) for name in hf_attnorm.available()]
+    if which == "normalizers":
         out += [(name, {}) for name in NORMALIZERS]
         # presets that switch on an option every normalizer takes (learned memory key/values: memkv)
         out += [(name, {}) for name in PRESETS if name not in NORMALIZERS
                 and any(k in GLOBAL_OPTIONS for k in PRESETS.get(name).settings)]
-    if which in ("all", "scales"):
+    if which == "scales":
         out += [(f"softmax+{s}", {"scale": s}) for s in SCALES if s != "standard"]
     if only:
         unknown = sorted(set(only) - {r for r, _ in out})
@@ -334,7 +338,10 @@ def main(argv: list[str] | None = None) -> int:
                       + f"  max err {entry['max_err_vs_fp64']:.1e}", flush=True)
     baselines = {n: {k: statistics.median(v) for k, v in d.items()} for n, d in sdpa_times.items() if d["fwd_ms"]}
     memory = []
-    if args.memory:
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    if args.memory:  # the timings are kept if the memory runs fail
+        (args.out_dir / "bench_kernels.json").write_text(
+            json.dumps({"meta": meta, "sdpa_softmax": baselines, "rows": table, "memory": []}, indent=1))
         import psutil
 
         avail = psutil.virtual_memory().available
@@ -343,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         for row, overrides in row_list:
             settings = settings_for(row, overrides)
             hv = learnable_heads(settings, args.heads, head_dim=args.head_dim, kv_heads=kv_heads_for(args, args.heads))
-            fast = candidate_paths(make_call(*inputs(args, 4, args.heads, dtype), settings, hv, None, causal, None))
+            fast = candidate_paths(make_call(*inputs(args, 4, args.heads, dtype), settings, hv, None, causal, None,
+                                             module_info={"max_positions": 2048}))
             fast_res = measure_memory(args, argv, row, overrides, "auto") if fast else {}
             entry = {"row": row, "path": fast_res.get("path", "reference"), **fast_res}
             if row in args.memory_reference:

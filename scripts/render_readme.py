@@ -12,9 +12,11 @@ two markers is replaced by the output of generator NAME:
   results.md);
 * compare-mqar, compare-passkey, compare-lm: the main job's full table of one task, from the same records;
 * claims-list: the published claims the main job tests (``hf_attnorm.lab.report.CLAIMS``);
-* kernels-run1, kernels-run3, kernels-run4: the tables of three ``scripts/bench_kernels.py`` runs (bench/kernels,
-  bench/kernels/history/2026-11-23-added-kernels, bench/kernels/history/2026-11-27-attention-variants);
-* performance: one kernel benchmark run, ``bench/kernels/bench_kernels.json`` (``PERFORMANCE_RUN``);
+* kernels-run1, kernels-run3, kernels-run4: the tables of three earlier ``scripts/bench_kernels.py`` runs
+  (bench/kernels/history/2026-11-22-first-run, 2026-11-23-added-kernels, 2026-11-27-attention-variants);
+* performance: the published kernel benchmark run, ``bench/kernels/bench_kernels.json`` (``PERFORMANCE_RUN``);
+* speed-goals: every implementation's prefill and decode ratios against its goal (``hf_attnorm.lab.speed_goals``),
+  from the published kernel run and decode curve (``SPEED_RUNS``);
 * serving: continuous batching's throughput per implementation, ``bench/serving/results.json``
   (``scripts/bench_serving.py``, whose results.md is written by the same functions).
 
@@ -42,13 +44,9 @@ DOCUMENTS = ["README.md", "docs/options.md", "docs/architecture.md", "docs/bench
              "docs/families.md", "bench/convert/README.md", "docs/evaluation.md"]
 BLOCK = re.compile(r"(<!-- generated:(?P<name>[a-z0-9_-]+) -->\n)(?P<body>.*?)(<!-- /generated:(?P=name) -->)", re.S)
 
-#: the kernel benchmark run the README summarises (the JSON holds the numbers and the machine; command and date are
-#: those of the run that wrote it, see bench/kernels/README.md)
-PERFORMANCE_RUN = {
-    "json": "bench/kernels/bench_kernels.json",
-    "command": "python scripts/bench_kernels.py --lengths 1024 4096 --max-reference-length 1024",
-    "date": "2026-11-22",
-}
+#: the kernel benchmark run the README summarises (its JSON holds the numbers, the command, the date and the machine;
+#: see bench/kernels/README.md)
+PERFORMANCE_RUN = {"json": "bench/kernels/bench_kernels.json"}
 
 
 def _family_zoo():
@@ -262,9 +260,9 @@ def performance() -> str:
         (f"* The materialised reference: {span([r for r in ref])}x at n = {ref_n}; every fast path within "
          f"{max(errs):.1e} of a float64 reference."),
     ]
-    return ("\n".join(lines) + f"\n\n`{run['command']}`, {run['date']}, 2-core CPU, load average {load:.1f} at the "
-            f"start ([{run['json']}]({run['json']}); every other run, memory and decode: "
-            f"[docs/benchmarks.md](docs/benchmarks.md)).")
+    return ("\n".join(lines) + f"\n\n`{meta['command']}`, {meta['date']}, 2-core CPU, load average {load:.1f} at the "
+            f"start ([{run['json']}]({run['json']}); every implementation against its speed goal, with decoding, and "
+            f"every other run: [docs/benchmarks.md](docs/benchmarks.md#every-implementation-against-its-speed-goal)).")
 
 
 #: the serving benchmark run shown in docs/benchmarks.md
@@ -329,6 +327,68 @@ def _main_section(name: str) -> Callable[[], str]:
     return render
 
 
+#: the published runs the speed-goal table joins: the kernel benchmark (prefill) and the decode curve
+SPEED_RUNS = {"kernels": "bench/kernels/bench_kernels.json", "decode": "bench/decode/curve.json"}
+
+
+def speed_goals() -> str:
+    """Every implementation (``hf_attnorm.available()``) with its forward and forward+backward ratios to SDPA softmax
+    at each length, its decode-step ratio to sdpa at each context, its goal and whether it meets it, and the reason
+    (``hf_attnorm.lab.speed_goals.why``) where it does not."""
+    import hf_attnorm
+    from hf_attnorm.lab import speed_goals as goals
+
+    kern = json.loads((ROOT / SPEED_RUNS["kernels"]).read_text())
+    dec = json.loads((ROOT / SPEED_RUNS["decode"]).read_text())
+    fast = [r for r in kern["rows"] if r["path"] != "reference"]
+    lengths = sorted({r["n"] for r in fast})
+    contexts = sorted({r["context"] for r in dec["rows"]})
+    head = (["implementation", "prefill path"] + [f"fwd n={n}" for n in lengths]
+            + [f"fwd+bwd n={n}" for n in lengths] + ["decode path"] + [f"decode L={c}" for c in contexts]
+            + ["goal (prefill / decode)", "at goal", "why not"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    met = prefill_met = decode_met = 0
+    for name in hf_attnorm.available():
+        k = {r["n"]: r for r in fast if r["row"] == name}
+        d = {r["context"]: r for r in dec["rows"] if r["implementation"] == name}
+        if len(k) < len(lengths) or len(d) < len(contexts):
+            lines.append("| " + " | ".join([f"`{name}`"] + ["not measured in this run"] * (len(head) - 1)) + " |")
+            continue
+        prefill = {**{("fwd", n): k[n]["fwd_ratio"] for n in lengths},
+                   **{("fwd+bwd", n): k[n]["fwd_bwd_ratio"] for n in lengths}}
+        decode = {c: d[c]["ratio_to_sdpa"] for c in contexts}
+        miss = goals.misses(name, prefill, decode)
+        met += not miss
+        prefill_met += not any(not m.startswith("decode") for m in miss)
+        decode_met += not any(m.startswith("decode") for m in miss)
+        paths = " / ".join(dict.fromkeys(p for r in k.values() for p in (r.get("path_fwd", r["path"]), r["path"])))
+        goal = (f"< 1 from n = {goals.LINEAR_FROM}" if goals.is_linear(name)
+                else f"≤ {goals.prefill_goal(name):.2f} / ≤ {goals.DECODE_GOAL:.2f}")
+        cells = ([f"`{name}`", paths] + [f"{k[n]['fwd_ratio']:.2f}" for n in lengths]
+                 + [f"{k[n]['fwd_bwd_ratio']:.2f}" for n in lengths] + [d[contexts[-1]]["path"]]
+                 + [f"{d[c]['ratio_to_sdpa']:.2f}" for c in contexts]
+                 + [goal, "yes" if not miss else "no: " + ", ".join(miss),
+                    "" if not miss else goals.why(name, miss) or "NO REASON RECORDED"])
+        lines.append("| " + " | ".join(cells) + " |")
+    km, dm = kern["meta"], dec["meta"]
+    load = ", ".join(f"{x:.1f}" for x in km.get("load_average_start", []))
+    base = ", ".join(f"{v['fwd_ms']:.1f} / {v['fwd_bwd_ms']:.1f} ms at n = {n}"
+                     for n, v in kern["sdpa_softmax"].items())
+    total = len(hf_attnorm.available())
+    return ("\n".join(lines) + f"\n\n{met} of {total} implementations at every goal; {prefill_met} at the prefill "
+            f"goal, {decode_met} at the decode goal. The per-step overhead shared by every decode row: "
+            f"{goals.DECODE_SHARED}.\n\nPrefill: "
+            f"`{km.get('command', 'scripts/bench_kernels.py')}` ({km['dtype']}, causal, B = {km['B']}, H = {km['H']}, "
+            f"d = {km['d']}, {km['threads']} threads, median of {km['repeats']} paired ratios, torch {km['torch']}, "
+            f"load average at the start {load}; SDPA softmax forward / forward+backward {base}; "
+            f"[{SPEED_RUNS['kernels']}](../{SPEED_RUNS['kernels']})). Decode: `{dm['command']}` (one cached step of a "
+            f"tiny Llama, {dm['model']['layers']} layers, hidden {dm['model']['hidden']}, "
+            f"{dm['model']['heads']}/{dm['model']['kv_heads']} heads, against transformers' sdpa on the same model, "
+            f"median of {dm['repeats']} interleaved repeats of {dm['steps']} steps, {dm['threads']} threads, load "
+            f"average at the start {dm['load_average_at_start']:.1f}; [{SPEED_RUNS['decode']}]"
+            f"(../{SPEED_RUNS['decode']})).")
+
+
 def keyword_scan() -> str:
     """The keyword scan of transformers' attention classes (bench/families/keywords.json, scripts/scan_keywords.py)."""
     scan = json.loads((ROOT / "bench" / "families" / "keywords.json").read_text())
@@ -356,7 +416,8 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "compare-claims": claims,
     "claims-list": claims_list,
     "keyword-scan": keyword_scan,
-    "kernels-run1": kernel_table("bench/kernels/bench_kernels.json"),
+    "speed-goals": speed_goals,
+    "kernels-run1": kernel_table("bench/kernels/history/2026-11-22-first-run/bench_kernels.json"),
     "kernels-run3": kernel_table("bench/kernels/history/2026-11-23-added-kernels/bench_kernels.json"),
     "kernels-run4": kernel_table("bench/kernels/history/2026-11-27-attention-variants/bench_kernels.json"),
 }
