@@ -37,8 +37,8 @@ _LSE_ROW = ("the extra denominator term through the CPU flash kernel's log-sum-e
 
 #: implementation -> what costs the prefill time where forward or forward+backward misses the goal
 PREFILL_REASONS: dict[str, str] = {
-    "entmax_alpha": "the threshold search runs in float64 (maps.WIDE: bisection and Newton on tau with alpha per "
-                    "head, kept exact for the zeros and alpha's gradient); the forward pays it, the backward does not",
+    "entmax_alpha": "the C++ kernel computes this map in float64 whatever the input dtype (FusedMap.wide), its "
+                    "threshold search per row included; the forward pays for the search, the backward does not",
     "asentmax": "alpha-entmax's float64 threshold search (see entmax_alpha), on sparser rows (the query scale)",
     "cog": "no fused kernel: its signed map needs a running max of |s|, a shift form the fused kernels do not have; "
            "it runs on chunked (PyTorch, blocks of queries, the backward recomputes each block)",
