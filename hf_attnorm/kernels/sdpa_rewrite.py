@@ -156,7 +156,7 @@ class _ForgetFlash(torch.autograd.Function):
     q2: [B, H, Lq, W] = [s q, 1, 0, 0...], k2: [B, H, Lk, W] = [k, 0, 1, 0...], v2: [B, H, Lk, W] = [e^-lo v, e^-lo,
     0...] (W = max(D, Dv) + 2, q2's 1 at ``one_at``, k2's at ``one_at + 1``; k and v repeated to the query heads,
     as the decay is per query head); hi: [B, H, Lk] (fp32, or fp64 for fp64 calls); extra: None or the other
-    additive mask terms, float [B|1, H|1, Lq, Lk] with -inf where hidden (the call's keep-mask, its bias); causal:
+    additive mask terms (``_float_mask``), float [B|1, H|1, Lq, Lk] with -inf where hidden; causal:
     no keep-mask, query i sees keys j <= i. Returns out2 [B, H, Lq, W]. The two features leave the scores as they
     are and give the flash backward's column sums sum_i dS_ij (dk2 at ``one_at``) and row sums sum_j dS_ij (dq2 at
     ``one_at + 1``): dhi_j = -colsum_j + rowsum of the query at key j. The row sums vanish in exact arithmetic
@@ -217,7 +217,7 @@ def _forget_mask(hi: torch.Tensor, extra: torch.Tensor | None, lq: int, r0: int,
         n = r1 - r0
         m[..., r0:r1].masked_fill_(torch.ones(n, n, dtype=torch.bool, device=m.device).triu(1), float("-inf"))
     if extra is not None:
-        m.add_(extra[:, :, r0:r1 if extra.shape[2] > 1 else 1, :t1])
+        m.add_(extra[:, :, r0:r1, :t1])
     return m, t1
 
 
@@ -238,12 +238,8 @@ def _forget_flash(call: AttnCall) -> torch.Tensor:
     k2 = torch.cat([k, k.new_zeros(B, H, Lk, 1), k.new_ones(B, H, Lk, 1), k.new_zeros(B, H, Lk, width - D - 2)],
                    dim=-1)
     v2 = torch.cat([v * weight, weight, v.new_zeros(B, H, Lk, width - Dv - 1)], dim=-1)
-    keep, bias = call.mask.keep, call.score_bias(with_forget=False)
-    extra = None
-    if bias is not None:
-        extra = bias.to(dt) if keep is None else bias.to(dt).masked_fill(~keep, float("-inf"))
-    elif keep is not None:
-        extra = call.mask.additive(dt)
+    keep = call.mask.keep
+    extra = _float_mask(dataclasses.replace(call, bias=call.score_bias(with_forget=False)), keep, dt)
     out2 = _ForgetFlash.apply(q2, k2, v2, hi, extra, keep is None and call.mask.causal, D)
     den = out2[..., Dv:Dv + 1]  # sum_j P_ij e^{-lo_j}: 0 on rows that see no key
     out = torch.where(den > 0, out2[..., :Dv] / den.clamp_min(torch.finfo(dt).tiny), 0.0)

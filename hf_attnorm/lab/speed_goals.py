@@ -131,17 +131,15 @@ def misses(implementation: str, prefill: dict[tuple[str, int], float], decode: d
     """The measurements of ``implementation`` beyond its goal, as short labels ("fwd+bwd n=4096 1.31x").
 
     prefill: (measure, n) -> ratio with measure "fwd" or "fwd+bwd"; decode: context -> decode-step ratio."""
-    out = []
     linear = is_linear(implementation)
-    limit = 1.0 if linear else prefill_goal(implementation)
-    for (measure, n), ratio in sorted(prefill.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        if linear and n < LINEAR_FROM:
-            continue
-        if ratio > limit if not linear else ratio >= limit:
-            out.append(f"{measure} n={n} {ratio:.2f}x")
-    for n, ratio in sorted(decode.items()):
-        if linear and n < LINEAR_FROM:
-            continue
-        if (ratio >= 1.0) if linear else (ratio > DECODE_GOAL):
-            out.append(f"decode L={n} {ratio:.2f}x")
-    return out
+
+    def beyond(ratio: float, n: int, goal: float) -> bool:
+        # linear: strictly below softmax from LINEAR_FROM keys on, no goal below; the others: at most the goal
+        return n >= LINEAR_FROM and ratio >= 1.0 if linear else ratio > goal
+
+    goal = prefill_goal(implementation)
+    out = [f"{measure} n={n} {ratio:.2f}x"
+           for (measure, n), ratio in sorted(prefill.items(), key=lambda kv: (kv[0][1], kv[0][0]))
+           if beyond(ratio, n, goal)]
+    return out + [f"decode L={n} {ratio:.2f}x" for n, ratio in sorted(decode.items())
+                  if beyond(ratio, n, DECODE_GOAL)]
