@@ -100,7 +100,6 @@ def test_map_tables_are_derived_from_the_declarations():
     assert maps.MAP_IDS == {m.name: m.kernel_id for m in maps.MAPS}
     assert maps.NORMALISED == {m.name for m in maps.MAPS if m.normalised}
     assert maps.THRESHOLD == {m.name for m in maps.MAPS if m.threshold}
-    assert maps.WIDE == {m.name for m in maps.MAPS if m.wide}
     assert maps.DEN_ADDS_ROW_VALUE == {m.name for m in maps.MAPS if m.den_offset is not None}
     assert maps.ROW_VALUE_FACTOR == {m.name for m in maps.MAPS if m.row_value_factor}
 

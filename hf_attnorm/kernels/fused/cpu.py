@@ -36,7 +36,6 @@ from .maps import (
     MAP_IDS,
     MAPS,
     THRESHOLD,
-    WIDE,
     FusedMap,
     compile_definitions,
     cpp_header,
@@ -328,7 +327,7 @@ def accepts(call: AttnCall) -> str | None:
 def fused_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     """out [B, H, Lq, Dv] in the input dtype (fp16/bf16 computed in fp32), for calls ``accepts`` takes."""
     name = call.normalizer.fused_map
-    dt = torch.float64 if name in WIDE else compute_dtype(call.q.dtype)
+    dt = compute_dtype(call.q.dtype)
     q = (call.q.to(dt) * call.q_factor(dt)).contiguous()
     k = last_dim_contiguous(call.k.to(dt))
     v = last_dim_contiguous(call.v.to(dt))

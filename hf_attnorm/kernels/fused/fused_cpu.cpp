@@ -934,24 +934,26 @@ void forward_threshold(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
 // entry over their support; U gets g = p^(2 - alpha), A the alpha-derivative of each weight, then Z and the entropy
 // H = sum p ln p (see backward).
 template <typename T>
-double alpha_threshold(T* y, int32_t* idx, int64_t& n, double alpha) {
-  const double P = 1.0 / (alpha - 1.0), Pm1 = P - 1.0;
-  constexpr double tiny = std::numeric_limits<double>::min();
-  double t = -1.0;
-  if (alpha <= 2.0) {
+T alpha_threshold(T* y, int32_t* idx, int64_t& n, T alpha) {
+  // computed in T (fp32 for fp32 / fp16 / bf16 inputs), as the reference's bisection: the weights are formed from
+  // the same T differences y_j - tau and renormalised by their sum, so a wider search would buy nothing
+  const T P = T(1) / (alpha - T(1)), Pm1 = P - T(1);
+  constexpr T tiny = std::numeric_limits<T>::min();
+  T t = T(-1);
+  if (alpha <= T(2)) {
     for (int it = 0; it < 100; ++it) {
-      double S = 0, D1 = 0;
+      T S = 0, D1 = 0;
       // d^(P-1) as e^((P-1) ln d), vectorised (d > 0: the candidates are kept above t)
 #pragma omp simd reduction(+ : S, D1)
       for (int64_t j = 0; j < n; ++j) {
-        const double d = std::max(static_cast<double>(y[j]) - t, tiny);
-        const double dp = vexpd(Pm1 * vlogd(d));
+        const T d = std::max(y[j] - t, tiny);
+        const T dp = vexp_any(Pm1 * vlog_any(d));
         S += dp * d;
         D1 += dp;
       }
-      if (S <= 1.0 || D1 <= 0.0) break;  // at (rounding of) the root
-      const double step = (S - std::pow(S, 1.0 - 1.0 / P)) / D1;
-      if (!(t + step > t) || step < 1e-13) break;
+      if (S <= T(1) || D1 <= T(0)) break;  // at (rounding of) the root
+      const T step = (S - std::pow(S, T(1) - T(1) / P)) / D1;
+      if (!(t + step > t)) break;  // below t's rounding
       t += step;
       int64_t w = 0;
       for (int64_t j = 0; j < n; ++j) {  // branch-free compaction (the keep/drop pattern is unpredictable)
@@ -959,23 +961,25 @@ double alpha_threshold(T* y, int32_t* idx, int64_t& n, double alpha) {
         const int32_t ij = idx[j];
         y[w] = yj;
         idx[w] = ij;
-        w += static_cast<double>(yj) - t > 0.0 ? 1 : 0;
+        w += yj - t > T(0) ? 1 : 0;
       }
       n = w;
     }
     return t;
   }
-  double lo = -1.0, width = 1.0 - std::pow(1.0 / static_cast<double>(std::max<int64_t>(n, 1)), alpha - 1.0);
-  for (int it = 0; it < 60; ++it) {
+  // alpha > 2: bisection over [-1, -(1/n)^(alpha-1)], halvings = the mantissa bits of T plus 4 (as the reference)
+  constexpr int halvings = std::numeric_limits<T>::digits + 4;
+  T lo = T(-1), width = T(1) - std::pow(T(1) / static_cast<T>(std::max<int64_t>(n, 1)), alpha - T(1));
+  for (int it = 0; it < halvings; ++it) {
     width /= 2;
-    const double mid = lo + width;
-    double S = 0;
+    const T mid = lo + width;
+    T S = 0;
 #pragma omp simd reduction(+ : S)
     for (int64_t j = 0; j < n; ++j) {
-      const double d = static_cast<double>(y[j]) - mid;
-      S += d > 0.0 ? vexpd(P * vlogd(std::max(d, tiny))) : 0.0;
+      const T d = y[j] - mid;
+      S += d > T(0) ? vexp_any(P * vlog_any(std::max(d, tiny))) : T(0);
     }
-    if (S >= 1.0) lo = mid;
+    if (S >= T(1)) lo = mid;
   }
   return lo;
 }
@@ -1069,11 +1073,11 @@ void forward_alpha(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
       T* cv = buf.cand.data();
       int32_t* ci = buf.cidx.data();
       int64_t nc = compact_candidates(srow, lim, kr, zmax, am1, cv, ci);
-      // tau rounded to T here, so that the backward pass, which recomputes r = (s - M)(alpha - 1) - tau in T from
-      // the stored M = max s and tau, gets bit-identical r (P = 1/(alpha-1) amplifies any difference)
-      const T tau = static_cast<T>(alpha_threshold<T>(cv, ci, nc, static_cast<double>(alpha)));
+      // tau in T, as the backward pass recomputes r = (s - M)(alpha - 1) - tau in T from the stored M = max s and
+      // tau: it gets bit-identical r (P = 1/(alpha-1) amplifies any difference)
+      const T tau = alpha_threshold<T>(cv, ci, nc, alpha);
       const T P = T(1) / am1;
-      double Z = 0;
+      T Z = 0;
       T* w = buf.w.data();
       // the same x^P (vpow_pos) as the backward's recomputation
 #pragma omp simd reduction(+ : Z)
@@ -1081,16 +1085,17 @@ void forward_alpha(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
         const T d = cv[e] - tau;
         const T wj = d > T(0) ? vpow_pos(std::max(d, std::numeric_limits<T>::min()), P) : T(0);
         w[e] = wj;
-        Z += static_cast<double>(wj);
+        Z += wj;
       }
-      const T invz = Z > 0.0 ? static_cast<T>(1.0 / Z) : T(0);
+      const T invz = Z > T(0) ? T(1) / Z : T(0);
       T* o = out + row * p.Dv;
       T* u = uout != nullptr ? uout + row * UW : nullptr;
-      double G = 0, Hs = 0;
+      T G = 0, Hs = 0;
+      int64_t support = 0;
       T* gw = buf.g.data();
       T* lw = buf.lp.data();
       const T tma = T(2) - alpha;
-#pragma omp simd reduction(+ : G, Hs)
+#pragma omp simd reduction(+ : G, Hs, support)
       for (int64_t e = 0; e < nc; ++e) {  // p_j, g_j = p_j^(2 - alpha), ln p_j (0 off the support)
         const T pj = w[e] * invz;
         const bool in = pj > std::numeric_limits<T>::min();
@@ -1099,8 +1104,9 @@ void forward_alpha(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
         w[e] = in ? pj : T(0);
         gw[e] = gj;
         lw[e] = lp;
-        G += static_cast<double>(gj);
-        Hs += static_cast<double>(pj) * static_cast<double>(lp);
+        G += gj;
+        Hs += pj * lp;
+        support += in ? 1 : 0;
       }
       if (u == nullptr) {
         for (int64_t e = 0; e < nc; ++e) {
@@ -1111,16 +1117,16 @@ void forward_alpha(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
           for (int64_t d = 0; d < p.Dv; ++d) o[d] += pj * vj[d];
         }
         G = 0;
-      } else if (G > 0.0) {
+      } else if (G > T(0)) {
         // out, U = sum g_j v_j and A = sum a_j v_j in one pass over the support, with a_j the alpha-derivative
-        // coefficient of p_j, formed per entry (in double) so that d alpha_i = dO_i . A_i has no cancellation
+        // coefficient of p_j, formed per entry so that d alpha_i = dO_i . A_i has no cancellation
         // between row sums
-        const double am1d = static_cast<double>(am1), invg = 1.0 / G;
+        const T invg = T(1) / G;
         for (int64_t e = 0; e < nc; ++e) {
           const T pj = w[e];
           if (!(pj > T(0))) continue;
-          const double pd = pj, pt = gw[e] * invg;
-          const T aj = static_cast<T>((pd - pt) / (am1d * am1d) - (pd * lw[e] - pt * Hs) / am1d);
+          const T pt = gw[e] * invg;
+          const T aj = (pj - pt) / (am1 * am1) - (pj * lw[e] - pt * Hs) / am1;
           const T gt = gw[e];
           const T* vj = p.vrow(b, g, ci[e]);
 #pragma omp simd
@@ -1132,7 +1138,11 @@ void forward_alpha(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
         }
       }
       r1[row] = tau;  // shifted: p = [(s - M)(alpha - 1) - tau]_+^P / Z, M = max s in U
-      r2[row] = static_cast<T>(G);
+      // a support of one key: the weights are one-hot and stay so under small changes of the scores (the other keys
+      // are strictly outside), so their gradient is exactly 0; -G tells the backward, which would otherwise form
+      // dS = g (dp - dO . U / G), rounding noise (dp from the backward's product, U summed here) times |s| in the
+      // gradient of a score scale
+      r2[row] = static_cast<T>(support == 1 ? -G : G);
       if (u != nullptr) {
         u[2 * p.Dv] = static_cast<T>(Z);
         u[2 * p.Dv + 1] = static_cast<T>(Hs);
@@ -1291,7 +1301,7 @@ inline T bwd_tile_row(const bool* kr, int64_t lim, T* s, T* dp, int64_t nb, cons
 template <typename T, int64_t MAP>
 bool sparse_tile(const Problem<T>& p, int st, int64_t b, int64_t h, int64_t g, int64_t i0, int64_t m, int64_t j0,
                  int64_t nb, const T* S, int32_t* E, T* dQb, T* dK, T* dV, const T* dout, const T* r1,
-                 const T* delta, const T* invd, const T* shift, T* dq, std::mutex* lock, const T* capd) {
+                 const T* delta, const T* invd, const T* shift, const T* live_row, T* dq, std::mutex* lock, const T* capd) {
   if (p.dbias != nullptr) return false;  // the dense tile forms dS for dbias
   constexpr bool ENTMAX = threshold_squared(MAP), ALPHA = is_alpha(MAP);
   const int64_t bh = b * p.H + h;
@@ -1326,7 +1336,8 @@ bool sparse_tile(const Problem<T>& p, int st, int64_t b, int64_t h, int64_t g, i
       pp = ENTMAX ? rr * rr : rr;
       hh = ENTMAX ? rr : T(1);
     }
-    const T live = p.row_value[row] == T(1) ? T(0) : T(1);  // single visible key: constant weights (see RowConstants)
+    // single visible key (sparsemax, entmax-1.5), or alpha-entmax's support of one key: constant weights
+    const T live = p.row_value[row] == T(1) ? T(0) : live_row[row];
     const T* go = dout + row * p.Dv;
     const T* vj = p.vrow(b, g, j0 + j);
     T dpv = 0;
@@ -1366,6 +1377,7 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
   const int64_t BH = p.B * p.H, rows = BH * p.Lq;
   // per-row constants: delta_i = dO_i . out_i (or dO_i . U_i / Hs_i), 1 / D_i
   std::vector<T> delta(rows), invd(rows), shift(rows, T(0));  // shift: alpha-entmax's M
+  std::vector<T> live_row(rows, T(1));  // 0: alpha-entmax rows with a support of one key (see forward_alpha)
   at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* go = dout + i * p.Dv;
@@ -1380,8 +1392,9 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
         const T z = x[2 * p.Dv];
         shift[i] = x[2 * p.Dv + 2];
         invd[i] = z != T(0) ? T(1) / z : T(0);
-        delta[i] = r2[i] != T(0) ? dot / r2[i] : T(0);
-        d_row_value[i] = dot_a;
+        delta[i] = r2[i] != T(0) ? dot / std::abs(r2[i]) : T(0);
+        live_row[i] = r2[i] < T(0) ? T(0) : T(1);
+        d_row_value[i] = r2[i] < T(0) ? T(0) : dot_a;
       } else if (is_normalised(MAP)) {
         invd[i] = r1[i] != T(0) ? T(1) / r1[i] : T(0);
         delta[i] = dot;
@@ -1447,7 +1460,7 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
           if constexpr (is_threshold(MAP)) {
             if (sparse_tile<T, MAP>(p, st, b, h, g, i0, m, j0, nb, buf.S.data(), buf.E.data(), buf.dQ.data(),
                                      buf.dK.data(), buf.dV.data(), dout, r1, delta.data(), invd.data(), shift.data(),
-                                     dq, per_head ? nullptr : &locks[bh * nqb + qb], capd)) {
+                                     live_row.data(), dq, per_head ? nullptr : &locks[bh * nqb + qb], capd)) {
               continue;
             }
           }
@@ -1455,7 +1468,7 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
           T d_row_values[MAX_BQ];
           for (int64_t r = 0; r < m; ++r) {
             const int64_t row = bh * p.Lq + i0 + r;
-            const T live = constant_on_single_key(MAP) && single_key_row(MAP, p.row_value[row]) ? T(0) : T(1);
+            const T live = constant_on_single_key(MAP) && single_key_row(MAP, p.row_value[row]) ? T(0) : live_row[row];
             // em: e^-m (softpick, softplus), 1/M (power)
             const T em = shift_log_abs_max(MAP) ? power_inv_max(r2[row], std::abs(p.row_value[row])) : vexp(-r2[row]);
             RowConstants<T> rc{invd[row], delta[row], p.row_value[row], is_alpha(MAP) ? shift[row] : r2[row], em, r1[row],

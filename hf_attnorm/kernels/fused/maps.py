@@ -15,7 +15,7 @@ A fused map turns a score s (q . k with every scale applied) and the row's value
 * ``row_value``: what r holds, ``row_value_for(n)``: the value a normalizer with default options passes for rows
   with n visible keys, ``row_value_has_gradient``: whether the kernels return d out / d r;
 * ``dispatch``: which C++ driver runs it ("tiles": one blocked pass; "threshold": a threshold search, then a pass;
-  "alpha": alpha-entmax's search in float64), ``wide``: computed in float64 whatever the input dtype;
+  "alpha": alpha-entmax's Newton search on the power P = 1/(alpha - 1));
 * the facts that pick the kernels' code for a map without its own: ``shift`` (a running shift, as softpick's,
   softplus's and power's), ``threshold_exponent`` (sparsemax, entmax-1.5), ``row_value_in_score`` (sigmoid's
   bias), ``row_value_exponent`` (power's p), ``den_offset``, ``row_value_factor``; each is checked here against the
@@ -116,7 +116,6 @@ class FusedMap:
     #: (entmax-1.5), the form the threshold search solves (``HF_MAPS_THRESHOLD_SQUARED``, ``THRESHOLD_SQUARED``);
     #: 0 for every other map (alpha-entmax's exponent is its row value: dispatch "alpha")
     threshold_exponent: int = 0
-    wide: bool = False
     #: the per-entry code both kernels compile for this map (``EntryCode``): every map whose weights take no
     #: running shift and no threshold search declares it; the others are computed by the kernels' code for their
     #: declared ``shift`` / threshold form, which ``__post_init__`` checks against ``weight``
@@ -260,8 +259,7 @@ MAPS: tuple[FusedMap, ...] = (
              row_value_for=_n, row_value_has_gradient=False, dispatch="threshold", threshold_exponent=1),
     FusedMap("entmax_alpha", 8, _alpha_weight, _alpha_slope, normalised=False, threshold=True,
              constant_on_single_key=False, single_key_mark="none", row_value="alpha (1 < alpha <= 2, per head)",
-             row_value_for=lambda n: torch.full_like(_n(n), _ALPHA), row_value_has_gradient=True, dispatch="alpha",
-             wide=True),
+             row_value_for=lambda n: torch.full_like(_n(n), _ALPHA), row_value_has_gradient=True, dispatch="alpha"),
     FusedMap("power", 9, lambda s, r: s.abs() ** r.abs(),
              lambda s, r: torch.where(s != 0, r.abs() * s.abs() ** r.abs() / torch.where(s != 0, s, 1.0), 0.0),
              normalised=True, threshold=False, constant_on_single_key=True, single_key_mark="negative",
@@ -289,8 +287,6 @@ THRESHOLD: frozenset[str] = frozenset(m.name for m in MAPS if m.threshold)
 DEN_ADDS_ROW_VALUE: frozenset[str] = frozenset(m.name for m in MAPS if m.den_offset is not None)
 #: maps whose weight is the row value times a function of the score (``FusedMap.row_value_factor``)
 ROW_VALUE_FACTOR: frozenset[str] = frozenset(m.name for m in MAPS if m.row_value_factor)
-#: maps the C++ kernel computes in float64 whatever the input dtype (``FusedMap.wide``)
-WIDE: frozenset[str] = frozenset(m.name for m in MAPS if m.wide)
 
 
 def map_id(name: str) -> int:
