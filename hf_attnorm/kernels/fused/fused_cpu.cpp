@@ -742,44 +742,62 @@ void forward_tiles(const Problem<T>& p, T* out, T* r1, T* r2) {
 // tau with sum_j [y_j - tau]_+^POW = 1 (POW 2: entmax-1.5, 1: sparsemax); y has max 0, invisible keys -inf.
 // Newton from tau = -1 approaches tau* from below (the map is convex and decreasing) and never overshoots; each
 // step also tries the closed form on the current support {y > t}, which is exact once that support is the true one
-// (checked: every support element must stay >= the candidate tau).
+// (checked: every support element must stay >= the candidate tau). Computed in T (fp32 for fp32 / fp16 / bf16
+// inputs): the sums are of positive terms, and entmax-1.5's closed form is taken in centred moments, where the raw
+// form (the discriminant s1^2 - cnt (s2 - 1)) cancels to a relative error of cnt x eps on long dense rows.
 template <typename T, bool ENTMAX>
 T find_threshold(const T* y, int64_t L) {
-  // sums in double: the closed form subtracts nearly equal quantities (s1^2 vs cnt (s2 - 1)) on long dense rows
-  double t = -1.0;
+  constexpr T inf = std::numeric_limits<T>::infinity();
+  T t = T(-1);
+  bool refined = false;
   for (int it = 0; it < 200; ++it) {
-    double cnt = 0, s1 = 0, s2 = 0;
-    T ymin = std::numeric_limits<T>::infinity();
-    const T tt = static_cast<T>(t);
+    T cnt = 0, s1 = 0, s2 = 0, ymin = inf;
 #pragma omp simd reduction(+ : cnt, s1, s2) reduction(min : ymin)
     for (int64_t j = 0; j < L; ++j) {
-      const T d = y[j] - tt;
+      const T d = y[j] - t;
       const bool in = d > T(0);
-      const double dd = in ? static_cast<double>(d) : 0.0;
-      cnt += in ? 1.0 : 0.0;
+      const T dd = in ? d : T(0);
+      cnt += in ? T(1) : T(0);
       s1 += dd;
       s2 += dd * dd;
-      ymin = std::min(ymin, in ? d : std::numeric_limits<T>::infinity());
+      ymin = std::min(ymin, in ? d : inf);
     }
-    if (cnt == 0.0) return tt;  // unreachable for t < 0 = max y; kept for safety
-    double u, step;
+    if (cnt == T(0)) return t;  // unreachable for t < 0 = max y; kept for safety
+    T u, step;
     if constexpr (ENTMAX) {
-      // smaller root of cnt u^2 - 2 s1 u + s2 - 1 = 0, in the form without cancellation
-      const double disc = s1 * s1 - cnt * (s2 - 1.0);
-      u = disc >= 0.0 ? (s2 - 1.0) / (s1 + std::sqrt(disc)) : std::numeric_limits<double>::infinity();
+      // sum_S (d_j - u)^2 = m2 + cnt (mean - u)^2 = 1 over the support S, m2 = sum_S (d_j - mean)^2: the smaller
+      // root u = mean - sqrt((1 - m2) / cnt); m2 > 1: no root, this support is still too wide. (On the true support
+      // 1 - m2 = cnt rbar^2 may be small, but its rounding moves u by about eps: absolute, at the scale of y.)
+      const T mean = s1 / cnt;
+      T m2 = 0;
+#pragma omp simd reduction(+ : m2)
+      for (int64_t j = 0; j < L; ++j) {
+        const T d = y[j] - t;
+        const T e = d > T(0) ? d - mean : T(0);
+        m2 += e * e;
+      }
+      u = m2 <= T(1) ? mean - std::sqrt((T(1) - m2) / cnt) : inf;
       // Newton on sqrt(f) = ||[y - t]_+||_2: convex and decreasing as well (a monotone norm of convex functions), so
       // from below it never overshoots either, and far from tau* it is nearly linear where f is quadratic (f's own
       // Newton step only halves the distance there): fewer passes on dense rows
       step = (s2 - std::sqrt(s2)) / s1;
     } else {
-      u = (s1 - 1.0) / cnt;
+      u = (s1 - T(1)) / cnt;
       step = u;
     }
-    if (u <= static_cast<double>(ymin)) return static_cast<T>(t + u);
-    if (!(t + step > t)) return tt;  // no progress left at this precision
+    if (u <= ymin) {
+      // exact on this support; solved once more from t + u (entmax-1.5), where the support's d_j are the small
+      // [y_j - tau]_+ themselves: from t far below, mean ~ 1 left u with an absolute rounding of eps, a relative
+      // error of eps / r_j in each r_j = y_j - tau (1e-5 in the weights of a near-uniform row of 1,024 keys)
+      if (!ENTMAX || refined) return t + u;
+      refined = true;
+      t += u;
+      continue;
+    }
+    if (!(t + step > t)) return t;  // no progress left at this precision
     t += step;
   }
-  return static_cast<T>(t);
+  return t;
 }
 
 // uout nullptr: U is not wanted (no backward pass will run, e.g. inference): its buffer and matmul are skipped
