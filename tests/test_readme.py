@@ -5,6 +5,7 @@ paper, and LICENSE / CITATION.cff are there and well-formed."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import shutil
 import subprocess
@@ -265,3 +266,24 @@ def test_speed_goals_mark_misses_by_class():
     assert goals.misses("symax", {("fwd", 1024): 1.01}, {}) == ["fwd n=1024 1.01x"]
     assert goals.misses("linear", {("fwd", 1024): 3.0, ("fwd", 4096): 0.5}, {512: 2.0, 8192: 0.4}) == []
     assert goals.misses("linear", {("fwd", 4096): 1.0}, {2048: 1.2}) == ["fwd n=4096 1.00x", "decode L=2048 1.20x"]
+
+
+def test_the_goal_table_takes_a_recheck_of_its_own_run_only(tmp_path, monkeypatch):
+    """Rows timed again right after the published kernel run (more pairs) replace that run's prefill ratios and are
+    marked; a recheck of another shape, or older than the run, is ignored."""
+    render = _renderer()
+    kern = json.loads((ROOT / render.SPEED_RUNS["kernels"]).read_text())
+    row = dict(next(r for r in kern["rows"] if r["row"] == "softmax" and r["path"] != "reference"))
+    row["fwd_ratio"] = 9.99
+    recheck = {"meta": {**kern["meta"], "date": "2999-01-01 00:00 UTC", "repeats": 9, "command": "recheck"},
+               "rows": [row]}
+    path = tmp_path / "recheck.json"
+    monkeypatch.setitem(render.SPEED_RUNS, "kernels_recheck", str(path))
+    monkeypatch.setattr(render, "ROOT", ROOT)
+    for meta, used in [(recheck["meta"], True), ({**recheck["meta"], "date": "2000-01-01 00:00 UTC"}, False),
+                       ({**recheck["meta"], "H": kern["meta"]["H"] + 1}, False)]:
+        path.write_text(json.dumps({**recheck, "meta": meta}))
+        table = render.speed_goals()
+        softmax = next(ln for ln in table.splitlines() if ln.startswith("| `softmax`"))
+        assert ("9.99" in softmax and "†" in softmax) == used, (meta, softmax)
+        assert ("with 9 pairs" in table) == used

@@ -33,13 +33,10 @@ EXP_NORMALISED = {"selective", "cog"}
 _RECHECK = "bench/kernels/recheck (9 pairs instead of 3"
 _SCALE_ROW = "SDPA's own call with q multiplied by the scale (one elementwise pass over q and its gradient)"
 _LSE_ROW = ("the extra denominator term through the CPU flash kernel's log-sum-exp rewrite (the flash op, then one "
-            f"rescale of the output); {_RECHECK}) measured 1.04x forward at n = 1024, at the goal")
+            "rescale of the output)")
 
 #: implementation -> what costs the prefill time where forward or forward+backward misses the goal
 PREFILL_REASONS: dict[str, str] = {
-    "entmax_alpha": "the C++ kernel computes this map in float64 whatever the input dtype (FusedMap.wide), its "
-                    "threshold search per row included; the forward pays for the search, the backward does not",
-    "asentmax": "alpha-entmax's float64 threshold search (see entmax_alpha), on sparser rows (the query scale)",
     "cog": "no fused kernel: its signed map needs a running max of |s|, a shift form the fused kernels do not have; "
            "it runs on chunked (PyTorch, blocks of queries, the backward recomputes each block)",
     "cosine": "q and k are l2-normalised before SDPA (two more passes over q and k, and their backward)",
@@ -49,7 +46,7 @@ PREFILL_REASONS: dict[str, str] = {
            "B x H x n^2 scores, again in the backward), the flash kernel computes each block's whole key range, and "
            "k and v are repeated per query head with two extra features for the gate's gradient",
     "gated": "the output gate sigmoid(q W + b) is one more [B, H, n, Dv] product and its backward, a larger share "
-             f"of the time at n = 1024 than at 4096 ({_RECHECK}): 1.13x forward at 1024, 1.03x at 4096)",
+             f"of the time at n = 1024 than at 4096 ({_RECHECK}): 1.11x forward at 1024, 1.03x at 4096)",
     "selective": "one more pass over the selecting head's scores for the column sums (an extra Q K^T per block, "
                  "about 7% more matmul work), which the forward pays in full",
     "softpick": "an exp per score plus the |e^s - 1| denominator term, with a running max shift (SDPA's exp is "
@@ -58,19 +55,21 @@ PREFILL_REASONS: dict[str, str] = {
     "lssa": "softplus per score is an exp and a log1p (softmax: one exp)",
     "stickbreaking": "a log-sigmoid per score and a reverse cumulative sum along each row",
     "memkv": "the memory keys and values are prepended to k and v before SDPA (three O(n d) copies and M more keys; "
-             f"{_RECHECK}): 1.07x forward at 1024, 1.01x at 4096)",
+             f"{_RECHECK}): 1.06x forward at 1024, 1.01x at 4096)",
     "sigmoid": "a sigmoid per score (an exp and a division) where SDPA's softmax has one exp",
     "softmax_n": _LSE_ROW,
     "softmax1": _LSE_ROW,
     "sink": _LSE_ROW,
     **{name: _SCALE_ROW for name in ("max_gradient", "llama4", "qwen_logn", "llama4_pos", "log_n", "log_train_n",
                                      "sparse_target", "ssmax", "yarn")},
-    "empirical_max_gradient": f"{_SCALE_ROW}; not a measurable cost: {_RECHECK}) measured 1.01-1.02x",
+    "empirical_max_gradient": f"{_SCALE_ROW}; not a measurable cost: SDPA's own call measures 1.00-1.02x",
 }
 #: implementation -> what costs a decode step beyond the shared per-step overhead (``DECODE_SHARED``)
 DECODE_REASONS: dict[str, str] = {
-    "entmax_alpha": "the float64 threshold search per query over every cached key;",
-    "asentmax": "the float64 threshold search per query over every cached key;",
+    "entmax_alpha": "the threshold search per query over every cached key (Newton steps with an exp and a log per "
+                    "candidate);",
+    "asentmax": "the threshold search per query over every cached key (Newton steps with an exp and a log per "
+                "candidate);",
     "sparsemax": "the threshold search per query over every cached key;",
     "entmax15": "the threshold search per query over every cached key;",
     "diff": "two SDPA calls and the combination per step;",
