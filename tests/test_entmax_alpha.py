@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from numerics import max_abs_error
 
 from hf_attnorm.attention import attention, constant_heads, make_call
 from hf_attnorm.kernels import attend
@@ -162,7 +163,7 @@ def test_fused_fp32_is_within_the_fp32_reference_error_at_every_alpha(alpha):
     fast = _fp32_run("fused_cpu", torch.float32, q, k, v, mask, alpha, gout)
     for label, e, r, f in zip(["out", "dq", "dk", "dv", "dalpha"], exact, ref, fast):
         top = e.abs().max().item()
-        err, base = (f - e).abs().max().item() / top, (r - e).abs().max().item() / top
+        err, base = max_abs_error(f, e) / top, max_abs_error(r, e) / top
         assert err <= 3 * base + 1e-6, f"alpha {alpha} {label}: {err:.2e} > 3 x {base:.2e} + 1e-6"
 
 
@@ -209,5 +210,5 @@ def test_fused_fp32_threshold_search_on_long_rows(name, spread):
     fast, _, ran = attend(call, "fused_cpu")
     assert ran == "fused_cpu"
     top = exact.abs().max().item()
-    err, base = ((fast.double() - exact).abs().max() / top).item(), ((ref.double() - exact).abs().max() / top).item()
+    err, base = max_abs_error(fast, exact) / top, max_abs_error(ref, exact) / top
     assert err <= 4 * base + 1e-7, f"{name} spread {spread}: {err:.2e} > 4 x {base:.2e} + 1e-7"

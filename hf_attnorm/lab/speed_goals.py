@@ -60,9 +60,8 @@ PREFILL_REASONS: dict[str, str] = {
     "softmax_n": _LSE_ROW,
     "softmax1": _LSE_ROW,
     "sink": _LSE_ROW,
-    **{name: _SCALE_ROW for name in ("max_gradient", "llama4", "qwen_logn", "llama4_pos", "log_n", "log_train_n",
-                                     "sparse_target", "ssmax", "yarn")},
-    "empirical_max_gradient": f"{_SCALE_ROW}; not a measurable cost: SDPA's own call measures 1.00-1.02x",
+    **{name: _SCALE_ROW for name in ("max_gradient", "empirical_max_gradient", "llama4", "qwen_logn", "llama4_pos",
+                                     "log_n", "log_train_n", "sparse_target", "ssmax", "yarn")},
 }
 #: implementation -> what costs a decode step beyond the shared per-step overhead (``DECODE_SHARED``)
 DECODE_REASONS: dict[str, str] = {

@@ -124,8 +124,8 @@ inline float vlog(float x) {
 }
 inline double vlog(double x) { return std::log(x); }
 
-// exp and ln in double that GCC vectorises, for alpha-entmax's x^y with non-integer y (its threshold search took
-// one glibc pow per candidate per Newton step: 10% of its fwd+bwd). Both are plain series after range reduction, so
+// exp and ln in double that GCC vectorises, for alpha-entmax's x^y with non-integer y in float64 calls (its threshold
+// search took one glibc pow per candidate per Newton step: 10% of its fwd+bwd). Both are plain series after range reduction, so
 // the coefficients are exact: e^r = sum_k r^k / k! (k <= 13, |r| <= ln2 / 2: truncation < 4e-18) and
 // ln m = 2 atanh(s) = 2 s sum_k s^2k / (2k + 1) (k <= 11, s = (m - 1)/(m + 1), |s| <= 0.172: < 1e-19); within a
 // few ulp of std::exp / std::log. vexpd clamps to [-708, 708] (0 below); vlogd wants a normal x > 0.
@@ -1160,10 +1160,10 @@ void forward_alpha(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
       // are strictly outside), so their gradient is exactly 0; -G tells the backward, which would otherwise form
       // dS = g (dp - dO . U / G), rounding noise (dp from the backward's product, U summed here) times |s| in the
       // gradient of a score scale
-      r2[row] = static_cast<T>(support == 1 ? -G : G);
+      r2[row] = support == 1 ? -G : G;
       if (u != nullptr) {
-        u[2 * p.Dv] = static_cast<T>(Z);
-        u[2 * p.Dv + 1] = static_cast<T>(Hs);
+        u[2 * p.Dv] = Z;
+        u[2 * p.Dv + 1] = Hs;
         u[2 * p.Dv + 2] = zmax;
       }
     }
@@ -1354,8 +1354,7 @@ bool sparse_tile(const Problem<T>& p, int st, int64_t b, int64_t h, int64_t g, i
       pp = ENTMAX ? rr * rr : rr;
       hh = ENTMAX ? rr : T(1);
     }
-    // single visible key (sparsemax, entmax-1.5), or alpha-entmax's support of one key: constant weights
-    const T live = p.row_value[row] == T(1) ? T(0) : live_row[row];
+    const T live = live_row[row];  // 0 where the weights are constant (see backward)
     const T* go = dout + row * p.Dv;
     const T* vj = p.vrow(b, g, j0 + j);
     T dpv = 0;
@@ -1395,9 +1394,12 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
   const int64_t BH = p.B * p.H, rows = BH * p.Lq;
   // per-row constants: delta_i = dO_i . out_i (or dO_i . U_i / Hs_i), 1 / D_i
   std::vector<T> delta(rows), invd(rows), shift(rows, T(0));  // shift: alpha-entmax's M
-  std::vector<T> live_row(rows, T(1));  // 0: alpha-entmax rows with a support of one key (see forward_alpha)
+  // 0 on rows whose weights are constant, so their score gradient is exactly 0: one visible key (maps declaring
+  // constant_on_single_key) or alpha-entmax's support of one key (see forward_alpha); 1 elsewhere
+  std::vector<T> live_row(rows);
   at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
+      live_row[i] = constant_on_single_key(MAP) && single_key_row(MAP, p.row_value[i]) ? T(0) : T(1);
       const T* go = dout + i * p.Dv;
       const T* x = is_threshold(MAP) ? uout + i * u_width(MAP, p.Dv) : out + i * p.Dv;
       T dot = 0;
@@ -1411,7 +1413,7 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
         shift[i] = x[2 * p.Dv + 2];
         invd[i] = z != T(0) ? T(1) / z : T(0);
         delta[i] = r2[i] != T(0) ? dot / std::abs(r2[i]) : T(0);
-        live_row[i] = r2[i] < T(0) ? T(0) : T(1);
+        if (r2[i] < T(0)) live_row[i] = T(0);
         d_row_value[i] = r2[i] < T(0) ? T(0) : dot_a;
       } else if (is_normalised(MAP)) {
         invd[i] = r1[i] != T(0) ? T(1) / r1[i] : T(0);
@@ -1486,11 +1488,10 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
           T d_row_values[MAX_BQ];
           for (int64_t r = 0; r < m; ++r) {
             const int64_t row = bh * p.Lq + i0 + r;
-            const T live = constant_on_single_key(MAP) && single_key_row(MAP, p.row_value[row]) ? T(0) : live_row[row];
             // em: e^-m (softpick, softplus), 1/M (power)
             const T em = shift_log_abs_max(MAP) ? power_inv_max(r2[row], std::abs(p.row_value[row])) : vexp(-r2[row]);
             RowConstants<T> rc{invd[row], delta[row], p.row_value[row], is_alpha(MAP) ? shift[row] : r2[row], em, r1[row],
-                       live};
+                       live_row[row]};
             const bool* kr = st == 2 && p.keep ? p.mrow(b, h, i0 + r) + j0 : nullptr;
             d_row_values[r] = bwd_tile_row<T, MAP>(kr, st == 1 ? nb : p.key_end(i0 + r) - j0, buf.S.data() + r * nb,
                                              buf.dP.data() + r * nb, nb, rc);
