@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .kernels import attend
-from .kernels.base import AttnCall, alibi_bias
+from .kernels.base import AttnCall, alibi_bias, repeat_kv
 from .kernels.fused.maps import fused_takes
 from .kernels.memory import memory_specs, prepend_memory
 from .masks import MaskError, build_mask_info, select_keys, split_float_mask
@@ -28,14 +28,21 @@ def param_specs(settings: AttnormSettings) -> tuple[ParamSpec, ...]:
             *memory_specs(settings))
 
 
+def _key_values_per_query_head(settings: AttnormSettings, heads: Mapping[str, torch.Tensor], num_heads: int) -> bool:
+    """Whether a normalizer's or scale's per-key/value-head value (``ParamSpec.heads="kv"``, not the learned memory,
+    which handles its own) was given with one entry per query head."""
+    return any(spec.heads == "kv" and spec.name in heads and heads[spec.name].shape[0] == num_heads
+               for spec in (*NORMALIZERS.get(settings.normalizer).params, *SCALES.get(settings.scale).params))
+
+
 def constant_heads(settings: AttnormSettings, num_heads: int, device=None,
                    head_dim: int | None = None, kv_heads: int | None = None,
                    value_dim: int | None = None) -> dict[str, torch.Tensor]:
     """Per-head values ([H] or [H, ...], ``ParamSpec.shape``) at their initial values (fp32), for calls without a
     module. head_dim: D of q/k, needed only by values shaped by it; kv_heads: Hkv, read by values per key/value head
-    (``ParamSpec.heads="kv"``: learned memory key/values), default H (which ``make_call`` also accepts for memory
-    with GQA: one memory per query head, k/v then repeated, see ``kernels/memory.py``); value_dim: Dv, read by values
-    shaped by it (default head_dim)."""
+    (``ParamSpec.heads="kv"``: learned memory key/values, hedgehog's key feature maps), default H (which
+    ``make_call`` also accepts with GQA: one value per query head, k/v then repeated, see ``kernels/memory.py``);
+    value_dim: Dv, read by values shaped by it (default head_dim)."""
     return {spec.name: spec.initial(num_heads, settings, head_dim, device, kv_heads, value_dim)
             for spec in param_specs(settings)}
 
@@ -106,6 +113,10 @@ def make_call(
         k = torch.where(mask.dead, zero, k)
         v = torch.where(mask.dead, zero.to(v.dtype), v)
     heads = dict(heads)
+    if Hkv != H and _key_values_per_query_head(settings, heads, H):
+        # values declared per key/value head (a key-side feature map) given one per query head, as constant_heads
+        # makes them without kv_heads: the group's query heads then have different key sides, so k/v are repeated
+        k, v = repeat_kv(k, H // Hkv), repeat_kv(v, H // Hkv)
     info = dict(module_info or {})
     # gated attention: from the caller's raw queries (before memory query rows are prepended)
     gate = norm.output_gate(q, Ctx(settings, heads, D, mask.n, info, Lk))

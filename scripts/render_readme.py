@@ -329,7 +329,27 @@ def _main_section(name: str) -> Callable[[], str]:
 
 #: the published runs the speed-goal table joins: the kernel benchmark (prefill) and the decode curve
 SPEED_RUNS = {"kernels": "bench/kernels/bench_kernels.json", "decode": "bench/decode/curve.json",
-              "kernels_recheck": "bench/kernels/recheck/bench_kernels.json"}
+              "kernels_recheck": "bench/kernels/recheck/bench_kernels.json",
+              "kernels_added": "bench/kernels/added/bench_kernels.json",
+              "decode_added": "bench/decode/added/curve.json"}
+#: what must agree between a published run and a run of the implementations added after it (same command, --only)
+_KERNEL_SHAPE = ("B", "H", "Hkv", "d", "dtype", "causal", "threads", "repeats")
+_DECODE_SHAPE = ("model", "steps", "repeats", "threads")
+
+
+def _added_rows(published: dict, key: str, shape: tuple[str, ...], by: str) -> tuple[list[dict], dict | None]:
+    """Rows of implementations registered after a published run, timed later by the same command restricted to
+    them (each ratio against SDPA measured in that run's own process): only rows the published run lacks, and only
+    from a run of the same shape started after it."""
+    path = ROOT / SPEED_RUNS[key]
+    if not path.exists():
+        return [], None
+    added = json.loads(path.read_text())
+    pm, am = published["meta"], added["meta"]
+    if any(pm.get(f) != am.get(f) for f in shape) or am.get("date", "") < pm.get("date", ""):
+        return [], None
+    have = {r[by] for r in published["rows"]}
+    return [r for r in added["rows"] if r[by] not in have], am
 
 
 def _rechecked_rows(kern: dict) -> tuple[dict[tuple[str, int], dict], dict | None]:
@@ -357,7 +377,10 @@ def speed_goals() -> str:
     kern = json.loads((ROOT / SPEED_RUNS["kernels"]).read_text())
     dec = json.loads((ROOT / SPEED_RUNS["decode"]).read_text())
     rechecked, recheck_meta = _rechecked_rows(kern)
-    fast = [rechecked.get((r["row"], r["n"]), r) for r in kern["rows"] if r["path"] != "reference"]
+    kern_added, kern_added_meta = _added_rows(kern, "kernels_added", _KERNEL_SHAPE, "row")
+    dec_added, dec_added_meta = _added_rows(dec, "decode_added", _DECODE_SHAPE, "implementation")
+    added_names = {r["row"] for r in kern_added} | {r["implementation"] for r in dec_added}
+    fast = [rechecked.get((r["row"], r["n"]), r) for r in [*kern["rows"], *kern_added] if r["path"] != "reference"]
     lengths = sorted({r["n"] for r in fast})
     contexts = sorted({r["context"] for r in dec["rows"]})
     head = (["implementation", "prefill path"] + [f"fwd n={n}" for n in lengths]
@@ -367,7 +390,7 @@ def speed_goals() -> str:
     met = prefill_met = decode_met = 0
     for name in hf_attnorm.available():
         k = {r["n"]: r for r in fast if r["row"] == name}
-        d = {r["context"]: r for r in dec["rows"] if r["implementation"] == name}
+        d = {r["context"]: r for r in [*dec["rows"], *dec_added] if r["implementation"] == name}
         if len(k) < len(lengths) or len(d) < len(contexts):
             lines.append("| " + " | ".join([f"`{name}`"] + ["not measured in this run"] * (len(head) - 1)) + " |")
             continue
@@ -382,6 +405,7 @@ def speed_goals() -> str:
         goal = (f"< 1 from n = {goals.LINEAR_FROM}" if goals.is_linear(name)
                 else f"≤ {goals.prefill_goal(name):.2f} / ≤ {goals.DECODE_GOAL:.2f}")
         marked = f"`{name}` †" if any((name, n) in rechecked for n in lengths) else f"`{name}`"
+        marked += " ‡" if name in added_names else ""
         cells = ([marked, paths] + [f"{k[n]['fwd_ratio']:.2f}" for n in lengths]
                  + [f"{k[n]['fwd_bwd_ratio']:.2f}" for n in lengths] + [d[contexts[-1]]["path"]]
                  + [f"{d[c]['ratio_to_sdpa']:.2f}" for c in contexts]
@@ -398,6 +422,11 @@ def speed_goals() -> str:
         f"with {recheck_meta['repeats']} pairs: `{recheck_meta['command']}`, load average at the start "
         f"{recheck_meta['load_average_start'][0]:.1f}; [{SPEED_RUNS['kernels_recheck']}]"
         f"(../{SPEED_RUNS['kernels_recheck']}); the run's own ratios are in its JSON).")
+    if kern_added_meta is not None or dec_added_meta is not None:
+        runs = [f"`{m['command']}` ([{SPEED_RUNS[key]}](../{SPEED_RUNS[key]}))"
+                for m, key in ((kern_added_meta, "kernels_added"), (dec_added_meta, "decode_added")) if m]
+        recheck += (" ‡ implementations registered after the run, timed later by the same command restricted to "
+                    f"them, each against SDPA in its own process: {'; '.join(runs)}.")
     return ("\n".join(lines) + f"\n\n{met} of {total} implementations at every goal; {prefill_met} at the prefill "
             f"goal, {decode_met} at the decode goal. The per-step overhead shared by every decode row: "
             f"{goals.DECODE_SHARED}.\n\nPrefill: "

@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import first_implementations, has_memory
 from family_zoo import FAMILIES, build, inputs
+from transformers import AutoModelForCausalLM
 
 import hf_attnorm  # noqa: F401
 from hf_attnorm.lab import convert
@@ -103,8 +104,9 @@ def test_a_softmax_target_has_zero_error(source, tmp_path):
 
 
 #: a learning rate far too large for softmax1 (close to softmax): stage 1 makes the held-out error worse
+#: (softmax1 without its continuation from softmax, which would measure only the steps after its ramp)
 OVERSHOOT = ("--transfer_steps", "3", "--finetune_steps", "0", "--transfer_learning_rate", "3", "--max_grad_norm", "0",
-             "--no_save_model", "--transfer_skip_error", "0")
+             "--no_save_model", "--no-continuation", "--transfer_skip_error", "0")
 
 
 def test_a_stage_1_that_raises_the_error_says_so(source, tmp_path):
@@ -254,6 +256,84 @@ def test_a_resumed_conversion_equals_an_uninterrupted_one(source, tmp_path, monk
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+# ------------------------------------------------------------------------------------------------ continuation
+
+
+def test_entmax15_walks_from_softmax_and_ends_as_entmax15(source, tmp_path):
+    """entmax15's continuation: stage 1 runs alpha-entmax with alpha from 1.001 (softmax, nearly) to 1.5 over the
+    first half of the steps, then entmax15 itself. Its first step's loss is the near-softmax start's, far below
+    entmax15's own start error; keep-best measures only after the ramp; the model ends as entmax15."""
+    flags = ("--transfer_steps", "4", "--finetune_steps", "0", "--transfer_eval_steps", "1", "--eval_stages",
+             "swapped,transfer", "--continuation_fraction", "0.5", "--transfer_skip_error", "0")
+    s = convert.run(_args(source, tmp_path / "o", "entmax15", *flags))
+    cont = s["continuation"]
+    assert cont["ran"] and cont["implementation"] == "entmax_alpha" and cont["ramp_steps"] == 2
+    assert (cont["start"], cont["end"]) == (1.001, 1.5)
+    first_loss = s["losses"]["transfer"][0][1]
+    assert first_loss < 0.05 * s["transfer_check"]["start"], (first_loss, s["transfer_check"]["start"])
+    assert [m[0] for m in s["transfer_check"]["measured"]] == [2, 3, 4]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "o" / "final")
+    assert model.config._attn_implementation == "entmax15"
+    # without it: stage 1 trains entmax15 from its first step
+    s = convert.run(_args(source, tmp_path / "n", "entmax15", *flags, "--no-continuation"))
+    assert not s["continuation"]["ran"] and s["continuation"]["why"] == "--no-continuation"
+    assert s["losses"]["transfer"][0][1] > 0.5 * s["transfer_check"]["start"]
+
+
+def test_continuations_are_planned_where_they_change_nothing_saved():
+    from hf_attnorm.lab.continuation import plan_continuation
+
+    plan, _ = plan_continuation("sink", {"sink_learnable": False, "sink_init": 0.5}, 0.5)
+    assert plan.implementation == "sink" and [plan.value_at(s, 4) for s in range(5)] == [-30.0, -14.75, 0.5, 0.5, 0.5]
+    plan, why = plan_continuation("sink", {}, 0.5)  # a learned sink: training moves it
+    assert plan is None and "learned per-head value sink_logit" in why
+    plan, why = plan_continuation("symax", {}, 0.5)
+    assert plan is None and "declares no continuation" in why
+    with pytest.raises(ConvertError, match="--continuation_fraction must be in"):
+        parse_args(["--attn_implementation", "entmax15", "--output_dir", "x", "--continuation_fraction", "1.5"])
+
+
+@pytest.mark.long
+def test_a_resumed_continuation_equals_an_uninterrupted_one(source, tmp_path, monkeypatch):
+    """Interrupted inside the ramp: the resumed run sets the option the step needs and ends as the whole run."""
+    flags = ["--transfer_steps", "6", "--finetune_steps", "0", "--checkpointing_steps", "2", "--eval_stages",
+             "transfer", "--transfer_skip_error", "0"]
+    whole = Converter(parse_args(_args(source, tmp_path / "whole", "entmax15", *flags)))
+    expected = whole.run()
+    original = Converter.batch
+
+    def interrupted(self, which: str, step: int):
+        if step == 3:
+            raise _Stop
+        return original(self, which, step)
+
+    monkeypatch.setattr(Converter, "batch", interrupted)
+    with pytest.raises(_Stop):
+        Converter(parse_args(_args(source, tmp_path / "cut", "entmax15", *flags))).run()
+    monkeypatch.setattr(Converter, "batch", original)
+    got = Converter(parse_args(_args(source, tmp_path / "cut", "entmax15", *flags, "--resume_from_checkpoint",
+                                     "latest"))).run()
+    assert got["losses"] == expected["losses"] and got["perplexity"] == expected["perplexity"]
+
+
+# ------------------------------------------------------------------------------------------------ held-out texts
+
+
+def test_held_out_texts_are_scored_at_every_evaluation(source, tmp_path):
+    text = tmp_path / "other.txt"
+    text.write_text("The committee approved the budget for the new library after a long debate. " * 40)
+    s = convert.run(_args(source, tmp_path / "o", "symax", "--transfer_steps", "1", "--finetune_steps", "1",
+                          "--no_save_model", "--eval_texts", str(text)))
+    scored = s["eval_texts"][str(text)]
+    assert scored["description"] == "other.txt" and scored["tokens"] > 64
+    assert set(scored["perplexity"]) == set(s["perplexity"]) == {"swapped", "transfer", "finetune"}
+    for point, by_length in scored["perplexity"].items():
+        assert set(by_length) == set(s["perplexity"][point]) and all(v > 1 for v in by_length.values())
+        assert by_length != s["perplexity"][point]  # another text, another perplexity
+    with pytest.raises(ConvertError, match="--eval_texts: 'nope' is neither a named held-out text \\(kjv\\)"):
+        parse_args(["--attn_implementation", "symax", "--output_dir", "x", "--eval_texts", "nope"])
+
+
 def test_resuming_with_other_flags_is_refused(source, tmp_path):
     out = tmp_path / "o"
     convert.run(_args(source, out, "ssmax", "--transfer_steps", "2", "--finetune_steps", "0", "--no_save_model"))
@@ -337,15 +417,16 @@ def test_the_published_study_is_generated_from_its_runs():
     assert list(results.get("longer", {})) == longer
     for length in longer:
         assert json.loads(json.dumps(study.aggregate(runs, length))) == results["longer"][length], length
-    assert set(runs) == {study.REFERENCE, *study.PLAN}
+    assert set(runs) == {study.REFERENCE, *results["plan"]}  # (the plan it ran: implementations added since wait)
     seeds = set(range(results["settings"]["seeds"]))
     for impl, kinds in runs.items():
-        expected = {"control"} if impl == study.REFERENCE else {"convert", "control"}
+        expected = {"control"} if impl == study.REFERENCE else \
+            set(results["settings"].get("kinds", ("convert", "control")))
         assert set(kinds) == expected and all(set(by_seed) == seeds for by_seed in kinds.values()), impl
         for by_seed in kinds.values():
             for run in by_seed.values():
                 assert run["command"].startswith("python scripts/convert.py") and run["wall_seconds"] > 0
-                assert run["settings"] == {**run["settings"], **study.PLAN.get(impl, {})}
+                assert run["settings"] == {**run["settings"], **results["plan"].get(impl, {})}
     assert (BENCH / "results.md").read_text() == study.markdown(results)
 
 
@@ -430,6 +511,45 @@ def test_the_study_renders_each_evaluated_context():
     assert "| `ssmax` | — | 80 [60, 100] | 40 [30, 50] | 35 [25, 45] |" in study.table(results, "2048")
     with pytest.raises(KeyError, match="no perplexity at 4096 tokens.*evaluated: \\[512, 2048\\]"):
         study.rows_at(results, 4096)
+
+
+def test_the_study_with_calibrated_starts_reports_its_goals():
+    """A study with calibrated starts, distillation and a second text: the full table's columns, the other text's
+    table from each run's --eval_texts, and each goal met, not met, or not measured from the numbers."""
+    from hf_attnorm.lab import conversion_study as study
+
+    def run(final: float, *, swapped=None, calibrated=None, transfer=None, scale=1.0) -> dict:
+        points = {"finetune": final}
+        points.update({k: v for k, v in (("swapped", swapped), ("calibrated", calibrated), ("transfer", transfer))
+                       if v is not None})
+        ppl = {k: {"512": v, "2048": v * 0.8} for k, v in points.items()}
+        other = {k: {n: v * scale for n, v in by.items()} for k, by in ppl.items()}
+        return {"perplexity": ppl, "eval_texts": {"kjv": {"perplexity": other}}, "layer_errors": {},
+                "wall_seconds": 120.0, "peak_rss_mb": {"load": 1000.0, "transfer": 2048.0}}
+
+    runs = {"softmax": {"control": {0: run(10.0, swapped=12.0, scale=3), 1: run(10.0, scale=3)}},
+            "ssmax": {"convert": {0: run(11.0, swapped=900.0, calibrated=13.0, transfer=12.5), 1: run(11.2)},
+                      "distill": {0: run(10.8), 1: run(10.9)}, "control": {0: run(12.0), 1: run(12.0)}},
+            "hedgehog": {"convert": {0: run(50.0, swapped=3000.0), 1: run(60.0)},
+                         "control": {0: run(80.0), 1: run(55.0)}}}
+    settings = {"eval_lengths": [512, 2048], "block_size": 512, "transfer_steps": 20, "finetune_steps": 20,
+                "kinds": list(study.KINDS)}
+    results = {"settings": settings, "rows": study.aggregate(runs, "512"),
+               "longer": {"2048": study.aggregate(runs, "2048")}, "other_text": "Luke and Acts",
+               "texts": {"kjv": {n: study.aggregate(runs, n, "kjv") for n in ("512", "2048")}}}
+    main = study.table(results)
+    assert "| `ssmax` | 900 | 13 | 12.5 | 11.1 [11, 11.2] | 10.9 [10.8, 10.9] | 12 [12, 12] | 2.0 | 2.0 |" in main
+    assert "| `hedgehog` | 3000 | — | — | 55 [50, 60] | — | 67.5 [55, 80] | 2.0 | 2.0 |" in main
+    other = study.text_table(results, "kjv", "512")
+    assert other.startswith("On Luke and Acts, at 512 tokens")
+    assert "| `softmax` | 36 | — | — | — | — | 30 [30, 30] |" in other
+    met = {goal.split(" ")[0] + goal.split(" ")[1]: (ok, detail) for goal, ok, detail in study.goals(results)}
+    assert met["atleast"][0] is None or met["atleast"][0] is False  # 1 of 5 measured: ssmax 1.12x
+    assert "`ssmax` 1.12x" in met["atleast"][1]
+    assert met["ssmaxcalibrated"] == (True, "13 against the original's 12 (1.08x)")
+    assert met["sigmoidand"][0] is None
+    assert met["attentiontransfer"][0] is None and "`hedgehog` not every seed" in met["attentiontransfer"][1]
+    assert "Goals:" in study.markdown(results)
 
 
 # ------------------------------------------------------------------------------------------- --distill

@@ -152,6 +152,23 @@ def _linear(q, k, keep, opts):
     return w
 
 
+def _hedgehog(q, k, keep, opts):
+    """Zhang et al. 2024 (Hedgehog): phi(x) = [softmax(x W), softmax(-x W)] over the feature dim, W_h started at
+    hedgehog_init x the identity (LoLCATs' start), weights phi(q_i).phi(k_j) / sum_j phi(q_i).phi(k_j), no
+    1/sqrt(d)."""
+    w_h = opts.get("hedgehog_init", 1.0) * torch.eye(D, dtype=F64)
+
+    def phi(x):
+        y = x @ w_h
+        return torch.cat([torch.softmax(y, -1), torch.softmax(-y, -1)], -1)
+
+    w = torch.zeros(B, H, L, L, dtype=F64)
+    for b, h, i, idx, qi, kv in _rows(q, k, keep):
+        a = phi(kv) @ phi(qi)
+        w[b, h, i, idx] = a / a.sum()
+    return w
+
+
 def _asentmax(q, k, keep, opts):
     """Vasylenko et al. 2025: alpha-entmax(theta_i s_i), theta_i = delta + softplus(w . q_i) (ln n_i)^gamma on the raw
     q_i (w = 0 here: softplus(0) = ln 2)."""
@@ -288,6 +305,7 @@ NORMALIZER_FORMULAS: dict[str, tuple[Callable, dict]] = {
                  {}),
     "cosine": (_cosine, {"cosine_temperature": 2.0}),
     "linear": (_linear, {}),
+    "hedgehog": (_hedgehog, {"hedgehog_init": 0.5}),
     "selective": (_selective, {"selective_head": 1}),
     "stickbreaking": (_stickbreaking, {"stickbreaking_attend_current": True, "stickbreaking_remainder": False}),
 }

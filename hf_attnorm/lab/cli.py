@@ -78,3 +78,23 @@ def positive_float(text: str) -> float:
 def non_negative_float(text: str) -> float:
     """An argparse type: a finite number >= 0."""
     return _finite_float(text, lambda v: v >= 0, "a finite number >= 0")
+
+
+def comma_names(text: str) -> list[str]:
+    """An argparse type: comma-separated names (at least one), e.g. ``q_proj,k_proj``."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"must be comma-separated names (at least one), got {text!r}")
+    return names
+
+
+def token_counts(text: str) -> list[int]:
+    """An argparse type: comma-separated token counts >= 2 (e.g. ``512,2048``)."""
+    try:
+        values = [int(n) for n in text.split(",") if n.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated token counts, e.g. 512,2048; got {text!r}") \
+            from None
+    if not values or min(values) < 2:
+        raise argparse.ArgumentTypeError(f"must be comma-separated token counts >= 2, got {text!r}")
+    return values

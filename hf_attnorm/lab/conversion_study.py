@@ -25,21 +25,33 @@ PLAN: dict[str, dict[str, Any]] = {
     "entmax15": {},
     "ssmax": {},
     "stickbreaking": {},
+    "hedgehog": {},
 }
 REFERENCE = "softmax"
+#: the runs per implementation and seed: stage 1 + stage 2 on the next-token loss, the same with stage 2 on the KL to
+#: the original model (--distill), and stage 2 alone with as many steps (the control)
+KINDS = ("convert", "distill", "control")
+#: the second held-out text (of another kind than the Shakespeare the runs train on)
+OTHER_TEXT = "kjv"
 #: the published claim the study tests, per method family
 CLAIM = ("LoLCATs (Zhang et al. 2024, arXiv:2410.10254) and Hedgehog (Zhang et al. 2024, arXiv:2402.04347): "
          "attention transfer (matching the softmax attention outputs layer by layer) recovers most of the quality "
          "of a linearised model with a small training budget, better than fine-tuning alone")
 
 
-def _ppl(summary: Mapping[str, Any], point: str, length: str) -> float | None:
-    value = summary.get("perplexity", {}).get(point, {}).get(length)
+def _ppl(summary: Mapping[str, Any], point: str, length: str, text: str | None = None) -> float | None:
+    """Perplexity of a run at an evaluation point and context, on the validation text (``text`` None) or on one of
+    its --eval_texts."""
+    scored = summary.get("perplexity", {}) if text is None else \
+        summary.get("eval_texts", {}).get(text, {}).get("perplexity", {})
+    value = scored.get(point, {}).get(length)
     return None if value is None else float(value)
 
 
 def _spread(values: Sequence[float]) -> str:
-    """mean [min, max] of the seeds (perplexity: 3 significant digits)."""
+    """mean [min, max] of the seeds (perplexity: 3 significant digits); seeds without the point (a skipped stage 1)
+    are left out."""
+    values = [v for v in values if v is not None]
     if not values:
         return "—"
     if any(not math.isfinite(v) for v in values):
@@ -56,29 +68,37 @@ def _num(x: float) -> str:
     return f"{x:.3g}" if x < 100 else f"{x:.0f}"
 
 
-def aggregate(runs: Mapping[str, Mapping[str, Mapping[int, Mapping[str, Any]]]], length: str) -> dict[str, Any]:
-    """runs[implementation][kind][seed] = conversion.json summary (kind: "convert" or "control") -> per
-    implementation the perplexities by seed, layer errors, seconds and the paired verdict."""
+def aggregate(runs: Mapping[str, Mapping[str, Mapping[int, Mapping[str, Any]]]], length: str,
+              text: str | None = None) -> dict[str, Any]:
+    """runs[implementation][kind][seed] = conversion.json summary (kind: one of ``KINDS``) -> per implementation the
+    perplexities by seed (on the validation text, or on ``text`` of the runs' --eval_texts), layer errors, seconds,
+    peak memory and the paired verdict."""
     rows: dict[str, Any] = {}
     for impl, kinds in runs.items():
-        conv, ctrl = kinds.get("convert", {}), kinds.get("control", {})
-        seeds = sorted(set(conv) | set(ctrl))
-        swapped = next((p for p in (_ppl(s, "swapped", length) for s in (*conv.values(), *ctrl.values()))
-                        if p is not None), None)
+        conv, ctrl, dist = kinds.get("convert", {}), kinds.get("control", {}), kinds.get("distill", {})
+        seeds = sorted(set(conv) | set(ctrl) | set(dist))
+        every = (*conv.values(), *dist.values(), *ctrl.values())
+        swapped = next((p for p in (_ppl(s, "swapped", length, text) for s in every) if p is not None), None)
+        calibrated = next((p for p in (_ppl(s, "calibrated", length, text) for s in every) if p is not None), None)
         errors = next((s["layer_errors"] for s in conv.values() if "swapped" in s.get("layer_errors", {})), {})
         after = [statistics.fmean(s["layer_errors"]["transfer"]) for s in conv.values()
                  if "transfer" in s.get("layer_errors", {})]
         row = {
             "seeds": seeds,
             "swapped": swapped,
-            "transfer": {seed: _ppl(conv[seed], "transfer", length) for seed in conv},
-            "convert": {seed: _ppl(conv[seed], "finetune", length) for seed in conv},
-            "control": {seed: _ppl(ctrl[seed], "finetune", length) for seed in ctrl},
+            "transfer": {seed: _ppl(conv[seed], "transfer", length, text) for seed in conv},
+            "convert": {seed: _ppl(conv[seed], "finetune", length, text) for seed in conv},
+            "control": {seed: _ppl(ctrl[seed], "finetune", length, text) for seed in ctrl},
             "layer_error_swapped": statistics.fmean(errors["swapped"]) if errors else None,
             "layer_error_transfer": statistics.fmean(after) if after else None,
             "convert_seconds": {seed: conv[seed]["wall_seconds"] for seed in conv if "wall_seconds" in conv[seed]},
             "control_seconds": {seed: ctrl[seed]["wall_seconds"] for seed in ctrl if "wall_seconds" in ctrl[seed]},
         }
+        if any("eval_texts" in s for s in every):  # (a study with calibrated starts, --distill, a second text)
+            row["calibrated"] = calibrated
+            row["distill"] = {seed: _ppl(dist[seed], "finetune", length, text) for seed in dist}
+            row["peak_memory_mb"] = max((max(s.get("peak_rss_mb", {}).values(), default=0.0) for s in every),
+                                        default=0.0)
         row["verdict"] = verdict(row)
         rows[impl] = row
     return rows
@@ -120,6 +140,9 @@ def rows_at(results: Mapping[str, Any], length: int | str | None = None) -> Mapp
 def table(results: Mapping[str, Any], length: int | str | None = None) -> str:
     """The markdown table of ``results.json`` at one evaluated context (default: the first)."""
     rows = rows_at(results, length)
+    full = any("calibrated" in r for r in rows.values())  # a study with calibrated starts and distillation
+    if full:
+        return _full_table(rows)
     head = ("| implementation | swapped, no training | after stage 1 | stage 1 + stage 2 | stage 2 alone (control) "
             "| layer error: swapped → stage 1 | minutes per conversion | finding |\n|---|---|---|---|---|---|---|---|")
     lines = [head]
@@ -140,12 +163,104 @@ def table(results: Mapping[str, Any], length: int | str | None = None) -> str:
     return "\n".join(lines)
 
 
+def _full_table(rows: Mapping[str, Any]) -> str:
+    """The table of a study with calibrated starts and distillation runs."""
+    lines = ["| implementation | swapped | calibrated | after stage 1 | final | final, stage 2 distilled | control "
+             "(stage 2 alone) | minutes per conversion | peak memory (GB) | finding |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for impl in [REFERENCE] + [i for i in rows if i != REFERENCE]:
+        if impl not in rows:
+            continue
+        r = rows[impl]
+        secs = list(r["convert_seconds"].values()) or list(r["control_seconds"].values())
+        minutes = f"{statistics.fmean(secs) / 60:.1f}" if secs else "—"
+        memory = f"{r['peak_memory_mb'] / 1024:.1f}" if r.get("peak_memory_mb") else "—"
+        cells = ["—" if r.get(k) is None else _num(r[k]) for k in ("swapped", "calibrated")]
+        cells += [_spread(list(r.get(k, {}).values())) for k in ("transfer", "convert", "distill", "control")]
+        finding = r["verdict"] if impl != REFERENCE else "the original model and its fine-tune"
+        lines.append(f"| `{impl}` | {' | '.join(cells)} | {minutes} | {memory} | {finding} |")
+    return "\n".join(lines)
+
+
+#: the goal the study reports against: at least this many of ``NEAR_SOFTMAX`` within ``NEAR`` of the softmax
+#: fine-tune at every context on every seed
+NEAR_SOFTMAX, NEAR, NEAR_COUNT = ("softmax1", "ssmax", "entmax15", "stickbreaking", "sigmoid"), 1.15, 4
+
+
+def goals(results: Mapping[str, Any]) -> list[tuple[str, bool | None, str]]:
+    """(goal, met: True / False / None when not measured, what was measured) for each goal of the study."""
+    lengths = [str(n) for n in results["settings"]["eval_lengths"]]
+    at = {n: rows_at(results, n) for n in lengths}
+    out: list[tuple[str, bool | None, str]] = []
+
+    def finals(rows: Mapping[str, Any], impl: str) -> dict:
+        return {int(s): v for s, v in rows.get(impl, {}).get("convert", {}).items() if v is not None}
+
+    near, detail = [], []
+    for impl in NEAR_SOFTMAX:
+        ratios = []
+        for n in lengths:
+            ref = {int(s): v for s, v in at[n].get(REFERENCE, {}).get("control", {}).items()}
+            got = finals(at[n], impl)
+            ratios += [got[s] / ref[s] for s in got if s in ref]
+        if ratios and len(ratios) == len(lengths) * len(finals(at[lengths[0]], impl)):
+            detail.append(f"`{impl}` {max(ratios):.2f}x")
+            if max(ratios) <= NEAR:
+                near.append(impl)
+    out.append((f"at least {NEAR_COUNT} of {', '.join(NEAR_SOFTMAX)} within {100 * (NEAR - 1):.0f}% of the softmax "
+                f"fine-tune at {' and '.join(lengths)} tokens on every seed", len(near) >= NEAR_COUNT if detail
+                else None, f"{len(near)} are (worst seed and context: {', '.join(detail) or 'not measured'})"))
+    first = at[lengths[0]]
+    original = first.get(REFERENCE, {}).get("swapped")
+    cal = first.get("ssmax", {}).get("calibrated")
+    out.append(("ssmax calibrated within 10% of the original model with no training",
+                None if cal is None or original is None else cal <= 1.1 * original,
+                "not measured" if cal is None or original is None else
+                f"{_num(cal)} against the original's {_num(original)} ({cal / original:.2f}x)"))
+    before = []
+    for impl in ("sigmoid", "stickbreaking"):
+        r = first.get(impl, {})
+        start = r.get("calibrated") if r.get("calibrated") is not None else r.get("swapped")
+        if start is not None and original:
+            before.append((impl, start / original))
+    out.append(("sigmoid and stickbreaking below 2x the original before training",
+                None if len(before) < 2 or not original else all(x < 2 for _, x in before),
+                ", ".join(f"`{i}` {x:.3g}x" for i, x in before) or "not measured"))
+    beats, said = [], []
+    for impl in ("hedgehog", "symax"):
+        r = first.get(impl, {})
+        paired = [(r["convert"][s], r["control"][s]) for s in r.get("convert", {}) if s in r.get("control", {})]
+        if paired:
+            beats.append(all(c < f for c, f in paired))
+            said.append(f"`{impl}` {'every seed' if beats[-1] else 'not every seed'}")
+    out.append(("attention transfer beats the control for linear attention with a learned feature map (hedgehog) "
+                "and symax on every seed", all(beats) if len(beats) == 2 else None, ", ".join(said) or
+                "not measured"))
+    return out
+
+
+def goals_markdown(results: Mapping[str, Any]) -> str:
+    return "\n".join(f"* {'**met**' if met else 'not met' if met is False else 'not measured'}: {goal} ({detail})"
+                      for goal, met, detail in goals(results))
+
+
 def markdown(results: Mapping[str, Any]) -> str:
     """``results.md``: the summary and table at each evaluated context, the first (the training block) first."""
     parts = [f"{summary_sentence(results)}\n\n{table(results)}\n"]
     for length in results.get("longer", {}):
         parts.append(f"{summary_sentence(results, length)}\n\n{table(results, length)}\n")
+    parts += [f"{text_table(results, text, length)}\n" for text in results.get("texts", {})
+              for length in results["texts"][text]]
+    if results.get("texts"):
+        parts.append(f"Goals:\n\n{goals_markdown(results)}\n")
     return "\n".join(parts)
+
+
+def text_table(results: Mapping[str, Any], text: str, length: str) -> str:
+    """The runs scored on held-out ``text`` (one of the runs' --eval_texts) at one context: what the conversion
+    gives back of the model apart from adapting to the training text."""
+    return (f"On {results.get('other_text', text)}, at {length} tokens (perplexity of the same models):\n\n"
+            f"{_full_table(results['texts'][text][length])}")
 
 
 #: the implementation the claim is about (a linearised model)

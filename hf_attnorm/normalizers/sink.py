@@ -11,7 +11,7 @@ import torch
 
 from ..registry import register_normalizer
 from ..settings import AttnormSettings, declare_option
-from .base import Calibration, Ctx, Normalizer, ParamSpec, TeacherStats, masked_max, safe_divide
+from .base import Calibration, Continuation, Ctx, Normalizer, ParamSpec, TeacherStats, masked_max, safe_divide
 from .softmax import masked_exp
 
 SINK_INIT = declare_option("sink_init", float, 0.0, "sink: initial sink logit sigma_h of every head")
@@ -31,6 +31,8 @@ class Sink(Normalizer):
     options = (SINK_INIT, SINK_LEARNABLE)
     kernel_family = "softmax"
     params = (ParamSpec("sink_logit", SINK_INIT, SINK_LEARNABLE, "per-head sink logit sigma_h"),)
+    # a constant sink (sink_learnable false) walked from where it takes no mass (e^-30 of a row) to its value
+    continuation = Continuation("sink_init", -30.0, note="a sink logit sigma -> -inf is softmax")
 
     def calibrate(self, stats: TeacherStats, settings: AttnormSettings) -> Calibration:
         """The sink takes sigmoid(sigma_h - LSE_i) of row i; sigma_h -> -inf is softmax. sigma_h = min_i LSE_i -

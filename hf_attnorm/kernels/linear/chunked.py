@@ -45,9 +45,9 @@ def linear_chunked_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
 
 
 def _features(call: AttnCall, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(phi(q) [B, H, Lq, D], phi(k) [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv]): like ``AttnCall.features`` but with k and v
-    NOT repeated for GQA, so the feature map runs once per kv head (a linear normalizer's map is the same for every
-    head: it reads no per-head value)."""
+    """(phi(q) [B, H, Lq, F], phi(k) [B, Hkv, Lk, F], v [B, Hkv, Lk, Dv]): like ``AttnCall.features`` but with k and v
+    NOT repeated for GQA, so the key feature map runs once per kv head (linear's is the same for every head;
+    hedgehog's key maps are per kv head). Feature dim F (D for linear, 2 D for hedgehog)."""
     norm, ctx = call.normalizer, call.ctx()
     q, k = norm.transform_qk(call.q.to(dtype), call.k.to(dtype), ctx)
     fq, fk = norm.feature_map(q * call.q_factor(dtype), k, ctx)

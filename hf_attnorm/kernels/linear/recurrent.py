@@ -35,7 +35,8 @@ from ..base import AttnCall, compute_dtype, score_mod_reason
 
 @dataclasses.dataclass(eq=False)
 class LinearState:
-    """Sums over the first ``length`` keys of a cache, as one tensor sz [B, Hkv, D, Dv + 1] (compute dtype):
+    """Sums over the first ``length`` keys of a cache, as one tensor sz [B, Hkv, F, Dv + 1] (compute dtype; F the
+    feature dim, D for linear):
     sz[..., :Dv] = S = sum_j phi(k_j) v_j^T, sz[..., Dv] = z = sum_j phi(k_j) (one product then gives numerator and
     denominator), at the scale 1 / m with m [B, Hkv, 1, 1] the running maximum of phi(k) over those keys (``tiny``
     before any valid key); ``settings``: those of the calls it was built by (the key features depend on them)."""
@@ -74,12 +75,13 @@ def accepts(call: AttnCall) -> str | None:
         return f"{call.q.shape[2]} queries (a recurrent step takes one: a decode step)"
     if call.k.shape[2] != st.length + 1:
         return f"the state holds {st.length} keys, the call has {call.k.shape[2]} (needs exactly one more)"
-    B, H, _, D = call.q.shape
+    B = call.q.shape[0]
     Hkv, Dv = call.k.shape[1], call.v.shape[-1]
     dt = compute_dtype(call.q.dtype)
-    if tuple(st.sz.shape) != (B, Hkv, D, Dv + 1) or st.sz.dtype != dt or st.sz.device != call.q.device:
+    # (its feature dim F is the feature map's, fixed by the settings compared below: D for linear, 2 D for hedgehog)
+    if (st.sz.shape[:2], st.sz.shape[-1]) != ((B, Hkv), Dv + 1) or st.sz.dtype != dt or st.sz.device != call.q.device:
         return (f"the state is {list(st.sz.shape)} {st.sz.dtype} on {st.sz.device}; the call needs "
-                f"[{B}, {Hkv}, {D}, {Dv + 1}] {dt} on {call.q.device}")
+                f"[{B}, {Hkv}, F, {Dv + 1}] {dt} on {call.q.device}")
     if st.settings != call.settings:
         return "the state was built with other settings"
     reason = score_mod_reason(call)

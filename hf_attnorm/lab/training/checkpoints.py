@@ -95,6 +95,20 @@ def fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def publish_folder(tmp: Path, final: Path) -> None:
+    """Make the complete folder ``tmp`` visible as ``final`` by one rename (a folder already there is moved aside
+    first and deleted after), then sync the parent: a kill at any moment leaves the old folder or the new one."""
+    old = None
+    if final.exists():
+        old = final.with_name(f"{TMP_PREFIX}old-{final.name}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def clear_run(output_dir: Path) -> list[str]:
     """Delete what a previous run of ours left (checkpoints, temporary folders, logs, model files, card)."""
     removed = []
@@ -253,14 +267,7 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, tokenizer: Any, 
             write_json(tmp / STATE_FILE, state)
         accelerator.wait_for_everyone()
         if main:
-            old = None
-            if final.exists():  # re-running a step after resuming from an older checkpoint
-                old = final.with_name(f"{TMP_PREFIX}old-{final.name}")
-                os.replace(final, old)
-            os.replace(tmp, final)
-            fsync_dir(output_dir)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+            publish_folder(tmp, final)  # (a step re-run after resuming from an older checkpoint replaces its folder)
             if total_limit is not None:
                 for stale in list_checkpoints(output_dir)[:-total_limit]:
                     shutil.rmtree(stale, ignore_errors=True)
