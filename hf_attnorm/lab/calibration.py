@@ -175,6 +175,12 @@ def _owners(settings: AttnormSettings) -> list[tuple[str, Any]]:
     return asked or [(f"normalizer {settings.normalizer}", norm)]
 
 
+def _has_formula(owner: Any) -> bool:
+    """Whether a normalizer or scale declares a calibration formula (overrides ``calibrate``)."""
+    base = Normalizer if isinstance(owner, Normalizer) else Scale
+    return type(owner).calibrate is not base.calibrate
+
+
 def formulas(settings: AttnormSettings, stats: TeacherStats) -> dict[str, Calibration | None]:
     """What each owner (``"normalizer X"``, ``"scale Y"``) of ``settings`` calibrates from one layer's ``stats``:
     its ``Calibration``, or None where it has no formula. ValueError naming the values when an owner returns a
@@ -200,6 +206,12 @@ def calibrate(model: nn.Module, blocks: torch.Tensor) -> dict[str, Any]:
     heads), ``teacher`` (per layer: the mean over heads of the spread of LSE - ln n), ``blocks``, ``tokens``,
     ``seconds``."""
     start = time.perf_counter()
+    settings = next((m.attnorm.settings for _, m in attention_modules(model) if hasattr(m, "attnorm")), None)
+    if settings is not None and not any(_has_formula(owner) for _, owner in _owners(settings)):
+        # nothing to set: the teacher pass (tens of seconds on a real model) is skipped
+        notes = {label: f"not calibrated: {owner.calibration_note}" for label, owner in _owners(settings)}
+        return {"calibrated": False, "notes": notes, "values": {}, "not_set": {}, "teacher": {},
+                "blocks": int(blocks.shape[0]), "tokens": 0, "seconds": round(time.perf_counter() - start, 2)}
     stats = teacher_statistics(model, blocks)
     notes: dict[str, str] = {}
     values: dict[str, list[list[float]]] = {}
