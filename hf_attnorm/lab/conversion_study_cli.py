@@ -30,7 +30,7 @@ import transformers
 from . import conversion_study as study
 from . import convert
 from . import data as data_lib
-from .cli import offline_by_default
+from .cli import nonnegative_int, offline_by_default, positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,10 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output_dir", default="runs/convert_study", help="where runs/, results.json and results.md go")
     p.add_argument("--implementations", nargs="+", default=list(study.PLAN),
                    help="implementations to convert to (options from conversion_study.PLAN where listed)")
-    p.add_argument("--seeds", type=int, default=2, help="seeds per implementation (data order and LoRA init)")
-    p.add_argument("--transfer_steps", type=int, default=None, help="stage-1 steps (default: convert.py's)")
-    p.add_argument("--finetune_steps", type=int, default=None, help="stage-2 steps (default: convert.py's)")
-    p.add_argument("--eval_tokens", type=int, default=4096, help="held-out tokens scored per context")
+    p.add_argument("--seeds", type=positive_int, default=2, help="seeds per implementation (data order and LoRA init)")
+    p.add_argument("--transfer_steps", type=nonnegative_int, default=None,
+                   help="stage-1 steps (default: convert.py's)")
+    p.add_argument("--finetune_steps", type=nonnegative_int, default=None,
+                   help="stage-2 steps (default: convert.py's)")
+    p.add_argument("--eval_tokens", type=positive_int, default=4096, help="held-out tokens scored per context")
     p.add_argument("--eval_lengths", type=convert.parse_token_counts, default="512,2048",
                    help="comma-separated contexts of the perplexity; the first is the main table, each longer one "
                         "gets its own (a context beyond the 512-token training blocks tests length generalisation)")

@@ -128,8 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--distill_weight", type=positive_float, default=1.0,
                    help="with --distill, the loss is this times the KL plus (1 - this) times the next-token loss "
                         "(at most 1)")
-    g.add_argument("--weight_decay", type=float, default=0.0, help="AdamW weight decay (both stages)")
-    g.add_argument("--max_grad_norm", type=float, default=1.0, help="gradient clipping norm (0 = none)")
+    g.add_argument("--weight_decay", type=non_negative_float, default=0.0, help="AdamW weight decay (both stages)")
+    g.add_argument("--max_grad_norm", type=non_negative_float, default=1.0, help="gradient clipping norm (0 = none)")
     g.add_argument("--seed", type=int, default=0, help="seed of the data order and of the LoRA initialisation")
     g = p.add_argument_group("evaluation and output")
     g.add_argument("--eval_lengths", type=token_counts, default=[512],
@@ -197,8 +197,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         raise ConvertError("--validation_file needs --train_file")
     if args.distill_weight > 1:
         raise ConvertError(f"--distill_weight must be in (0, 1], got {args.distill_weight}")
-    if args.max_grad_norm < 0 or args.weight_decay < 0:
-        raise ConvertError("--max_grad_norm and --weight_decay must be >= 0")
     if args.resume_from_checkpoint is not None and args.overwrite_output_dir:
         raise ConvertError("--resume_from_checkpoint and --overwrite_output_dir contradict each other")
     return args

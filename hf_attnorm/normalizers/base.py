@@ -54,8 +54,9 @@ class ParamSpec:
     seeded by the name and shape (reproducible, so a constant is the same on every device and call), for vectors whose
     entries must differ (learned memory keys); ``"eye"`` gives each head the value times the identity matrix over
     the two trailing dims (a learned linear map that starts as the identity: Hedgehog's feature map). ``heads``: what
-    the leading dim counts, ``"query"`` (H, the default) or ``"kv"`` (Hkv, the key/value heads of a GQA module: values that belong to k/v, such as learned memory
-    key/values, which are then prepended to k/v without repeating them to the query heads)."""
+    the leading dim counts, ``"query"`` (H, the default) or ``"kv"`` (Hkv, the key/value heads of a GQA module: values
+    that belong to k/v, such as learned memory key/values, which are then prepended to k/v without repeating them to
+    the query heads, or hedgehog's key feature maps)."""
 
     name: str
     init_option: str
