@@ -169,9 +169,8 @@ def _owners(settings: AttnormSettings) -> list[tuple[str, Any]]:
     """(label, normalizer or scale) whose calibration is asked: each that has per-head values or a formula; the
     normalizer when neither has (so that its note says why nothing is calibrated)."""
     norm, scale = NORMALIZERS.get(settings.normalizer), SCALES.get(settings.scale)
-    owners = [(f"normalizer {settings.normalizer}", norm, Normalizer), (f"scale {settings.scale}", scale, Scale)]
-    asked = [(label, owner) for label, owner, base in owners
-             if owner.params or type(owner).calibrate is not base.calibrate]
+    owners = [(f"normalizer {settings.normalizer}", norm), (f"scale {settings.scale}", scale)]
+    asked = [(label, owner) for label, owner in owners if owner.params or _has_formula(owner)]
     return asked or [(f"normalizer {settings.normalizer}", norm)]
 
 

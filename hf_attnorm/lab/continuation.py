@@ -27,9 +27,8 @@ class ContinuationError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class ContinuationPlan:
     """Stage 1 runs ``implementation`` with ``options`` and ``option`` at ``value_at(step)``; at the end of the ramp
-    that implementation computes the asked one (``target``)."""
+    that implementation computes the asked one."""
 
-    target: str
     implementation: str
     options: dict[str, Any]
     option: str
@@ -85,8 +84,7 @@ def plan_continuation(implementation: str, options: Mapping[str, Any],
     if _learned_names(stage) != _learned_names(target):
         raise ContinuationError(f"{target.normalizer}'s continuation via {via!r} learns {_learned_names(stage)}, "
                                 f"the asked implementation {_learned_names(target)}")
-    return ContinuationPlan(implementation, via, via_options, cont.option, float(cont.start), end, fraction,
-                            cont.note), ""
+    return ContinuationPlan(via, via_options, cont.option, float(cont.start), end, fraction, cont.note), ""
 
 
 def _learned_names(settings: AttnormSettings) -> list[str]:

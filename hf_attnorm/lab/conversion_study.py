@@ -140,27 +140,35 @@ def rows_at(results: Mapping[str, Any], length: int | str | None = None) -> Mapp
 def table(results: Mapping[str, Any], length: int | str | None = None) -> str:
     """The markdown table of ``results.json`` at one evaluated context (default: the first)."""
     rows = rows_at(results, length)
-    full = any("calibrated" in r for r in rows.values())  # a study with calibrated starts and distillation
-    if full:
+    if any("calibrated" in r for r in rows.values()):  # a study with calibrated starts and distillation
         return _full_table(rows)
-    head = ("| implementation | swapped, no training | after stage 1 | stage 1 + stage 2 | stage 2 alone (control) "
-            "| layer error: swapped → stage 1 | minutes per conversion | finding |\n|---|---|---|---|---|---|---|---|")
-    lines = [head]
-    order = [REFERENCE] + [i for i in rows if i != REFERENCE]
-    for impl in order:
-        if impl not in rows:
-            continue
-        r = rows[impl]
+    lines = ["| implementation | swapped, no training | after stage 1 | stage 1 + stage 2 | stage 2 alone (control) "
+             "| layer error: swapped → stage 1 | minutes per conversion | finding |",
+             "|---|---|---|---|---|---|---|---|"]
+    for impl, r in _reference_first(rows):
         err = ("—" if r["layer_error_swapped"] is None else
                f"{r['layer_error_swapped']:.3g} → {r['layer_error_transfer']:.3g}"
                if r["layer_error_transfer"] is not None else f"{r['layer_error_swapped']:.3g}")
-        secs = list(r["convert_seconds"].values()) or list(r["control_seconds"].values())
-        minutes = f"{statistics.fmean(secs) / 60:.1f}" if secs else "—"
         swapped = "—" if r["swapped"] is None else _num(r["swapped"])
         lines.append(f"| `{impl}` | {swapped} | {_spread(list(r['transfer'].values()))} | "
                      f"{_spread(list(r['convert'].values()))} | {_spread(list(r['control'].values()))} | {err} | "
-                     f"{minutes} | {r['verdict'] if impl != REFERENCE else 'the original model and its fine-tune'} |")
+                     f"{_minutes(r)} | {_finding(impl, r)} |")
     return "\n".join(lines)
+
+
+def _reference_first(rows: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
+    """(implementation, row) with the reference first, the others in their order."""
+    return [(impl, rows[impl]) for impl in [REFERENCE, *(i for i in rows if i != REFERENCE)] if impl in rows]
+
+
+def _minutes(row: Mapping[str, Any]) -> str:
+    """Mean minutes of a row's conversions (the reference: of its controls)."""
+    secs = list(row["convert_seconds"].values()) or list(row["control_seconds"].values())
+    return f"{statistics.fmean(secs) / 60:.1f}" if secs else "—"
+
+
+def _finding(impl: str, row: Mapping[str, Any]) -> str:
+    return row["verdict"] if impl != REFERENCE else "the original model and its fine-tune"
 
 
 def _full_table(rows: Mapping[str, Any]) -> str:
@@ -168,17 +176,11 @@ def _full_table(rows: Mapping[str, Any]) -> str:
     lines = ["| implementation | swapped | calibrated | after stage 1 | final | final, stage 2 distilled | control "
              "(stage 2 alone) | minutes per conversion | peak memory (GB) | finding |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for impl in [REFERENCE] + [i for i in rows if i != REFERENCE]:
-        if impl not in rows:
-            continue
-        r = rows[impl]
-        secs = list(r["convert_seconds"].values()) or list(r["control_seconds"].values())
-        minutes = f"{statistics.fmean(secs) / 60:.1f}" if secs else "—"
+    for impl, r in _reference_first(rows):
         memory = f"{r['peak_memory_mb'] / 1024:.1f}" if r.get("peak_memory_mb") else "—"
         cells = ["—" if r.get(k) is None else _num(r[k]) for k in ("swapped", "calibrated")]
         cells += [_spread(list(r.get(k, {}).values())) for k in ("transfer", "convert", "distill", "control")]
-        finding = r["verdict"] if impl != REFERENCE else "the original model and its fine-tune"
-        lines.append(f"| `{impl}` | {' | '.join(cells)} | {minutes} | {memory} | {finding} |")
+        lines.append(f"| `{impl}` | {' | '.join(cells)} | {_minutes(r)} | {memory} | {_finding(impl, r)} |")
     return "\n".join(lines)
 
 
