@@ -132,11 +132,8 @@ def conversion_texts() -> str:
     """The conversion study on its second held-out text, at each context, from bench/convert/results.json."""
     from hf_attnorm.lab import conversion_study as study
 
-    data = _conversion_results()
-    texts = data.get("texts", {})
-    if not texts:
-        return "Not measured: the study scored the held-out Shakespeare only."
-    return "\n\n".join(study.text_table(data, text, length) for text in texts for length in texts[text])
+    tables = study.text_tables(_conversion_results())
+    return "\n\n".join(tables) if tables else "Not measured: the study scored the held-out Shakespeare only."
 
 
 def conversion_runs() -> str:

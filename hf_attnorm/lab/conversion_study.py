@@ -106,14 +106,19 @@ def aggregate(runs: Mapping[str, Mapping[str, Mapping[int, Mapping[str, Any]]]],
     return rows
 
 
+def _paired_ratios(row: Mapping[str, Any]) -> list[float]:
+    """Per seed that has both, the conversion's perplexity over the control's (empty when none has both)."""
+    convert, control = row.get("convert", {}), row.get("control", {})
+    return [convert[s] / control[s] for s in convert if s in control]
+
+
 def verdict(row: Mapping[str, Any]) -> str:
     """Transfer + fine-tune vs fine-tune alone, paired by seed: better/worse only when every seed agrees."""
     if not row["convert"] or not row["control"]:
         return "no stage 1 (reference)" if row["control"] else "incomplete"
-    paired = [(row["convert"][s], row["control"][s]) for s in row["convert"] if s in row["control"]]
-    if not paired:
+    ratios = _paired_ratios(row)
+    if not ratios:
         return "incomplete"
-    ratios = [c / f for c, f in paired]
     mean = statistics.fmean(ratios)
     if all(r < 1 for r in ratios):
         return f"transfer helps: {100 * (1 - mean):.0f}% lower perplexity than fine-tuning alone (every seed)"
@@ -247,10 +252,9 @@ def goals(results: Mapping[str, Any]) -> list[tuple[str, bool | None, str]]:
     for impl in ("hedgehog", "symax"):
         wins = {}
         for n in lengths:  # (every evaluated context, every seed)
-            r = at[n].get(impl, {})
-            paired = [(r["convert"][s], r["control"][s]) for s in r.get("convert", {}) if s in r.get("control", {})]
-            if paired:
-                wins[n] = all(c < f for c, f in paired)
+            ratios = _paired_ratios(at[n].get(impl, {}))
+            if ratios:
+                wins[n] = all(r < 1 for r in ratios)
         if len(wins) == len(lengths):
             beats.append(all(wins.values()))
             said.append(f"`{impl}` " + ", ".join(f"{'every seed' if won else 'not every seed'} at {n}"
@@ -271,11 +275,16 @@ def markdown(results: Mapping[str, Any]) -> str:
     parts = [f"{summary_sentence(results)}\n\n{table(results)}\n"]
     for length in results.get("longer", {}):
         parts.append(f"{summary_sentence(results, length)}\n\n{table(results, length)}\n")
-    parts += [f"{text_table(results, text, length)}\n" for text in results.get("texts", {})
-              for length in results["texts"][text]]
+    parts += [f"{t}\n" for t in text_tables(results)]
     if results.get("texts"):
         parts.append(f"Goals:\n\n{goals_markdown(results)}\n")
     return "\n".join(parts)
+
+
+def text_tables(results: Mapping[str, Any]) -> list[str]:
+    """``text_table`` for each held-out text of the runs' --eval_texts and each context, in their order."""
+    texts = results.get("texts", {})
+    return [text_table(results, text, length) for text in texts for length in texts[text]]
 
 
 def text_table(results: Mapping[str, Any], text: str, length: str) -> str:
@@ -321,21 +330,19 @@ def summary_sentence(results: Mapping[str, Any], length: int | str | None = None
             if impl != REFERENCE and values and all(math.isfinite(v) for v in values) \
                     and statistics.fmean(values) <= 1.25 * ref_mean:
                 close.append(f"`{impl}`")
-    s = results["settings"]
     verdicts = [f"lower perplexity than fine-tuning alone, on every seed, for {', '.join(groups['helps']) or 'none'}"]
     if groups["hurts"]:
         verdicts.append(f"higher for {', '.join(groups['hurts'])}")
     if groups["neither"]:
         verdicts.append(f"no consistent difference for {', '.join(groups['neither'])}")
-    parts = [f"At {s['transfer_steps']} + {s['finetune_steps']} steps of {s['block_size']} tokens "
-             f"(control: {s['transfer_steps'] + s['finetune_steps']} fine-tuning steps), attention transfer before "
-             f"fine-tuning gave {'; '.join(verdicts)}."]
+    s = results["settings"]
+    where = (f"On {results.get('other_text', text)} (never trained on), at {length} tokens," if text is not None else
+             f"At {s['transfer_steps']} + {s['finetune_steps']} steps of {s['block_size']} tokens (control: "
+             f"{s['transfer_steps'] + s['finetune_steps']} fine-tuning steps),")
+    parts = [f"{where} attention transfer before fine-tuning gave {'; '.join(verdicts)}."]
     if ref_mean:
         parts.append(f"Within 25% of the softmax model fine-tuned as long ({_num(ref_mean)}): "
                      f"{', '.join(close) or 'none'}.")
-    if text is not None:
-        parts[0] = (f"On {results.get('other_text', text)} (never trained on), at {length} tokens, attention "
-                    f"transfer before fine-tuning gave {'; '.join(verdicts)}.")
-    elif _is_longer(results, length):
+    if text is None and _is_longer(results, length):
         parts.insert(0, f"Scored at {length} tokens ({int(length) / s['block_size']:g}x the blocks trained on).")
     return " ".join(parts)
