@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:
 
 #: the documents that carry generated blocks, relative to the repository root
 DOCUMENTS = ["README.md", "docs/options.md", "docs/architecture.md", "docs/benchmarks.md", "bench/compare/README.md",
-             "docs/families.md", "bench/convert/README.md", "docs/evaluation.md"]
+             "docs/families.md", "bench/convert/README.md", "docs/evaluation.md", "docs/convert.md"]
 BLOCK = re.compile(r"(<!-- generated:(?P<name>[a-z0-9_-]+) -->\n)(?P<body>.*?)(<!-- /generated:(?P=name) -->)", re.S)
 
 #: the kernel benchmark run the README summarises (its JSON holds the numbers, the command, the date and the machine;
@@ -166,6 +166,45 @@ def conversion_runs() -> str:
             f"{alone['wall_seconds'] / 60:.1f} min in all with loading and its evaluations "
             f"({', '.join(alone['perplexity'])}). Peak resident "
             f"memory (MB) during each phase: {peaks}.")
+
+
+def transfer_learning_rates() -> str:
+    """Stage 1 alone at several peak learning rates (bench/convert/learning_rates/*/conversion.json): per
+    implementation and rate, the held-out layer error at the start and every 5 steps, the best, and which rate
+    convert.py now uses by default (``convert_args.transfer_learning_rate``)."""
+    from hf_attnorm.lab.continuation import plan_continuation
+    from hf_attnorm.lab.convert_args import transfer_learning_rate
+    from hf_attnorm.settings import resolve_settings
+
+    runs = [json.loads(p.read_text()) for p in sorted((ROOT / "bench" / "convert" / "learning_rates").glob(
+        "*/conversion.json"))]
+    runs.sort(key=lambda r: (r["implementation"], -r["args"]["transfer_learning_rate"],
+                             bool(r["continuation"].get("ran"))))
+    steps = sorted({step for r in runs for step, _ in r["transfer_check"]["measured"]})
+    head = ["implementation", "stage-1 rate", "continuation", "start", *[f"step {s}" for s in steps], "best (step)",
+            "perplexity after stage 1", "default now"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in runs:
+        impl, rate, check = r["implementation"], r["args"]["transfer_learning_rate"], r["transfer_check"]
+        options = {k: v for k, v in r["settings"].items() if k not in ("implementation", "normalizer", "scale")}
+        default, _ = transfer_learning_rate(resolve_settings(impl, options))
+        walks = bool(r["continuation"].get("ran"))
+        walks_by_default = plan_continuation(impl, options, r["args"]["continuation_fraction"])[0] is not None
+        measured = dict(check["measured"])
+        flags = f" ({', '.join(r['args']['attnorm'])})" if r["args"]["attnorm"] else ""
+        cells = [f"`{impl}`{flags}", f"{rate:g}", "yes" if walks else "no", f"{check['start']:.3f}",
+                 *[f"{measured[s]:.3f}" if s in measured else "—" for s in steps],
+                 f"{check['best']:.3f} ({check['best_step']})",
+                 f"{r['perplexity']['transfer']['512']:,.1f}",
+                 "**yes**" if rate == default and walks == walks_by_default else ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    loads = [x for r in runs for x in (r["load_average_start"], r["load_average_end"])]
+    example = runs[0]["command"] if runs else ""
+    return ("\n".join(lines) + f"\n\n{len(runs)} runs, seed 0, each `{example}` with its implementation, rate and "
+            "flags (every run's command is in its conversion.json); the error is the mean held-out per-layer error "
+            "against the original model on the 2 error blocks, what keep-best compares (\"—\": not measured, during "
+            "a continuation's ramp); perplexity on 2,048 held-out Shakespeare tokens at 512. Load average over the "
+            f"runs {min(loads, default=0)} to {max(loads, default=0)}.")
 
 
 def _compare_results():
@@ -475,6 +514,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "conversion-runs": conversion_runs,
     "conversion-longer": conversion_longer,
     "conversion-texts": conversion_texts,
+    "transfer-learning-rates": transfer_learning_rates,
     "performance": performance,
     "serving": serving,
     **{f"compare-{task}": task_table(task) for task in ("mqar", "passkey", "lm")},

@@ -280,6 +280,44 @@ def test_entmax15_walks_from_softmax_and_ends_as_entmax15(source, tmp_path):
     assert s["losses"]["transfer"][0][1] > 0.5 * s["transfer_check"]["start"]
 
 
+def test_ssmax_releases_its_anchor_from_softmax(source, tmp_path):
+    """ssmax's continuation (a scale's, off by default: --continuation asks for it): stage 1 starts at ssmax_anchor =
+    1, softmax exactly with the calibrated s_h in place, so its first loss is 0; the anchor is released to 0 over the
+    ramp; the model ends as plain ssmax. Without the flag, stage 1 trains plain ssmax from its first step."""
+    flags = ("--transfer_steps", "4", "--finetune_steps", "0", "--transfer_eval_steps", "1", "--eval_stages",
+             "swapped,transfer", "--continuation_fraction", "0.5", "--transfer_skip_error", "0")
+    s = convert.run(_args(source, tmp_path / "n", "ssmax", *flags, "--no_save_model"))
+    assert not s["continuation"]["ran"] and "off by default" in s["continuation"]["why"]
+    assert s["losses"]["transfer"][0][1] > 1e-6
+    s = convert.run(_args(source, tmp_path / "o", "ssmax", *flags, "--continuation"))
+    cont = s["continuation"]
+    assert cont["ran"] and (cont["option"], cont["start"], cont["end"], cont["ramp_steps"]) == \
+        ("ssmax_anchor", 1.0, 0.0, 2)
+    assert s["losses"]["transfer"][0][1] < 1e-9 < s["losses"]["transfer"][1][1]
+    assert [m[0] for m in s["transfer_check"]["measured"]] == [2, 3, 4]
+    assert s["settings"]["ssmax_anchor"] == 0.0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "o" / "final")
+    assert model.config.attnorm["ssmax_anchor"] == 0.0
+
+
+@pytest.mark.parametrize("impl", [name for name in PRESETS if is_ours(name)])
+def test_stage_1_learning_rate_is_the_measured_one_unless_given(impl, capsys):
+    """Without --transfer_learning_rate stage 1 runs the rate measured for the normalizer (else its scale's), which
+    convert.py names; with it, the given rate."""
+    from hf_attnorm.lab.convert_args import TRANSFER_LR
+    from hf_attnorm.registry import NORMALIZERS
+    from hf_attnorm.settings import resolve_settings
+
+    settings = resolve_settings(impl)
+    declared = NORMALIZERS.get(settings.normalizer).transfer_learning_rate
+    declared = SCALES.get(settings.scale).transfer_learning_rate if declared is None else declared
+    a = parse_args(["--attn_implementation", impl, "--output_dir", "x"])
+    assert a.transfer_learning_rate == (TRANSFER_LR if declared is None else declared)
+    assert ("stage-1 learning rate" in capsys.readouterr().err) == (declared is not None)
+    a = parse_args(["--attn_implementation", impl, "--output_dir", "x", "--transfer_learning_rate", "0.123"])
+    assert a.transfer_learning_rate == 0.123
+
+
 def test_continuations_are_planned_where_they_change_nothing_saved():
     from hf_attnorm.lab.continuation import plan_continuation
 
@@ -289,6 +327,12 @@ def test_continuations_are_planned_where_they_change_nothing_saved():
     assert plan is None and "learned per-head value sink_logit" in why
     plan, why = plan_continuation("symax", {}, 0.5)
     assert plan is None and "declares no continuation" in why
+    plan, why = plan_continuation("ssmax", {}, 0.5)  # a scale's: the anchor released, off unless asked for
+    assert plan is None and "scale ssmax's continuation is off by default" in why
+    plan, _ = plan_continuation("ssmax", {}, 0.5, asked=True)
+    assert (plan.implementation, plan.option, plan.start, plan.end) == ("ssmax", "ssmax_anchor", 1.0, 0.0)
+    plan, why = plan_continuation("log_n", {}, 0.5)
+    assert plan is None and "neither softmax nor scale log_n" in why
     with pytest.raises(ConvertError, match="--continuation_fraction must be in"):
         parse_args(["--attn_implementation", "entmax15", "--output_dir", "x", "--continuation_fraction", "1.5"])
 

@@ -29,7 +29,8 @@ def test_old_ssmax_checkpoint_loads_with_its_settings_values_and_logits() -> Non
     assert model.config._attn_implementation.endswith("ssmax")
     assert {k: v for k, v in model.config.attnorm.items() if k != "hf_attnorm_version"} == {
         "implementation": "ssmax", "normalizer": "softmax", "scale": "ssmax", "ssmax_learnable": True,
-        "ssmax_s": 1.0, "ssmax_bias": 0.0, "ssmax_bias_learnable": False}  # (options added since: their defaults)
+        "ssmax_s": 1.0, "ssmax_bias": 0.0, "ssmax_bias_learnable": False,
+        "ssmax_anchor": 0.0}  # (options added since: their defaults)
     params = dict(model.named_parameters())
     assert len(expected["learned"]) == 2
     for name, values in expected["learned"].items():

@@ -208,15 +208,17 @@ def _selective(q, k, keep, opts):
 
 
 def _stickbreaking(q, k, keep, opts):
-    """Tan et al. 2024: beta_ij = sigmoid(z_ij), A_ij = beta_ij prod_{j < k < i} (1 - beta_ik) over the visible keys
-    j < i, nearest first (attend_current: j <= i, the query's own key breaks the stick too); the remainder
-    prod_k (1 - beta_ik) goes to the query's own key when ``stickbreaking_remainder``."""
+    """Tan et al. 2024: beta_ij = sigmoid(z_ij - c), A_ij = beta_ij prod_{j < k < i} (1 - beta_ik) over the visible
+    keys j < i, nearest first (attend_current: j <= i, the query's own key breaks the stick too); the remainder
+    prod_k (1 - beta_ik) goes to the query's own key when ``stickbreaking_remainder``; c = ``stickbreaking_offset``
+    (0 in the paper; a converted model's per-head start)."""
     current = opts.get("stickbreaking_attend_current", False)
     remainder = opts.get("stickbreaking_remainder", True)
+    offset = opts.get("stickbreaking_offset", 0.0)
     w = torch.zeros(B, H, L, L, dtype=F64)
     for b, h, i, idx, qi, kv in _rows(q, k, keep):
         z = kv @ qi / math.sqrt(D)
-        beta = torch.sigmoid(z)
+        beta = torch.sigmoid(z - offset)
         own = len(idx) - 1  # the last visible key is the query's own (causal)
         breakers = list(range(own, -1, -1)) if current else list(range(own - 1, -1, -1))
         left = torch.ones((), dtype=F64)
@@ -307,7 +309,8 @@ NORMALIZER_FORMULAS: dict[str, tuple[Callable, dict]] = {
     "linear": (_linear, {}),
     "hedgehog": (_hedgehog, {"hedgehog_init": 0.5}),
     "selective": (_selective, {"selective_head": 1}),
-    "stickbreaking": (_stickbreaking, {"stickbreaking_attend_current": True, "stickbreaking_remainder": False}),
+    "stickbreaking": (_stickbreaking, {"stickbreaking_attend_current": True, "stickbreaking_remainder": False,
+                                       "stickbreaking_offset": 0.7}),
 }
 
 
@@ -382,7 +385,10 @@ def _empirical(n, o):
 SCALE_FORMULAS: dict[str, tuple[Callable[[int, int, dict], float], dict]] = {
     "standard": (lambda n, pos, o: 1.0, {}),
     "log_n": (lambda n, pos, o: math.log(n), {}),  # Chiang & Cholak 2022
-    "ssmax": (lambda n, pos, o: o.get("ssmax_s", 1.0) * math.log(n), {"ssmax_s": 0.5}),  # Nakanishi 2025
+    # Nakanishi 2025: s ln n (+ b, the paper's bias variant); the anchor a mixes softmax's 1 in
+    "ssmax": (lambda n, pos, o: (1 - o.get("ssmax_anchor", 0.0)) * (o.get("ssmax_s", 1.0) * math.log(n)
+                                                                    + o.get("ssmax_bias", 0.0))
+              + o.get("ssmax_anchor", 0.0), {"ssmax_s": 0.5, "ssmax_bias": 0.2, "ssmax_anchor": 0.25}),
     "log_train_n": (lambda n, pos, o: math.log(n) / math.log(o.get("train_length", MODULE_INFO["max_positions"])),
                     {"train_length": 3}),  # Su 2021, log_{L_train} n
     "qwen_logn": (lambda n, pos, o: max(1.0, math.log(n) / math.log(o.get("train_length",

@@ -88,6 +88,21 @@ def test_other_scale_formulas():
     torch.testing.assert_close(llama4_scale(n, 0.1, 8.0), 1 + 0.1 * torch.log1p(torch.floor(n / 8.0)))
 
 
+def test_ssmax_anchored_at_1_is_softmax_whatever_its_per_head_values():
+    """ssmax_anchor = 1 (a conversion's continuation starts there) is softmax for any s_h and b_h; between 0 and 1 the
+    multiplier is the mix (1 - a)(s_h ln n + b_h) + a, so the output differs from both ends."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 9, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    heads = {"ssmax_s": torch.tensor([0.3, 1.7], dtype=torch.float64),
+             "ssmax_bias": torch.tensor([-0.4, 0.9], dtype=torch.float64)}
+    plain, _ = attention(q, k, v, "softmax", causal=True)
+    anchored, _ = attention(q, k, v, "ssmax", causal=True, heads=heads, ssmax_anchor=1.0)
+    torch.testing.assert_close(anchored, plain)
+    free, _ = attention(q, k, v, "ssmax", causal=True, heads=heads)
+    half, _ = attention(q, k, v, "ssmax", causal=True, heads=heads, ssmax_anchor=0.5)
+    assert (half - plain).abs().max() > 1e-3 and (half - free).abs().max() > 1e-3
+
+
 def test_scales_act_per_query_in_attention():
     """ssmax with s*ln n == 1 for every query equals plain softmax; log_n differs."""
     g = torch.Generator().manual_seed(0)

@@ -161,6 +161,40 @@ def test_fast_paths_match_the_reference(path, opts, monkeypatch):
 
 
 @pytest.mark.parametrize("path", FAST)
+def test_a_learned_per_head_offset_matches_the_reference(path, monkeypatch):
+    """beta = sigmoid(z - c_h) with a different learned c_h per head: the fast paths fold it into q and k; forward,
+    every gradient and c_h's own gradient equal the reference's, and the offset changes the output."""
+    from hf_attnorm.attention import make_call
+    from hf_attnorm.kernels import attend
+    from hf_attnorm.kernels.stickbreaking import cpu as cpu_mod
+    from hf_attnorm.kernels.stickbreaking import scan as scan_mod
+
+    monkeypatch.setattr(scan_mod, "BLOCK_OVERRIDE", (8, 16))
+    monkeypatch.setattr(cpu_mod, "BLOCK_OVERRIDE", (8, 16))
+    settings = resolve_settings("stickbreaking", {"stickbreaking_offset_learnable": True})
+    g = torch.Generator().manual_seed(9)
+    for B, H, Hkv, Lq, Lk, causal, masked in SHAPES[:4]:
+        q = torch.randn(B, H, Lq, 16, generator=g, dtype=torch.float64) * 2
+        k, v = (torch.randn(B, Hkv, Lk, 16, generator=g, dtype=torch.float64) for _ in range(2))
+        offset = torch.linspace(-1.5, 2.5, H, dtype=torch.float64)
+        mask = _padding_mask(B, Lq, Lk, causal or Lq < Lk) if masked else None
+        gout = torch.randn(B, H, Lq, 16, generator=g, dtype=torch.float64)
+        results = {}
+        for which in ("reference", path):
+            leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v, offset)]
+            call = make_call(*leaves[:3], settings, {"stickbreaking_offset": leaves[3]}, mask, causal, None)
+            out, _, ran = attend(call, path=which)
+            assert ran == which
+            out.backward(gout)
+            results[which] = [out.detach()] + [t.grad for t in leaves]
+        for label, a, b in zip(("out", "dq", "dk", "dv", "d offset"), results[path], results["reference"]):
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8, msg=f"{path} {label} {(B, H, Lq, Lk, causal)}")
+        zero, _, _ = _attend(path, q, k, v, mask, causal, {})
+        assert (results[path][0] - zero).abs().max() > 1e-2
+        assert results[path][4].abs().min() > 0
+
+
+@pytest.mark.parametrize("path", FAST)
 def test_packed_block_diagonal_mask(path, monkeypatch):
     """Sequences packed one after another under a block-diagonal causal mask (continuous batching's layout: a chunk
     after its prefix, decode rows, a prefill): most key tiles are hidden from a whole query block, and the C++ kernel

@@ -93,7 +93,9 @@ else:
     }
     OPTIONS = [pytest.param({}, id="default"),
                pytest.param({"stickbreaking_attend_current": True}, id="attend_current", marks=pytest.mark.slow),
-               pytest.param({"stickbreaking_remainder": False}, id="no_remainder", marks=pytest.mark.slow)]
+               pytest.param({"stickbreaking_remainder": False}, id="no_remainder", marks=pytest.mark.slow),
+               # (an offset adds a column to q and k: a head dim that is no power of two)
+               pytest.param({"stickbreaking_offset": 1.5}, id="offset", marks=pytest.mark.slow)]
 
     @pytest.mark.parametrize("opts", OPTIONS)
     @pytest.mark.parametrize("scenario", list(SCENARIOS))

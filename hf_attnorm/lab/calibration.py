@@ -25,7 +25,8 @@ from torch import nn
 from ..attention import param_specs
 from ..hf.families import attention_modules
 from ..hf.forward import softmax_attention, softmax_row_statistics
-from ..normalizers.base import Calibration, Normalizer, TeacherStats
+from ..kernels.base import repeat_kv
+from ..normalizers.base import Calibration, Ctx, Normalizer, TeacherStats
 from ..registry import NORMALIZERS, SCALES, AttnormError
 from ..scales.base import Scale
 from ..settings import AttnormSettings
@@ -60,6 +61,7 @@ class _Accumulator:
         self.v_sum, self.v_ln, self.v_ln2 = zeros(), zeros(), zeros()
         self.lse_min = torch.full((heads,), math.inf, dtype=torch.float64, device=device)
         self.max_n = 0
+        self.offset_errors: torch.Tensor | None = None  # [H, G] with the normalizer's offset search
 
     def add(self, lse: torch.Tensor, n: torch.Tensor, z: torch.Tensor) -> None:
         """lse, n: [B, H, Lq] (rows with n = 0 are skipped); z: the scores [B, H, Lq, Lk], -inf where masked."""
@@ -89,6 +91,28 @@ class _Accumulator:
         self.lse_min = torch.minimum(self.lse_min, torch.where(valid, lse, math.inf).amin((0, 2)))
         self.max_n = max(self.max_n, int(n.max()))
 
+    def add_offset_search(self, z: torch.Tensor, lse: torch.Tensor, value: torch.Tensor, norm: Normalizer,
+                          settings: AttnormSettings, head_dim: int) -> None:
+        """The normalizer's ``OffsetSearch`` on this call's rows: z [B, H, Lq, Lk] (-inf where masked), lse
+        [B, H, Lq], value [B, H, Lk, Dv] (repeated to the query heads). Adds, per head and candidate, the squared
+        error of the attention outputs with value_h = (the head's mean LSE over these rows) + delta against the
+        teacher's softmax outputs."""
+        search = norm.offset_search
+        z, lse = z[:, :, ::search.row_stride], lse[:, :, ::search.row_stride]
+        keep = torch.isfinite(z)
+        valid = keep.any(-1)
+        teacher = torch.exp(z - lse.unsqueeze(-1)).nan_to_num(0.0) @ value
+        center = torch.where(valid, lse, 0.0).sum((0, 2)) / valid.sum((0, 2)).clamp_min(1)
+        scores = torch.where(keep, z, 0.0)
+        n = keep.sum(-1).float().clamp_min(1)
+        errors = []
+        for delta in search.deltas:
+            ctx = Ctx(settings, {search.value: center + delta}, head_dim, n, {}, z.shape[-1])
+            out = norm.reference(scores, keep, ctx) @ value
+            errors.append(torch.where(valid, (out - teacher).square().sum(-1), 0.0).sum((0, 2)))
+        found = torch.stack(errors, dim=1).double()
+        self.offset_errors = found if self.offset_errors is None else self.offset_errors + found
+
     def stats(self) -> TeacherStats:
         count = self.count.clamp_min(1)
         mean = self.d_sum / count
@@ -102,7 +126,8 @@ class _Accumulator:
                             weighted_ln2_n=(self.v_ln2 / self.v_sum.clamp_min(1e-30)).float().cpu(),
                             lse_mean=(self.lse_sum / count).float().cpu(), lse_min=self.lse_min.float().cpu(),
                             zero_logit_mass=(self.zero_mass / count).float().cpu(), rows=int(self.count.min()),
-                            max_n=self.max_n)
+                            max_n=self.max_n,
+                            offset_errors=None if self.offset_errors is None else self.offset_errors.float().cpu())
 
 
 class TeacherObserver:
@@ -121,6 +146,12 @@ class TeacherObserver:
             if module not in self.layers:
                 self.layers[module] = _Accumulator(lse.shape[1], lse.device)
             self.layers[module].add(lse, n, z)
+            settings = module.attnorm.settings
+            norm = NORMALIZERS.get(settings.normalizer)
+            # (a teacher with sink logits has an extra column no student key matches: the search is left out)
+            if norm.offset_search is not None and z.shape[-1] == key.shape[2]:
+                values = repeat_kv(value, query.shape[1] // value.shape[1]).float()
+                self.layers[module].add_offset_search(z, lse, values, norm, settings, query.shape[-1])
             return softmax_attention(module, query, key, value, attention_mask, scaling, kwargs), None
 
 

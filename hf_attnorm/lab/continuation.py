@@ -1,8 +1,9 @@
-"""Continuation schedules of a conversion's stage 1: for a normalizer reachable from softmax along one option
-(``Normalizer.continuation``: alpha of entmax from 1.001 to 1.5, a constant sink logit from -30 to its value,
-softmax_n's n_extra from 0), stage 1 starts at the teacher and ends at the asked normalizer. The option moves
-linearly over the first ``fraction`` of the stage's steps and then stays at its end, so the last steps (and every
-held-out measurement that stage 1's keep-best compares) train and measure the asked normalizer itself.
+"""Continuation schedules of a conversion's stage 1: for a normalizer or scale reachable from softmax along one
+option (``Normalizer.continuation``: alpha of entmax from 1.001 to 1.5, a constant sink logit from -30 to its value,
+softmax_n's n_extra from 0; ``Scale.continuation``: ssmax's anchor released from 1 to 0), stage 1 starts at the
+teacher and ends at the asked normalizer. The option moves linearly over the first ``fraction`` of the stage's steps
+and then stays at its end, so the last steps (and every held-out measurement that stage 1's keep-best compares) train
+and measure the asked normalizer itself.
 
 A continuation is planned only where it changes nothing a run saves: the option is not the start of a learned
 per-head value (a learned alpha or sink moves by training, not by a schedule), and the stage's implementation has the
@@ -16,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..attention import param_specs
-from ..registry import NORMALIZERS
+from ..registry import NORMALIZERS, SCALES
 from ..settings import AttnormSettings, resolve_settings
 
 
@@ -59,15 +60,20 @@ class ContinuationPlan:
                 "fraction": self.fraction, "note": self.note}
 
 
-def plan_continuation(implementation: str, options: Mapping[str, Any],
-                      fraction: float) -> tuple[ContinuationPlan | None, str]:
-    """The continuation of ``implementation`` with ``options`` (its settings' normalizer's declaration), or None and
-    why not. ContinuationError when the declaration cannot run (a bad ``via``)."""
+def plan_continuation(implementation: str, options: Mapping[str, Any], fraction: float,
+                      asked: bool = False) -> tuple[ContinuationPlan | None, str]:
+    """The continuation of ``implementation`` with ``options`` (its settings' normalizer's declaration, else its
+    scale's), or None and why not. ``asked``: plan one declared off by default too (``--continuation`` given).
+    ContinuationError when the declaration cannot run (a bad ``via``)."""
     target = resolve_settings(implementation, dict(options))
-    norm = NORMALIZERS.get(target.normalizer)
-    cont = norm.continuation
+    norm, scale = NORMALIZERS.get(target.normalizer), SCALES.get(target.scale)
+    cont = norm.continuation or scale.continuation
     if cont is None:
-        return None, f"{target.normalizer} declares no continuation from softmax"
+        return None, (f"{target.normalizer} declares no continuation from softmax" if target.scale == "standard" else
+                      f"neither {target.normalizer} nor scale {target.scale} declares a continuation from softmax")
+    owner = target.normalizer if norm.continuation is not None else f"scale {target.scale}"
+    if not cont.by_default and not asked:
+        return None, f"{owner}'s continuation is off by default ({cont.off_note}); --continuation walks it"
     end = float(target.options[cont.option]) if cont.end is None else float(cont.end)
     learned = _learned_from(target, cont.option)
     if learned:
@@ -80,9 +86,9 @@ def plan_continuation(implementation: str, options: Mapping[str, Any],
     try:
         stage = resolve_settings(via, {**via_options, cont.option: end})
     except Exception as exc:  # a registry error names the bad option or value
-        raise ContinuationError(f"{target.normalizer}'s continuation via {via!r}: {exc}") from exc
+        raise ContinuationError(f"{owner}'s continuation via {via!r}: {exc}") from exc
     if _learned_names(stage) != _learned_names(target):
-        raise ContinuationError(f"{target.normalizer}'s continuation via {via!r} learns {_learned_names(stage)}, "
+        raise ContinuationError(f"{owner}'s continuation via {via!r} learns {_learned_names(stage)}, "
                                 f"the asked implementation {_learned_names(target)}")
     return ContinuationPlan(via, via_options, cont.option, float(cont.start), end, fraction, cont.note), ""
 

@@ -28,7 +28,7 @@ import torch
 import transformers
 
 from . import conversion_study as study
-from . import convert
+from . import convert, convert_args
 from . import data as data_lib
 from .cli import nonnegative_int, offline_by_default, positive_int
 
@@ -59,9 +59,19 @@ def _defaults() -> dict[str, Any]:
     parsed = convert.build_parser().parse_args(["--attn_implementation", "softmax", "--output_dir", "x"])
     return {"transfer_steps": parsed.transfer_steps, "finetune_steps": parsed.finetune_steps,
             "block_size": parsed.block_size, "batch": parsed.per_device_train_batch_size,
-            "transfer_learning_rate": parsed.transfer_learning_rate,
+            "transfer_learning_rate": convert_args.TRANSFER_LR,
             "finetune_learning_rate": parsed.finetune_learning_rate, "transfer_lora_r": parsed.transfer_lora_r,
             "lora_r": parsed.lora_r, "finetune_mode": parsed.finetune_mode}
+
+
+def _transfer_rate(by_kind: dict[str, dict[int, dict]]) -> float | None:
+    """Stage 1's peak learning rate of an implementation's conversions (None where none ran stage 1)."""
+    for kind in ("convert", "distill"):
+        for summary in by_kind.get(kind, {}).values():
+            rate = summary.get("args", {}).get("transfer_learning_rate")
+            if rate is not None:
+                return float(rate)
+    return None
 
 
 def _one(out: Path, impl: str, kind: str, seed: int, a: argparse.Namespace, steps: tuple[int, int]) -> dict | None:
@@ -128,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {**defaults, "transfer_steps": steps[0], "finetune_steps": steps[1], "seeds": a.seeds,
                      "eval_tokens": a.eval_tokens, "eval_lengths": a.eval_lengths, "kinds": a.kinds},
         "plan": {impl: study.PLAN.get(impl, {}) for impl in runs},
+        # stage 1's rate as each implementation's conversions ran it (a measured per-normalizer rate or the default)
+        "transfer_learning_rates": {impl: rate for impl in runs if (rate := _transfer_rate(runs[impl])) is not None},
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
                     "python": platform.python_version(), "torch_threads": torch.get_num_threads()},
         "claim": study.CLAIM,

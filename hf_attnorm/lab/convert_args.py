@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..registry import NORMALIZERS, PRESETS, AttnormError, canonical, is_ours
-from ..settings import resolve_settings
+from ..registry import NORMALIZERS, PRESETS, SCALES, AttnormError, canonical, is_ours
+from ..settings import AttnormSettings, resolve_settings
 from . import calibration as calibration_lib
 from . import data as data_lib
 from .cli import comma_names, int_at_least, non_negative_float, positive_float, token_counts
@@ -19,6 +19,8 @@ from .training.args import TrainingError, parse_attnorm_options
 
 ARGS_FILE = "conversion_args.json"
 STAGES = ("transfer", "finetune")
+#: stage 1's peak learning rate where neither the normalizer nor the scale declares a measured one
+TRANSFER_LR = 2e-2
 #: the default stage-2 learning rate per --finetune_mode (LoRA adapters start at zero and take a larger one)
 FINETUNE_LR = {"lora": 2e-3, "full": 5e-5}
 #: where evaluation can happen: before any training, after calibration, after each stage
@@ -85,17 +87,20 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("stage 1: attention transfer")
     g.add_argument("--transfer_steps", type=int_at_least(0), default=20,
                    help="optimizer steps of attention transfer (0 = skip the stage)")
-    g.add_argument("--transfer_learning_rate", type=positive_float, default=2e-2,
-                   help="peak AdamW learning rate of stage 1 (cosine decay to 10%%)")
+    g.add_argument("--transfer_learning_rate", type=positive_float, default=None,
+                   help="peak AdamW learning rate of stage 1 (cosine decay to 10%%); default: the rate measured for "
+                        f"the normalizer or its scale (docs/convert.md), else {TRANSFER_LR}")
     g.add_argument("--transfer_lora_r", type=int_at_least(0), default=8,
                    help="LoRA rank on --transfer_lora_targets in stage 1 (0 = train only the normalizer's learnable "
                         "values)")
     g.add_argument("--transfer_lora_targets", type=comma_names, default=["q_proj", "k_proj"],
                    help="comma-separated module names that get LoRA in stage 1")
-    g.add_argument("--continuation", action=argparse.BooleanOptionalAction, default=True,
-                   help="where the normalizer declares a path from softmax along one option (entmax15: alpha-entmax "
-                        "with alpha from 1.001 to 1.5; a constant sink logit from -30; softmax_n's n_extra from 0), "
-                        "stage 1 walks it: it starts at the teacher and ends at the asked normalizer")
+    g.add_argument("--continuation", action=argparse.BooleanOptionalAction, default=None,
+                   help="where the normalizer or scale declares a path from softmax along one option (entmax15: "
+                        "alpha-entmax with alpha from 1.001 to 1.5; a constant sink logit from -30; softmax_n's "
+                        "n_extra from 0; ssmax's anchor from 1 to 0), stage 1 walks it: it starts at the teacher and "
+                        "ends at the asked normalizer. Default: the paths declared on by default (ssmax's is off: "
+                        "measured worse than its calibrated start); --continuation: any declared path")
     g.add_argument("--continuation_fraction", type=positive_float, default=0.75,
                    help="share of stage 1's steps over which the continuation's option moves (at most 1; the rest "
                         "train the asked normalizer itself)")
@@ -182,9 +187,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     args.options[key] = value
                     print(f"[convert] {impl}: --attnorm {key}={value} (calibration sets it per head; give --attnorm "
                           "or --no-calibrate to choose otherwise)", file=sys.stderr)
-        args.settings = resolve_settings(impl, args.options).to_dict()
-        args.continuation_plan, args.continuation_note = (None, "--no-continuation") if not args.continuation else \
-            plan_continuation(impl, args.options, args.continuation_fraction)
+        settings = resolve_settings(impl, args.options)
+        args.settings = settings.to_dict()
+        if args.transfer_learning_rate is None:
+            args.transfer_learning_rate, source = transfer_learning_rate(settings)
+            if source:
+                print(f"[convert] {impl}: stage-1 learning rate {args.transfer_learning_rate:g} ({source}; give "
+                      "--transfer_learning_rate to choose another)", file=sys.stderr)
+        args.continuation_plan, args.continuation_note = (None, "--no-continuation") \
+            if args.continuation is False else \
+            plan_continuation(impl, args.options, args.continuation_fraction, asked=bool(args.continuation))
     except (TrainingError, AttnormError, ContinuationError) as exc:
         raise ConvertError(str(exc)) from exc
     if args.continuation_fraction > 1:
@@ -200,6 +212,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.resume_from_checkpoint is not None and args.overwrite_output_dir:
         raise ConvertError("--resume_from_checkpoint and --overwrite_output_dir contradict each other")
     return args
+
+
+def transfer_learning_rate(settings: AttnormSettings) -> tuple[float, str]:
+    """Stage 1's default peak learning rate for ``settings`` and where it comes from ("" for ``TRANSFER_LR``): the
+    normalizer's measured ``transfer_learning_rate``, else its scale's, else ``TRANSFER_LR``."""
+    for kind, owner in (("normalizer", NORMALIZERS.get(settings.normalizer)), ("scale", SCALES.get(settings.scale))):
+        if owner.transfer_learning_rate is not None:
+            return float(owner.transfer_learning_rate), f"measured for {kind} {owner.name}"
+    return TRANSFER_LR, ""
 
 
 def recorded_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -143,6 +143,9 @@ class TeacherStats:
     zero_logit_mass: torch.Tensor
     rows: int
     max_n: int
+    #: with the normalizer's ``offset_search``: [H, G] the summed squared error of the layer's attention outputs
+    #: against the teacher's for each of the G candidate offsets (``OffsetSearch.deltas``); None: no search ran
+    offset_errors: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +173,23 @@ class Continuation:
     via_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     #: the source of the path (a paper that anneals the parameter, or the limit it follows)
     note: str = ""
+    #: whether a conversion walks it unless told not to; False for a path measured to do worse than starting at the
+    #: asked normalizer (then ``--continuation`` asks for it, and ``off_note`` says what was measured)
+    by_default: bool = True
+    off_note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class OffsetSearch:
+    """A per-head value with no closed-form calibration, fitted on the teacher's rows instead: the teacher pass tries
+    value_h = m_h + delta for every delta in ``deltas`` (m_h the head's mean LSE_i over the call's rows) with the
+    normalizer's own ``reference``, and accumulates per head the squared error of the attention outputs sum_j w_ij
+    v_j against the teacher's softmax outputs (``TeacherStats.offset_errors``); ``calibrate`` keeps the best delta
+    per head. Every ``row_stride``-th query row is measured (rows are independent: a sample is enough)."""
+
+    value: str
+    deltas: tuple[float, ...]
+    row_stride: int = 4
 
 
 #: what a normalizer or scale without a calibration formula says when asked for one
@@ -251,6 +271,11 @@ class Normalizer:
     #: option values a calibrated conversion start needs (e.g. a per-head value made learnable, so that each head
     #: can hold its own); ``scripts/convert.py --calibrate`` sets them unless given others
     calibration_options: ClassVar[Mapping[str, Any]] = {}
+    #: the peak learning rate of a conversion's stage 1 (attention transfer) to this normalizer, where one was
+    #: measured to do better than convert.py's default (docs/convert.md, "Stage-1 learning rates"); None: the default
+    transfer_learning_rate: ClassVar[float | None] = None
+    #: a per-head value fitted by trying candidates on the teacher's rows (``OffsetSearch``), or None
+    offset_search: ClassVar[OffsetSearch | None] = None
     #: why ``calibrate`` gives nothing for this normalizer (reported, never silent)
     calibration_note: ClassVar[str] = NO_CALIBRATION
 

@@ -11,7 +11,15 @@ from typing import ClassVar
 
 import torch
 
-from ..normalizers.base import NO_CALIBRATION, Calibration, ContinuousBatching, Ctx, ParamSpec, TeacherStats
+from ..normalizers.base import (
+    NO_CALIBRATION,
+    Calibration,
+    Continuation,
+    ContinuousBatching,
+    Ctx,
+    ParamSpec,
+    TeacherStats,
+)
 from ..settings import AttnormSettings
 
 
@@ -32,6 +40,12 @@ class Scale:
 
     #: option values a calibrated conversion start needs (see ``Normalizer.calibration_options``)
     calibration_options: ClassVar[dict] = {}
+    #: a path from softmax to this scale along one option (``Continuation``; the normalizer's wins where both declare
+    #: one), or None
+    continuation: ClassVar[Continuation | None] = None
+    #: stage 1's peak learning rate for a conversion to this scale (see ``Normalizer.transfer_learning_rate``; the
+    #: normalizer's wins where both declare one)
+    transfer_learning_rate: ClassVar[float | None] = None
     #: why ``calibrate`` gives nothing for this scale (reported when the scale has per-head values)
     calibration_note: ClassVar[str] = NO_CALIBRATION
 

@@ -11,7 +11,7 @@ import torch
 
 from ..base import AttnCall, compute_dtype, dense_keep, last_dim_contiguous
 from ..fused import cpu as fused_cpu
-from .scan import common_reason, options, own_index, takes
+from .scan import common_reason, options, own_index, takes, with_offset
 
 #: (block_q, block_k): the query block is the vector width of the scan, the key block the BLAS inner size
 BLOCKS = (128, 256)
@@ -69,8 +69,9 @@ def accepts(call: AttnCall) -> str | None:
 def stickbreaking_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     """out [B, H, Lq, Dv] in the input dtype (fp16/bf16 computed in fp32); k/v are not repeated for GQA."""
     dt = compute_dtype(call.q.dtype)
-    q = (call.q.to(dt) * call.q_factor(dt)).contiguous()
-    k, v = last_dim_contiguous(call.k.to(dt)), last_dim_contiguous(call.v.to(dt))
+    q, k = with_offset(call, call.q.to(dt) * call.q_factor(dt), call.k.to(dt))
+    q = q.contiguous()
+    k, v = last_dim_contiguous(k), last_dim_contiguous(call.v.to(dt))
     B, H, Lq, _ = q.shape
     keep = dense_keep(call, B, H, Lq, k.shape[2])
     attend_current, remainder = options(call)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ...normalizers.base import Normalizer
+from ...normalizers.stickbreaking import uses_offset
 from ..base import AttnCall, compute_dtype, unfused_call_reason
 
 #: (query block, key block) of the PyTorch scan
@@ -49,6 +50,19 @@ def options(call: AttnCall) -> tuple[bool, bool]:
     """(attend_current, remainder) of the call's settings."""
     s = call.settings
     return bool(s.stickbreaking_attend_current), bool(s.stickbreaking_remainder)
+
+
+def with_offset(call: AttnCall, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-head offset c_h (``stickbreaking_offset``) folded into q and k, so that every kernel's q . k is
+    z - c_h: q [B, H, Lq, D] (scaled) gets a last column -c_h, k [B, H or Hkv, Lk, D] a last column of ones (one for
+    every query head of a GQA group). Autograd carries c_h's gradient through q's column. Unchanged (no extra
+    column) when the offset cannot change the weights: a constant 0, the paper's."""
+    if not uses_offset(call.settings):
+        return q, k
+    c = call.heads["stickbreaking_offset"].to(device=q.device, dtype=q.dtype).view(1, -1, 1, 1)
+    q = torch.cat([q, (-c).expand(*q.shape[:-1], 1)], dim=-1)
+    k = torch.cat([k, k.new_ones(*k.shape[:-1], 1)], dim=-1)
+    return q, k
 
 
 def own_index(call: AttnCall) -> torch.Tensor:
@@ -216,6 +230,7 @@ def scan_accepts(call: AttnCall) -> str | None:
 def scan_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     """out [B, H, Lq, Dv] in the input dtype (fp16/bf16 computed in fp32)."""
     q, k, v = call.features(compute_dtype(call.q.dtype))
+    q, k = with_offset(call, q, k)
     keep = call.mask.keep
     if keep is not None:
         keep = keep.to(q.device)

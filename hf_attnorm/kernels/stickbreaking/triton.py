@@ -21,7 +21,7 @@ import torch
 
 from ..base import AttnCall
 from ..fused import triton as ta
-from .scan import common_reason, options, own_index, takes
+from .scan import common_reason, options, own_index, takes, with_offset
 
 #: (BLOCK_M, BLOCK_N) on GPUs; interpreted runs use 16 x 16
 BLOCKS_GPU = (64, 32)
@@ -262,8 +262,9 @@ def accepts(call: AttnCall) -> str | None:
 def triton_stickbreaking_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     """out [B, H, Lq, Dv] in the input dtype (computed in fp32); k/v are not repeated for GQA."""
     with torch.cuda.device(call.q.device) if call.q.is_cuda else contextlib.nullcontext():
-        q = (call.q.float() * call.q_factor(torch.float32)).contiguous()
-        k, v = call.k.float(), call.v.float()
+        # (an offset's extra column pads the head dim to the next power of two in the kernels' blocks)
+        q, k = with_offset(call, call.q.float() * call.q_factor(torch.float32), call.k.float())
+        q, v = q.contiguous(), call.v.float()
         k = k if k.stride(-1) == 1 else k.contiguous()
         v = v if v.stride(-1) == 1 else v.contiguous()
         B, H, Lq, _ = q.shape
