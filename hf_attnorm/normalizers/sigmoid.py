@@ -34,8 +34,8 @@ class Sigmoid(Normalizer):
     params = (ParamSpec("sigmoid_bias", SIGMOID_BIAS, SIGMOID_BIAS_LEARNABLE, "per-head bias offset"),)
     #: one offset per head needs the learnable (per-head) value
     calibration_options = {"sigmoid_bias_learnable": True}
-    #: stage 1 on SmolLM2 ended nearest the teacher at 1e-2 (2e-3 to 2e-2 measured; 2e-2 overshot on one seed)
-    transfer_learning_rate = 1e-2
+    #: no measured rate: stage 1 alone ended nearer the teacher at 1e-2 than at the default 2e-2 on SmolLM2, but whole
+    #: conversions at 1e-2 ended worse in 3 of 4 final perplexities (docs/convert.md, "Stage-1 learning rates")
 
     def calibrate(self, stats: TeacherStats, settings: AttnormSettings) -> Calibration:
         """sigmoid(z_i + b) is near the softmax weight e^(z_i - LSE) when b = -LSE and the weights are small; exact

@@ -61,8 +61,9 @@ SB_OFFSET_LEARNABLE = declare_option(
     "stickbreaking_offset_learnable", bool, False,
     "stickbreaking: learn the offset c_h per head (initialised at stickbreaking_offset; else a constant)",
 )
-#: candidate offsets of the calibration, relative to the head's mean row logsumexp (``OffsetSearch``): the sink
-#: limit (delta 0) and half steps below it, where a break of the first keys nearer 1 trades against the later ones'
+#: candidate offsets of the calibration, relative to the head's mean row logsumexp (``OffsetSearch``), in half steps
+#: from 8 below the sink limit (delta 0) to 2 above it: a lower offset lets the first (sink) key break more of what is
+#: left, at the price of larger shares for the keys nearer the query
 OFFSET_DELTAS = tuple(d / 2 for d in range(-16, 5))
 
 
