@@ -174,7 +174,7 @@ def transfer_learning_rates() -> str:
     convert.py now uses by default (``convert_args.transfer_learning_rate``)."""
     from hf_attnorm.lab.continuation import plan_continuation
     from hf_attnorm.lab.convert_args import transfer_learning_rate
-    from hf_attnorm.settings import resolve_settings
+    from hf_attnorm.settings import AttnormSettings
 
     runs = [json.loads(p.read_text()) for p in sorted((ROOT / "bench" / "convert" / "learning_rates").glob(
         "*/conversion.json"))]
@@ -186,25 +186,30 @@ def transfer_learning_rates() -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in runs:
         impl, rate, check = r["implementation"], r["args"]["transfer_learning_rate"], r["transfer_check"]
-        options = {k: v for k, v in r["settings"].items() if k not in ("implementation", "normalizer", "scale")}
-        default, _ = transfer_learning_rate(resolve_settings(impl, options))
+        settings = AttnormSettings.from_dict(r["settings"])
+        default, _ = transfer_learning_rate(settings)
         walks = bool(r["continuation"].get("ran"))
-        walks_by_default = plan_continuation(impl, options, r["args"]["continuation_fraction"])[0] is not None
+        walks_by_default = plan_continuation(impl, settings.options, r["args"]["continuation_fraction"])[0] is not None
+        length = str(r["args"]["eval_lengths"][0])
         measured = dict(check["measured"])
         flags = f" ({', '.join(r['args']['attnorm'])})" if r["args"]["attnorm"] else ""
         cells = [f"`{impl}`{flags}", f"{rate:g}", "yes" if walks else "no", f"{check['start']:.3f}",
                  *[f"{measured[s]:.3f}" if s in measured else "—" for s in steps],
                  f"{check['best']:.3f} ({check['best_step']})",
-                 f"{r['perplexity']['transfer']['512']:,.1f}",
+                 f"{r['perplexity']['transfer'][length]:,.1f}",
                  "**yes**" if rate == default and walks == walks_by_default else ""]
         lines.append("| " + " | ".join(cells) + " |")
+    if not runs:
+        return "\n".join(lines) + "\n\nNo runs in bench/convert/learning_rates."
     loads = [x for r in runs for x in (r["load_average_start"], r["load_average_end"])]
-    example = runs[0]["command"] if runs else ""
-    return ("\n".join(lines) + f"\n\n{len(runs)} runs, seed 0, each `{example}` with its implementation, rate and "
-            "flags (every run's command is in its conversion.json); the error is the mean held-out per-layer error "
-            "against the original model on the 2 error blocks, what keep-best compares (\"—\": not measured, during "
-            "a continuation's ramp); perplexity on 2,048 held-out Shakespeare tokens at 512. Load average over the "
-            f"runs {min(loads, default=0)} to {max(loads, default=0)}.")
+    seeds = sorted({r["seed"] for r in runs})
+    a = runs[0]["args"]  # (the runs share their evaluation flags; the command of each is in its conversion.json)
+    return ("\n".join(lines) + f"\n\n{len(runs)} runs, seed {', '.join(map(str, seeds))}, each "
+            f"`{runs[0]['command']}` with its implementation, rate and flags (every run's command is in its "
+            "conversion.json); the error is the mean held-out per-layer error against the original model on the "
+            f"{a['error_blocks']} error blocks, what keep-best compares (\"—\": not measured, during a continuation's "
+            f"ramp); perplexity on {a['eval_tokens']:,} held-out Shakespeare tokens at {a['eval_lengths'][0]}. Load "
+            f"average over the runs {min(loads)} to {max(loads)}.")
 
 
 def _compare_results():
