@@ -18,7 +18,10 @@ two markers is replaced by the output of generator NAME:
 * speed-goals: every implementation's prefill and decode ratios against its goal (``hf_attnorm.lab.speed_goals``),
   from the published kernel run and decode curve (``SPEED_RUNS``);
 * serving: continuous batching's throughput per implementation, ``bench/serving/results.json``
-  (``scripts/bench_serving.py``, whose results.md is written by the same functions).
+  (``scripts/bench_serving.py``, whose results.md is written by the same functions);
+* gpu-goals: every implementation's GPU goal (``hf_attnorm.lab.speed_goals.gpu_goal``) against the newest GPU check
+  run that timed the anchors (``bench/gpu/<device>/results.json``, ``scripts/gpu_check.sh``), with the anchors' own
+  rows.
 
 ``python scripts/render_readme.py`` rewrites the files; ``--check`` writes nothing and exits 1 with a diff when a
 file differs from what the generators print (tests/test_readme.py runs the same check).
@@ -497,6 +500,103 @@ def speed_goals() -> str:
             f"(../{SPEED_RUNS['decode']})).{recheck}")
 
 
+def _gpu_run() -> tuple[Path, dict] | None:
+    """The newest GPU check run under bench/gpu/ whose benchmark timed the anchors (by its start time)."""
+    runs = []
+    for path in sorted((ROOT / "bench" / "gpu").glob("*/results.json")):
+        result = json.loads(path.read_text())
+        if (result.get("bench") or {}).get("anchors") is not None:
+            runs.append((result.get("started_utc", ""), path, result))
+    if not runs:
+        return None
+    _, path, result = max(runs, key=lambda r: r[0])
+    return path, result
+
+
+def gpu_goals() -> str:
+    """Every implementation's GPU goal and, from the newest GPU run with the anchors, its ratios at n >= the goal's
+    length, whether it meets the goal and the reason where not; then the anchors' own rows."""
+    import hf_attnorm
+    from hf_attnorm.lab import gpu_anchors
+    from hf_attnorm.lab import speed_goals as goals
+
+    found = _gpu_run()
+    if found is None:
+        lines = ["| implementation | GPU goal (bf16, causal, n ≥ "
+                 f"{goals.GPU_GOAL_FROM}: forward / forward+backward) |", "|---|---|"]
+        lines += [f"| `{name}` | {goals.gpu_goal(name).text()} |" for name in hf_attnorm.available()]
+        return ("\n".join(lines) + "\n\nNo GPU check run with the anchors yet: the prepared command in "
+                "[triton.md](triton.md#the-gpu-machine-this-project-is-checked-on) writes bench/gpu/<device>/ and "
+                "this table is then generated from its results.json.")
+    path, result = found
+    recs = [r for r in result["bench"]["records"] if r.get("status") == "ok"]
+    shapes = sorted({(r["n"], r["B"], r["H"], r["d"]) for r in result["bench"]["records"]
+                     if r["n"] >= goals.GPU_GOAL_FROM})
+    ns = [n for n, *_ in shapes]
+    by = {(r["row"], r["n"]): r for r in recs}
+
+    def ratio(row: str, n: int, key: str) -> float | None:
+        rec = by.get((row, n))
+        return None if rec is None else rec.get(f"{key}_vs_sdpa")
+
+    head = (["implementation", "path"] + [f"{m} n={n}" for n in ns for m in ("fwd", "fwd+bwd")]
+            + ["over its anchor (fwd / fwd+bwd)", "goal", "at goal", "why not"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    met = measured = 0
+    for name in hf_attnorm.available():
+        goal = goals.gpu_goal(name)
+        cells = [f"`{name}`", " / ".join(dict.fromkeys(str(by[(name, n)].get("path")) for n in ns
+                                                       if (name, n) in by)) or "—"]
+        values = {}
+        for n in ns:
+            for key, label in (("fwd", "fwd"), ("fwd_bwd", "fwd+bwd")):
+                value = ratio(name, n, key)
+                cells.append("—" if value is None else f"{value:.2f}")
+                if value is not None:
+                    values[label, n] = value
+        anchor_values, anchor_cells = {}, []
+        for anchor in gpu_anchors.anchors_for(name):
+            row = gpu_anchors.row_name(anchor)
+            parts = []
+            for n in ns:
+                mine, theirs = by.get((name, n)), by.get((row, n))
+                if mine is None or theirs is None:
+                    continue
+                pair = []
+                for key, label in (("fwd", "fwd"), ("fwd_bwd", "fwd+bwd")):
+                    value = mine[f"{key}_ms"] / theirs[f"{key}_ms"]
+                    anchor_values[anchor.name, label, n] = value
+                    pair.append(f"{value:.2f}")
+                parts.append(f"n={n} {' / '.join(pair)}")
+            if parts:
+                anchor_cells.append(f"{anchor.name}: {'; '.join(parts)}")
+        cells.append("; ".join(anchor_cells) or "—")
+        miss = goals.gpu_misses(name, values, anchor_values)
+        complete = len(values) == 2 * len(ns)
+        measured += complete
+        met += complete and not miss
+        cells += [goal.text(), "not measured" if not complete else "yes" if not miss else "no: " + ", ".join(miss),
+                  "" if not miss else goals.GPU_REASONS.get(name, "NO REASON RECORDED")]
+        lines.append("| " + " | ".join(cells) + " |")
+    anchor_lines = ["| anchor | of | source | " + " | ".join(f"{m} n={n}" for n in ns for m in ("fwd", "fwd+bwd"))
+                    + " | status |", "|" + "---|" * (4 + 2 * len(ns))]
+    for anchor in gpu_anchors.ANCHORS.values():
+        row = gpu_anchors.row_name(anchor)
+        status = sorted({r["status"] for r in result["bench"]["records"] if r["row"] == row and r["n"] in ns})
+        cells = [anchor.name, ", ".join(f"`{o}`" for o in anchor.of), anchor.source]
+        cells += ["—" if ratio(row, n, key) is None else f"{ratio(row, n, key):.2f}"
+                  for n in ns for key in ("fwd", "fwd_bwd")]
+        anchor_lines.append("| " + " | ".join(cells + ["; ".join(status)]) + " |")
+    dev, ver = result["device"], result["versions"]
+    rel = path.relative_to(ROOT)
+    return ("\n".join(lines) + f"\n\n{met} of {measured} measured implementations at their GPU goal. The anchors in "
+            "the same run (time over SDPA flash):\n\n" + "\n".join(anchor_lines)
+            + f"\n\n`{result['command']}` on {dev['name']}, {result['started_utc']} UTC, commit "
+            f"{ver.get('git_commit')}, torch {ver.get('torch')}, triton {ver.get('triton')}; shapes "
+            + ", ".join(f"B{b} H{h} n{n} d{d}" for n, b, h, d in shapes)
+            + f" (bf16, causal); [{rel}](../{rel}).")
+
+
 def keyword_scan() -> str:
     """The keyword scan of transformers' attention classes (bench/families/keywords.json, scripts/scan_keywords.py)."""
     scan = json.loads((ROOT / "bench" / "families" / "keywords.json").read_text())
@@ -527,6 +627,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "claims-list": claims_list,
     "keyword-scan": keyword_scan,
     "speed-goals": speed_goals,
+    "gpu-goals": gpu_goals,
     "kernels-run1": kernel_table("bench/kernels/history/2026-11-22-first-run/bench_kernels.json"),
     "kernels-run3": kernel_table("bench/kernels/history/2026-11-23-added-kernels/bench_kernels.json"),
     "kernels-run4": kernel_table("bench/kernels/history/2026-11-27-attention-variants/bench_kernels.json"),

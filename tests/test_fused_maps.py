@@ -16,7 +16,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
@@ -189,14 +188,14 @@ def test_the_kernels_name_no_map_and_the_generated_code_covers_every_id():
     import re
     from pathlib import Path
 
-    from hf_attnorm.kernels.fused import triton as ta
+    from hf_attnorm.kernels.fused import triton_device
 
     cpp = Path(fused_cpu.__file__).with_name("fused_cpu.cpp").read_text()
     code_lines = "\n".join(line.split("//")[0] for line in cpp.splitlines())  # comments may describe a form
     for m in maps.MAPS:
         assert not re.search(rf"\b{m.name.upper()}\b", code_lines), m.name
     assert "enum" not in code_lines
-    device = "".join(inspect.getsource(getattr(ta, name)) for name in ta._JIT_FUNCTIONS)
+    device = "".join(inspect.getsource(getattr(triton_device, name)) for name in triton_device.JIT_FUNCTIONS)
     assert not re.search(r"\bMAP\s*(==|!=|>=|<=|<|>)", device)
     assert not re.search(r"\bMAP_[A-Z0-9_]+\b", device)
     header, source = maps.cpp_header(), maps.triton_source()
@@ -206,6 +205,14 @@ def test_the_kernels_name_no_map_and_the_generated_code_covers_every_id():
         coded = m.code is not None
         assert (f"struct MapEntry<T, {m.kernel_id}> {{" in header) == coded, m.name
         assert (f"MAP == {m.kernel_id}:  # {m.name}" in source) == coded, m.name
+
+
+def test_the_triton_map_code_in_the_repository_is_generated_from_the_declarations():
+    """The Triton kernels run the per-entry code of ``triton_maps.py``, a checked-in file (so a GPU traceback points
+    at a line) that must equal what the declarations generate now."""
+    assert maps.TRITON_MAPS_FILE.read_text() == maps.triton_source(maps.MAPS), (
+        "hf_attnorm/kernels/fused/triton_maps.py is out of date with the map declarations: regenerate it with "
+        "`python -m hf_attnorm.kernels.fused.maps`")
 
 
 @pytest.mark.parametrize("name", IDS)
@@ -299,11 +306,8 @@ else:
     from hf_attnorm.kernels.fused import triton as ta
 
     def _plan(name: str, q, k, v, keep, table=maps.MAPS):
-        """A launch plan for map ``name`` (the call's fields _Plan reads; no normalizer needed)."""
-        call = types.SimpleNamespace(q=q, k=k, v=v, normalizer=types.SimpleNamespace(fused_map=name),
-                                     mask=types.SimpleNamespace(keep=keep, causal=False), softcap=None,
-                                     alibi_slopes=None)
-        return ta._Plan(call, table)
+        """A launch plan for map ``name`` (no normalizer needed)."""
+        return ta._Plan(q, k, v, keep, False, name, table)
 
     @pytest.mark.parametrize("name", IDS)
     def test_triton_kernel_computes_the_declared_map(name, monkeypatch):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hf_attnorm.kernels import declared_normalizers
-from hf_attnorm.lab import gpu_check
+from hf_attnorm.lab import gpu_anchors, gpu_check
 from hf_attnorm.registry import NORMALIZERS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,7 +137,35 @@ def test_benchmark_dry_run_writes_json_markdown_and_command(tmp_path):
     assert "| shape | row | path |" in md and f"| {FUSED} | fused_cpu |" in md
     assert (tmp_path / "command.txt").read_text().startswith("scripts/gpu_check.sh --dry-run")
     assert set(os.listdir(tmp_path)) == {"results.json", "results.md", "command.txt"}
-    assert gpu_check.bench_rows(False) == ["sdpa", *NORMALIZERS]  # every normalizer, generic over the registry
+    anchors = [gpu_anchors.row_name(a) for a in gpu_anchors.ANCHORS.values()]
+    assert gpu_check.bench_rows(False) == ["sdpa", *anchors, *NORMALIZERS]  # every normalizer and anchor
+
+
+def test_anchors_are_recorded_as_not_run_where_they_cannot_run(tmp_path):
+    """On a CPU (or without their wheels) the anchors' rows say why they did not run; nothing fails."""
+    rows = ["sdpa", "anchor:fla_forgetting_attn", "anchor:flex_ssmax"]
+    assert gpu_check.main(["--dry-run", "--out-dir", str(tmp_path), "--phases", "bench", "--rows", *rows]) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert set(result["bench"]["anchors"]) == set(gpu_anchors.ANCHORS)
+    anchor_recs = [r for r in result["bench"]["records"] if r["row"] != "sdpa"]
+    assert anchor_recs and all(r["status"].startswith("not run: a GPU kernel") for r in anchor_recs), anchor_recs
+    assert {tuple(r["anchor_of"]) for r in anchor_recs} == {("fox",), ("ssmax",)}
+
+
+def test_every_anchor_names_implementations_that_exist():
+    import hf_attnorm
+
+    for anchor in gpu_anchors.ANCHORS.values():
+        assert anchor.of and set(anchor.of) <= set(hf_attnorm.available()), anchor
+
+
+def test_the_quick_grid_holds_the_goal_shapes():
+    """The GPU goals hold from n = 2048 (speed_goals.GPU_GOAL_FROM): the quick grid measures there, at d 64 and 128."""
+    from hf_attnorm.lab import speed_goals
+
+    quick = gpu_check.grid("quick")
+    at_goal = [s for s in quick if s.n >= speed_goals.GPU_GOAL_FROM]
+    assert {s.d for s in at_goal} == {64, 128} and all(s.causal and s.dtype == "bf16" for s in quick)
 
 
 def test_suite_results_parse_from_junit_and_from_a_cut_log(tmp_path):

@@ -310,3 +310,47 @@ def test_the_goal_table_adds_implementations_timed_after_its_run_only(tmp_path, 
         softmax = next(ln for ln in table.splitlines() if ln.startswith("| `softmax`"))
         assert "9.99" not in softmax and "‡" not in softmax
 
+
+
+def test_the_gpu_goal_table_judges_a_run_with_anchors(monkeypatch):
+    """The GPU goal table from a run with the anchors (here a made-up one): each implementation's ratios at the
+    goal lengths, over its anchor where it has one, a miss without a recorded reason shown as such; without such a
+    run, the goals alone and where the table will come from."""
+    from hf_attnorm.lab import gpu_anchors
+    from hf_attnorm.lab import speed_goals as goals
+
+    render = _renderer()
+    monkeypatch.setattr(render, "_gpu_run", lambda: None)
+    empty = render.gpu_goals()
+    assert "No GPU check run with the anchors yet" in empty
+    assert [ln.split("`")[1] for ln in empty.splitlines() if ln.startswith("| `")] == list(hf_attnorm.available())
+
+    def rec(row, n, fwd, bwd):
+        return {"row": row, "B": 8, "H": 32, "n": n, "d": 64, "causal": True, "dtype": "bf16", "status": "ok",
+                "path": "triton", "fwd_ms": fwd, "fwd_bwd_ms": bwd, "fwd_vs_sdpa": fwd, "fwd_bwd_vs_sdpa": bwd}
+
+    anchor = gpu_anchors.row_name(gpu_anchors.ANCHORS["adasplash_entmax15"])
+    records = [rec(row, n, *times) for n in (1024, 2048) for row, times in (
+        ("sdpa", (1.0, 1.0)), ("sigmoid", (0.9, 1.4)), ("symax", (1.5, 1.4)), (anchor, (2.0, 2.0)),
+        ("entmax15", (1.8, 2.5)))]
+    result = {"command": "scripts/gpu_check.sh", "started_utc": "2026-01-01", "device": {"name": "GPU"},
+              "versions": {}, "bench": {"anchors": {}, "records": records}}
+    monkeypatch.setattr(render, "_gpu_run", lambda: (ROOT / "bench" / "gpu" / "X" / "results.json", result))
+    monkeypatch.setattr(goals, "GPU_REASONS", {"entmax15": "a made-up reason"})
+    table = render.gpu_goals()
+    line = {ln.split("`")[1]: ln for ln in table.splitlines() if ln.startswith("| `")}
+    assert "| yes |" in line["sigmoid"] and "n=1024" not in line["sigmoid"].split("|")[-4]
+    assert "no: fwd n=2048 1.50x" in line["symax"] and "NO REASON RECORDED" in line["symax"]
+    assert "adasplash_entmax15: n=2048 0.90 / 1.25" in line["entmax15"]
+    assert "fwd+bwd n=2048 1.25x adasplash_entmax15" in line["entmax15"] and "a made-up reason" in line["entmax15"]
+    assert "| not measured |" in line["softmax"]
+    assert "2 of 3 measured" not in table and "1 of 3 measured implementations at their GPU goal" in table
+
+
+def test_the_published_gpu_goal_table_explains_every_miss():
+    """Every implementation that misses its GPU goal in the newest GPU run with the anchors has its measured reason
+    (``hf_attnorm.lab.speed_goals.GPU_REASONS``); the table lists every implementation."""
+    table = _renderer().gpu_goals()
+    assert "NO REASON RECORDED" not in table, [ln.split("|")[1] for ln in table.splitlines()
+                                               if "NO REASON RECORDED" in ln]
+    assert [ln.split("`")[1] for ln in table.splitlines() if ln.startswith("| `")] == list(hf_attnorm.available())

@@ -61,8 +61,8 @@ else:
         return q * qscale, k, v, up, g
 
     def _triton_node(out: torch.Tensor):
-        """The autograd node of the Triton kernels behind ``out`` (its saved tensors: q, k, v, c, r, bias, Z, tau,
-        M)."""
+        """The autograd node of the Triton kernels behind ``out`` (its saved tensors: q, k, v, c, r, bias, out, Z,
+        tau, M)."""
         todo = [out.grad_fn]
         while todo:
             fn = todo.pop()
@@ -105,7 +105,7 @@ else:
         q32 = q.float().requires_grad_(True)
         heads = {"entmax_alpha": torch.tensor(alphas, requires_grad=True)}
         out, _ = attention(q32, k.float(), v.float(), "entmax_alpha", heads=heads, causal=True, path="triton")
-        _q, _k, _v, c, _r, _bias, z, tau, m = _triton_node(out).saved_tensors
+        _q, _k, _v, c, _r, _bias, _out, z, tau, m = _triton_node(out).saved_tensors
         s = c.double()[..., None] * (q32.detach().double() @ k.float().double().transpose(-1, -2))
         keep = torch.ones(L, L, dtype=torch.bool).tril().expand(1, H, L, L)
         a = torch.tensor(alphas, dtype=torch.float64).view(1, H, 1, 1)

@@ -330,7 +330,12 @@ def _attend_differential(call: AttnCall, path: str | None) -> tuple[torch.Tensor
     first, second = call.halves()
     out_first, w_first, name = attend(first, path)
     out_second, w_second, _ = attend(second, path)
-    out = norm.normalize_output(norm.halves_difference(out_first, out_second, ctx), ctx)
+    form = norm.difference_form(ctx) if triton_rows.usable(out_first) else None
+    if form is not None and tuple(form[1].shape) == (out_first.shape[1], out_first.shape[-1]):
+        # on a GPU in half precision: the combination and its RMSNorm in one fused pass (fp32 inside)
+        out = triton_rows.rms_difference(out_first, out_second, *form)
+    else:
+        out = norm.normalize_output(norm.halves_difference(out_first, out_second, ctx), ctx)
     if call.output_gate is not None:
         out = out * call.output_gate
     w = None if w_first is None else norm.halves_difference(w_first, w_second, ctx).to(w_first.dtype)
@@ -383,3 +388,5 @@ for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
     if _info.name not in ("base", "reference", "memory"):
         importlib.import_module(f"{__name__}.{_info.name}")
 set_forced_path()
+
+from . import triton_rows  # noqa: E402  (imported with the paths above; used by the differential combine)

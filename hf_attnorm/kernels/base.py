@@ -111,8 +111,9 @@ class AttnCall:
         """The two calls of a differential call, each with half of every head's q/k dims: with D a multiple of 4, half
         0 holds the dims [0, D/4) and [D/2, 3D/4) and half 1 the rest (rotary pairs i, i + D/2 stay together);
         otherwise the first floor(D/2) dims and the rest. Each half is scaled for its own dims d (base x
-        sqrt(D / d)) and, when v has D dims too, padded with zero dims back to D; the same v, mask and score
-        modifiers; per-head values without the normalizer's own."""
+        sqrt(D / d)); when v has D dims too its q keeps all D dims with the other half's zeroed and its k is the
+        call's whole k (the same scores, SDPA's fused kernels, no copy of k), else q and k are the half's dims; the
+        same v, mask and score modifiers; per-head values without the normalizer's own."""
         d = self.q.shape[-1]
         quarter, middle = d // 4, d // 2
 
@@ -127,15 +128,18 @@ class AttnCall:
         heads = {name: t for name, t in self.heads.items() if name not in own}
         calls = []
         for i in (0, 1):
-            q, k = part(self.q, i), part(self.k, i)
-            scale = (d / q.shape[-1]) ** 0.5
             if self.v.shape[-1] == d:
-                # zero dims add nothing to q . k, and q/k as wide as v keep SDPA on its fused kernels (CPU and CUDA
-                # fall back to the materialising math kernel when the key and value head dims differ: 8x slower)
-                q = torch.nn.functional.pad(q, (0, d - q.shape[-1]))
-                k = torch.nn.functional.pad(k, (0, d - k.shape[-1]))
+                # q as wide as v keeps SDPA on its fused kernels (CPU and CUDA fall back to the materialising math
+                # kernel when the key and value head dims differ: 8x slower): q with the other half's dims zeroed
+                # against the whole k gives the half's q . k (zero dims add nothing), one pass over q, k not copied
+                keep = part(torch.arange(d, device=self.q.device), i)
+                mask = torch.zeros(d, dtype=self.q.dtype, device=self.q.device).index_fill_(0, keep, 1)
+                q, k, width = self.q * mask, self.k, keep.numel()
+            else:
+                q, k = part(self.q, i), part(self.k, i)
+                width = q.shape[-1]
             calls.append(dataclasses.replace(self, q=q, k=k, heads=heads, output_gate=None, half=i,
-                                             base=self.base * scale))
+                                             base=self.base * (d / width) ** 0.5))
         return calls[0], calls[1]
 
     @property

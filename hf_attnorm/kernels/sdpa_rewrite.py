@@ -11,8 +11,12 @@
   No extra key, no extra feature, masks and causality unchanged. Path ``sdpa_sinkcol`` (any device) appends one
   feature instead: q' = [q, lambda], k' = [k, 0], plus a prepended key [0, 1] with value 0 that every query sees
   (with a causal call and no mask, a prepended zero query keeps the upper-left causal pattern aligned; its row is
-  dropped). It is exact but on CPU D+1 falls off SDPA's fast kernel (several times slower), so the rule uses it
-  only on other devices.
+  dropped). It is exact but D+1 falls off SDPA's fast kernels (several times slower, and on a GPU the math backend
+  with its [B, H, Lq, Lk] weights), so the rule uses it only where the lse rewrite cannot run. On CUDA the lse
+  rewrite runs the flash kernel's own ops (``_SinkCUDA``): ``_scaled_dot_product_flash_attention`` for half-precision
+  calls without a mask (causal or not; GQA natively), ``_scaled_dot_product_efficient_attention`` (with the keep-mask
+  as SDPA itself passes it, an additive bias) otherwise; both return the log-sum-exp and take (out', L') in their
+  backward, so memory is SDPA's.
 * forgetting attention (``AttnCall.forget``), F_ij = -|c_{p_i} - c_j|. On a CPU, a call of several queries whose
   visible keys all precede the query's own key (causal, or key padding x causal) runs SDPA's CPU flash kernel on
   blocks of query rows (``_ForgetFlash``), O(n) memory beside one mask block of at most ``FORGET_BIAS_ELEMENTS``:
@@ -34,12 +38,15 @@ Fully masked rows give 0 with finite gradients; fp16/bf16 on CPU are computed in
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..normalizers.base import Normalizer
 from ..torch_compat import FLASH_CPU_GQA, is_exporting
+from . import triton_rows
 from .base import AttnCall, compute_dtype, repeat_kv
 
 
@@ -286,18 +293,19 @@ def _forget_blocks(call: AttnCall) -> torch.Tensor:
 
 
 def accepts(call: AttnCall) -> str | None:
-    """sdpa: softmax / cosine anywhere (dropout ok); a sink only through SDPA's CPU flash kernel; a forget gate
-    when its bias is small."""
+    """sdpa: softmax / cosine anywhere (dropout ok); a sink through the lse rewrite (SDPA's CPU flash kernel, on CUDA
+    its flash or efficient kernel: ``sink_backend``); a forget gate when its bias is small."""
     why = _common(call) or _forget_reason(call)
     if why is None and _has_sink(call) and is_exporting():
         # the lse rewrite's CPU flash op does not translate to ONNX with a sink; the extra-column rewrite does
         return "a sink under torch.export (sdpa_sinkcol exports it as plain SDPA)"
-    if why is None and _has_sink(call) and not _uses_flash_cpu(call):
-        on_cpu = call.q.device.type == "cpu"
+    if why is None and _has_sink(call) and not _uses_flash_cpu(call) and sink_backend(call) is None:
         reason = ("dropout > 0" if call.dropout > 0 else "head dims of v and q differ"
-                  if call.v.shape[-1] != call.q.shape[-1] else f"device {call.q.device}" if not on_cpu
-                  else "a score bias that needs a gradient" if _bias_grad(call) else f"dtype {call.q.dtype}")
-        why = f"the lse rewrite of the sink needs SDPA's CPU flash kernel ({reason}); see sdpa_sinkcol"
+                  if call.v.shape[-1] != call.q.shape[-1] else "a score bias that needs a gradient"
+                  if _bias_grad(call) else
+                  f"device {call.q.device}, dtype {call.q.dtype}, head dim {call.q.shape[-1]}")
+        why = (f"the lse rewrite of the sink needs SDPA's CPU flash kernel, or on CUDA its flash or efficient kernel "
+               f"(head dim a multiple of 8 up to 256) ({reason}); see sdpa_sinkcol")
     return why
 
 
@@ -306,16 +314,28 @@ def _prepare(call: AttnCall, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Te
     into q, or, when it is one number (no per-query scale), left to SDPA's ``scale`` (no extra pass over q).
     The transform and the factor are computed in fp32 when ``dtype`` is fp16/bf16 (a GPU's SDPA runs in the model
     dtype) and rounded once: a norm taken in bf16, or a learned scale whose gradient sums bf16 products, loses
-    several bits more than SDPA itself."""
+    several bits more than SDPA itself. On a GPU in fp16/bf16 that is one fused pass per tensor (``triton_rows``:
+    the factor, and cosine's l2-normalisation of q and k, in fp32 inside); keys without a transform are not copied."""
     work = compute_dtype(dtype)
-    q, k, v = call.q.to(work), call.k.to(work), call.v.to(dtype)
     norm = call.normalizer
-    if type(norm).transform_qk is not Normalizer.transform_qk:
-        q, k = norm.transform_qk(q, k, call.ctx())  # row-wise (cosine: l2-normalise), so fine on unrepeated k
+    transform = type(norm).transform_qk is not Normalizer.transform_qk
     factor = call.q_factor(work)
+    v = call.v.to(dtype)
+    if call.q.dtype == dtype and triton_rows.usable(call.q) and (not transform or norm.qk_norm_eps is not None):
+        if transform:
+            return (triton_rows.row_scale(call.q, factor, True, norm.qk_norm_eps),
+                    triton_rows.row_scale(call.k, 1.0, True, norm.qk_norm_eps), v, 1.0)
+        if isinstance(factor, float):
+            return call.q, call.k, v, factor
+        return triton_rows.row_scale(call.q, factor), call.k, v, 1.0
+    if transform:
+        q, k = norm.transform_qk(call.q.to(work), call.k.to(work), call.ctx())  # row-wise: fine on unrepeated k
+    else:
+        q, k = call.q.to(work), call.k
+    k = k.to(dtype)
     if isinstance(factor, float):
-        return q.to(dtype), k.to(dtype), v, factor
-    return (q * factor).to(dtype), k.to(dtype), v, 1.0
+        return q.to(dtype), k, v, factor
+    return (q * factor).to(dtype), k, v, 1.0
 
 
 def _sdpa_mask(call: AttnCall) -> tuple[torch.Tensor | None, bool]:
@@ -379,6 +399,131 @@ class _FlashCPU(torch.autograd.Function):
         return dq, dk, dv, dlam, None, None, None
 
 
+#: the ops of SDPA's CUDA backends that return the row log-sum-exp, by role (their schemas as called here:
+#: tests/test_sink_cuda.py, which also runs ``_SinkCUDA`` on the CPU with these replaced by math of the same contract)
+CUDA_OPS: dict[str, Any] = {
+    "flash": torch.ops.aten._scaled_dot_product_flash_attention,
+    "flash_backward": torch.ops.aten._scaled_dot_product_flash_attention_backward,
+    "efficient": torch.ops.aten._scaled_dot_product_efficient_attention,
+    "efficient_backward": torch.ops.aten._scaled_dot_product_efficient_attention_backward,
+}
+#: the efficient kernel reads its bias in rows aligned to this many elements (SDPA pads the mask the same way)
+_BIAS_ALIGNMENT = 16
+
+
+def sink_backend(call: AttnCall) -> str | None:
+    """Which CUDA kernel runs a sink call's lse rewrite: "flash" (fp16/bf16, no mask or bias, causal only with
+    Lq == Lk), "efficient" (a mask or bias, fp32, a causal call with Lq != Lk), or None when neither can (dropout,
+    head dims that differ or are not a multiple of 8 up to 256, a bias that needs a gradient, another device).
+    Shapes, dtypes and flags only."""
+    q = call.q
+    if q.device.type != "cuda" or call.dropout > 0 or _bias_grad(call):
+        return None
+    d = q.shape[-1]
+    if call.v.shape[-1] != d or d % 8 or d > 256 or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return None
+    # (the flash kernel aligns a causal mask to the last key when Lq != Lk; MaskInfo's causal is upper-left)
+    square = not call.mask.causal or q.shape[2] == call.k.shape[2]
+    if q.dtype != torch.float32 and call.mask.keep is None and call.bias is None and square:
+        return "flash"
+    return "efficient"
+
+
+def _aligned_bias(bias: torch.Tensor, shape: tuple[int, int, int, int]) -> torch.Tensor:
+    """An additive bias [B|1, H|1, Lq, Lk] as the efficient kernel reads it: rows padded to ``_BIAS_ALIGNMENT``
+    elements (then sliced back, as SDPA's own mask preprocessing does) and expanded (stride 0) to ``shape``."""
+    lk = bias.shape[-1]
+    if bias.stride(-2) % _BIAS_ALIGNMENT or bias.stride(-1) != 1:
+        pad = -lk % _BIAS_ALIGNMENT
+        bias = F.pad(bias, (0, pad))[..., :lk]
+    return bias.expand(shape)
+
+
+class _SinkCUDA(torch.autograd.Function):
+    """A sink logit lambda (0-d or [H]) on CUDA: out' = out e^(L - L'), L' = logaddexp(L, lambda) from the flash or
+    efficient kernel's (out, L); its backward fed (out', L') is softmax's over the keys and the sink (module
+    docstring), d lambda = -sum_i e^(lambda - L'_i) (dO_i . out'_i). bias: the additive mask for the efficient
+    kernel (None for flash); live: bool [B|1, 1|H, Lq, 1] of rows with a visible key (the bias opened dead rows:
+    their out' is 0, their L' lambda, their dO ignored) or None."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, lam, bias, live, causal: bool, scale: float):
+        B, H, Lq, _ = q.shape
+        ctx.kv_heads = k.shape[1]
+        if bias is None:  # flash: GQA natively
+            res = CUDA_OPS["flash"](q, k, v, 0.0, causal, False, scale=scale)
+            out, lse, aux = res[0], res[1], (res[2], res[3], res[6], res[7])  # (cum_seq_q, cum_seq_k, rng state)
+            ctx.max_qk = (res[4], res[5])
+        else:  # efficient: k/v repeated for GQA, the bias as SDPA hands it over
+            k, v = repeat_kv(k, H // k.shape[1]), repeat_kv(v, H // v.shape[1])
+            bias = _aligned_bias(bias.to(q.dtype), (B, H, Lq, k.shape[2]))
+            out, lse, seed, offset = CUDA_OPS["efficient"](q, k, v, bias, True, 0.0, False, scale=scale)
+            aux = (seed, offset)
+        lam_b = lam.view(1, -1, 1) if lam.dim() == 1 else lam
+        rows = lse[..., :Lq]  # (the efficient kernel pads its lse to a multiple of 32 rows)
+        both = torch.logaddexp(rows, lam_b.to(rows.dtype))
+        factor = torch.exp(rows - both).unsqueeze(-1)
+        if live is not None:
+            both = torch.where(live.squeeze(-1), both, lam_b.to(rows.dtype).expand_as(both))
+            factor = torch.where(live, factor, torch.zeros((), dtype=factor.dtype, device=factor.device))
+        out = (out * factor).to(q.dtype)
+        lse = lse.clone()
+        lse[..., :Lq] = both
+        ctx.save_for_backward(q, k, v, out, lse, bias, live, lam, *aux)
+        ctx.causal, ctx.scale = causal, scale
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse, bias, live, lam, *aux = ctx.saved_tensors
+        dout = dout.contiguous()
+        if live is not None:
+            dout = torch.where(live, dout, torch.zeros((), dtype=dout.dtype, device=dout.device))
+        if bias is None:
+            cum_q, cum_k, seed, offset = aux
+            dq, dk, dv = CUDA_OPS["flash_backward"](
+                dout, q, k, v, out, lse, cum_q, cum_k, *ctx.max_qk, 0.0, ctx.causal, seed, offset, scale=ctx.scale)
+        else:
+            seed, offset = aux
+            dq, dk, dv, _ = CUDA_OPS["efficient_backward"](
+                dout, q, k, v, bias, out, lse, seed, offset, 0.0, [True, True, True, False], False, scale=ctx.scale)
+            if dk.shape[1] != ctx.kv_heads:  # k/v were repeated: sum each group's gradients
+                dk, dv = dk.unflatten(1, (ctx.kv_heads, -1)).sum(2), dv.unflatten(1, (ctx.kv_heads, -1)).sum(2)
+        dlam = None
+        if ctx.needs_input_grad[3]:
+            Lq = q.shape[2]
+            lam_b = lam.view(1, -1, 1) if lam.dim() == 1 else lam
+            g = -torch.exp(lam_b - lse[..., :Lq]) * (dout.float() * out.float()).sum(-1)  # [B, H, Lq]
+            dlam = (g.sum(dim=(0, 2)) if lam.dim() == 1 else g.sum()).to(lam.dtype)
+        return dq, dk, dv, dlam, None, None, None, None
+
+
+def _sink_cuda(call: AttnCall, backend: str) -> torch.Tensor:
+    """out [B, H, Lq, Dv] of a sink call on CUDA through ``_SinkCUDA`` with ``backend`` ("flash" or "efficient":
+    ``sink_backend``). fp32 calls without a mask take the efficient kernel with a causal bias [1, 1, Lq, Lk] (its
+    backward op needs a bias tensor where its forward could take none)."""
+    dt = call.q.dtype
+    lam = sink_logit(call, torch.float32)
+    q, k, v, scale = _prepare(call, dt)
+    keep, causal = _sdpa_mask(call)
+    bias, live = None, None
+    if backend == "efficient":
+        keep, live = _open_dead_rows(keep, call)
+        if keep is None and causal:  # the efficient op's own causal flag is not used: one code path for masks
+            keep = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()[None, None]
+        # the additive mask as SDPA builds it from a boolean one (0 / -inf), the call's bias added where visible; the
+        # dead rows opened above (no row of -inf reaches the kernel)
+        bias = torch.zeros((), dtype=torch.float32, device=q.device) if call.bias is None else \
+            call.bias.to(device=q.device, dtype=torch.float32)
+        if keep is not None:
+            bias = torch.where(keep, bias, torch.tensor(-math.inf, device=q.device))
+        bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+        bias = bias.expand(*bias.shape[:2], q.shape[2], k.shape[2])
+        causal = False
+    return _SinkCUDA.apply(q.contiguous(), k.contiguous(), v.contiguous(), lam, bias, live, causal, scale)
+
+
 def _open_dead_rows(keep: torch.Tensor | None, call: AttnCall) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """With a mask: (the mask with rows that see no key opened, bool [B|1, 1|H, Lq, 1] of live rows), so SDPA never
     sees an empty row (NaN on some backends); the caller zeroes the dead rows' outputs. Done whether or not a dead
@@ -390,8 +535,8 @@ def _open_dead_rows(keep: torch.Tensor | None, call: AttnCall) -> tuple[torch.Te
 
 
 def sdpa_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
-    """softmax / cosine (any device, dropout ok) and softmax_n / sink (CPU, no dropout, D == Dv); forgetting
-    attention (module docstring)."""
+    """softmax / cosine (any device, dropout ok) and softmax_n / sink (CPU, or CUDA: ``sink_backend``; no dropout,
+    D == Dv); forgetting attention (module docstring)."""
     if _forget_by_flash(call):
         return _forget_flash(call), None
     if call.forget is not None and _forget_too_large(call):  # (accepts: no gradient) blocks of query rows
@@ -414,6 +559,8 @@ def sdpa_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
             return out.to(call.q.dtype), None
         out = _FlashCPU.apply(q, k, v, lam, _float_mask(call, keep, dt), causal, scale)
         return out.to(call.q.dtype), None
+    if _has_sink(call) and sink_backend(call) is not None and not is_exporting():
+        return _sink_cuda(call, sink_backend(call)).to(call.q.dtype), None
     dt = compute_dtype(call.q.dtype) if call.q.device.type == "cpu" else call.q.dtype
     q, k, v, scale = _prepare(call, dt)
     keep, live = _open_dead_rows(keep, call)

@@ -1,17 +1,21 @@
-"""One GPU check: the ``gpu`` test suite, a benchmark against SDPA (flash backend) and FlashAttention-2, and the
-results under ``bench/gpu/<device name>/`` (results.json, results.md, command.txt). Entry point:
-``scripts/gpu_check.sh`` (which first runs scripts/gpu_setup.py) or ``python -m hf_attnorm.lab.gpu_check``.
+"""One GPU check: the ``gpu`` test suite, a benchmark against SDPA (flash backend) with the field's own kernels
+timed beside (the anchors: ``gpu_anchors.py``), and the results under ``bench/gpu/<device name>/`` (results.json,
+results.md, command.txt). Entry point: ``scripts/gpu_check.sh`` (which first runs scripts/gpu_setup.py) or
+``python -m hf_attnorm.lab.gpu_check``.
 
-Modes: ``--quick`` (default: the suite's ``gpu and not slow`` subset and a small grid, about 6 minutes on an H100:
-measured 247 s for the suite on 12 processes, then the benchmark budget), ``--full`` (every gpu test and the grid
+Modes: ``--quick`` (default: the suite's ``gpu and not slow`` subset, then the benchmark of every implementation
+and anchor at bf16 causal B8 H32 n1024/2048 d64 and B4 H16 n4096 d128), ``--full`` (every gpu test and the grid
 B 1-8, H 8-32, d 64/128, n 1k-16k, causal and not) and ``--dry-run`` (CPU: collects the suite and lists its skip
 reasons, runs the benchmark machinery at a toy size on the CPU, writes the same files; no CUDA needed).
 
-Benchmark: per normalizer (its preset, the path the automatic rule picks) and per shape, forward (no grad) and
-forward + backward; times are medians over ``--repeats`` after ``--warmup`` (CUDA events on a GPU). FLOPs as
-FlashAttention's benchmarks count them: forward 4 B H n^2 d (halved when causal), forward + backward 3.5 x that;
-``/ sdpa`` is the time ratio to SDPA on the same inputs (above 1: slower). Peak memory: the peak allocated bytes of
-forward + backward above what was allocated before. A measurement that fails records its error; shapes not reached
+Benchmark: per row (SDPA's flash backend, an anchor, or an implementation: its preset on the path the automatic
+rule picks) and per shape, forward (no grad) and forward + backward; times are medians over ``--repeats`` after
+``--warmup`` (CUDA events on a GPU). FLOPs as FlashAttention's benchmarks count them: forward 4 B H n^2 d (halved
+when causal), forward + backward 3.5 x that; ``/ sdpa`` is the time ratio to SDPA on the same inputs (above 1:
+slower). Peak memory: the peak allocated bytes of forward + backward above what was allocated before. Before the
+timed pass, a warm-up phase runs every point once in ``--warm-workers`` processes (Triton and flex_attention
+compile their kernels into their on-disk caches in parallel; the timed pass then autotunes from that cache). The
+autotuner's choices are saved (``tuned_configs``). A measurement that fails records its error; points not reached
 within ``--bench-budget`` seconds are listed as not run. Nothing is dropped silently.
 """
 
@@ -39,9 +43,11 @@ import torch.nn.functional as F
 
 from ..attention import constant_heads, make_call
 from ..kernels import attend
+from ..kernels.fused import triton as fused_triton
 from ..registry import NORMALIZERS
 from ..settings import resolve_settings
 from ..version import __version__
+from . import gpu_anchors
 
 ROOT = Path(__file__).resolve().parents[2]
 SUITE = "tests/test_gpu.py"
@@ -78,8 +84,8 @@ def grid(mode: str) -> list[Shape]:
     if mode == "dry-run":
         return [Shape(1, 2, 64, 16, True, "fp32"), Shape(1, 2, 96, 16, False, "fp32")]
     if mode == "quick":
-        return [Shape(8, 32, 1024, 64, True, "bf16"), Shape(4, 16, 2048, 128, True, "bf16"),
-                Shape(1, 16, 8192, 128, True, "bf16")]
+        return [Shape(8, 32, 1024, 64, True, "bf16"), Shape(8, 32, 2048, 64, True, "bf16"),
+                Shape(4, 16, 4096, 128, True, "bf16")]
     shapes = []
     for d in (64, 128):
         for causal in (True, False):
@@ -223,11 +229,19 @@ def _inputs(shape: Shape, device: torch.device, grad: bool) -> list[torch.Tensor
 
 def _row_fns(row: str, shape: Shape, device: torch.device) -> tuple[Any, Any, list[str]]:
     """(forward, forward + backward, [path that ran]) for a row: a normalizer (its preset, automatic path),
-    ``sdpa`` (flash backend on CUDA) or ``flash_attn2``."""
+    ``sdpa`` (flash backend on CUDA), ``flash_attn2`` or an anchor (``anchor:<name>``)."""
     q, k, v = _inputs(shape, device, True)
     grad_out = torch.randn_like(q)
     ran: list[str] = []
-    if row == "sdpa":
+    anchor = gpu_anchors.anchor_of_row(row)
+    if anchor is not None:
+        call = gpu_anchors.build(anchor, q, k, v, shape.causal)
+        ran.append(anchor.name)
+
+        def attn():
+            out = call()
+            return out if out.shape == q.shape else out.transpose(1, 2)  # ([B, T, H, D] layouts back)
+    elif row == "sdpa":
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         cuda = device.type == "cuda"
@@ -290,9 +304,11 @@ def _peak_mb(fn, device: torch.device) -> float | None:
 
 
 def bench_rows(flash_attn: bool, only: list[str] | None = None) -> list[str]:
-    """Baselines first, then every registered normalizer (its preset: the normalizer's own name); ``only``
-    restricts them (an unknown name is an error listing the known ones)."""
-    rows = ["sdpa", *(["flash_attn2"] if flash_attn else []), *NORMALIZERS]
+    """Baselines first (SDPA's flash backend, FlashAttention-2, the anchors), then every registered normalizer (its
+    preset: the normalizer's own name); ``only`` restricts them (an unknown name is an error listing the known
+    ones)."""
+    anchors = [gpu_anchors.row_name(a) for a in gpu_anchors.ANCHORS.values()]
+    rows = ["sdpa", *(["flash_attn2"] if flash_attn else []), *anchors, *NORMALIZERS]
     if only:
         unknown = sorted(set(only) - set(rows))
         if unknown:
@@ -301,21 +317,72 @@ def bench_rows(flash_attn: bool, only: list[str] | None = None) -> list[str]:
     return rows
 
 
+def _warm_point(args: tuple[str, dict[str, Any]]) -> str | None:
+    """One (row, shape) forward and forward + backward in a worker process (``warm``): None, or the error."""
+    row, shape = args
+    try:
+        fwd, fwd_bwd, _ = _row_fns(row, Shape(**shape), torch.device("cuda"))
+        fwd()
+        fwd_bwd()
+        torch.cuda.synchronize()
+        return None
+    except Exception as exc:  # noqa: BLE001  (the timed pass records it properly)
+        return f"{row} {Shape(**shape).label}: {type(exc).__name__}"
+
+
+def warm(shapes: list[Shape], rows: list[str], workers: int, budget_s: float) -> dict[str, Any]:
+    """Every (row, shape) point run once in ``workers`` processes, so Triton's and flex_attention's compiles fill
+    their on-disk caches in parallel before the timed pass (whose autotuning then compiles nothing). Anchors whose
+    package is missing are skipped. Returns {"points", "seconds", "errors", "cut"}."""
+    import concurrent.futures
+    import multiprocessing
+
+    device = torch.device("cuda")
+    todo = [(row, dataclasses.asdict(shape)) for shape in shapes for row in rows
+            if not (gpu_anchors.anchor_of_row(row) and gpu_anchors.anchor_of_row(row).missing(device))]
+    t0 = time.perf_counter()
+    errors: list[str] = []
+    cut = False
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        futures = [pool.submit(_warm_point, item) for item in todo]
+        try:
+            for fut in concurrent.futures.as_completed(futures, timeout=budget_s):
+                if fut.result():
+                    errors.append(fut.result())
+        except concurrent.futures.TimeoutError:
+            cut = True
+            for fut in futures:
+                fut.cancel()
+    return {"points": len(todo), "seconds": round(time.perf_counter() - t0, 1), "errors": errors, "cut": cut}
+
+
 def run_bench(shapes: list[Shape], rows: list[str], device: torch.device, repeats: int, warmup: int,
               budget_s: float, records: list[dict[str, Any]] | None = None,
               on_record: Any = None) -> list[dict[str, Any]]:
-    """One record per (shape, row), appended to ``records`` as each finishes (``on_record()`` is called then, so a
-    run cut short keeps what finished); see the module docstring."""
+    """One record per (row, shape), appended to ``records`` as each finishes (``on_record()`` is called then, so a
+    run cut short keeps what finished); row by row (SDPA first), each over every shape, so a run cut by its budget
+    leaves whole rows; see the module docstring."""
     t0 = time.perf_counter()
     records = [] if records is None else records
-    for shape in shapes:
-        base: dict[str, float] = {}
-        for row in rows:
+    base: dict[tuple[str, str], float] = {}
+    for row in rows:
+        for shape in shapes:
             rec: dict[str, Any] = {"row": row, **dataclasses.asdict(shape), "status": "ok"}
             records.append(rec)
             if time.perf_counter() - t0 > budget_s:
                 rec["status"] = f"not run: the benchmark budget of {budget_s:.0f} s was spent"
                 continue
+            anchor = gpu_anchors.anchor_of_row(row)
+            if anchor is not None:
+                rec["anchor_of"] = list(anchor.of)
+                missing = anchor.missing(device) or (f"not run: {anchor.name} is a causal kernel"
+                                                     if anchor.causal_only and not shape.causal else None)
+                if missing:
+                    rec["status"] = missing
+                    if on_record is not None:
+                        on_record()
+                    continue
             try:
                 fwd, fwd_bwd, ran = _row_fns(row, shape, device)
                 fwd()  # the first call compiles and tells the path
@@ -329,8 +396,9 @@ def run_bench(shapes: list[Shape], rows: list[str], device: torch.device, repeat
                     rec[f"{key}_ms"] = round(ms, 4)
                     rec[f"{key}_tflops"] = float(f"{shape.flops(backward) / (ms * 1e-3) / 1e12:.4g}")
                     if row == "sdpa":
-                        base[key] = ms
-                    rec[f"{key}_vs_sdpa"] = round(ms / base[key], 3) if key in base else None
+                        base[key, shape.label] = ms
+                    ref = base.get((key, shape.label))
+                    rec[f"{key}_vs_sdpa"] = round(ms / ref, 3) if ref else None
                 rec["peak_mb"] = _peak_mb(fwd_bwd, device)
             except Exception as exc:  # noqa: BLE001  (recorded in the results, with its type and first line)
                 rec["status"] = f"error: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
@@ -407,14 +475,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "directory in a dry run)")
     p.add_argument("--phases", default="suite,bench", help="comma-separated phases to run: suite, bench")
     p.add_argument("--suite-timeout", type=float, default=None,
-                   help="seconds before the suite is stopped (default: 300 quick, 1500 full, 300 dry run)")
+                   help="seconds before the suite is stopped (default: 240 quick, 1500 full, 300 dry run)")
     p.add_argument("--bench-budget", type=float, default=None,
-                   help="seconds after which no new benchmark point starts (default: 150 quick, 1200 full, 300 dry)")
+                   help="seconds after which no new benchmark point starts (default: 240 quick, 1200 full, 300 dry)")
     p.add_argument("--workers", type=int, default=None,
                    help="pytest-xdist processes for the suite (Triton compiles on the CPU; default: min(12, CPUs), "
                         "1 without pytest-xdist or in a dry run)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per measurement (default 10, dry run 1)")
     p.add_argument("--warmup", type=int, default=None, help="untimed runs before timing (default 3, dry run 1)")
+    p.add_argument("--warm-workers", type=int, default=None,
+                   help="processes that compile every benchmark point before the timed pass (default: min(12, CPUs) "
+                        "on a GPU, 0 in a dry run; 0: no warm-up phase)")
+    p.add_argument("--warm-budget", type=float, default=240.0,
+                   help="seconds after which the warm-up phase stops (default 240; the timed pass compiles the rest)")
     p.add_argument("--rows", nargs="+", default=None,
                    help="benchmark only these rows (sdpa, flash_attn2, normalizer names; default: all)")
     p.add_argument("--flash-attn", action="store_true",
@@ -434,7 +507,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         bench_rows(True, args.rows)
     except ValueError as exc:
         p.error(str(exc))
-    defaults = {"quick": (300, 150, 10, 3), "full": (1500, 1200, 10, 3), "dry-run": (300, 300, 1, 1)}[args.mode]
+    defaults = {"quick": (240, 240, 10, 3), "full": (1500, 1200, 10, 3), "dry-run": (300, 300, 1, 1)}[args.mode]
     for name, value in zip(("suite_timeout", "bench_budget", "repeats", "warmup"), defaults):
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -501,10 +574,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_check: benchmark, {len(shapes)} shapes x {len(rows)} rows, budget {args.bench_budget:.0f} s",
               flush=True)
         records: list[dict[str, Any]] = []
-        result["bench"] = {"rows": rows, "shapes": [dataclasses.asdict(s) for s in shapes], "repeats": args.repeats,
+        result["bench"] = {"rows": rows, "shapes": [dataclasses.asdict(s) for s in shapes],
+                           "anchors": {a.name: {"of": list(a.of), "source": a.source}
+                                       for a in gpu_anchors.ANCHORS.values()}, "repeats": args.repeats,
                            "warmup": args.warmup, "budget_s": args.bench_budget, "flash_attn_note": note,
                            "records": records}
+        workers = args.warm_workers if args.warm_workers is not None else (min(12, os.cpu_count() or 1) if cuda else 0)
+        if workers > 0 and cuda:
+            print(f"gpu_check: warm-up compile of every point on {workers} processes "
+                  f"(budget {args.warm_budget:.0f} s)", flush=True)
+            result["bench"]["warm"] = warm(shapes, rows, workers, args.warm_budget)
+            print(f"gpu_check: warm-up {result['bench']['warm']}", flush=True)
+            save()
         run_bench(shapes, rows, device, args.repeats, args.warmup, args.bench_budget, records, save)
+        result["bench"]["tuned_configs"] = fused_triton.tuned_configs()
+        for kernel, chosen in result["bench"]["tuned_configs"].items():
+            for key, config in chosen.items():
+                print(f"gpu_check: autotune {kernel} {key}: {config}", flush=True)
         for rec in records:
             if rec["status"].startswith("error"):
                 label = Shape(rec["B"], rec["H"], rec["n"], rec["d"], rec["causal"], rec["dtype"]).label

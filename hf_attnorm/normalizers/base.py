@@ -323,6 +323,10 @@ class Normalizer:
         """Before scaling. q: [B, H, Lq, D], k: [B, H, Lk, D]."""
         return q, k
 
+    #: ``transform_qk`` is l2-normalisation of q and k rows, x / max(|x|, qk_norm_eps) (cosine's QK-norm): the
+    #: kernels may run it fused with the query scale; None: another transform or none (tests check the declaration)
+    qk_norm_eps: ClassVar[float | None] = None
+
     def head_multiplier(self, ctx: Ctx) -> torch.Tensor | None:
         """Per-head factor multiplied into q with the scale ([H]) or None."""
         return None
@@ -353,6 +357,12 @@ class Normalizer:
     def normalize_output(self, out: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         """Differential normalizers: the combined output [B, H, Lq, Dv] after its per-head normalisation."""
         return out
+
+    def difference_form(self, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor, float, float] | None:
+        """Differential normalizers whose ``normalize_output(halves_difference(first, second))`` is
+        RMSNorm_eps(first - lam_h second) * weight_h * factor per row: (lam [H], weight [H, Dv], factor, eps), which
+        the kernels may compute in one fused pass (tests check it against the two methods); None otherwise."""
+        return None
 
     def feature_map(self, q: torch.Tensor, k: torch.Tensor, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """After scaling, before q @ k^T."""

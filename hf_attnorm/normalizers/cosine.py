@@ -40,6 +40,8 @@ class Cosine(Normalizer):
     default_scale = "max_gradient"
     default_settings = {"max_gradient_dist": "cosine"}
 
+    qk_norm_eps = NORM_EPS
+
     def transform_qk(self, q: torch.Tensor, k: torch.Tensor, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
         return F.normalize(q, dim=-1, eps=NORM_EPS), F.normalize(k, dim=-1, eps=NORM_EPS)
 

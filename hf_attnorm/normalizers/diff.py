@@ -96,6 +96,11 @@ class Diff(Softmax):
         lam = self.lambda_full(ctx).to(device=first.device, dtype=dt).view(1, -1, 1, 1)
         return first.to(dt) - lam * second.to(dt)
 
+    def difference_form(self, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+        """(lambda [H], the RMSNorm weight [H, Dv], 1 - lambda_init, RMS_EPS): ``normalize_output`` of
+        ``halves_difference`` in one form (the kernels' fused combination)."""
+        return self.lambda_full(ctx), ctx.heads["diff_norm_w"], 1.0 - self.lambda_init(ctx), RMS_EPS
+
     def normalize_output(self, out: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         """RMSNorm over each head's value dims with its weight, times (1 - lambda_init); out [B, H, Lq, Dv].
         A fully masked row (zeros) stays zero."""

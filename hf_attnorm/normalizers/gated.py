@@ -47,8 +47,12 @@ class Gated(Softmax):
     )
 
     def output_gate(self, q: torch.Tensor, ctx: Ctx) -> torch.Tensor:
-        """sigmoid(q W_h + b_h): [B, H, Lq, Dv] from the raw q [B, H, Lq, D]."""
-        dt = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype  # fp32 at least, fp64 kept
+        """sigmoid(q W_h + b_h): [B, H, Lq, Dv] from the raw q [B, H, Lq, D]. Computed in fp32 at least (fp64
+        kept), except fp16/bf16 on a GPU: there in the input dtype, as a gate layer of a half-precision model runs
+        (a tensor-core product accumulated in fp32; fp32 copies of the [B, H, Lq, Dv] gate and output would cost the
+        path more than its attention)."""
+        half = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+        dt = q.dtype if half else torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
         w = ctx.heads["gated_w"].to(device=q.device, dtype=dt)  # [H, D, Dv]
         b = ctx.heads["gated_b"].to(device=q.device, dtype=dt)  # [H, Dv]
         if w.shape[1] != q.shape[-1]:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -68,7 +69,9 @@ class EntryCode:
       vectorise as before;
     * ``triton_weight`` / ``triton_slope``: the same as Triton expressions on a block ``s`` [BM, BN] and ``r``
       [BM, 1] (``tl.where`` / ``tl.maximum`` ..., fp32; ``w`` as above). Both are evaluated on invisible entries
-      too (the kernels select 0 there): keep them finite for every finite s.
+      too (the kernels select 0 there): keep them finite for every finite s. They may call the device helpers of
+      ``triton_device.py`` and read the constexpr ``FAST`` (half-precision inputs on a GPU: ``_sigmoid(x, FAST)``
+      takes the one-instruction tanh form there).
     """
 
     cpp_weight: str
@@ -120,6 +123,11 @@ class FusedMap:
     #: running shift and no threshold search declares it; the others are computed by the kernels' code for their
     #: declared ``shift`` / threshold form, which ``__post_init__`` checks against ``weight``
     code: EntryCode | None = None
+    #: normalised maps: the Triton backward takes delta_i = sum_j w_ij dP_ij from dO_i . O_i (FlashAttention's
+    #: shortcut, one preprocess instead of a second walk over the keys) because the map's b'(s) / D is bounded, so
+    #: the rounding of O is not amplified into dS (docs/triton.md has the measurement that sorted the maps); False:
+    #: the kernels compute delta from the same dP as dS (exact zeros on single-key rows)
+    delta_from_output: bool = False
 
     def __post_init__(self) -> None:
         if self.threshold == self.normalised and self.threshold:
@@ -145,6 +153,9 @@ class FusedMap:
         if self.code is not None and self.den_term is not None:
             raise ValueError(f"fused map {self.name!r}: the kernels sum a map's own weight in its denominator: "
                              "only shift 'max_score' (softpick) sums another term")
+        if self.delta_from_output and not self.normalised:
+            raise ValueError(f"fused map {self.name!r}: delta_from_output is the delta of a normalised map "
+                             "(sum_j w_ij dP_ij = dO . O); threshold maps keep their own mean term")
         if self.shift not in SHIFT_IDS:
             raise ValueError(f"fused map {self.name!r}: shift must be one of {sorted(SHIFT_IDS)}")
         if self.shift != "none" and (not self.normalised or self.den_offset is not None):
@@ -232,7 +243,8 @@ MAPS: tuple[FusedMap, ...] = (
              # each side of 0 sees only its own half-line (no inf in the branch not taken); slope: w^2 below 0
              code=EntryCode("s >= T(0) ? s + T(1) : T(1) / (T(1) - std::min(s, T(0)))", "s >= T(0) ? T(1) : w * w",
                             "tl.where(s >= 0, tl.maximum(s, 0.0) + 1.0, 1.0 / (1.0 - tl.minimum(s, 0.0)))",
-                            "tl.where(s >= 0, 1.0, w * w)")),
+                            "tl.where(s >= 0, 1.0, w * w)"),
+             delta_from_output=True),
     FusedMap("softpick", 3, lambda s, r: torch.relu(torch.expm1(s)), lambda s, r: torch.where(s > 0, s.exp(), 0.0),
              den_term=lambda s, r: torch.expm1(s).abs(), den_slope=lambda s, r: torch.expm1(s).sign() * s.exp(),
              normalised=True, threshold=False, constant_on_single_key=True, single_key_mark="n == 1",
@@ -243,7 +255,7 @@ MAPS: tuple[FusedMap, ...] = (
              "(-ln n by default)", row_value_for=lambda n: -torch.log(_n(n)), row_value_has_gradient=True,
              dispatch="tiles", row_value_in_score=True,
              code=EntryCode("T(1) / (T(1) + vexp(-(s + r)))", "w * (T(1) - w)",
-                            "1.0 / (1.0 + tl.exp(-(s + r)))", "w * (1.0 - w)")),
+                            "_sigmoid(s + r, FAST)", "w * (1.0 - w)")),
     FusedMap("relu_len", 5, lambda s, r: torch.relu(s) * r, lambda s, r: (s > 0).to(s.dtype) * r, normalised=False,
              threshold=False, constant_on_single_key=False, single_key_mark="none",
              row_value="1 / n, the factor on relu(s)", row_value_for=lambda n: 1 / _n(n),
@@ -269,7 +281,7 @@ MAPS: tuple[FusedMap, ...] = (
     FusedMap("softplus", 10, lambda s, r: torch.nn.functional.softplus(s), lambda s, r: torch.sigmoid(s),
              normalised=True, threshold=False, constant_on_single_key=True, single_key_mark="n == 1",
              row_value=_ROW_IS_N, row_value_for=_n, row_value_has_gradient=False, dispatch="tiles",
-             shift="max_score_below_zero"),
+             shift="max_score_below_zero", delta_from_output=True),
 )
 
 BY_NAME: dict[str, FusedMap] = {m.name: m for m in MAPS}
@@ -380,15 +392,21 @@ def cpp_header(table: tuple[FusedMap, ...] = MAPS) -> str:
 
 
 def triton_source(table: tuple[FusedMap, ...] = MAPS) -> str:
-    """The Triton device functions ``triton.py`` jits with its kernels: ``_map_weight(s, r, MAP)`` and
-    ``_map_slope(s, r, w, MAP)``, each a compile-time chain over the ids of the maps with per-entry code (the
-    declared ``EntryCode`` expressions); an id without code fails to compile there."""
+    """The Triton device functions ``triton.py`` jits with its kernels: ``_map_weight(s, r, MAP, FAST)`` and
+    ``_map_slope(s, r, w, MAP, FAST)``, each a compile-time chain over the ids of the maps with per-entry code (the
+    declared ``EntryCode`` expressions); an id without code fails to compile there. For ``MAPS`` it is the checked-in
+    module ``triton_maps.py`` (``write_triton_maps``; tests/test_fused_maps.py fails when the two drift)."""
     check_table(table)
     coded = [m for m in sorted(table, key=lambda m: m.kernel_id) if m.code is not None]
-    lines = ["# generated by hf_attnorm/kernels/fused/maps.py (triton_source) from the map declarations", ""]
+    lines = ['"""Generated by hf_attnorm/kernels/fused/maps.py (``triton_source``) from the map declarations: the',
+             "per-entry code of the fused maps for the Triton kernels (triton_device.py calls these). Do not edit;",
+             'regenerate with ``python -m hf_attnorm.kernels.fused.maps``."""', "",
+             "# ruff: noqa: F821  (the device helpers they call resolve in the kernels' jit namespace)", "",
+             "from __future__ import annotations", "", "from typing import Any", "",
+             "tl: Any = None  # bound by triton._compiled before jitting", "", ""]
     for fn, args, attr, var in (("_map_weight", "s, r", "triton_weight", "w"),
                                 ("_map_slope", "s, r, w", "triton_slope", "d")):
-        lines.append(f"def {fn}({args}, MAP: tl.constexpr):")
+        lines.append(f"def {fn}({args}, MAP: tl.constexpr, FAST: tl.constexpr):")
         for i, m in enumerate(coded):
             lines += [f"    {'if' if i == 0 else 'elif'} MAP == {m.kernel_id}:  # {m.name}",
                       f"        {var} = {getattr(m.code, attr)}"]
@@ -396,7 +414,17 @@ def triton_source(table: tuple[FusedMap, ...] = MAPS) -> str:
                   '        tl.static_assert(False, "hf_attnorm triton: no per-entry code for this fused map '
                   '(see fused/maps.py)")',
                   f"        {var} = s", f"    return {var}", "", ""]
-    return "\n".join(lines)
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+#: the checked-in module holding ``triton_source(MAPS)``
+TRITON_MAPS_FILE = Path(__file__).with_name("triton_maps.py")
+
+
+def write_triton_maps() -> Path:
+    """Regenerate ``triton_maps.py`` from ``MAPS`` (after editing a declaration's Triton code)."""
+    TRITON_MAPS_FILE.write_text(triton_source(MAPS))
+    return TRITON_MAPS_FILE
 
 
 #: id(table) -> (table, its key): each Triton launch looks its kernels up by the key, so it is generated once per
@@ -455,3 +483,7 @@ def declared_weights(fmap: FusedMap, s: Tensor, r: Tensor, keep: Tensor) -> Tens
     if fmap.den_offset is not None:
         den = den + fmap.den_offset(r)
     return torch.where(den != 0, a / torch.where(den != 0, den, 1.0), 0.0)
+
+
+if __name__ == "__main__":  # python -m hf_attnorm.kernels.fused.maps: regenerate triton_maps.py
+    print(f"wrote {write_triton_maps()}")

@@ -1,37 +1,38 @@
-"""GPU fast path: flash-style Triton kernels (forward and backward) for the non-softmax normalizers.
+"""GPU fast path ``triton``: flash-style Triton kernels (forward and backward) for the fused maps (symax, sigmoid,
+squared, stablemax, softpick, softplus, relu_len, power, sparsemax, entmax-1.5, alpha-entmax). This module is the host
+side; the device code is ``triton_device.py`` (its docstring says what the kernels compute and how they follow
+FlashAttention-2) and the per-map entry code ``triton_maps.py`` (generated from ``maps.py``).
 
-One forward kernel (plus a threshold kernel for the sparse maps) and two backward kernels serve every normalizer
-below: a map's declared facts (``maps.py``) are compile-time constants (``map_constants``) and its per-entry code
-the generated ``_map_weight`` / ``_map_slope`` (``maps.triton_source``); no device code names a map. No n x n tensor
-is ever formed: per query block the kernel walks the key blocks, recomputes the scores
-s = score_scale_i (q_i . k_j) and accumulates
+Per query row i the kernels take score_scale_i = base x multiplier (the per-query scale, with gradient) and r_i, the
+map's row value (symax |eta_h|, sigmoid b_h - ln n_i, relu_len 1/n_i, alpha-entmax alpha_h ...). They never form an
+n x n tensor: per query block they walk the key blocks, recompute s = score_scale_i (q_i . k_j) and accumulate
 
-* sum-normalised maps (symax, squared, stablemax, softpick): numerator O_i = sum_j a(s_ij) v_j and denominator
-  D_i = r_i + sum_j b(s_ij) (r_i = |eta| for symax, else 0); out = O / D, 0 where D = 0. Without exponentials
-  no running max is needed; softpick keeps one (its exp) and rescales O and D as flash attention does.
-* non-normalised maps (sigmoid, relu_len): out_i = sum_j a(s_ij) v_j.
-* sparse maps (sparsemax, entmax15): a first kernel finds the per-row threshold tau with safeguarded Newton steps,
-  one pass over the key blocks each (O(n d) memory); the forward kernel then accumulates
-  p = [z - tau]_+^(1/(alpha-1)) (z = s or s/2) like a non-normalised map.
+* sum-normalised maps: O_i = sum_j a(s_ij) v_j, D_i = r_i + sum_j b(s_ij), out = O / D (0 where D = 0); softpick,
+  power and softplus keep a running shift and rescale O and D as flash attention does;
+* non-normalised maps (sigmoid, relu_len): out_i = sum_j a(s_ij) v_j;
+* threshold maps (sparsemax, entmax-1.5, alpha-entmax): a threshold kernel finds tau per row first (safeguarded
+  Newton, one pass over the keys per step), then the forward accumulates the thresholded weights.
 
-Per row i: score_scale_i = base x multiplier (the per-query scale, with gradient), r_i = the normalizer's row value
-(symax |eta_h|, sigmoid b_h - ln n_i or b_h, relu_len 1/n_i) with gradient. The forward pass saves D and the
-softpick shift / sparse threshold per row (fp32); the backward pass recomputes score blocks. With
-dp_ij = do_i . v_j: normalised ds_ij = (a'(s_ij) dp_ij - b'(s_ij) delta_i) / D_i, delta_i = sum_j w_ij dp_ij;
-sparse ds_ij = g_ij (dp_ij - delta_i), g = p^(2 - alpha), delta_i = sum_j g_ij dp_ij / sum_j g_ij; non-normalised
-ds_ij = a'(s_ij) dp_ij. Then dq_i = score_scale_i sum_j ds_ij k_j, dscore_scale_i = q_i . sum_j ds_ij k_j,
-dk_j = sum_i score_scale_i ds_ij q_i,
-dv_j = sum_i w_ij do_i. delta comes from a first pass of the dq kernel rather than flash attention's do . out:
-see ``_bwd_dq_kernel``.
-One program per (key block, batch, kv head) loops over the heads of its GQA group, so dk/dv need no atomics.
+Backward (recompute): dp_ij = do_i . v_j; normalised ds = (a' dp - b' delta) / D, threshold ds = g (dp - delta),
+non-normalised ds = a' dp; dq_i = score_scale_i sum_j ds_ij k_j, dk_j = sum_i score_scale_i ds_ij q_i,
+dv_j = sum_i w_ij do_i, and the row value's and score scale's gradients per row. Two kernels: dq (per query block,
+also writing delta where the map needs its own pass) and dk/dv (per key block and kv head, looping over the query
+heads of its GQA group: no atomics).
 
-Masks: none; causal (upper-left, key j visible to query i iff j <= i: MaskInfo's meaning of ``keep is None``);
-or the boolean keep-mask (any pattern: padding, fully masked rows, cache offsets, per head) read blockwise, with a
-block table (one byte per [query block, key block]) so blocks without a visible key are skipped.
+Masks: none; causal (upper-left: key j visible to query i iff j <= i, MaskInfo's meaning of ``keep is None``); or a
+boolean keep-mask of any pattern read blockwise with a block table (one byte per [query block, key block]) so blocks
+without a visible key are skipped. Score modifiers: soft-cap, a bias read through its broadcast strides (gradient
+summed into its own shape atomically), ALiBi slopes. Sinks are declined (``chunked`` applies them).
 
-Score modifiers (``_mods``, wherever a score block is formed): soft-cap c tanh(s / c), a bias read through its
-broadcast strides (gradient: block sums of ds added atomically into the bias's own shape), ALiBi from the slopes
-(-m_h |Lk - Lq + i - j|); constexpr flags leave the unmodified kernels as they were. Sinks are declined.
+Launch configuration: on a GPU the kernels are autotuned over a small set of block sizes, warps and pipeline stages
+per head size (``CONFIGS``; ``tuned_configs()`` lists what was chosen, the GPU check prints it); a keep-mask fixes
+the blocks at ``MASKED_BLOCKS`` (the block tables are built for them) and tunes warps and stages only.
+``HF_ATTNORM_TRITON_AUTOTUNE=0`` takes each kernel's first config without timing. Interpreted (CPU), 32 x 32 blocks;
+``BLOCK_OVERRIDE`` sets (BLOCK_M, BLOCK_N) everywhere (the tests).
+
+torch.compile: the launches are the custom ops ``hf_attnorm_triton::forward`` / ``backward`` (shape functions
+registered, the backward wired by ``torch.library.register_autograd``), so a compiled model keeps this path; eager
+calls take the same host code through an ``autograd.Function`` (no dispatcher round trip).
 
 Dispatch: automatic on CUDA tensors. Forced (``path="triton"``), CPU tensors run too while Triton's interpreter is on
 (``TRITON_INTERPRET=1``): that is how the tests run these kernels without a GPU. Triton is imported and the kernels
@@ -42,883 +43,188 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib
 import importlib.util
-import linecache
-import math
 import os
+import sys
+import tempfile
 import types
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ...normalizers.base import Normalizer
+from .. import triton_common as tc
 from ..base import AttnCall, compact_bias
-from .maps import MAPS, SHIFT_IDS, THRESHOLD, FusedMap, fused_takes, lookup_id, table_key, triton_source
+from . import triton_device, triton_maps
+from .maps import MAPS, SHIFT_IDS, FusedMap, fused_takes, lookup_id, table_key, triton_source
 
-# imported on first use (``_load_triton``): the plain package needs no triton, and triton fixes compiled vs
-# interpreted mode for its own library functions when it is imported
-triton: Any = None
-tl: Any = None
-
-#: power: |s| below the smallest normal fp32 counts as 0 (weight 0); the log-domain "minus infinity" of its shift
-TINY = 1.1754943508222875e-38
-POW_NEG = -1e30
-# alpha-entmax: alpha_i = r_i (per head, d alpha through DR), scores shifted by the row max (ROWMAX) and scaled by
-# alpha - 1 before the threshold, as the reference and the C++ kernel (see _threshold_kernel)
 #: at most this many Newton passes for the sparse threshold (measured: sparsemax 3-5, entmax15 6-8, plus one max pass)
 THRESHOLD_STEPS = 30
 
 #: (BLOCK_M, BLOCK_N) override for every call (tests use small blocks so odd lengths cross block edges)
 BLOCK_OVERRIDE: tuple[int, int] | None = None
-
+#: (BLOCK_M, BLOCK_N) per kernel of calls with a keep-mask on a GPU: their block tables are built for these
+#: (the dk/dv kernel's BLOCK_M is its inner query tile; 32 keeps its ptxas spills small at head dim 128)
+MASKED_BLOCKS = {"_fwd_kernel": (64, 64), "_threshold_kernel": (64, 64), "_bwd_dq_kernel": (64, 64),
+                 "_bwd_dkdv_kernel": (32, 64)}
+#: interpreted (CPU) runs
+INTERPRETED_BLOCKS = (32, 32)
+#: the autotuned launch configurations per kernel and head size ("small": head dims <= 64, "large": above):
+#: (BLOCK_M, BLOCK_N, num_warps, num_stages) (the dk/dv kernel: BLOCK_N keys per program, BLOCK_M queries per
+#: step); the first is the default (HF_ATTNORM_TRITON_AUTOTUNE=0; a masked call keeps the warps and stages of every
+#: config). Chosen from FlashAttention-2's and the Triton tutorial's Hopper settings by the registers and spills
+#: that ptxas reports for sm_90 (docs/triton.md: ``python -m hf_attnorm.lab.triton_ptx``): with a map's elementwise
+#: work beside the products, the backward kernels keep smaller tiles than softmax's.
+CONFIGS: dict[str, dict[str, tuple[tuple[int, int, int, int], ...]]] = {
+    "_fwd_kernel": {"small": ((128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 32, 4, 4)),
+                    "large": ((128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3))},
+    "_threshold_kernel": {"small": ((64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 4)),
+                          "large": ((64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3))},
+    "_bwd_dq_kernel": {"small": ((64, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3), (128, 64, 8, 3)),
+                       "large": ((64, 32, 8, 3), (64, 64, 8, 3), (32, 64, 4, 3))},
+    "_bwd_dkdv_kernel": {"small": ((32, 128, 8, 3), (32, 64, 4, 3), (16, 64, 4, 3), (64, 128, 8, 3)),
+                         "large": ((32, 32, 4, 3), (64, 64, 8, 3), (32, 64, 4, 3), (32, 128, 8, 3))},
+}
+#: the kernels' arguments the autotuner keys on beside the compile-time constants (lengths in powers of two)
+TUNE_KEYS = ("DH", "DV", "LQ_KEY", "LK_KEY")
+AUTOTUNE_ENV = "HF_ATTNORM_TRITON_AUTOTUNE"
 
 #: the outputs and the gradients of q, k, v (and the score scale and row value) are bitwise reproducible: no
 #: atomics outside the score-bias gradient (dk/dv: one program per key block and kv head). Read by
-#: tests/test_gpu.py's determinism check.
+#: tests/test_gpu.py's determinism check (autotuning chooses once per shape, so repeated calls match).
 DETERMINISTIC = True
-#: NVIDIA GPUs below this compute capability are refused with ``TritonKernelError``: Triton's supported range
-#: (compute capability 8.0 and newer), and the kernels were compiled and checked for sm_80 and newer only
-MIN_CAPABILITY = (8, 0)
-#: how to run another path, named in every ``TritonKernelError``
-ESCAPE = ("set HF_ATTNORM_PATH=chunked in the environment (or pass path='chunked' to attention()) to run the "
-          "pure-PyTorch path instead")
+# the shared Triton host helpers (re-exported: the tests and the other Triton modules read them here too)
+TritonKernelError = tc.TritonKernelError
+launch, describe_device, device_problem = tc.launch, tc.describe_device, tc.device_problem
+kernel_name, triton_installed, interpreter_requested = tc.kernel_name, tc.triton_installed, tc.interpreter_requested
+jit_interprets, interpreter_consistent, jit_namespace = tc.jit_interprets, tc.interpreter_consistent, tc.jit_namespace
+_load_triton = tc.load
+MIN_CAPABILITY, ESCAPE = tc.MIN_CAPABILITY, tc.ESCAPE
+_cdiv, _pow2 = tc.cdiv, tc.pow2
 
 
-class TritonKernelError(RuntimeError):
-    """A Triton kernel of hf_attnorm failed to compile or launch, or the device is one the kernels do not support.
-    The message names the kernel, the device and how to force another path (``ESCAPE``); never a silent fallback."""
+def __getattr__(name: str) -> Any:
+    """``triton`` / ``tl``: the modules ``triton_common.load()`` bound (None before it ran)."""
+    if name in ("triton", "tl"):
+        return getattr(tc, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def describe_device(device: torch.device | None) -> str:
-    """'cuda:0 (NVIDIA H100 80GB HBM3, compute capability 9.0)', or 'cpu (Triton interpreter)'."""
-    if device is None:
-        return "an unknown device"
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        major, minor = torch.cuda.get_device_capability(index)
-        return f"cuda:{index} ({torch.cuda.get_device_name(index)}, compute capability {major}.{minor})"
-    if device.type == "cpu":
-        return "cpu (Triton interpreter)"
-    return str(device)
+# ---------------------------------------------------------------------------------------------------- jitting
 
 
-def device_problem(device: torch.device | None) -> str | None:
-    """None, or why the Triton kernels cannot run on ``device`` (an NVIDIA GPU below ``MIN_CAPABILITY``)."""
-    if device is None or device.type != "cuda" or torch.version.hip is not None:
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    capability = torch.cuda.get_device_capability(index)
-    if tuple(capability) < MIN_CAPABILITY:
-        return (f"compute capability {capability[0]}.{capability[1]} is below "
-                f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}, the lowest the hf_attnorm Triton kernels support")
-    return None
-
-
-def kernel_name(kernel: Any) -> str:
-    """'hf_attnorm.kernels.fused.triton._fwd_kernel' for a jitted kernel of ``jit_namespace``."""
-    fn = getattr(kernel, "fn", kernel)
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
-
-
-def launch(kernel: Any, grid: tuple[int, ...]) -> Any:
-    """``kernel[grid]`` whose failures say what failed: a device below ``MIN_CAPABILITY`` or any error while Triton
-    compiles or launches the kernel (compile errors, shared memory or registers out of resources, ...) raises
-    ``TritonKernelError`` naming the kernel, the device, the cause and ``ESCAPE``. CUDA out-of-memory passes as is."""
-    def run(*args: Any, **kwargs: Any) -> Any:
-        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-        problem = device_problem(device)
-        if problem is not None:
-            raise TritonKernelError(f"Triton kernel {kernel_name(kernel)} cannot run on {describe_device(device)}: "
-                                    f"{problem}; {ESCAPE}")
-        try:
-            return kernel[grid](*args, **kwargs)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as exc:  # noqa: BLE001  (any compile/launch error is re-raised with the facts a user needs)
-            cause = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-            raise TritonKernelError(f"Triton kernel {kernel_name(kernel)} failed to compile or launch on "
-                                    f"{describe_device(device)} (triton {getattr(triton, '__version__', '?')}): "
-                                    f"{cause}; {ESCAPE}") from exc
-    return run
-
-
-#: looked up once at import (without importing triton): the paths' accepts ask on every call, also while Dynamo
-#: traces, and Dynamo refuses to trace importlib's find_spec
-_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
-
-
-def triton_installed() -> bool:
-    return _TRITON_INSTALLED
-
-
-def interpreter_requested() -> bool:
-    """True when ``TRITON_INTERPRET`` asks for Triton's interpreter (kernels then run on the CPU)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
-
-
-def _load_triton() -> None:
-    global triton, tl
-    if triton is None:
-        import triton as _triton
-        import triton.language as _tl
-
-        triton, tl = _triton, _tl
-
-
-def jit_interprets() -> bool:
-    """Whether ``triton.jit`` now makes interpreted functions (triton loaded): ``triton.knobs`` since triton 3.4;
-    before it, jit read the variable itself, interpreting only for exactly "1"."""
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@torch.compiler.assume_constant_result  # Dynamo cannot trace isinstance on a Triton function nor triton's knobs
-def interpreter_consistent() -> bool:
-    """Triton's library functions (tl.sum ...) were jitted in the mode now requested. False when
-    ``TRITON_INTERPRET=1`` was set after triton had been imported (or unset after): interpreted kernels calling
-    compiled library functions cannot run."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(tl.sum, InterpretedFunction) == jit_interprets()
-
-
-# ---------------------------------------------------------------------------------------------------- device code
-# Plain functions here; ``_compiled()`` wraps them with triton.jit on first use. Every name a kernel calls must be
-# listed in _JIT_FUNCTIONS (dependency order).
-
-
-def _entry(s, r, keep, shift, MAP: tl.constexpr, RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXP: tl.constexpr):
-    """Forward map of one score block: (a, b) with a the numerator weight and b the denominator term.
-
-    s: [BM, BN] fp32 scores; r: [BM] row values; keep: [BM, BN] bool; shift: [BM] (softpick running max,
-    sparse: threshold tau). Masked entries give exactly 0.
-    """
-    zero = 0.0  # (scalars, not tl.zeros_like: library calls are slow in the interpreter)
-    if RUNNING_SHIFT == 1:  # (shift 'max_score') softpick in units of e^-M: e^(s-M) - e^-M
-        e = tl.exp(tl.where(keep, s - shift[:, None], -float("inf")))
-        p = e - tl.exp(-shift)[:, None]
-        a = tl.where(keep & (p > 0), p, zero)
-        b = tl.where(keep, tl.abs(p), zero)
-    elif THRESHOLD_EXP == 1:  # sparsemax [s - tau]_+
-        a = tl.where(keep, tl.maximum(s - shift[:, None], 0.0), zero)
-        b = a
-    elif RUNNING_SHIFT == 3:  # ('log_abs_max') power |s|^p = e^(p ln|s| - M), p = |r|, M = max of p ln|s|
-        mag = tl.abs(s)
-        nz = keep & (mag >= TINY)
-        a = tl.where(nz, tl.exp(tl.where(nz, tl.abs(r)[:, None] * tl.log(tl.where(nz, mag, 1.0)) - shift[:, None],
-                                         POW_NEG)), zero)
-        b = a
-    elif RUNNING_SHIFT == 2:  # ('max_score_below_zero') softplus(s) e^-c, c = min(0, running max) (shift):
-        # s + log1p(e^-s) for s > 0
-        # (then c = 0), else e^(s - c) log1p(u) / u with u = e^s (exact where u underflows); log1p by Goldberg
-        u = tl.exp(-tl.abs(s))
-        w = 1.0 + u
-        d = w - 1.0
-        lp = tl.where(d == 0, u, tl.log(w) * (u / tl.where(d == 0, 1.0, d)))
-        ratio = tl.where(u > 0, lp / tl.where(u > 0, u, 1.0), 1.0)
-        neg = tl.exp(tl.minimum(s - shift[:, None], 0.0)) * ratio
-        a = tl.where(keep, tl.where(s > 0, s + lp, neg), zero)
-        b = a
-    elif THRESHOLD_EXP == -1:  # alpha-entmax [x - tau]_+^(1/(alpha-1)), x = (s - M)(alpha - 1) from the caller
-        d = tl.where(keep, s - shift[:, None], zero)
-        pos = d > 0
-        a = tl.where(pos, tl.exp(tl.log(tl.where(pos, d, 1.0)) / (r - 1.0)[:, None]), zero)
-        b = a
-    elif THRESHOLD_EXP == 2:  # entmax-1.5 [s/2 - tau]_+^2
-        t = tl.where(keep, tl.maximum(s * 0.5 - shift[:, None], 0.0), zero)
-        a = t * t
-        b = a
-    else:  # the declared per-entry code (FusedMap.code; _map_weight is generated from it)
-        a = tl.where(keep, _map_weight(s, r[:, None], MAP), zero)  # noqa: F821  (generated: _compiled)
-        b = a
-    return a, b
-
-
-def _slopes(s, r, keep, shift, MAP: tl.constexpr, RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXP: tl.constexpr):
-    """Backward map of one score block: (a, da, db) with da = a'(s), db = b'(s) (0 on masked entries).
-
-    For the sparse maps da is the Jacobian weight g = p^(2 - alpha) (1 on sparsemax's support, sqrt(p) for
-    entmax-1.5) and db is unused.
-    """
-    zero = 0.0
-    if RUNNING_SHIFT == 1:  # (shift 'max_score') softpick
-        e = tl.exp(tl.where(keep, s - shift[:, None], -float("inf")))
-        p = e - tl.exp(-shift)[:, None]
-        a = tl.where(keep & (p > 0), p, zero)
-        da = tl.where(keep & (p > 0), e, zero)
-        db = tl.where(keep, tl.where(p > 0, e, tl.where(p < 0, -e, 0.0)), zero)
-    elif THRESHOLD_EXP == 1:  # sparsemax
-        a = tl.where(keep, tl.maximum(s - shift[:, None], 0.0), zero)
-        da = tl.where(a > 0, 1.0, 0.0)
-        db = da
-    elif RUNNING_SHIFT == 3:  # (shift 'log_abs_max') power: d|s|^p/ds = p |s|^p / s (0 at s = 0)
-        mag = tl.abs(s)
-        nz = keep & (mag >= TINY)
-        pw = tl.abs(r)[:, None]
-        a = tl.where(nz, tl.exp(tl.where(nz, pw * tl.log(tl.where(nz, mag, 1.0)) - shift[:, None], POW_NEG)), zero)
-        da = tl.where(nz, a * pw / tl.where(nz, s, 1.0), zero)
-        db = da
-    elif RUNNING_SHIFT == 2:  # (shift 'max_score_below_zero') (softplus(s) e^-c)' = sigmoid(s) e^-c
-        u = tl.exp(-tl.abs(s))
-        w = 1.0 + u
-        d = w - 1.0
-        lp = tl.where(d == 0, u, tl.log(w) * (u / tl.where(d == 0, 1.0, d)))
-        ratio = tl.where(u > 0, lp / tl.where(u > 0, u, 1.0), 1.0)
-        e = tl.exp(tl.minimum(s - shift[:, None], 0.0))
-        a = tl.where(keep, tl.where(s > 0, s + lp, e * ratio), zero)
-        da = tl.where(keep, tl.where(s > 0, 1.0, e) / w, zero)
-        db = da
-    elif THRESHOLD_EXP == -1:  # alpha-entmax: g = d^(1/(alpha-1) - 1) = p^(2 - alpha) (unnormalised)
-        d = tl.where(keep, s - shift[:, None], zero)
-        pos = d > 0
-        d1 = tl.where(pos, d, 1.0)
-        a = tl.where(pos, tl.exp(tl.log(d1) / (r - 1.0)[:, None]), zero)
-        da = tl.where(pos, a / d1, zero)
-        db = da
-    elif THRESHOLD_EXP == 2:  # entmax-1.5
-        t = tl.where(keep, tl.maximum(s * 0.5 - shift[:, None], 0.0), zero)
-        a = t * t
-        da = t
-        db = da
-    else:  # the declared per-entry code (FusedMap.code; _map_weight / _map_slope are generated from it)
-        w = _map_weight(s, r[:, None], MAP)  # noqa: F821  (generated: _compiled)
-        a = tl.where(keep, w, zero)
-        da = tl.where(keep, _map_slope(s, r[:, None], w, MAP), zero)  # noqa: F821
-        db = da
-    return a, da, db
-
-
-def _tanh(x):
-    """tanh in fp32 (Cephes tanhf: odd polynomial below 0.625, else from exp; triton 3.9 has no tl.tanh)."""
-    ax = tl.abs(x)
-    z = x * x
-    p = -5.70498872745e-3 * z + 2.06390887954e-2
-    p = p * z - 5.37397155531e-2
-    p = p * z + 1.33314422036e-1
-    p = p * z - 3.33332819422e-1
-    e = tl.exp(-2.0 * ax)
-    big = (1.0 - e) / (1.0 + e)
-    return tl.where(ax < 0.625, p * z * x + x, tl.where(x < 0, -big, big))
-
-
-def _mods(s, b, h, offs_m, offs_n, m_valid, n_valid, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF,
-          HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr):
-    """Score modifiers on a block s [BM, BN] (fp32): CAP tanh(s / CAP), + BIAS (strides 0 on its broadcast dims),
-    - SLOPES[h] |QOFF + i - j| (ALiBi). Returns (s, capd) with capd = 1 - tanh^2 (1.0 without a cap)."""
-    capd = 1.0
-    if HAS_CAP:
-        t = _tanh(s / CAP)
-        s = CAP * t
-        capd = 1.0 - t * t
-    if HAS_BIAS:
-        s += tl.load(BIAS + b * sbb + h * sbh + offs_m[:, None] * sbm + offs_n[None, :] * sbn,
-                     mask=m_valid[:, None] & n_valid[None, :], other=0.0).to(tl.float32)
-    if HAS_ALIBI:
-        slope = tl.load(SLOPES + h)
-        s -= slope * tl.abs((offs_m[:, None] + QOFF - offs_n[None, :]).to(tl.float32))
-    return s, capd
-
-
-def _score_block(q, kt_ptrs, keep_ptrs, offs_m, offs_n, m_valid, d_valid, score_scale,
-                                       LK,
-                 CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                 b, h, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF,
-                 HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr):
-    """Scores s [BM, BN] = c_i (q_i . k_j) in fp32 with the score modifiers (``_mods``), the keep block, k^T
-    [BD, BN] (input dtype) and the cap's derivative capd (``_mods``).
-
-    q: [BM, BD] in the input dtype (fp16/bf16 products are exact in the fp32 accumulator, so the score dot runs on
-    the inputs as they are; UPCAST: both in fp32 instead, for bf16 under the interpreter, whose bf16 dot is wrong
-    in triton 3.9); kt_ptrs: [BD, BN] pointers to k^T of this key block; keep_ptrs: [BM, BN] (HAS_MASK)."""
-    n_valid = offs_n < LK
-    kt = tl.load(kt_ptrs, mask=d_valid[:, None] & n_valid[None, :], other=0.0)
-    if UPCAST:
-        kt = kt.to(tl.float32)
-    s = tl.dot(q, kt, input_precision=PREC) * score_scale[:, None]
-    s, capd = _mods(s, b, h, offs_m, offs_n, m_valid, n_valid, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF,
-                    HAS_BIAS, HAS_ALIBI, HAS_CAP)
-    keep = m_valid[:, None] & n_valid[None, :]
-    if CAUSAL:
-        keep = keep & (offs_n[None, :] <= offs_m[:, None])
-    if HAS_MASK:
-        keep = keep & (tl.load(keep_ptrs, mask=keep, other=0) != 0)
-    return s, keep, kt, capd
-
-
-def _threshold_kernel(
-    Q, K, SCORE_SCALE, KEEP, TABLE, TAU,
-    sqb, sqh, sqm, sqd, skb, skh, skn, skd, scb, sch, scm,
-    smb, smh, smm, smn, stb, sth, stm, stn,
-    H, GROUPS, LQ, LK, DH, R, ROWMAX,
-    BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF,
-    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr,
-    MAP: tl.constexpr, THRESHOLD_EXP: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr,
-    STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """Sparse maps: per-row threshold TAU [B, H, Lq] with sum_j [z_j - tau]_+^(1/(alpha-1)) = 1 (z = s or s/2).
-
-    Pass 1 finds the row max m of z; tau lies in [m - 1, m] (the max alone has mass >= 1 at m - 1). Then Newton
-    steps on f(tau) = mass(tau) - 1 from the left end (f is convex and decreasing, so they approach the root from
-    below without overshooting; sparsemax's f is piecewise linear and Newton lands exactly once the support is
-    found), safeguarded by the bracket (bisection if a step leaves it). Each step is one pass over the key blocks;
-    a block stops when all its rows converged (|f| <= 1e-7 or a relative step below 2e-8), at most STEPS passes.
-    Fully masked rows get tau = 0 (their p is 0 anyway).
-
-    alpha-entmax (alpha_i = R, P = 1/(alpha - 1)): z = x = (s - M)(alpha - 1) with M the row max of s, stored in
-    ROWMAX for the other kernels (shifted before scaling, as the reference: (alpha - 1) s would be rounded first and
-    P amplifies that), tau in [-1, 0]. For alpha <= 2 the step is Newton's on h(tau) = mass^(1/P) (= ||[x - tau]_+||_P,
-    convex and decreasing for P >= 1, so from below it never overshoots; nearly linear where mass is a high power,
-    i.e. near-uniform rows and alpha -> 1); for alpha > 2 bisection (about 26 passes to fp32 precision).
-    """
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    hk = h // GROUPS
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n0 = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_valid = offs_m < LQ
-    d_valid = offs_d < DH
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
-                mask=m_valid[:, None] & d_valid[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-    score_scale = tl.load(SCORE_SCALE + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
-    kt_ptrs = K + b * skb + hk * skh + offs_n0[None, :] * skn + offs_d[:, None] * skd
-    keep_ptrs = KEEP + b * smb + h * smh + offs_m[:, None] * smm + offs_n0[None, :] * smn
-    t_ptr = TABLE + b * stb + h * sth + pid_m * stm
-    hi = LK
-    if CAUSAL:
-        hi = tl.minimum(LK, (pid_m + 1) * BLOCK_M)
-    zmax = tl.full([BLOCK_M], -float("inf"), tl.float32)
-    for start_n in range(0, hi, BLOCK_N):
-        live = 1
-        if HAS_MASK:
-            live = tl.load(t_ptr + (start_n // BLOCK_N) * stn)
-        if live != 0:
-            s, keep, kt, capd = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m,
-                                       start_n + offs_n0, m_valid, d_valid, score_scale,
-                                       LK, CAUSAL, HAS_MASK, PREC, UPCAST,
-                b, h, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP)
-            if THRESHOLD_EXP == 2:
-                s = s * 0.5
-            zmax = tl.maximum(zmax, tl.max(tl.where(keep, s, -float("inf")), 1))
-    has_keys = zmax > -float("inf")
-    hi_t = tl.where(has_keys, zmax, 0.0)
-    lo_t = hi_t - 1.0
-    if THRESHOLD_EXP == -1:
-        am1 = tl.load(R + b * scb + h * sch + offs_m * scm, mask=m_valid, other=2.0) - 1.0
-        pw = 1.0 / am1
-        mrow = hi_t  # M (0 on fully masked rows)
-        tl.store(ROWMAX + pid_bh * LQ + offs_m, mrow, mask=m_valid)
-        hi_t = tl.zeros([BLOCK_M], tl.float32)
-        lo_t = hi_t - 1.0
-    tau = lo_t
-    done = has_keys == 0  # fully masked rows: p = 0 whatever tau is (not ~has_keys: triton 3.2 cannot interpret it)
-    for _ in range(STEPS):
-        if tl.max(tl.where(done, 0, 1)) != 0:
-            mass = tl.zeros([BLOCK_M], tl.float32)
-            slope = tl.zeros([BLOCK_M], tl.float32)
-            for start_n in range(0, hi, BLOCK_N):
-                live = 1
-                if HAS_MASK:
-                    live = tl.load(t_ptr + (start_n // BLOCK_N) * stn)
-                if live != 0:
-                    s, keep, kt, capd = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m,
-                                               start_n + offs_n0, m_valid, d_valid, score_scale,
-                                       LK, CAUSAL, HAS_MASK, PREC,
-                                               UPCAST,
-                        b, h, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP)
-                    if THRESHOLD_EXP == 2:
-                        s = s * 0.5
-                    if THRESHOLD_EXP == -1:
-                        s = (s - mrow[:, None]) * am1[:, None]
-                    t = tl.where(keep, tl.maximum(s - tau[:, None], 0.0), 0.0)
-                    if THRESHOLD_EXP == -1:  # mass = sum t^P, slope = sum t^(P-1) (-d mass/d tau = P slope)
-                        pos = t > 0
-                        t1 = tl.where(pos, t, 1.0)
-                        e = tl.where(pos, tl.exp(tl.log(t1) * pw[:, None]), 0.0)
-                        mass += tl.sum(e, 1)
-                        slope += tl.sum(e / t1, 1)
-                    elif THRESHOLD_EXP == 2:
-                        mass += tl.sum(t * t, 1)
-                        slope += 2.0 * tl.sum(t, 1)
-                    elif THRESHOLD_EXP == 1:
-                        mass += tl.sum(t, 1)
-                        slope += tl.sum(tl.where(t > 0, 1.0, 0.0), 1)
-                    else:
-                        tl.static_assert(False, "hf_attnorm triton: no threshold search for this fused map MAP")
-            f = mass - 1.0  # decreasing and convex in tau
-            lo_t = tl.where(f >= 0, tau, lo_t)
-            hi_t = tl.where(f >= 0, hi_t, tau)
-            if THRESHOLD_EXP == -1:
-                # h = mass^(1/P): tau + (h - 1) / -h' = tau + (mass - mass^(1 - 1/P)) / slope. alpha > 2: bisection
-                # (-2 is outside the bracket), as the C++ kernel: there the slope is infinite at the support's edge,
-                # so Newton's steps on mass shrink to nothing away from the root and stop the search early
-                mpow = tl.exp(tl.log(tl.where(mass > 0, mass, 1.0)) * (1.0 - am1))
-                newton = tl.where(pw >= 1.0, tau + (mass - mpow) / tl.where(slope > 0, slope, 1.0), -2.0)
-                newton = tl.where(tl.abs(f) <= 1e-7, tau, newton)  # at the root (one candidate: tau = -1): stay
-            else:
-                newton = tau + f / tl.where(slope > 0, slope, 1.0)
-            ok = (slope > 0) & (newton >= lo_t) & (newton <= hi_t)
-            nxt = tl.where(ok, newton, 0.5 * (lo_t + hi_t))
-            conv = (tl.abs(f) <= 1e-7) | (tl.abs(nxt - tau) <= 2e-8 * tl.maximum(tl.abs(tau), 1.0))
-            tau = tl.where(done, tau, nxt)
-            done = done | conv
-    tau = tl.where(has_keys, tau, 0.0)
-    tl.store(TAU + pid_bh * LQ + offs_m, tau, mask=m_valid)
-
-
-def _fwd_kernel(
-    Q, K, V, SCORE_SCALE, R, KEEP, TABLE, SHIFT_IN, OUT, DEN, SHIFT,
-    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, scb, sch, scm,
-    smb, smh, smm, smn, stb, sth, stm, stn,
-    H, GROUPS, LQ, LK, DH, DV, ROWMAX,
-    BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF,
-    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr,
-    MAP: tl.constexpr, NORMALISED: tl.constexpr, DEN_ADDS_ROW_VALUE: tl.constexpr, RUNNING_SHIFT: tl.constexpr,
-    THRESHOLD_EXP: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-):
-    """One program per (query block, batch x head): OUT [B, H, Lq, Dv], DEN and SHIFT [B, H, Lq] (fp32).
-    alpha-entmax: DEN = Z = sum_j [x_j - tau]_+^P, by which the row is renormalised as in the reference."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    hk = h // GROUPS
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n0 = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    m_valid = offs_m < LQ
-    d_valid = offs_d < DH
-    dv_valid = offs_dv < DV
-    row = pid_bh.to(tl.int64) * LQ + offs_m
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
-                mask=m_valid[:, None] & d_valid[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-    score_scale = tl.load(SCORE_SCALE + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
-    r = tl.load(R + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
-    kt_ptrs = K + b * skb + hk * skh + offs_n0[None, :] * skn + offs_d[:, None] * skd
-    v_ptrs = V + b * svb + hk * svh + offs_n0[:, None] * svn + offs_dv[None, :] * svd
-    keep_ptrs = KEEP + b * smb + h * smh + offs_m[:, None] * smm + offs_n0[None, :] * smn
-    t_ptr = TABLE + b * stb + h * sth + pid_m * stm
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    den = tl.zeros([BLOCK_M], tl.float32)
-    if THRESHOLD_EXP != 0:
-        shift = tl.load(SHIFT_IN + row, mask=m_valid, other=0.0)  # the sparse threshold tau
-    elif (RUNNING_SHIFT == 2) | (RUNNING_SHIFT == 3):
-        # power: running max of p ln|s| over visible s != 0; softplus: min(0, running max of visible s)
-        shift = tl.full([BLOCK_M], POW_NEG, tl.float32)
-    else:
-        shift = tl.zeros([BLOCK_M], tl.float32)  # shift 1 (softpick): running max of (0, visible scores)
-    if THRESHOLD_EXP == -1:
-        mrow = tl.load(ROWMAX + row, mask=m_valid, other=0.0)
-    hi = LK
-    if CAUSAL:
-        hi = tl.minimum(LK, (pid_m + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        live = 1
-        if HAS_MASK:
-            live = tl.load(t_ptr + (start_n // BLOCK_N) * stn)
-        if live != 0:
-            offs_n = start_n + offs_n0
-            s, keep, kt, capd = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m, offs_n,
-                                       m_valid, d_valid, score_scale,
-                                       LK, CAUSAL, HAS_MASK, PREC, UPCAST,
-                b, h, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP)
-            if THRESHOLD_EXP == -1:
-                s = (s - mrow[:, None]) * (r - 1.0)[:, None]
-            if RUNNING_SHIFT == 1:  # 'max_score'
-                new = tl.maximum(shift, tl.max(tl.where(keep, s, 0.0), 1))
-                alpha = tl.exp(shift - new)
-                acc = acc * alpha[:, None]
-                den = den * alpha
-                shift = new
-            if RUNNING_SHIFT == 3:  # 'log_abs_max'
-                mag = tl.abs(s)
-                nz = keep & (mag >= TINY)
-                lmax = tl.max(tl.where(nz, tl.abs(r)[:, None] * tl.log(tl.where(nz, mag, 1.0)), POW_NEG), 1)
-                new = tl.maximum(shift, lmax)
-                alpha = tl.exp(shift - new)
-                acc = acc * alpha[:, None]
-                den = den * alpha
-                shift = new
-            if RUNNING_SHIFT == 2:  # 'max_score_below_zero'
-                new = tl.maximum(shift, tl.minimum(tl.max(tl.where(keep, s, POW_NEG), 1), 0.0))
-                alpha = tl.exp(shift - new)
-                acc = acc * alpha[:, None]
-                den = den * alpha
-                shift = new
-            a, bden = _entry(s, r, keep, shift, MAP, RUNNING_SHIFT, THRESHOLD_EXP)
-            v = tl.load(v_ptrs + start_n * svn, mask=(offs_n[:, None] < LK) & dv_valid[None, :],
-                        other=0.0).to(tl.float32)
-            acc += tl.dot(a, v, input_precision=PREC)
-            den += tl.sum(bden, 1)
-    if NORMALISED:
-        if DEN_ADDS_ROW_VALUE:  # (maps.py: den_offset)
-            den = den + r
-        inv = tl.where(den != 0, 1.0 / tl.where(den != 0, den, 1.0), 0.0)
-        acc = acc * inv[:, None]
-    if THRESHOLD_EXP == -1:
-        acc = acc * tl.where(den != 0, 1.0 / tl.where(den != 0, den, 1.0), 0.0)[:, None]
-    tl.store(OUT + row[:, None] * DV + offs_dv[None, :], acc, mask=m_valid[:, None] & dv_valid[None, :])
-    tl.store(DEN + row, den, mask=m_valid)
-    if RUNNING_SHIFT != 0:
-        tl.store(SHIFT + row, shift, mask=m_valid)
-
-
-def _bwd_dq_kernel(
-    Q, K, V, SCORE_SCALE, R, KEEP, TABLE, SHIFT, DEN, DELTA, DO, DQ, DSCORE_SCALE, DR,
-    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, scb, sch, scm,
-    smb, smh, smm, smn, stb, sth, stm, stn,
-    H, GROUPS, LQ, LK, DH, DV, ROWMAX,
-    BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, DBIAS, sdb, sdh, sdm, sdn,
-    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr, HAS_DBIAS: tl.constexpr,
-    DB_BM: tl.constexpr, DB_BN: tl.constexpr,
-    MAP: tl.constexpr, NORMALISED: tl.constexpr, DEN_ADDS_ROW_VALUE: tl.constexpr, ROW_VALUE_FACTOR: tl.constexpr,
-    RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXP: tl.constexpr, ROW_VALUE_IN_SCORE: tl.constexpr,
-    ROW_VALUE_EXPONENT: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-):
-    """One program per (query block, batch x head): DQ [B, H, Lq, D], DSCORE_SCALE and DR [B, H, Lq] (fp32).
-
-    DELTA [B, H, Lq]: written here for the dk/dv kernel (normalised and sparse maps). DO: fp32 contiguous.
-    alpha-entmax: DR = d alpha_i = sum_j dp_ij [(p - pt) / (alpha-1)^2 - (p ln p - pt H) / (alpha-1)]_ij
-    (Correia et al. 2019, pt = g / sum g, H = sum p ln p), formed per entry in the second pass once G and H are
-    known (no cancellation between row sums), with dp - delta for dp (allowed: the bracket sums to 0 over j).
-    DBIAS (HAS_DBIAS): fp32 in the bias's own shape (strides 0 on its broadcast dims); dS w.r.t. the modified scores
-    is summed over the block's broadcast dims (DB_BM: over queries, DB_BN: over keys) and added atomically, since
-    programs of other batches / heads / query blocks may share the entries.
-    """
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    hk = h // GROUPS
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n0 = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    m_valid = offs_m < LQ
-    d_valid = offs_d < DH
-    dv_valid = offs_dv < DV
-    row = pid_bh.to(tl.int64) * LQ + offs_m
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
-                mask=m_valid[:, None] & d_valid[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-    score_scale = tl.load(SCORE_SCALE + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
-    r = tl.load(R + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
-    shift = tl.load(SHIFT + row, mask=m_valid, other=0.0)
-    den = tl.load(DEN + row, mask=m_valid, other=0.0)
-    inv = tl.where(den != 0, 1.0 / tl.where(den != 0, den, 1.0), 0.0)
-    delta = tl.zeros([BLOCK_M], tl.float32)
-    do = tl.load(DO + row[:, None] * DV + offs_dv[None, :], mask=m_valid[:, None] & dv_valid[None, :], other=0.0)
-    kt_ptrs = K + b * skb + hk * skh + offs_n0[None, :] * skn + offs_d[:, None] * skd
-    vt_ptrs = V + b * svb + hk * svh + offs_n0[None, :] * svn + offs_dv[:, None] * svd
-    keep_ptrs = KEEP + b * smb + h * smh + offs_m[:, None] * smm + offs_n0[None, :] * smn
-    t_ptr = TABLE + b * stb + h * sth + pid_m * stm
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    dr = tl.zeros([BLOCK_M], tl.float32)
-    hi = LK
-    if CAUSAL:
-        hi = tl.minimum(LK, (pid_m + 1) * BLOCK_M)
-    if THRESHOLD_EXP == -1:
-        mrow = tl.load(ROWMAX + row, mask=m_valid, other=0.0)
-        am1 = r - 1.0
-        # g of the renormalised p = a / Z, as the reference: (a / Z)^(2 - alpha) = a^(2 - alpha) Z^(alpha - 2)
-        # (Z - 1 is about P times tau's rounding: 6e-5 at alpha = 1.001)
-        zg = tl.exp(tl.log(tl.where(den > 0, den, 1.0)) * (r - 2.0))
-    if NORMALISED or (THRESHOLD_EXP != 0):
-        # First pass: delta_i, stored for the dk/dv kernel. Normalised maps: sum_j w_ij dp_ij with w = a / D by
-        # true division; sparse maps: the Jacobian's mean term sum_j g_ij dp_ij / sum_j g_ij. Computed from the
-        # same dp as the second pass, a row with one visible key (or a one-key support) gets ds = 0 exactly.
-        # Flash attention's shortcut do . out rounds out first, and squared, symax and softpick amplify that
-        # rounding by up to 1/|s| when the scores are near 0.
-        den1 = tl.where(den != 0, den, 1.0)
-        delta = tl.zeros([BLOCK_M], tl.float32)
-        gsum = tl.zeros([BLOCK_M], tl.float32)
-        ent = tl.zeros([BLOCK_M], tl.float32)  # alpha-entmax: H = sum_j p_j ln p_j
-        for start_n in range(0, hi, BLOCK_N):
-            live = 1
-            if HAS_MASK:
-                live = tl.load(t_ptr + (start_n // BLOCK_N) * stn)
-            if live != 0:
-                offs_n = start_n + offs_n0
-                s, keep, kt, capd = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m, offs_n,
-                                           m_valid, d_valid, score_scale,
-                                       LK, CAUSAL, HAS_MASK, PREC, UPCAST,
-                    b, h, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP)
-                vt = tl.load(vt_ptrs + start_n * svn, mask=dv_valid[:, None] & (offs_n[None, :] < LK),
-                             other=0.0).to(tl.float32)
-                dp = tl.dot(do, vt, input_precision=PREC)
-                if THRESHOLD_EXP == -1:
-                    s = (s - mrow[:, None]) * am1[:, None]
-                if NORMALISED:
-                    a, _b = _entry(s, r, keep, shift, MAP, RUNNING_SHIFT, THRESHOLD_EXP)
-                    delta += tl.sum(a / den1[:, None] * dp, 1)
-                else:
-                    a, g, _db = _slopes(s, r, keep, shift, MAP, RUNNING_SHIFT, THRESHOLD_EXP)
-                    delta += tl.sum(g * dp, 1)
-                    gsum += tl.sum(g, 1)
-                    if THRESHOLD_EXP == -1:
-                        pa = a * inv[:, None]
-                        ent += tl.sum(tl.where(pa > 0, pa * tl.log(tl.where(pa > 0, pa, 1.0)), 0.0), 1)
-        if THRESHOLD_EXP != 0:
-            delta = tl.where(gsum > 0, delta / tl.where(gsum > 0, gsum, 1.0), 0.0)
-        tl.store(DELTA + row, delta, mask=m_valid)
-    for start_n in range(0, hi, BLOCK_N):
-        live = 1
-        if HAS_MASK:
-            live = tl.load(t_ptr + (start_n // BLOCK_N) * stn)
-        if live != 0:
-            offs_n = start_n + offs_n0
-            s, keep, kt, capd = _score_block(q, kt_ptrs + start_n * skn, keep_ptrs + start_n * smn, offs_m, offs_n,
-                                       m_valid, d_valid, score_scale,
-                                       LK, CAUSAL, HAS_MASK, PREC, UPCAST,
-                b, h, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP)
-            vt = tl.load(vt_ptrs + start_n * svn, mask=dv_valid[:, None] & (offs_n[None, :] < LK),
-                         other=0.0).to(tl.float32)
-            dp = tl.dot(do, vt, input_precision=PREC)
-            if THRESHOLD_EXP == -1:
-                s = (s - mrow[:, None]) * am1[:, None]
-            a, da, db = _slopes(s, r, keep, shift, MAP, RUNNING_SHIFT, THRESHOLD_EXP)
-            if NORMALISED:
-                ds = (da * dp - db * delta[:, None]) * inv[:, None]
-            elif (THRESHOLD_EXP == 1) | (THRESHOLD_EXP == 2):
-                ds = da * (dp - delta[:, None])
-            elif THRESHOLD_EXP == -1:
-                ds = da * zg[:, None] * (dp - delta[:, None])
-            else:
-                ds = da * dp
-            if ROW_VALUE_IN_SCORE:  # weight(s + r) (maps.py): d/dr = sum_j ds_j
-                dr += tl.sum(ds, 1)
-            if ROW_VALUE_FACTOR:  # weight(s, r) = r weight(s, 1) (maps.py): d/dr = sum_j weight(s_j, 1) dp_j
-                a1, _b1 = _entry(s, r * 0.0 + 1.0, keep, shift, MAP, RUNNING_SHIFT, THRESHOLD_EXP)
-                dr += tl.sum(a1 * dp, 1)
-            if ROW_VALUE_EXPONENT:  # |s|^|r| (power): d/dp of a_j / D is a_j ln|s_j| (dp_j - delta) / D; ln|s|
-                # centred at the row's largest (shift / p), which sum_j a_j (dp_j - delta) = 0 allows, against rounding
-                mag = tl.abs(s)
-                centre = shift / tl.maximum(tl.abs(r), 1.0)  # (|r| = p >= 1; 0 on rows past Lq)
-                lg = tl.where(a > 0, tl.log(tl.where(a > 0, mag, 1.0)) - centre[:, None], 0.0)
-                dr += tl.sum(a * lg * (dp - delta[:, None]), 1) * inv
-            if THRESHOLD_EXP == -1:
-                pa = a * inv[:, None]
-                pt = da / tl.where(gsum > 0, gsum, 1.0)[:, None]
-                plp = tl.where(pa > 0, pa * tl.log(tl.where(pa > 0, pa, 1.0)), 0.0)
-                coef = ((pa - pt) / am1[:, None] - (plp - pt * ent[:, None])) / am1[:, None]
-                dr += tl.sum(coef * (dp - delta[:, None]), 1)
-            if HAS_DBIAS:
-                ds = tl.where(keep, ds, 0.0)
-                db_ptr = DBIAS + b * sdb + h * sdh
-                if DB_BM and DB_BN:
-                    tl.atomic_add(db_ptr, tl.sum(tl.sum(ds, 1), 0))
-                elif DB_BM:
-                    tl.atomic_add(db_ptr + offs_n * sdn, tl.sum(ds, 0), mask=offs_n < LK)
-                elif DB_BN:
-                    tl.atomic_add(db_ptr + offs_m * sdm, tl.sum(ds, 1), mask=m_valid)
-                else:
-                    tl.atomic_add(db_ptr + offs_m[:, None] * sdm + offs_n[None, :] * sdn, ds,
-                                  mask=m_valid[:, None] & (offs_n[None, :] < LK))
-            if HAS_CAP:
-                ds = ds * capd  # w.r.t. the capped score -> w.r.t. score_scale q k^T
-            acc += tl.dot(ds, tl.trans(kt).to(tl.float32), input_precision=PREC)
-    if DEN_ADDS_ROW_VALUE:  # r is added to the denominator (maps.py: den_offset)
-        dr = -delta * inv
-    if ROW_VALUE_EXPONENT:  # r = +-p (the sign marks single-key rows; their gradient is 0 anyway)
-        dr = tl.where(r < 0, -dr, dr)
-    tl.store(DQ + row[:, None] * DH + offs_d[None, :], acc * score_scale[:, None],
-             mask=m_valid[:, None] & d_valid[None, :])
-    tl.store(DSCORE_SCALE + row, tl.sum(q.to(tl.float32) * acc, 1), mask=m_valid)
-    tl.store(DR + row, dr, mask=m_valid)
-
-
-def _bwd_dkdv_kernel(
-    Q, K, V, SCORE_SCALE, R, KEEP, TABLE, SHIFT, DEN, DELTA, DO, DK, DV_OUT,
-    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, scb, sch, scm,
-    smb, smh, smm, smn, stb, sth, stm, stn,
-    H, HKV, GROUPS, LQ, LK, DH, DV, ROWMAX,
-    BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF,
-    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr,
-    MAP: tl.constexpr, NORMALISED: tl.constexpr, RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXP: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-):
-    """One program per (key block, batch x kv head), looping over the GROUPS query heads that share the kv head:
-    DK [B, Hkv, Lk, D] and DV_OUT [B, Hkv, Lk, Dv] (fp32)."""
-    pid_n = tl.program_id(0)
-    pid_bk = tl.program_id(1)
-    b = (pid_bk // HKV).to(tl.int64)
-    hk = pid_bk % HKV
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m0 = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    n_valid = offs_n < LK
-    d_valid = offs_d < DH
-    dv_valid = offs_dv < DV
-    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd,
-                mask=n_valid[:, None] & d_valid[None, :], other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_dv[None, :] * svd,
-                mask=n_valid[:, None] & dv_valid[None, :], other=0.0).to(tl.float32)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    lo = 0
-    if CAUSAL:
-        lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M  # first query block holding a query i >= this block's keys
-    for g in range(GROUPS):
-        h = hk * GROUPS + g
-        row0 = (b * H + h) * LQ
-        q_ptrs = Q + b * sqb + h * sqh + offs_m0[:, None] * sqm + offs_d[None, :] * sqd
-        keep_ptrs = KEEP + b * smb + h * smh + offs_m0[:, None] * smm + offs_n[None, :] * smn
-        t_ptr = TABLE + b * stb + h * sth + pid_n * stn
-        for start_m in range(lo, LQ, BLOCK_M):
-            live = 1
-            if HAS_MASK:
-                live = tl.load(t_ptr + (start_m // BLOCK_M) * stm)
-            if live != 0:
-                offs_m = start_m + offs_m0
-                m_valid = offs_m < LQ
-                row = row0 + offs_m
-                q = tl.load(q_ptrs + start_m * sqm, mask=m_valid[:, None] & d_valid[None, :],
-                            other=0.0)
-                if UPCAST:
-                    q = q.to(tl.float32)
-                score_scale = tl.load(SCORE_SCALE + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
-                r = tl.load(R + b * scb + h * sch + offs_m * scm, mask=m_valid, other=0.0)
-                shift = tl.load(SHIFT + row, mask=m_valid, other=0.0)
-                den = tl.load(DEN + row, mask=m_valid, other=0.0)
-                inv = tl.where(den != 0, 1.0 / tl.where(den != 0, den, 1.0), 0.0)
-                delta = tl.load(DELTA + row, mask=m_valid, other=0.0)
-                do = tl.load(DO + row[:, None] * DV + offs_dv[None, :], mask=m_valid[:, None] & dv_valid[None, :],
-                             other=0.0)
-                s = tl.dot(q, tl.trans(k), input_precision=PREC) * score_scale[:, None]
-                s, capd = _mods(s, b, h, offs_m, offs_n, m_valid, n_valid, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP,
-                                QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP)
-                keep = m_valid[:, None] & n_valid[None, :]
-                if CAUSAL:
-                    keep = keep & (offs_n[None, :] <= offs_m[:, None])
-                if HAS_MASK:
-                    keep = keep & (tl.load(keep_ptrs + start_m * smm, mask=keep, other=0) != 0)
-                if THRESHOLD_EXP == -1:
-                    s = (s - tl.load(ROWMAX + row, mask=m_valid, other=0.0)[:, None]) * (r - 1.0)[:, None]
-                a, da, db = _slopes(s, r, keep, shift, MAP, RUNNING_SHIFT, THRESHOLD_EXP)
-                dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-                if NORMALISED:
-                    w = a * inv[:, None]
-                    ds = (da * dp - db * delta[:, None]) * inv[:, None]
-                elif THRESHOLD_EXP == -1:  # renormalised by Z, as the forward (and g, see the dq kernel)
-                    w = a * inv[:, None]
-                    ds = da * tl.exp(tl.log(tl.where(den > 0, den, 1.0)) * (r - 2.0))[:, None] * (dp - delta[:, None])
-                elif (THRESHOLD_EXP == 1) | (THRESHOLD_EXP == 2):
-                    w = a
-                    ds = da * (dp - delta[:, None])
-                else:
-                    w = a
-                    ds = da * dp
-                dv += tl.dot(tl.trans(w), do, input_precision=PREC)
-                if HAS_CAP:
-                    ds = ds * capd
-                dk += tl.dot(tl.trans(ds * score_scale[:, None]), q.to(tl.float32), input_precision=PREC)
-    out_row = pid_bk.to(tl.int64) * LK + offs_n
-    tl.store(DK + out_row[:, None] * DH + offs_d[None, :], dk, mask=n_valid[:, None] & d_valid[None, :])
-    tl.store(DV_OUT + out_row[:, None] * DV + offs_dv[None, :], dv, mask=n_valid[:, None] & dv_valid[None, :])
-
-
-_JIT_FUNCTIONS = ("_entry", "_slopes", "_tanh", "_mods", "_score_block", "_threshold_kernel", "_fwd_kernel",
-                  "_bwd_dq_kernel", "_bwd_dkdv_kernel")
-_HELPERS = ("_entry", "_slopes", "_tanh", "_mods", "_score_block")
 _MAP_FUNCTIONS = ("_map_weight", "_map_slope")
+#: (interpreted, table key) -> the jitted kernels
 _COMPILED: dict[tuple[bool, str], types.SimpleNamespace] = {}
+#: table key -> the table (the custom ops name a table by its key)
+_TABLES: dict[str, tuple[FusedMap, ...]] = {}
 
 
-def _map_functions(table: tuple[FusedMap, ...]) -> dict[str, Any]:
-    """``_map_weight`` and ``_map_slope`` for the map table ``table``: the Python functions of
-    ``maps.triton_source(table)``, compiled from a source registered with linecache (triton.jit reads a
-    function's source through inspect)."""
+def _table_id(table: tuple[FusedMap, ...]) -> str:
+    """A short name of ``table`` (its declarations' hash), registered so the custom ops can find it."""
+    key = hashlib.sha1(table_key(table).encode()).hexdigest()[:16]
+    _TABLES.setdefault(key, table)
+    return key
+
+
+def _map_module(table: tuple[FusedMap, ...]) -> Any:
+    """The module holding ``_map_weight`` / ``_map_slope`` for ``table``: ``triton_maps`` for ``MAPS`` (checked
+    in); for another table (tests declare maps of their own) its generated source written to a file in the temporary
+    directory and imported from there, so the jitted code always has a file behind it."""
+    if table is MAPS:
+        return triton_maps
     src = triton_source(table)
-    filename = f"<hf_attnorm fused maps {hashlib.sha1(src.encode()).hexdigest()[:12]}>"
-    linecache.cache[filename] = (len(src), None, src.splitlines(keepends=True), filename)
-    namespace: dict[str, Any] = {"tl": tl, "__name__": __name__}  # (the compiler reads a function's module)
-    exec(compile(src, filename, "exec"), namespace)  # noqa: S102  (source generated from maps.py's declarations)
-    return {name: namespace[name] for name in _MAP_FUNCTIONS}
+    folder = Path(tempfile.gettempdir()) / "hf_attnorm_triton_maps"
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"hf_attnorm_triton_maps_{hashlib.sha1(src.encode()).hexdigest()[:16]}"
+    path = folder / f"{name}.py"
+    if not path.exists() or path.read_text() != src:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(src)
+        tmp.replace(path)
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    return sys.modules[name]
+
+
+def _autotune_on() -> bool:
+    return os.environ.get(AUTOTUNE_ENV, "1").lower() not in ("0", "false", "no", "off")
+
+
+def _prune(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
+    """Drop configs whose blocks are far larger than the call (a 128-row block for a 16-row call)."""
+    args = {**named_args, **kwargs}
+    lq, lk = args.get("LQ_KEY", 1 << 30), args.get("LK_KEY", 1 << 30)
+    kept = [c for c in configs if c.kwargs.get("BLOCK_M", 0) <= max(16, lq) * 2
+            and c.kwargs.get("BLOCK_N", 0) <= max(16, lk) * 2]
+    return kept or [min(configs, key=lambda c: c.kwargs.get("BLOCK_M", 0) * c.kwargs.get("BLOCK_N", 0))]
+
+
+def _tuned(kernel: Any, name: str, size: str, masked: bool) -> Any:
+    """``kernel`` autotuned over ``CONFIGS[name][size]`` (masked: warps and stages only; the blocks are
+    ``MASKED_BLOCKS``), keyed on the compile-time constants and ``TUNE_KEYS``."""
+    consts = [p.name for p in kernel.params if p.is_constexpr and not p.name.startswith("BLOCK_")]
+    key = [*(k for k in TUNE_KEYS if k in kernel.arg_names), *consts]
+    configs = CONFIGS[name][size]
+    if not _autotune_on():
+        configs = configs[:1]
+    if masked:
+        pairs = list(dict.fromkeys((w, s) for _, _, w, s in configs))
+        cfgs = [tc.triton.Config({}, num_warps=w, num_stages=s) for w, s in pairs]
+        return tc.triton.autotune(cfgs, key=key, reset_to_zero=["DBIAS"] if "DBIAS" in kernel.arg_names else None)(
+            kernel)
+    cfgs = [tc.triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in configs]
+    return tc.triton.autotune(cfgs, key=key, prune_configs_by={"early_config_prune": _prune},
+                           reset_to_zero=["DBIAS"] if "DBIAS" in kernel.arg_names else None)(kernel)
 
 
 def _compiled(table: tuple[FusedMap, ...] = MAPS) -> types.SimpleNamespace:
     """The jitted kernels for the current mode (compiled or interpreted) and the map table ``table`` (default
-    ``maps.MAPS``), built once per mode and table.
-
-    triton decides compiled vs interpreted when ``triton.jit`` runs, and the interpreter writes its helpers into the
-    function's globals; so each mode gets its own namespace holding its own jitted copies, which resolve each
-    other by name. The per-entry code of the table's maps comes in as ``_map_weight`` / ``_map_slope``
-    (``_map_functions``), called by ``_entry`` and ``_slopes``.
-    """
-    _load_triton()
-    mode = jit_interprets()
+    ``maps.MAPS``), built once per mode and table: the device functions of ``triton_device`` and the table's
+    per-entry functions, jitted into one namespace (``jit_namespace``); compiled, also autotuned variants of each
+    kernel (``tuned``: (kernel, head size, masked) -> the autotuner)."""
+    tc.load()
+    mode = tc.jit_interprets()
     key = (mode, table_key(table))
     if key not in _COMPILED:
-        constants = dict(TINY=tl.constexpr(TINY), POW_NEG=tl.constexpr(POW_NEG))  # jitted code reads constexprs only
-        source = {**globals(), **_map_functions(table)}
-        _COMPILED[key] = jit_namespace(source, _MAP_FUNCTIONS + _JIT_FUNCTIONS, _MAP_FUNCTIONS + _HELPERS, mode,
-                                       constants)
+        triton_device.tl = tc.tl
+        maps_module = _map_module(table)
+        maps_module.tl = tc.tl
+        functions = {**vars(triton_device), **{n: getattr(maps_module, n) for n in _MAP_FUNCTIONS}}
+        ns = jit_namespace(functions, _MAP_FUNCTIONS + triton_device.JIT_FUNCTIONS,
+                           _MAP_FUNCTIONS + tuple(n for n in triton_device.JIT_FUNCTIONS
+                                                  if n not in triton_device.KERNELS), mode,
+                           dict(TINY=tc.tl.constexpr(triton_device.TINY),
+                                POW_NEG=tc.tl.constexpr(triton_device.POW_NEG)))
+        ns.tuned = {}
+        if not mode:
+            for name in triton_device.KERNELS:
+                for size in ("small", "large"):
+                    for masked in (False, True):
+                        ns.tuned[name, size, masked] = _tuned(getattr(ns, name), name, size, masked)
+        _COMPILED[key] = ns
     return _COMPILED[key]
 
 
-def jit_namespace(module_globals: dict[str, Any], names: tuple[str, ...], helpers: tuple[str, ...], mode: bool,
-                  extra: dict[str, Any] | None = None) -> types.SimpleNamespace:
-    """Jitted copies of the functions ``names`` of a kernel module (its ``globals()``, with ``tl`` bound), in one
-    namespace of their own for ``mode`` (True: interpreted), where they resolve each other by name; ``extra``
-    adds globals (constexprs). Shared by the Triton kernel modules (this one, stick-breaking, selective)."""
-    ns: dict[str, Any] = dict(module_globals)
-    ns.update(extra or {})
-    for name in names:
-        raw = module_globals[name]
-        fn = types.FunctionType(raw.__code__, ns, name, raw.__defaults__)
-        fn.__module__, fn.__qualname__, fn.__doc__ = raw.__module__, raw.__qualname__, raw.__doc__
-        # the compiled launcher reads which parameters are tl.constexpr from the annotations (the interpreter does
-        # not): a FunctionType built from the code object has none until they are copied
-        fn.__annotations__ = dict(raw.__annotations__)
-        fn.__kwdefaults__ = raw.__kwdefaults__
-        ns[name] = triton.jit(fn)
-        if mode and name in helpers:
-            # interpreted: call device helpers as their rewritten Python functions; going through
-            # InterpretedFunction.__call__ re-patches triton.language on every call (~2 ms each)
-            ns[name] = ns[name].rewrite()
-    return types.SimpleNamespace(**{name: ns[name] for name in names})
+def tuned_configs() -> dict[str, dict[str, str]]:
+    """What the autotuner chose so far, per kernel variant and key: {"_fwd_kernel small unmasked": {key: config}}
+    (the GPU check prints and saves this, so good configs can be made the defaults in ``CONFIGS``)."""
+    out: dict[str, dict[str, str]] = {}
+    for ns in _COMPILED.values():
+        for (name, size, masked), tuner in getattr(ns, "tuned", {}).items():
+            cache = getattr(tuner, "cache", {})
+            if cache:
+                label = f"{name} {size} {'masked' if masked else 'unmasked'}"
+                out.setdefault(label, {}).update({str(k): str(v) for k, v in cache.items()})
+    return out
 
 
-# ------------------------------------------------------------------------------------------------------ host code
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2(x: int) -> int:
-    return max(16, 1 << max(0, math.ceil(math.log2(max(x, 1)))))
-
-
-def block_sizes(device: torch.device, head_dim: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N): 64 x 64 on GPUs (32 keys for head_dim > 64, to bound registers), 32 x 32 interpreted."""
-    if BLOCK_OVERRIDE is not None:
-        return BLOCK_OVERRIDE
-    if device.type != "cuda":
-        return 32, 32
-    return 64, (32 if head_dim > 64 else 64)
+# ---------------------------------------------------------------------------------------------------- host code
 
 
 def block_table(keep: torch.Tensor, lq: int, lk: int, bm: int, bn: int) -> torch.Tensor:
@@ -936,81 +242,13 @@ def _strides4(t: torch.Tensor) -> list[int]:
     return [0 if t.shape[i] == 1 else t.stride(i) for i in range(4)]
 
 
-class _Plan:
-    """Everything about one call that is not a differentiable tensor: mask, sizes, launch constants."""
-
-    def __init__(self, call: AttnCall, table: tuple[FusedMap, ...] = MAPS) -> None:
-        q, k, v = call.q, call.k, call.v
-        self.B, self.H, self.LQ, self.DH = q.shape
-        self.HKV, self.LK, self.DV = k.shape[1], k.shape[2], v.shape[-1]
-        self.groups = self.H // self.HKV
-        self.name = call.normalizer.fused_map
-        #: the map table the kernels are built for (``maps.MAPS``; tests pass others)
-        self.maps = table
-        by_name = {m.name: m for m in table}
-        if self.name not in by_name:
-            raise KeyError(f"no fused kernel map {self.name!r} (maps: {', '.join(by_name)})")
-        self.fmap = by_name[self.name]
-        self.map_id = self.fmap.kernel_id
-        self.normalised = self.fmap.normalised
-        #: the threshold search's form (FusedMap.threshold_exponent; -1: alpha-entmax's, from the row value)
-        self.threshold_exp = -1 if self.fmap.dispatch == "alpha" else self.fmap.threshold_exponent
-        self.bm, self.bn = block_sizes(q.device, self.DH)
-        self.bd, self.bdv = _pow2(self.DH), _pow2(self.DV)
-        keep = call.mask.keep
-        self.causal = keep is None and call.mask.causal and self.LQ > 1
-        if keep is None:
-            self.keep = torch.zeros(1, dtype=torch.uint8, device=q.device)
-            self.table = self.keep
-            self.mask_strides = [0, 0, 0, 0]
-            self.table_strides = [0, 0, 0, 0]
-        else:
-            k8 = keep.to(q.device).view(torch.uint8) if keep.dtype == torch.bool else keep.to(torch.uint8)
-            self.keep = k8
-            self.mask_strides = _strides4(k8)
-            self.table = block_table(keep.to(q.device), self.LQ, self.LK, self.bm, self.bn)
-            self.table_strides = _strides4(self.table)
-        # fp32 inputs: exact fp32 products unless the user allowed TF32 for matmuls, as torch does
-        self.prec = "tf32" if (q.is_cuda and torch.backends.cuda.matmul.allow_tf32) else "ieee"
-        # triton 3.9's interpreter computes tl.dot on bf16 operands wrongly: upcast there (GPUs use bf16 as is)
-        self.upcast = q.dtype == torch.bfloat16 and jit_interprets()
-        # score modifiers (the bias itself is a differentiable input of _TritonAttention)
-        self.cap = call.softcap
-        self.slopes = (None if call.alibi_slopes is None
-                       else call.alibi_slopes.detach().to(device=q.device, dtype=torch.float32).contiguous())
-
-    def mods(self, kernel: Any, bias: torch.Tensor | None, dbias: torch.Tensor | None = None) -> dict[str, Any]:
-        """The score-modifier arguments of ``kernel`` (by name; absent ones point at a dummy tensor)."""
-        dummy = self.keep
-        bs = _strides4(bias) if bias is not None else [0, 0, 0, 0]
-        kw: dict[str, Any] = dict(
-            BIAS=dummy if bias is None else bias, SLOPES=dummy if self.slopes is None else self.slopes,
-            sbb=bs[0], sbh=bs[1], sbm=bs[2], sbn=bs[3], CAP=1.0 if self.cap is None else self.cap,
-            QOFF=self.LK - self.LQ, HAS_BIAS=bias is not None, HAS_ALIBI=self.slopes is not None,
-            HAS_CAP=self.cap is not None)
-        if "DBIAS" in kernel.arg_names:
-            ds = _strides4(dbias) if dbias is not None else [0, 0, 0, 0]
-            kw.update(DBIAS=dummy if dbias is None else dbias, sdb=ds[0], sdh=ds[1], sdm=ds[2], sdn=ds[3],
-                      HAS_DBIAS=dbias is not None, DB_BM=dbias is not None and dbias.shape[2] == 1,
-                      DB_BN=dbias is not None and dbias.shape[3] == 1)
-        return kw
-
-    def common(self, q, k, v, score_scale) -> list:
-        return [*_strides4(q), *_strides4(k), *_strides4(v), *score_scale.stride()[:3], *self.mask_strides,
-                *self.table_strides]
-
-    def consts(self) -> dict[str, Any]:
-        return dict(map_constants(self.fmap), MAP=self.map_id, CAUSAL=self.causal, HAS_MASK=self.table.dim() == 4,
-                    PREC=self.prec, UPCAST=self.upcast, BLOCK_M=self.bm, BLOCK_N=self.bn, BLOCK_D=self.bd,
-                    BLOCK_DV=self.bdv)
-
-
 def map_constants(fmap: FusedMap) -> dict[str, Any]:
     """The compile-time constants that carry map ``fmap``'s declaration (maps.py) into the kernels."""
     return dict(MAP=fmap.kernel_id, NORMALISED=fmap.normalised, DEN_ADDS_ROW_VALUE=fmap.den_offset is not None,
                 ROW_VALUE_FACTOR=fmap.row_value_factor, RUNNING_SHIFT=SHIFT_IDS[fmap.shift],
                 THRESHOLD_EXP=-1 if fmap.dispatch == "alpha" else fmap.threshold_exponent,
-                ROW_VALUE_IN_SCORE=fmap.row_value_in_score, ROW_VALUE_EXPONENT=fmap.row_value_exponent)
+                ROW_VALUE_IN_SCORE=fmap.row_value_in_score, ROW_VALUE_EXPONENT=fmap.row_value_exponent,
+                DELTA_FROM_OUTPUT=fmap.delta_from_output)
 
 
 def check_map(map_id: int, table: tuple[FusedMap, ...] = MAPS) -> None:
@@ -1025,75 +263,274 @@ def check_map(map_id: int, table: tuple[FusedMap, ...] = MAPS) -> None:
 
 def _only(consts: dict[str, Any], kernel: Any) -> dict[str, Any]:
     """The compile-time constants ``kernel`` takes."""
-    return {k: v for k, v in consts.items() if k in kernel.arg_names}
+    names = kernel.arg_names if hasattr(kernel, "arg_names") else kernel.fn.arg_names
+    return {k: v for k, v in consts.items() if k in names}
 
 
-def _grid_q(p: _Plan) -> tuple[int, int]:
-    return (_cdiv(p.LQ, p.bm), p.B * p.H)
+class _Plan:
+    """Everything about one call that is not a differentiable tensor: map, mask, sizes, launch constants.
+
+    q, k, v: the call's tensors (shapes, dtype, device); keep: bool [B|1, H|1, Lq|1, Lk] or None; causal: no keep-mask
+    and the call is causal; name: the fused map; table: the map table the kernels are built for (``maps.MAPS``;
+    tests pass others); cap: the soft-cap or None; slopes: ALiBi slopes [H] or None."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, causal: bool,
+                 name: str, table: tuple[FusedMap, ...] = MAPS, cap: float | None = None,
+                 slopes: torch.Tensor | None = None) -> None:
+        self.B, self.H, self.LQ, self.DH = q.shape
+        self.HKV, self.LK, self.DV = k.shape[1], k.shape[2], v.shape[-1]
+        self.groups = self.H // self.HKV
+        self.name = name
+        self.maps = table
+        by_name = {m.name: m for m in table}
+        if name not in by_name:
+            raise KeyError(f"no fused kernel map {name!r} (maps: {', '.join(by_name)})")
+        self.fmap = by_name[name]
+        self.map_id = self.fmap.kernel_id
+        self.normalised = self.fmap.normalised
+        #: the threshold search's form (FusedMap.threshold_exponent; -1: alpha-entmax's, from the row value)
+        self.threshold_exp = -1 if self.fmap.dispatch == "alpha" else self.fmap.threshold_exponent
+        self.interpreted = not q.is_cuda
+        self.size = "small" if max(self.DH, self.DV) <= 64 else "large"
+        self.bd, self.bdv = _pow2(self.DH), _pow2(self.DV)
+        self.causal = keep is None and causal and self.LQ > 1
+        self.masked = keep is not None
+        # blocks fixed for every kernel: the tests' override, the interpreter's (else per kernel: ``blocks``)
+        self.fixed = BLOCK_OVERRIDE or (INTERPRETED_BLOCKS if self.interpreted else None)
+        #: dummy tensor for absent pointer arguments (never written: the autotuner zeroes DBIAS between its runs)
+        self.dummy = torch.zeros(1, dtype=torch.float32, device=q.device)
+        #: block tables by (BLOCK_M, BLOCK_N), built on first use (``table``)
+        self.tables: dict[tuple[int, int], torch.Tensor] = {}
+        if keep is None:
+            self.keep = torch.zeros(1, dtype=torch.uint8, device=q.device)
+            self.mask_strides = [0, 0, 0, 0]
+        else:
+            k8 = keep.to(q.device).view(torch.uint8) if keep.dtype == torch.bool else keep.to(q.device, torch.uint8)
+            if k8.stride(-1) != 1 and k8.shape[-1] != 1:
+                k8 = k8.contiguous()
+            self.keep = k8
+            self.mask_strides = _strides4(k8)
+        # fp32 inputs: exact fp32 products unless the user allowed TF32 for matmuls, as torch does
+        self.prec = "tf32" if (q.is_cuda and torch.backends.cuda.matmul.allow_tf32) else "ieee"
+        # triton 3.9's interpreter computes tl.dot on bf16 operands wrongly: upcast there (GPUs use bf16 as is)
+        self.upcast = q.dtype == torch.bfloat16 and self.interpreted
+        # bf16 on a GPU: a map's fast transcendental (triton_device: FAST); fp16 keeps the exact form, whose
+        # rounding the fast one would double
+        self.fast = q.dtype == torch.bfloat16 and not self.interpreted
+        self.cap = cap
+        self.slopes = None if slopes is None else slopes.detach().to(device=q.device,
+                                                                      dtype=torch.float32).contiguous()
+
+    def mods(self, kernel: Any, bias: torch.Tensor | None, dbias: torch.Tensor | None = None) -> dict[str, Any]:
+        """The score-modifier arguments of ``kernel`` (by name; absent ones point at a dummy tensor)."""
+        names = kernel.arg_names if hasattr(kernel, "arg_names") else kernel.fn.arg_names
+        bs = _strides4(bias) if bias is not None else [0, 0, 0, 0]
+        kw: dict[str, Any] = dict(
+            BIAS=self.dummy if bias is None else bias, SLOPES=self.dummy if self.slopes is None else self.slopes,
+            sbb=bs[0], sbh=bs[1], sbm=bs[2], sbn=bs[3], CAP=1.0 if self.cap is None else self.cap,
+            QOFF=self.LK - self.LQ, HAS_BIAS=bias is not None, HAS_ALIBI=self.slopes is not None,
+            HAS_CAP=self.cap is not None, LQ_KEY=_pow2(self.LQ), LK_KEY=_pow2(self.LK))
+        if "DBIAS" in names:
+            ds = _strides4(dbias) if dbias is not None else [0, 0, 0, 0]
+            kw.update(DBIAS=self.dummy if dbias is None else dbias, sdb=ds[0], sdh=ds[1], sdm=ds[2], sdn=ds[3],
+                      HAS_DBIAS=dbias is not None, DB_BM=dbias is not None and dbias.shape[2] == 1,
+                      DB_BN=dbias is not None and dbias.shape[3] == 1)
+        return kw
+
+    def table(self, blocks: dict[str, Any]) -> torch.Tensor:
+        """The block table of the keep-mask for these blocks (a dummy without a mask)."""
+        if not self.masked:
+            return self.keep
+        key = (blocks["BLOCK_M"], blocks["BLOCK_N"])
+        if key not in self.tables:
+            self.tables[key] = block_table(self.keep.bool(), self.LQ, self.LK, *key)
+        return self.tables[key]
+
+    def common(self, q, k, v, score_scale, table: torch.Tensor) -> list:
+        return [*_strides4(q), *_strides4(k), *_strides4(v), *score_scale.stride()[:3], *self.mask_strides,
+                *(_strides4(table) if self.masked else [0, 0, 0, 0])]
+
+    def consts(self) -> dict[str, Any]:
+        return dict(map_constants(self.fmap), MAP=self.map_id, CAUSAL=self.causal, HAS_MASK=self.masked,
+                    PREC=self.prec, UPCAST=self.upcast, FAST=self.fast, EVEN_D=self.bd == self.DH,
+                    EVEN_DV=self.bdv == self.DV, BLOCK_D=self.bd, BLOCK_DV=self.bdv)
+
+    def kernel(self, kern: types.SimpleNamespace, name: str) -> tuple[Any, dict[str, Any], torch.Tensor]:
+        """(the kernel to launch, the block sizes to pass, the block table for them): the plain jitted kernel with
+        fixed blocks, or its autotuned variant (which sets the blocks itself, or, for a masked call whose blocks are
+        ``MASKED_BLOCKS[name]``, warps and stages only)."""
+        if self.fixed is not None:
+            blocks = {"BLOCK_M": self.fixed[0], "BLOCK_N": self.fixed[1]}
+            return getattr(kern, name), blocks, self.table(blocks)
+        tuner = kern.tuned[name, self.size, self.masked]
+        if not self.masked:
+            return tuner, {}, self.keep
+        blocks = {"BLOCK_M": MASKED_BLOCKS[name][0], "BLOCK_N": MASKED_BLOCKS[name][1]}
+        return tuner, blocks, self.table(blocks)
+
+    def grid(self, blocks: dict[str, Any], over_keys: bool = False) -> Any:
+        """The launch grid: (query blocks, B x H), or (key blocks, B x Hkv) for the dk/dv kernel."""
+        if over_keys:
+            n, rows = self.LK, self.B * self.HKV
+            return ((_cdiv(n, blocks["BLOCK_N"]), rows) if blocks
+                    else lambda meta: (_cdiv(n, meta["BLOCK_N"]), rows))
+        n, rows = self.LQ, self.B * self.H
+        return (_cdiv(n, blocks["BLOCK_M"]), rows) if blocks else lambda meta: (_cdiv(n, meta["BLOCK_M"]), rows)
+
+
+def _forward(plan: _Plan, q, k, v, score_scale, row_value, bias):
+    """(out [B, H, Lq, Dv] in q's dtype, den, shift, rowmax [B, H, Lq] fp32): the threshold kernel (threshold maps),
+    then the forward kernel."""
+    check_map(plan.map_id, plan.maps)
+    kern = _compiled(plan.maps)
+    dev = q.device
+    rows = (plan.B, plan.H, plan.LQ)
+    out = torch.empty(*rows, plan.DV, dtype=q.dtype, device=dev)
+    den = torch.empty(rows, dtype=torch.float32, device=dev)
+    shift = torch.zeros(rows, dtype=torch.float32, device=dev)
+    # alpha-entmax's row max M of the scores (written by the threshold kernel); other maps never read it. Its own
+    # tensor either way (Triton's interpreter copies each pointer argument back after a kernel, so a dummy aliasing
+    # an output would overwrite it)
+    rowmax = torch.zeros(rows if plan.threshold_exp == -1 else (1,), dtype=torch.float32, device=dev)
+    cst = plan.consts()
+    if plan.fmap.threshold:
+        kernel, blocks, table = plan.kernel(kern, "_threshold_kernel")
+        common = plan.common(q, k, v, score_scale, table)
+        launch(kernel, plan.grid(blocks))(
+            q, k, score_scale, plan.keep, table, shift, *common[:8], *common[12:], plan.H, plan.groups,
+            plan.LQ, plan.LK, plan.DH, row_value, rowmax, STEPS=THRESHOLD_STEPS,
+            **_only(cst, kernel), **plan.mods(kernel, bias), **blocks)
+    kernel, blocks, table = plan.kernel(kern, "_fwd_kernel")
+    launch(kernel, plan.grid(blocks))(
+        q, k, v, score_scale, row_value, plan.keep, table, shift, out, den, shift,
+        *plan.common(q, k, v, score_scale, table), plan.H, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, rowmax,
+        **_only(cst, kernel), **plan.mods(kernel, bias), **blocks)
+    return out, den, shift, rowmax
+
+
+def _backward(plan: _Plan, dout, q, k, v, score_scale, row_value, bias, out, den, shift, rowmax, bias_grad: bool):
+    """(dq, dk, dv in q's dtype, dscore_scale, drow_value [B, H, Lq] fp32, dbias fp32 in the bias's shape or None)."""
+    kern = _compiled(plan.maps)
+    dev = q.device
+    do = dout.to(q.dtype).contiguous()
+    cst = plan.consts()
+    if plan.fmap.delta_from_output:  # delta_i = dO_i . O_i (maps.py: delta_from_output)
+        delta = (do.float() * out.float()).sum(-1).contiguous()
+    else:  # written by the dq kernel (normalised and threshold maps)
+        delta = torch.zeros_like(den)
+    dq = torch.empty(plan.B, plan.H, plan.LQ, plan.DH, dtype=q.dtype, device=dev)
+    dscore_scale = torch.empty_like(den)
+    drow_value = torch.empty_like(den)
+    dbias = torch.zeros(bias.shape, dtype=torch.float32, device=dev) if bias_grad else None
+    kernel, blocks, table = plan.kernel(kern, "_bwd_dq_kernel")
+    launch(kernel, plan.grid(blocks))(
+        q, k, v, score_scale, row_value, plan.keep, table, shift, den, delta, do, dq, dscore_scale, drow_value,
+        *plan.common(q, k, v, score_scale, table), plan.H, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, rowmax,
+        **_only(cst, kernel), **plan.mods(kernel, bias, dbias), **blocks)
+    dk = torch.empty(plan.B, plan.HKV, plan.LK, plan.DH, dtype=q.dtype, device=dev)
+    dv = torch.empty(plan.B, plan.HKV, plan.LK, plan.DV, dtype=q.dtype, device=dev)
+    kernel, blocks, table = plan.kernel(kern, "_bwd_dkdv_kernel")
+    launch(kernel, plan.grid(blocks, over_keys=True))(
+        q, k, v, score_scale, row_value, plan.keep, table, shift, den, delta, do, dk, dv,
+        *plan.common(q, k, v, score_scale, table), plan.H, plan.HKV, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV,
+        rowmax, **_only(cst, kernel), **plan.mods(kernel, bias), **blocks)
+    return dq, dk, dv, dscore_scale, drow_value, dbias
 
 
 class _TritonAttention(torch.autograd.Function):
-    """(q, k, v, score_scale, row_value, bias) -> out [B, H, Lq, Dv] fp32; score_scale (the device code's
-    SCORE_SCALE: base scaling x the per-query multiplier) and row_value (R: the map's per-row value,
-    ``maps.FusedMap.row_value``): fp32 [B, H, Lq]; bias: fp32 [B|1, H|1, Lq|1, Lk|1] or None (its gradient comes
-    back in that shape)."""
+    """(q, k, v, score_scale, row_value, bias) -> out [B, H, Lq, Dv] in q's dtype; score_scale (base scaling x the
+    per-query multiplier) and row_value (the map's per-row value, ``maps.FusedMap.row_value``): fp32 [B, H, Lq];
+    bias: fp32 [B|1, H|1, Lq|1, Lk|1] or None (its gradient comes back in that shape). The eager route; compiled
+    models run the same ``_forward`` / ``_backward`` through the custom ops below."""
 
     @staticmethod
     def forward(ctx, q, k, v, score_scale, row_value, bias, plan: _Plan):
-        check_map(plan.map_id, plan.maps)
-        kern = _compiled(plan.maps)
-        dev = q.device
-        rows = (plan.B, plan.H, plan.LQ)
-        out = torch.empty(*rows, plan.DV, dtype=torch.float32, device=dev)
-        den = torch.empty(rows, dtype=torch.float32, device=dev)
-        shift = torch.zeros(rows, dtype=torch.float32, device=dev)
-        # alpha-entmax's row max M of the scores (written by the threshold kernel); other maps never read it and get
-        # score_scale, which no kernel writes (Triton's interpreter copies each pointer argument back after a kernel,
-        # so a dummy aliasing an output would overwrite it)
-        rowmax = torch.zeros(rows, dtype=torch.float32, device=dev) if plan.threshold_exp == -1 else score_scale
-        common = plan.common(q, k, v, score_scale)
-        cst = plan.consts()
-        grid = _grid_q(plan)
-        if plan.name in THRESHOLD:
-            # threshold kernel takes no V strides
-            launch(kern._threshold_kernel, grid)(
-                q, k, score_scale, plan.keep, plan.table, shift, *common[:8], *common[12:], plan.H, plan.groups,
-                plan.LQ, plan.LK, plan.DH, row_value, rowmax, STEPS=THRESHOLD_STEPS,
-                **_only(cst, kern._threshold_kernel), **plan.mods(kern._threshold_kernel, bias))
-        launch(kern._fwd_kernel, grid)(q, k, v, score_scale, row_value, plan.keep, plan.table, shift, out, den, shift,
-                                       *common, plan.H, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, rowmax,
-                                       **_only(cst, kern._fwd_kernel), **plan.mods(kern._fwd_kernel, bias))
-        ctx.save_for_backward(q, k, v, score_scale, row_value, bias, den, shift, rowmax)
+        out, den, shift, rowmax = _forward(plan, q, k, v, score_scale, row_value, bias)
+        ctx.save_for_backward(q, k, v, score_scale, row_value, bias, out, den, shift, rowmax)
         ctx.plan = plan
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        q, k, v, score_scale, row_value, bias, den, shift, rowmax = ctx.saved_tensors
-        plan: _Plan = ctx.plan
-        kern = _compiled(plan.maps)
-        dev = q.device
-        do = dout.to(torch.float32).contiguous()
-        common = plan.common(q, k, v, score_scale)
-        cst = plan.consts()
-        grid = _grid_q(plan)
-        delta = torch.zeros_like(den)  # written by the dq kernel (normalised and sparse maps)
-        dq = torch.empty(plan.B, plan.H, plan.LQ, plan.DH, dtype=torch.float32, device=dev)
-        dscore_scale = torch.empty_like(den)
-        drow_value = torch.empty_like(den)
-        dbias = torch.zeros(bias.shape, dtype=torch.float32, device=dev) if ctx.needs_input_grad[5] else None
-        launch(kern._bwd_dq_kernel, grid)(
-            q, k, v, score_scale, row_value, plan.keep, plan.table, shift, den, delta, do, dq, dscore_scale,
-            drow_value, *common, plan.H, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, rowmax,
-            **_only(cst, kern._bwd_dq_kernel), **plan.mods(kern._bwd_dq_kernel, bias, dbias))
-        dk = torch.empty(plan.B, plan.HKV, plan.LK, plan.DH, dtype=torch.float32, device=dev)
-        dv = torch.empty(plan.B, plan.HKV, plan.LK, plan.DV, dtype=torch.float32, device=dev)
-        launch(kern._bwd_dkdv_kernel, (_cdiv(plan.LK, plan.bn), plan.B * plan.HKV))(
-            q, k, v, score_scale, row_value, plan.keep, plan.table, shift, den, delta, do, dk, dv, *common,
-            plan.H, plan.HKV, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, rowmax,
-            **_only(cst, kern._bwd_dkdv_kernel), **plan.mods(kern._bwd_dkdv_kernel, bias))
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dscore_scale if ctx.needs_input_grad[3] else None,
+        q, k, v, score_scale, row_value, bias, out, den, shift, rowmax = ctx.saved_tensors
+        dq, dk, dv, dscore_scale, drow_value, dbias = _backward(
+            ctx.plan, dout, q, k, v, score_scale, row_value, bias, out, den, shift, rowmax, ctx.needs_input_grad[5])
+        return (dq, dk, dv, dscore_scale if ctx.needs_input_grad[3] else None,
                 drow_value if ctx.needs_input_grad[4] else None, dbias, None)
+
+
+# ----------------------------------------------------------------------------------------------- custom ops
+
+OPS_NAMESPACE = "hf_attnorm_triton"
+
+
+def _op_plan(q, k, v, keep, slopes, name: str, causal: bool, cap: float | None, table: str) -> _Plan:
+    return _Plan(q, k, v, keep, causal, name, _TABLES[table], cap, slopes)
+
+
+@torch.library.custom_op(f"{OPS_NAMESPACE}::forward", mutates_args=())
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_scale: torch.Tensor,
+                row_value: torch.Tensor, bias: torch.Tensor | None, keep: torch.Tensor | None,
+                slopes: torch.Tensor | None, name: str, causal: bool, cap: float | None,
+                table: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused Triton forward as one op: (out, den, shift, rowmax)."""
+    plan = _op_plan(q, k, v, keep, slopes, name, causal, cap, table)
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        return _forward(plan, q, k, v, score_scale, row_value, bias)
+
+
+@_forward_op.register_fake
+def _forward_fake(q, k, v, score_scale, row_value, bias, keep, slopes, name, causal, cap, table):
+    B, H, Lq = q.shape[:3]
+    rows = q.new_empty((B, H, Lq), dtype=torch.float32)
+    alpha = next(m for m in _TABLES[table] if m.name == name).dispatch == "alpha"
+    return (q.new_empty((B, H, Lq, v.shape[-1])), rows, torch.empty_like(rows),
+            torch.empty_like(rows) if alpha else q.new_empty((1,), dtype=torch.float32))
+
+
+@torch.library.custom_op(f"{OPS_NAMESPACE}::backward", mutates_args=())
+def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_scale: torch.Tensor,
+                 row_value: torch.Tensor, bias: torch.Tensor | None, keep: torch.Tensor | None,
+                 slopes: torch.Tensor | None, out: torch.Tensor, den: torch.Tensor, shift: torch.Tensor,
+                 rowmax: torch.Tensor, name: str, causal: bool, cap: float | None, table: str,
+                 bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                           torch.Tensor]:
+    """The fused Triton backward as one op: (dq, dk, dv, dscore_scale, drow_value, dbias or an empty tensor)."""
+    plan = _op_plan(q, k, v, keep, slopes, name, causal, cap, table)
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        dq, dk, dv, dscore, drow, dbias = _backward(plan, dout, q, k, v, score_scale, row_value, bias, out, den,
+                                                    shift, rowmax, bias_grad)
+    return dq, dk, dv, dscore, drow, dbias if dbias is not None else q.new_empty((0,), dtype=torch.float32)
+
+
+@_backward_op.register_fake
+def _backward_fake(dout, q, k, v, score_scale, row_value, bias, keep, slopes, out, den, shift, rowmax, name, causal,
+                   cap, table, bias_grad):
+    dbias = q.new_empty(bias.shape, dtype=torch.float32) if bias_grad else q.new_empty((0,), dtype=torch.float32)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), torch.empty_like(den),
+            torch.empty_like(den), dbias)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, score_scale, row_value, bias, keep, slopes, name, causal, cap, table = inputs
+    out, den, shift, rowmax = output
+    ctx.save_for_backward(q, k, v, score_scale, row_value, bias, keep, slopes, out, den, shift, rowmax)
+    ctx.facts = (name, causal, cap, table)
+
+
+def _backward_autograd(ctx, dout, _dden, _dshift, _drowmax):
+    q, k, v, score_scale, row_value, bias, keep, slopes, out, den, shift, rowmax = ctx.saved_tensors
+    bias_grad = bias is not None and ctx.needs_input_grad[5]
+    dq, dk, dv, dscore, drow, dbias = _backward_op(dout, q, k, v, score_scale, row_value, bias, keep, slopes, out,
+                                                   den, shift, rowmax, *ctx.facts, bias_grad)
+    return (dq, dk, dv, dscore, drow, dbias if bias_grad else None, None, None, None, None, None, None)
+
+
+torch.library.register_autograd(f"{OPS_NAMESPACE}::forward", _backward_autograd, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------ the path
 
 
 def _row_values(call: AttnCall, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1122,8 +559,7 @@ def _warn_once(key: str, message: str) -> None:
 
 def takes(norm: Normalizer) -> str | None:
     """The normalizers with a fused map and no q/k transform (``maps.fused_takes``)."""
-    reason = fused_takes(norm, "Triton")
-    return reason
+    return fused_takes(norm, "Triton")
 
 
 def accepts(call: AttnCall) -> str | None:
@@ -1155,20 +591,31 @@ def accepts(call: AttnCall) -> str | None:
     return None
 
 
+#: the table id of ``MAPS`` (registered at import: the custom ops' callers pass it)
+MAPS_ID = _table_id(MAPS)
+
+
 def triton_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
-    """out [B, H, Lq, Dv] (input dtype) for calls ``accepts`` takes."""
+    """out [B, H, Lq, Dv] (input dtype) for calls ``accepts`` takes. Eager: ``_TritonAttention``; while
+    torch.compile traces: the custom op ``hf_attnorm_triton::forward`` (the compiled graph calls the same kernels)."""
     q, k, v = call.q, call.k, call.v
+    score_scale, row_value = _row_values(call)
+    bias = None if call.bias is None else compact_bias(call.bias.to(q.device), torch.float32)
+    keep = call.mask.keep
+    causal = keep is None and call.mask.causal
+    name = call.normalizer.fused_map
+    if torch.compiler.is_compiling():
+        out = _forward_op(q, k, v, score_scale, row_value, bias, keep, call.alibi_slopes, name, causal,
+                          call.softcap, MAPS_ID)[0]
+        return out, None
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():  # launch on q's GPU
-        plan = _Plan(call)
-        score_scale, row_value = _row_values(call)
-        bias = None if call.bias is None else compact_bias(call.bias.to(q.device), torch.float32)
+        plan = _Plan(q, k, v, keep, causal, name, MAPS, call.softcap, call.alibi_slopes)
         out = _TritonAttention.apply(q, k, v, score_scale, row_value, bias, plan)
-    return out.to(q.dtype), None
+    return out, None
 
 
 from .. import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 # auto mode never tries this path on CPU tensors (the CPU paths own them); forced, it runs there under the
 # interpreter
-register_path("triton", triton_attention, takes=takes, accepts=accepts, priority=30, auto_exclude=("cpu",),
-              traceable=False)  # (the host-side plan and the launches in an autograd.Function)
+register_path("triton", triton_attention, takes=takes, accepts=accepts, priority=30, auto_exclude=("cpu",))
