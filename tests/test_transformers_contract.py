@@ -260,6 +260,11 @@ needs_cb = pytest.mark.skipif(CB_REFUSED, reason=f"continuous batching is refuse
                                                  f"{', '.join(compat.continuous_batching_missing())}")
 
 
+def small_cache() -> transformers.ContinuousBatchingConfig:
+    """Continuous batching with a few small pages and short batches (tests on a CPU)."""
+    return transformers.ContinuousBatchingConfig(page_size=8, num_blocks=16, max_batch_tokens=16)
+
+
 def test_continuous_batching_has_one_entry_and_runs_ours_on_its_sdpa_route():
     owner = compat.continuous_batching_owner()
     assert owner is not None and issubclass(transformers.GenerationMixin, owner), broken(
@@ -278,11 +283,13 @@ def test_continuous_batching_has_one_entry_and_runs_ours_on_its_sdpa_route():
     assert {compat.CONTINUOUS_BATCHING_ENTRY[1], compat.CONTINUOUS_BATCHING_SWITCH[1],
             compat.CONTINUOUS_BATCHING_MASKS[1]} <= integration.HOOKED
     model = tiny("llama", "causal_lm", implementation="symax")
-    out = model.generate_batch([[1, 2, 3], [4]], max_new_tokens=2)
+    # a small explicit cache: sized from the free memory, a CPU's would take most of it (14.9 GB peak here)
+    out = model.generate_batch([[1, 2, 3], [4]], max_new_tokens=2, continuous_batching_config=small_cache())
     assert [len(r.generated_tokens) for r in out.values()] == [2, 2]
     assert model.config._attn_implementation == "symax"  # not switched away (e.g. to flash attention)
     with pytest.raises(AttnormError, match=r"^continuous batching .* cannot run hf_attnorm's 'selective'"):
-        tiny("llama", "causal_lm", implementation="selective").generate_batch([[1, 2, 3]])
+        tiny("llama", "causal_lm", implementation="selective").generate_batch(
+            [[1, 2, 3]], continuous_batching_config=small_cache())
 
 
 @needs_cb
