@@ -53,7 +53,7 @@ from .hf import compat, integration
 from .hf.forward import PathRecord, continuous_batching_support, record_paths
 from .hf.persistence import verify_checkpoint
 from .registry import AttnormError, canonical
-from .serve_guard import Session, log, warm_up
+from .serve_guard import Guardian, log, warm_up
 from .settings import AttnormSettings
 from .version import __version__
 
@@ -313,12 +313,12 @@ def cache_plan(path: str, args: Sequence[str]) -> CachePlan:
                      f"({CB_BLOCKS_OPTION}, {CB_BATCH_OPTION} set them)")
 
 
-def summary(record: PathRecord, implementation: str, session: Session | None = None) -> str:
+def summary(record: PathRecord, implementation: str, guardian: Guardian | None = None) -> str:
     """The line printed when the server stops: what hf_attnorm's attention function ran (and what the guard did)."""
     counts = record.paths.counts if isinstance(record.paths, PathCounts) else {}
     calls = sum(counts.values())
     paths = ", ".join(f"{p} x{n}" for p, n in sorted(counts.items())) or "none"
-    guard = f"; requests: {session.summary()}" if session is not None else ""
+    guard = f"; requests: {guardian.summary()}" if guardian is not None else ""
     return (f"hf_attnorm serve: stopped; attention implementation {implementation!r} ran {calls} attention calls "
             f"({record.packed} packed by continuous batching); kernel paths: {paths}{guard}")
 
@@ -355,7 +355,7 @@ class Stopper:
         self.event.set()
 
 
-def serve_until_stopped(args: list[str], session: Session, options: Options, stopper: Stopper,
+def serve_until_stopped(args: list[str], guardian: Guardian, options: Options, stopper: Stopper,
                         on_built: Any = None) -> int:
     """Start transformers serve with ``args`` (uvicorn in its thread, the guard in front of its app), watch the
     continuous-batching worker until SIGINT or SIGTERM, then stop: uvicorn stops accepting, the requests in flight
@@ -364,7 +364,7 @@ def serve_until_stopped(args: list[str], session: Session, options: Options, sto
     stopped by itself (e.g. its port was taken; uvicorn logged why) or the worker kept dying, click's status for a
     usage error."""
     try:
-        with session.wrapping_app_factory(on_built):
+        with guardian.wrapping_app_factory(on_built):
             server = transformers_serve([*args, NON_BLOCKING_OPTION], standalone=False)
     except Exception as e:  # click's usage errors know how to show themselves
         if callable(getattr(e, "show", None)) and isinstance(getattr(e, "exit_code", None), int):
@@ -375,31 +375,31 @@ def serve_until_stopped(args: list[str], session: Session, options: Options, sto
         return server
     thread = server._thread
     while thread.is_alive() and not stopper.event.wait(0.5):
-        session.revive()
-        if session.fatal:
+        guardian.revive()
+        if guardian.fatal:
             break
-    stopped_by_signal = stopper.event.is_set() and not session.fatal
+    stopped_by_signal = stopper.event.is_set() and not guardian.fatal
     if stopped_by_signal:
         name = signal.Signals(stopper.signal).name if stopper.signal else "a signal"
-        log(f"{name}: stopping; the requests in flight ({len(session.active)}) get up to {options.grace_period:g} s "
+        log(f"{name}: stopping; the requests in flight ({len(guardian.active)}) get up to {options.grace_period:g} s "
             "(a second signal exits at once)")
-    session.closing = True
+    guardian.closing = True
     server.server.should_exit = True
     thread.join(options.grace_period)
     if thread.is_alive():
-        stopped = session.abort_requests("the grace period ended")
+        stopped = guardian.abort_requests("the grace period ended")
         log(f"the grace period of {options.grace_period:g} s ended: stopped {stopped} request"
             f"{'s' if stopped != 1 else ''} still in flight")
         thread.join(5)
         if thread.is_alive():
             server.server.force_exit = True
             thread.join(2)
-    session.stop_generations("the server stopped")
+    guardian.stop_generations("the server stopped")
     with contextlib.suppress(Exception):  # (continuous batching's worker stops now, without waiting for a flush)
         compat.serve_stop_continuous_batching(server._generation_state)
     server.kill_server()
-    if session.fatal:
-        log(f"ERROR: {session.fatal}")
+    if guardian.fatal:
+        log(f"ERROR: {guardian.fatal}")
         return 1
     return 0 if stopped_by_signal else 1
 
@@ -455,7 +455,7 @@ def main(argv: Sequence[str] | None = None, exit_process: bool | None = None) ->
         cache = cache_plan(serve_args[0], serve_args)
         serve_args, cache_tokens = [*serve_args, *cache.added], cache.tokens
         log(cache.line)
-    session = Session(options.max_new_tokens_cap, cache_tokens)
+    guardian = Guardian(options.max_new_tokens_cap, cache_tokens)
     record = PathRecord(paths=PathCounts())
     recording = contextlib.ExitStack()
 
@@ -474,20 +474,20 @@ def main(argv: Sequence[str] | None = None, exit_process: bool | None = None) ->
 
     def at_once(signum: int) -> None:
         log(f"{signal.Signals(signum).name} again: exiting now, without waiting for the requests in flight")
-        print(summary(record, impl, session), file=sys.stderr, flush=True)
+        print(summary(record, impl, guardian), file=sys.stderr, flush=True)
         _exit_now(128 + signum)
 
     stopper = Stopper(at_once)
     previous = {s: signal.signal(s, stopper) for s in (signal.SIGINT, signal.SIGTERM)}
     code = 1
     try:
-        code = serve_until_stopped(serve_args, session, options, stopper, on_built)
+        code = serve_until_stopped(serve_args, guardian, options, stopper, on_built)
     except ServeError as e:
         print(str(e), file=sys.stderr)
         code = 1
     finally:
         recording.close()
-        print(summary(record, impl, session), file=sys.stderr, flush=True)
+        print(summary(record, impl, guardian), file=sys.stderr, flush=True)
         for s, h in previous.items():
             signal.signal(s, h)
     if argv is None if exit_process is None else exit_process:

@@ -7,7 +7,7 @@ builds it, ``compat.SERVE_APP_FACTORY``; none of its code is copied), so that th
   "param", "code"}}``) whose message names the field, what it got and what is allowed. Fields this module does not
   know are passed on; transformers serve's own refusals (an unknown field, another model) and every other error
   response of the app are reshaped to OpenAI's shape too.
-* **Lengths** (``Session.admit``, at the generation managers, where the prompt is tokenized): a prompt must give at
+* **Lengths** (``Guardian.admit``, at the generation managers, where the prompt is tokenized): a prompt must give at
   least one token; a request's new tokens are bounded by what the model can still produce after its prompt (its
   maximum positions minus the prompt), by the KV cache of continuous batching (a request larger than the whole
   cache would end its worker), and by ``--max-new-tokens-cap``. An explicit ``max_tokens`` (``max_completion_tokens``,
@@ -15,9 +15,9 @@ builds it, ``compat.SERVE_APP_FACTORY``; none of its code is copied), so that th
   OpenAI's API does; a request without one gets transformers serve's default capped at the bound.
 * **Disconnects**: when a client goes away, its generation stops (streamed or not, on both routes): the sequential
   path's ``model.generate`` gets a stopping criterion, continuous batching cancels the request.
-* **Stopping**: ``Session.abort_requests`` ends the requests still in flight when the grace period is over: each gets
+* **Stopping**: ``Guardian.abort_requests`` ends the requests still in flight when the grace period is over: each gets
   a 503 (or, streamed, a final error event) and its generation stops.
-* **The continuous-batching worker** (``Session.revive``): if it dies anyway, the next request or the serve command's
+* **The continuous-batching worker** (``Guardian.revive``): if it dies anyway, the next request or the serve command's
   watch finds it, says why, and lets transformers serve start a new one; /health answers 200 again. Three deaths
   within ``REVIVAL_WINDOW_S`` end the server instead (exit status 1, with the reason).
 * **Kernels** (``warm_up``): the model runs a few forward passes before the port opens, so the kernels its
@@ -397,7 +397,7 @@ def _check_logit_bias(bias: Any, vocab_size: int | None) -> None:
             raise _refuse(f"logit_bias[{key!r}]", value, "a number from -100 to 100")
 
 
-# ------------------------------------------------------------------------------------------------ the session
+# ------------------------------------------------------------------------------------------------ the guardian
 
 
 #: the generation request the running task serves (set by the middleware; the task of each request copies it)
@@ -447,7 +447,7 @@ def warm_up(model: Any, record: PathRecord | None = None) -> tuple[float, PathRe
     return time.perf_counter() - start, record
 
 
-class Session:
+class Guardian:
     """The guard of one server: the model's facts, the bounds, the requests in flight, the counts the summary
     reports, and the continuous-batching worker's revival."""
 
@@ -512,7 +512,7 @@ class Session:
             return self.guard_manager(get_manager(*args, **kwargs))
 
         state.get_manager = guarded_get_manager
-        app.add_middleware(Guard, session=self)
+        app.add_middleware(Guard, guardian=self)
 
     def guard_manager(self, manager: Any) -> Any:
         """Wrap a generation manager's two entry points (once per instance): lengths are checked there, and each
@@ -739,17 +739,17 @@ def loaded_model(model_manager: Any) -> tuple[Any, Any]:
 class Guard:
     """ASGI middleware in front of transformers serve's app (see the module docstring)."""
 
-    def __init__(self, app: Any, session: Session) -> None:
-        self.app, self.session = app, session
+    def __init__(self, app: Any, guardian: Guardian) -> None:
+        self.app, self.guardian = app, guardian
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.session.loop is None:
-            self.session.loop = asyncio.get_running_loop()
+        if self.guardian.loop is None:
+            self.guardian.loop = asyncio.get_running_loop()
         path = scope.get("path", "")
-        reply = Reply(send, path, self.session)
+        reply = Reply(send, path, self.guardian)
         if scope.get("method") != "POST" or path not in ROUTES:
             await self._run(scope, receive, reply, None)
             return
@@ -765,7 +765,7 @@ class Guard:
             except ValueError as e:
                 raise RequestError(f"the request body is not valid JSON ({e}); allowed: a JSON object",
                                    code="invalid_json") from None
-            info = check_request(path, payload, self.session.facts)
+            info = check_request(path, payload, self.guardian.facts)
         except RequestError as e:
             await reply.error(e)
             return
@@ -779,14 +779,14 @@ class Guard:
     async def _run(self, scope: dict, receive: Callable, reply: Reply, info: RequestInfo | None,
                    client: Callable | None = None) -> None:
         """Run the app for one request in its own task, while watching ``client`` for a disconnect. A disconnect, or
-        the end of the grace period (this task cancelled), stops the request's generation and ends the app's task:
-        the sequential path's ``model.generate`` returns at its next step (its task ends by itself, its reply
+        the end of the grace period (the guard's task cancelled), stops the request's generation and ends the app's
+        task: the sequential path's ``model.generate`` returns at its next step (its task ends by itself, its reply
         dropped); any other task is cancelled. At the end of the grace period the client gets a 503."""
-        session = self.session
+        guardian = self.guardian
         task = asyncio.ensure_future(self.app(scope, receive, reply.send))
         me = asyncio.current_task()
         if info is not None and me is not None:
-            session.active[me] = info
+            guardian.active[me] = info
 
         async def disconnected() -> None:
             while True:
@@ -816,16 +816,16 @@ class Guard:
                 await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
             except asyncio.CancelledError:  # the grace period is over
                 await end("the server stopped")
-                with session.count_lock:
-                    session.counts["aborted"] += 1
+                with guardian.count_lock:
+                    guardian.counts["aborted"] += 1
                 await reply.error(RequestError("the server stopped: its grace period for requests in flight ended "
                                                "before this one finished", status=503, kind="server_error",
                                                code="server_shutting_down"))
                 return
             if not task.done():  # the client left
                 if await end("the client disconnected"):
-                    with session.count_lock:
-                        session.counts["disconnected"] += 1
+                    with guardian.count_lock:
+                        guardian.counts["disconnected"] += 1
                 return
             task.result()
         except RequestError as e:
@@ -835,7 +835,7 @@ class Guard:
         finally:
             if watcher is not None:
                 watcher.cancel()
-            session.active.pop(me, None)  # type: ignore[arg-type]
+            guardian.active.pop(me, None)  # type: ignore[arg-type]
 
 
 def classify(error: Exception) -> RequestError:
@@ -888,8 +888,8 @@ class Reply:
     """The ``send`` the app gets: error responses (status >= 400) are rewritten to OpenAI's error shape; the guard's
     own refusals are sent through it too."""
 
-    def __init__(self, send: Callable, path: str, session: Session) -> None:
-        self._send, self.path, self.session = send, path, session
+    def __init__(self, send: Callable, path: str, guardian: Guardian) -> None:
+        self._send, self.path, self.guardian = send, path, guardian
         self.started = False
         self.finished = False
         self.streaming = False
@@ -938,22 +938,22 @@ class Reply:
             detail = "; ".join(f"{'.'.join(str(x) for x in d.get('loc', [])[1:]) or 'body'}: {d.get('msg')}"
                                for d in items) or str(detail)
         message = str(detail)
-        allowed = self.session.allowed_fields.get(self.path)
+        allowed = self.guardian.allowed_fields.get(self.path)
         if status == 422 and message.startswith("Unexpected fields") and allowed:
             message += f"; allowed: the fields of OpenAI's request that this server reads: {', '.join(allowed)}"
             named = re.findall(r"'([^']*)'", message.split(";", 1)[0])
             param = named[0] if named else param
         kind = "invalid_request_error" if status < 500 else "server_error"
         if status < 500:
-            with self.session.count_lock:
-                self.session.counts["refused"] += 1
+            with self.guardian.count_lock:
+                self.guardian.counts["refused"] += 1
         return error_body(message, kind, param)
 
     async def error(self, e: RequestError) -> None:
         """Send a refusal (or, inside a started stream, a final error event)."""
         if e.status < 500:
-            with self.session.count_lock:
-                self.session.counts["refused"] += 1
+            with self.guardian.count_lock:
+                self.guardian.counts["refused"] += 1
         if self.finished:
             return
         if self.started:

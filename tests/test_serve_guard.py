@@ -21,10 +21,10 @@ from hf_attnorm.serve_guard import (
     CURRENT,
     RESPONSES,
     ROUTES,
+    Guardian,
     ModelFacts,
     RequestError,
     RequestInfo,
-    Session,
     check_request,
 )
 
@@ -145,40 +145,40 @@ class Config:
         self.max_new_tokens, self.max_length = max_new_tokens, max_length
 
 
-def admit(session: Session, n: int, config: Config, info: RequestInfo | None) -> Config:
+def admit(guardian: Guardian, n: int, config: Config, info: RequestInfo | None) -> Config:
     token = CURRENT.set(info)
     try:
-        session.admit(None, {"input_ids": list(range(n))}, config)
+        guardian.admit(None, {"input_ids": list(range(n))}, config)
     finally:
         CURRENT.reset(token)
     return config
 
 
 def test_new_tokens_are_bounded_by_the_positions_left_and_the_cap():
-    session = Session()
-    session.facts = FACTS
+    guardian = Guardian()
+    guardian.facts = FACTS
     asked = RequestInfo(COMPLETIONS, "prompt", explicit=("max_tokens", 10_000_000))
     with pytest.raises(RequestError, match=r"^max_tokens: 10000000 is more new tokens than this server generates "
                                            r"after this prompt: at most 246 \(the model's 256 positions minus the "
                                            r"prompt's 10 tokens\); allowed: an integer from 1 to 246$") as e:
-        admit(session, 10, Config(10_000_000), asked)
+        admit(guardian, 10, Config(10_000_000), asked)
     assert e.value.code == "context_length_exceeded" and e.value.param == "max_tokens"
     default = RequestInfo(COMPLETIONS, "prompt")
-    assert admit(session, 10, Config(1024), default).max_new_tokens == 246  # transformers serve's default, capped
-    assert session.counts["capped"] == 1
-    assert admit(session, 10, Config(None, max_length=20), default).max_new_tokens == 10  # set from max_length
-    assert admit(session, 10, Config(246), asked).max_new_tokens == 246
+    assert admit(guardian, 10, Config(1024), default).max_new_tokens == 246  # transformers serve's default, capped
+    assert guardian.counts["capped"] == 1
+    assert admit(guardian, 10, Config(None, max_length=20), default).max_new_tokens == 10  # set from max_length
+    assert admit(guardian, 10, Config(246), asked).max_new_tokens == 246
     with pytest.raises(RequestError, match=r"^prompt: it gives no tokens"):
-        admit(session, 0, Config(5), default)
+        admit(guardian, 0, Config(5), default)
     with pytest.raises(RequestError, match=r"^messages: the prompt has 256 tokens, which leaves nothing to generate "
                                            r".*allowed: a prompt of at most 255 tokens$"):
-        admit(session, 256, Config(5), RequestInfo(CHAT, "messages"))
-    capped = Session(max_new_tokens_cap=7)
+        admit(guardian, 256, Config(5), RequestInfo(CHAT, "messages"))
+    capped = Guardian(max_new_tokens_cap=7)
     capped.facts = FACTS
     with pytest.raises(RequestError, match=r"at most 7 \(the server's --max-new-tokens-cap 7\)"):
         admit(capped, 10, Config(8), asked)
     assert admit(capped, 10, Config(1024), default).max_new_tokens == 7
-    unbounded = Session()
+    unbounded = Guardian()
     assert admit(unbounded, 10, Config(10_000), default).max_new_tokens == 10_000  # (no bound known: left as asked)
 
 
@@ -243,8 +243,8 @@ def test_a_dead_continuous_batching_worker_is_replaced_and_serves_again(tmp_path
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     cb_config = transformers.ContinuousBatchingConfig(page_size=8, num_blocks=16, max_batch_tokens=16)
     state = GenerationState(continuous_batching=True, cb_config=cb_config)
-    session = Session()
-    session.generation_state = state
+    guardian = Guardian()
+    guardian.generation_state = state
     config = transformers.GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=-1, use_cache=False)
 
     async def generate(ids: list[int]) -> list[int]:
@@ -269,16 +269,16 @@ def test_a_dead_continuous_batching_worker_is_replaced_and_serves_again(tmp_path
             first = asyncio.run(generate([1, 2, 3]))
             asyncio.run(kill())
             capsys.readouterr()
-            session.revive()
-            assert state.is_cb_alive() and session.counts["restarts"] == 1 and session.fatal is None
+            guardian.revive()
+            assert state.is_cb_alive() and guardian.counts["restarts"] == 1 and guardian.fatal is None
             said = capsys.readouterr().err
             assert said.startswith("hf_attnorm serve: WARNING: continuous batching's worker died (") and \
                 "a new worker starts with the next request" in said, said
             assert asyncio.run(generate([1, 2, 3])) == first  # a new worker, the same greedy tokens
             for _ in range(2):
                 asyncio.run(kill())
-                session.revive()
-            assert session.fatal is not None and session.fatal.startswith(
+                guardian.revive()
+            assert guardian.fatal is not None and guardian.fatal.startswith(
                 "continuous batching's worker died 3 times within 300 s (last: ")
     finally:
         state.shutdown()
