@@ -2,7 +2,9 @@
 with the checkpoint's hf_attnorm implementation, on continuous batching's packed route where the implementation is
 exact there and on the sequential path where it is refused; plain transformers (no ``import hf_attnorm``) warns when
 it loads such a checkpoint with its own attention. The end-to-end tests start the real server as a child process
-on 127.0.0.1 and talk to it with the ``openai`` client and plain HTTP.
+on 127.0.0.1 and talk to it with the ``openai`` client and plain HTTP: answers equal greedy ``generate``, malformed
+requests get a 4xx naming the field while the server keeps answering, clients that leave stop their generations, and
+SIGINT during a long generation exits 0 after the grace period (the guard itself: tests/test_serve_guard.py).
 """
 
 from __future__ import annotations
