@@ -383,7 +383,6 @@ def serve_until_stopped(args: list[str], guardian: Guardian, options: Options, s
         name = signal.Signals(stopper.signal).name if stopper.signal else "a signal"
         log(f"{name}: stopping; the requests in flight ({len(guardian.active)}) get up to {options.grace_period:g} s "
             "(a second signal exits at once)")
-    guardian.closing = True
     server.server.should_exit = True
     thread.join(options.grace_period)
     if thread.is_alive():

@@ -352,7 +352,18 @@ def check_request(path: str, body: Any, facts: ModelFacts = ModelFacts()) -> Req
     _optional(body, "temperature", lambda v: _is_number(v) and v >= 0, "a number >= 0 (0: greedy)")
     _optional(body, "top_p", lambda v: _is_number(v) and 0 <= v <= 1, "a number from 0 to 1")
     _optional(body, "seed", lambda v: _is_int(v) and SEED_RANGE[0] <= v <= SEED_RANGE[1], "an integer")
+    # OpenAI fields transformers serve accepts and ignores: refused where ignoring them would change the answer
     _optional(body, "n", lambda v: v == 1 and _is_int(v), "1 (this server returns one choice per request)")
+    _optional(body, "best_of", lambda v: v == 1 and _is_int(v), "1 (this server returns one choice per request)")
+    _optional(body, "logprobs", lambda v: v is False or v == 0, "false, 0 or leave it out (this server returns no "
+                                                              "log probabilities)")
+    _optional(body, "top_logprobs", lambda v: v == 0 and _is_int(v), "0 or leave it out (this server returns no log "
+                                                                   "probabilities)")
+    _optional(body, "echo", lambda v: v is False, "false or leave it out (this server does not echo the prompt)")
+    _optional(body, "presence_penalty", lambda v: v == 0 and _is_number(v),
+              "0 or leave it out (this server does not apply it; frequency_penalty is applied)")
+    _optional(body, "response_format", lambda v: isinstance(v, dict) and v.get("type") == "text",
+              "{'type': 'text'} or leave it out (this server does not constrain the answer's format)")
     _optional(body, "frequency_penalty", lambda v: _is_number(v) and -1 < v <= 2,
               "a number > -1 and <= 2 (the server applies repetition_penalty = 1 + frequency_penalty, which must be "
               "> 0)")
@@ -466,7 +477,6 @@ class Guardian:
         self.deaths: deque[float] = deque()
         #: why the server must stop (the worker kept dying); the serve command exits 1 with it
         self.fatal: str | None = None
-        self.closing = False
 
     # -- wiring into transformers serve's app
 

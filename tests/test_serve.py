@@ -545,3 +545,33 @@ def test_with_continuous_batching_a_client_that_leaves_stops_its_generation_and_
     calls, packed = _summary(out)
     assert packed > 0 and calls < 4000, out[-2000:]
     assert "2 stopped when their client disconnected, 1 stopped at shutdown" in out, out[-2000:]
+
+
+@needs_serving
+def test_a_second_signal_exits_at_once(tmp_path):
+    """With a long grace period, SIGINT starts the graceful stop while a long generation runs on; SIGTERM then exits at
+    once, with status 128 + its number, after the summary line."""
+    import openai
+
+    path = save_checkpoint(tmp_path / "m", "symax", positions=4096)
+    server = Server(path, tmp_path / "server.log", "--grace-period", "600")
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=180, max_retries=0)
+        long = client.completions.create(model=str(path), prompt="w5", max_tokens=4000, temperature=0, stream=True)
+        next(iter(long))
+        server.proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 60
+        while "SIGINT: stopping" not in server.output() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert server.proc.poll() is None, server.output()[-3000:]  # (waiting for the generation in flight)
+        start = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        code = server.proc.wait(timeout=120)
+        took = time.monotonic() - start
+    finally:
+        server.close()
+    out = server.output()
+    assert code == 128 + signal.SIGTERM and took < 30, (code, took, out[-3000:])
+    assert "SIGTERM again: exiting now, without waiting for the requests in flight" in out
+    assert out.rstrip().splitlines()[-1].startswith("hf_attnorm serve: stopped; "), out[-2000:]

@@ -60,6 +60,10 @@ MALFORMED = [
     (CHAT, {"messages": USER, "stop": 5}, "stop"),
     (CHAT, {"messages": USER, "stop": [""]}, "stop"),
     (CHAT, {"messages": USER, "n": 2}, "n"),
+    (CHAT, {"messages": USER, "logprobs": True}, "logprobs"),
+    (CHAT, {"messages": USER, "top_logprobs": 3}, "top_logprobs"),
+    (CHAT, {"messages": USER, "presence_penalty": 0.5}, "presence_penalty"),
+    (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
     (CHAT, {"messages": USER, "frequency_penalty": -1.5}, "frequency_penalty"),
     (CHAT, {"messages": USER, "logit_bias": {"abc": 1}}, "logit_bias['abc']"),
     (CHAT, {"messages": USER, "logit_bias": {"999999": 1}}, "logit_bias['999999']"),
@@ -76,6 +80,9 @@ MALFORMED = [
     (COMPLETIONS, {"prompt": [1, 2, 3]}, "prompt"),
     (COMPLETIONS, {"prompt": "w1", "suffix": 5}, "suffix"),
     (COMPLETIONS, {"prompt": "w1", "max_tokens": -5}, "max_tokens"),
+    (COMPLETIONS, {"prompt": "w1", "logprobs": 5}, "logprobs"),
+    (COMPLETIONS, {"prompt": "w1", "echo": True}, "echo"),
+    (COMPLETIONS, {"prompt": "w1", "best_of": 3}, "best_of"),
     (RESPONSES, {"max_output_tokens": 3}, "input"),
     (RESPONSES, {"input": 5}, "input"),
     (RESPONSES, {"input": []}, "input"),
@@ -110,7 +117,8 @@ def test_a_body_that_is_not_an_object_is_refused(path, body):
 
 VALID = [
     (CHAT, {"messages": USER, "max_tokens": 4, "temperature": 0, "stream": True, "seed": 3, "stop": ["w9"],
-            "logit_bias": {"3": -100}, "frequency_penalty": 0.5, "top_p": 0.9, "n": 1, "model": "served"}),
+            "logit_bias": {"3": -100}, "frequency_penalty": 0.5, "top_p": 0.9, "n": 1, "model": "served",
+            "logprobs": False, "presence_penalty": 0, "response_format": {"type": "text"}}),
     (CHAT, {"messages": [{"role": "system", "content": [{"type": "text", "text": "w1"}]}, *USER,
                          {"role": "assistant", "content": None, "tool_calls": [
                              {"type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
@@ -263,23 +271,26 @@ def test_a_dead_continuous_batching_worker_is_replaced_and_serves_again(tmp_path
             await asyncio.sleep(0.1)
         assert not state.is_cb_alive()  # what /health answered with 503 until a restart
 
+    async def scenario() -> None:  # (one event loop: the worker answers on the loop of the request)
+        first = await generate([1, 2, 3])
+        await kill()
+        capsys.readouterr()
+        guardian.revive()
+        assert state.is_cb_alive() and guardian.counts["restarts"] == 1 and guardian.fatal is None
+        said = capsys.readouterr().err
+        assert said.startswith("hf_attnorm serve: WARNING: continuous batching's worker died (") and \
+            "a new worker starts with the next request" in said, said
+        assert await generate([1, 2, 3]) == first  # a new worker, the same greedy tokens
+        for _ in range(2):
+            await kill()
+            guardian.revive()
+        assert guardian.fatal is not None and guardian.fatal.startswith(
+            "continuous batching's worker died 3 times within 300 s (last: ")
+
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            first = asyncio.run(generate([1, 2, 3]))
-            asyncio.run(kill())
-            capsys.readouterr()
-            guardian.revive()
-            assert state.is_cb_alive() and guardian.counts["restarts"] == 1 and guardian.fatal is None
-            said = capsys.readouterr().err
-            assert said.startswith("hf_attnorm serve: WARNING: continuous batching's worker died (") and \
-                "a new worker starts with the next request" in said, said
-            assert asyncio.run(generate([1, 2, 3])) == first  # a new worker, the same greedy tokens
-            for _ in range(2):
-                asyncio.run(kill())
-                guardian.revive()
-            assert guardian.fatal is not None and guardian.fatal.startswith(
-                "continuous batching's worker died 3 times within 300 s (last: ")
+            asyncio.run(scenario())
     finally:
         state.shutdown()
 
