@@ -3,7 +3,8 @@ builds it, ``compat.SERVE_APP_FACTORY``; none of its code is copied), so that th
 
 * **Validation** (``check_request``): the body of every generation request (/v1/chat/completions, /v1/completions,
   /v1/responses) is checked before transformers serve's handler sees it: required fields, types and ranges of the
-  fields transformers serve reads. A refusal is a 400 in OpenAI's error shape (``{"error": {"message", "type",
+  fields transformers serve reads, and the OpenAI fields it would ignore where that changes the answer (``n``,
+  ``logprobs``, ``echo``, ...). A refusal is a 400 in OpenAI's error shape (``{"error": {"message", "type",
   "param", "code"}}``) whose message names the field, what it got and what is allowed. Fields this module does not
   know are passed on; transformers serve's own refusals (an unknown field, another model) and every other error
   response of the app are reshaped to OpenAI's shape too.
