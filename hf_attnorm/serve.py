@@ -1,14 +1,15 @@
 """``python -m hf_attnorm serve PATH [options of transformers serve]`` (console command ``hf-attnorm-serve``): serve
-an hf_attnorm checkpoint through transformers' own OpenAI-compatible server (``transformers serve``:
-/v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /health) in a process that imported hf_attnorm, so
-that the model runs the implementation its config.json records.
+an hf_attnorm checkpoint through transformers' own OpenAI-compatible server (``transformers serve``; its routes are
+listed in docs/clients.md) in a process that imported hf_attnorm, so that the model runs the implementation its
+config.json records.
 
 * PATH comes first: a local checkpoint folder saved with hf_attnorm imported (config.json holds ``attnorm``). It is
   checked like ``from_pretrained`` checks it (settings, checksums, safetensors metadata) before the server starts;
   a plain checkpoint is refused (serve it with ``transformers serve``).
-* Every other option is transformers serve's (``--port``, ``--host``, ``--continuous-batching``, ``--cb-*``,
-  ``--device``, ``--dtype``, ...). ``--attn-implementation`` may only name the checkpoint's own implementation (it is
-  then left out: transformers serve accepts its own names only, and the checkpoint's name is what loads).
+* Its own options are ``--max-new-tokens-cap`` and ``--grace-period`` (below); every other option is transformers
+  serve's (``--port``, ``--host``, ``--continuous-batching``, ``--cb-*``, ``--device``, ``--dtype``, ...).
+  ``--attn-implementation`` may only name the checkpoint's own implementation (it is then left out: transformers
+  serve accepts its own names only, and the checkpoint's name is what loads).
 * ``--continuous-batching`` runs the implementation on continuous batching's packed route when its normalizer and
   scale declare it exact there (``continuous_batching`` = "packed" or "per_sequence"). transformers serve has a
   sequential path (``model.generate`` per request, its default): an implementation declared "refused" there, or a
