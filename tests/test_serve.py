@@ -245,7 +245,7 @@ class Server:
     def output(self) -> str:
         return self.log_path.read_text()
 
-    def wait_ready(self, timeout: float = 240) -> None:
+    def wait_ready(self, timeout: float = 420) -> None:  # (a first build of the C++ kernels runs before /health)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
