@@ -132,7 +132,7 @@ SECTIONS = {
 def main(argv: Sequence[str] | None = None) -> int | None:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["serve"]:
-        return serve.main(args[1:])
+        return serve.main(args[1:], exit_process=argv is None)
     parser = argparse.ArgumentParser(prog="python -m hf_attnorm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", nargs="?", default="all",

@@ -21,7 +21,9 @@ two markers is replaced by the output of generator NAME:
   (``scripts/bench_serving.py``, whose results.md is written by the same functions);
 * gpu-goals: every implementation's GPU goal (``hf_attnorm.lab.speed_goals.gpu_goal``) against the newest GPU check
   run that timed the anchors (``bench/gpu/<device>/results.json``, ``scripts/gpu_check.sh``), with the anchors' own
-  rows.
+  rows;
+* serve-endpoints: the routes of transformers serve's app as the installed transformers builds it
+  (``hf_attnorm.hf.compat.serve_app_routes``) and what ``python -m hf_attnorm serve``'s guard does on each.
 
 ``python scripts/render_readme.py`` rewrites the files; ``--check`` writes nothing and exits 1 with a diff when a
 file differs from what the generators print (tests/test_readme.py runs the same check).
@@ -44,7 +46,7 @@ if str(ROOT) not in sys.path:
 
 #: the documents that carry generated blocks, relative to the repository root
 DOCUMENTS = ["README.md", "docs/options.md", "docs/architecture.md", "docs/benchmarks.md", "bench/compare/README.md",
-             "docs/families.md", "bench/convert/README.md", "docs/evaluation.md", "docs/convert.md"]
+             "docs/families.md", "bench/convert/README.md", "docs/evaluation.md", "docs/convert.md", "docs/clients.md"]
 BLOCK = re.compile(r"(<!-- generated:(?P<name>[a-z0-9_-]+) -->\n)(?P<body>.*?)(<!-- /generated:(?P=name) -->)", re.S)
 
 #: the kernel benchmark run the README summarises (its JSON holds the numbers, the command, the date and the machine;
@@ -611,6 +613,42 @@ def keyword_scan() -> str:
             f"their families are refused at load naming it: {refused}.")
 
 
+#: what each route of transformers serve's app does (a route missing here is listed by its endpoint function's name)
+SERVE_ROUTES = {
+    "/v1/chat/completions": "chat completions, streamed or not",
+    "/v1/completions": "legacy completions of a text prompt",
+    "/v1/responses": "OpenAI's Responses API (streamed unless `stream` is false)",
+    "/v1/systemone": "typed decisions (choice, score, yes/no) with a probability per answer; no text generated",
+    "/v1/audio/transcriptions": "speech to text (speech models only)",
+    "/v1/models": "the served model",
+    "/health": "200 while serving; 503 while continuous batching's worker is dead (the command replaces it)",
+    "/load_model": "loads a model by name, streaming its progress",
+    "/reset": "unloads the model (the next request loads it again)",
+    "/openapi.json": "FastAPI's description of the API",
+    "/docs": "FastAPI's pages for it",
+    "/docs/oauth2-redirect": "FastAPI's pages for it",
+    "/redoc": "FastAPI's pages for it",
+}
+
+
+def serve_endpoints() -> str:
+    """transformers serve's routes, read from the app the installed transformers builds, with the guard's part."""
+    from hf_attnorm.hf import compat
+    from hf_attnorm.serve_guard import ROUTES
+
+    if compat.serve_missing() or not compat.serve_extra_installed():
+        raise SystemExit("render_readme.py: error: the serve-endpoints block needs transformers serve and its extra "
+                         "(pip install -e '.[serve]')")
+    rows = ["| route | methods | what it does | the guard |", "|---|---|---|---|"]
+    routes = compat.serve_app_routes()
+    fastapi_own = [r for r in routes if r[2] in ("openapi", "swagger_ui_html", "swagger_ui_redirect", "redoc_html")]
+    for path, methods, endpoint in [*(r for r in routes if r not in fastapi_own), *fastapi_own]:
+        guard = ("checked (fields, prompt, new tokens); stopped when its client leaves" if path in ROUTES else
+                 "errors in OpenAI's shape" if path.startswith("/v1/") else "passed through")
+        rows.append(f"| `{path}` | {', '.join(methods)} | {SERVE_ROUTES.get(path, f'`{endpoint}`')} | {guard} |")
+    return "\n".join(rows)
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
     **{name: _main_section(name) for name in ("implementations", "options", "learned", "versions")},
     "families": families,
@@ -622,6 +660,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "transfer-learning-rates": transfer_learning_rates,
     "performance": performance,
     "serving": serving,
+    "serve-endpoints": serve_endpoints,
     **{f"compare-{task}": task_table(task) for task in ("mqar", "passkey", "lm")},
     "compare-claims": claims,
     "claims-list": claims_list,

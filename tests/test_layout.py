@@ -20,7 +20,7 @@ LAYERS = {
     "kernels": 3,
     "attention": 4,
     "hf": 5,
-    "__init__": 6, "__main__": 6, "serve": 6,
+    "__init__": 6, "__main__": 6, "serve": 6, "serve_guard": 6,
     "lab": 7,
 }
 #: numpy is a hard dependency of transformers; triton is optional (imported under a guard)

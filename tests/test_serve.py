@@ -2,7 +2,9 @@
 with the checkpoint's hf_attnorm implementation, on continuous batching's packed route where the implementation is
 exact there and on the sequential path where it is refused; plain transformers (no ``import hf_attnorm``) warns when
 it loads such a checkpoint with its own attention. The end-to-end tests start the real server as a child process
-on 127.0.0.1 and talk to it with the ``openai`` client and plain HTTP.
+on 127.0.0.1 and talk to it with the ``openai`` client and plain HTTP: answers equal greedy ``generate``, malformed
+requests get a 4xx naming the field while the server keeps answering, clients that leave stop their generations, and
+SIGINT during a long generation exits 0 after the grace period (the guard itself: tests/test_serve_guard.py).
 """
 
 from __future__ import annotations
@@ -54,9 +56,10 @@ CB_OPTIONS = ["--continuous-batching", "--cb-block-size", "8", "--cb-num-blocks"
 REFUSED = [n for n in PRESETS if continuous_batching_support(resolve_settings(n))[0] == "refused"]
 
 
-def save_checkpoint(path: Path, implementation: str) -> Path:
+def save_checkpoint(path: Path, implementation: str, positions: int = 256) -> Path:
     """A tiny random-init Llama (2 layers, GQA, vocabulary 61, untied and wide so that greedy tokens depend on
-    attention) saved with hf_attnorm, and a word-level tokenizer with a chat template built locally (no hub)."""
+    attention, ``positions`` maximum positions) saved with hf_attnorm, and a word-level tokenizer with a chat template
+    built locally (no hub)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
@@ -66,7 +69,7 @@ def save_checkpoint(path: Path, implementation: str) -> Path:
     tokenizer.save_pretrained(path)
     config = transformers.LlamaConfig(
         vocab_size=len(WORDS), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=64, max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.3,
+        intermediate_size=64, max_position_embeddings=positions, tie_word_embeddings=False, initializer_range=0.3,
         bos_token_id=None, eos_token_id=None, pad_token_id=None)
     config._attn_implementation = implementation
     torch.manual_seed(0)
@@ -242,7 +245,7 @@ class Server:
     def output(self) -> str:
         return self.log_path.read_text()
 
-    def wait_ready(self, timeout: float = 240) -> None:
+    def wait_ready(self, timeout: float = 420) -> None:  # (a first build of the C++ kernels runs before /health)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -270,6 +273,28 @@ class Server:
             return self.proc.wait(timeout=timeout)
         finally:
             self.close()
+
+    def cpu_seconds(self) -> float:
+        """CPU time the server process has used (user + system, all its threads)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def peak_rss_bytes(self) -> int:
+        """The server process's peak resident memory so far (VmHWM)."""
+        status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        return int(next(ln for ln in status.splitlines() if ln.startswith("VmHWM:")).split()[1]) * 1024
+
+    def error(self, route: str, body: object) -> tuple[int, dict]:
+        """POST ``body`` (bytes as they are, anything else as JSON); the status and the decoded error body."""
+        status, text = self.post(route, body if isinstance(body, bytes) else json.dumps(body).encode())
+        return status, json.loads(text)
+
+    def health(self) -> int:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=30) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -365,3 +390,188 @@ def test_a_transformers_without_serve_is_refused_by_name(monkeypatch, capsys, tm
     first = capsys.readouterr().err.strip().splitlines()[0]
     assert f"transformers {transformers.__version__} lacks " in first and "5.17 or later" in first
     assert "transformers.cli.no_such_server_package" in first
+
+
+# ------------------------------------------------------------------------------------------ what clients cannot break
+
+
+def _sse_error_or_end(stream) -> str:
+    """Read a streamed answer to its end; what ended it ("end", or the error the client raised)."""
+    try:
+        for _ in stream:
+            pass
+    except Exception as e:  # (an error event, or the connection closed)
+        return type(e).__name__
+    return "end"
+
+
+@needs_serving
+@needs_continuous_batching
+def test_malformed_requests_get_a_4xx_naming_the_field_and_the_server_keeps_answering(tmp_path):
+    """Continuous batching with the command's bounded cache on a CPU (no --cb-num-blocks): every malformed request of
+    tests/test_serve_guard.py, the ones refused at the prompt's length, an unknown field, invalid JSON and fuzzed
+    bodies get a 4xx in OpenAI's error shape, and the server keeps answering: /health stays 200 (a completion without
+    prompt used to end continuous batching's worker), answers still equal greedy ``generate``, and the server stays
+    small."""
+    import openai
+    from test_serve_guard import MALFORMED, NOT_OBJECTS, fuzzed_bodies
+
+    path = save_checkpoint(tmp_path / "m", "symax")
+    server = Server(path, tmp_path / "server.log", "--continuous-batching", "--max-new-tokens-cap", "8")
+    try:
+        server.wait_ready()
+        out = server.output()
+        assert "continuous batching's KV cache on the CPU: 4 blocks of 256 tokens (1,024 tokens" in out, out[-3000:]
+        assert out.index("attention kernels ready in ") < out.index("Uvicorn running on"), out[-3000:]
+        sweep = [(route, body, field) for route, body, field in MALFORMED if body.get("model") != "another"]
+        sweep += [("/v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}], "model": "another"},
+                   "model"),
+                  ("/v1/completions", {"prompt": "", "max_tokens": 2}, "prompt"),  # (no token: the worker's end)
+                  ("/v1/completions", {"prompt": "w1 " * 300, "max_tokens": 2}, "prompt"),
+                  ("/v1/completions", {"prompt": "w1 w2", "max_tokens": 10_000_000}, "max_tokens"),
+                  ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}], "max_tokens": 9},
+                   "max_tokens")]
+        for route, body, field in sweep:
+            status, answer = server.error(route, body)
+            error = answer.get("error", {})
+            assert status == 400 and set(error) == {"message", "type", "param", "code"}, (body, status, answer)
+            assert error["message"].startswith(f"{field}: ") and "allowed: " in error["message"], (body, answer)
+            assert server.health() == 200, (body, server.output()[-3000:])
+        for route in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
+            assert server.error(route, b"{not json")[0] == 400
+            for body in NOT_OBJECTS:
+                status, answer = server.error(route, body)
+                assert status == 400 and answer["error"]["message"].startswith("the request body is "), answer
+        status, answer = server.error("/v1/completions", {"prompt": "w1", "max_tokens": 2, "max_tokenz": 2})
+        assert status == 422 and answer["error"]["param"] == "max_tokenz", answer
+        assert "Unexpected fields" in answer["error"]["message"] and "allowed: " in answer["error"]["message"]
+        statuses = [server.error(route, body)[0] for route, body in fuzzed_bodies(1, 60)]
+        assert all(s == 200 or 400 <= s < 500 for s in statuses), statuses
+        assert statuses.count(200) < len(statuses) and server.health() == 200
+
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=180, max_retries=0)
+        with pytest.raises(openai.BadRequestError, match=r"Error code: 400 - max_tokens: the number -5; allowed: "):
+            client.chat.completions.create(model=str(path), messages=[{"role": "user", "content": "w1"}],
+                                           max_tokens=-5)
+        capped = client.completions.create(model=str(path), prompt="w1 w2", temperature=0)  # (no max_tokens)
+        assert capped.usage.completion_tokens == 8 and capped.choices[0].finish_reason == "length"
+        r = client.chat.completions.create(model=str(path), messages=[{"role": "user", "content": PROMPTS[0]}],
+                                           max_tokens=NEW_TOKENS, temperature=0)
+        assert r.choices[0].message.content == expected_answers(path, PROMPTS[:1])[0]
+        assert server.peak_rss_bytes() < 2 * 1024**3
+        code = server.stop(signal.SIGTERM)
+    finally:
+        server.close()
+    out = server.output()
+    assert code == 0, out[-4000:]
+    assert "continuous batching's worker died" not in out and "Traceback" not in out, out[-4000:]
+    refused = int(out.split("requests: ", 1)[1].split(" refused", 1)[0])
+    assert refused >= len(sweep) + 3 + 3 * len(NOT_OBJECTS) + 2, out[-2000:]
+
+
+#: seconds the server is watched while no request is in flight, and the CPU time it may use meanwhile (idle, its
+#: loops wait: a few hundredths; a generation left running takes most of a core)
+IDLE_S, IDLE_CPU_S = 4.0, 0.5
+
+
+def disconnect_then_stop(tmp_path: Path, options: list[str]) -> tuple[int, float, str, str, float]:
+    """On a model with 4096 positions: a streamed and a whole generation of 4000 tokens whose clients leave early,
+    a short request that must be answered next, ``IDLE_S`` seconds without requests, then a long streamed generation
+    stopped by SIGINT. Returns the exit status, the seconds SIGINT took, the server's output, what the long stream's
+    client saw, and the CPU seconds the server used while no request was in flight."""
+    import openai
+
+    path = save_checkpoint(tmp_path / "m", "symax", positions=4096)
+    server = Server(path, tmp_path / "server.log", "--grace-period", "2", *options)
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=180, max_retries=0)
+        stream = client.completions.create(model=str(path), prompt="w1 w2", max_tokens=4000, temperature=0,
+                                           stream=True)
+        chunks = [next(iter(stream)) for _ in range(2)]
+        stream.close()  # the client leaves after two chunks
+        assert chunks[0].choices[0].text
+        with pytest.raises(openai.APITimeoutError):  # the client leaves before the answer
+            client.with_options(timeout=1.5).completions.create(model=str(path), prompt="w3 w4", max_tokens=4000,
+                                                                 temperature=0)
+        r = client.chat.completions.create(model=str(path), messages=[{"role": "user", "content": PROMPTS[1]}],
+                                           max_tokens=NEW_TOKENS, temperature=0)
+        assert r.choices[0].message.content == expected_answers(path, PROMPTS[1:2])[0]
+        before = server.cpu_seconds()
+        time.sleep(IDLE_S)
+        idle_cpu = server.cpu_seconds() - before
+        long = client.completions.create(model=str(path), prompt="w5", max_tokens=4000, temperature=0, stream=True)
+        next(iter(long))  # (generating)
+        start = time.monotonic()
+        server.proc.send_signal(signal.SIGINT)
+        seen = _sse_error_or_end(long)
+        code = server.proc.wait(timeout=120)
+        took = time.monotonic() - start
+    finally:
+        server.close()
+    return code, took, server.output(), seen, idle_cpu
+
+
+@needs_serving
+def test_a_client_that_leaves_stops_its_generation_and_sigint_stops_within_the_grace_period(tmp_path):
+    """The sequential path runs one ``model.generate`` at a time: the short request is answered only once the
+    generations whose clients left stopped, so the attention calls at the end show they stopped early (each would
+    have made 2 x 4000 calls), and the server idles afterwards; SIGINT during a long streamed generation exits 0
+    once the grace period is over."""
+    code, took, out, seen, idle_cpu = disconnect_then_stop(tmp_path, [])
+    assert idle_cpu < IDLE_CPU_S, (idle_cpu, out[-3000:])
+    assert code == 0, out[-4000:]
+    assert took < 2 + 30, (took, out[-3000:])  # (the grace period, then the stop: seconds on a busy machine)
+    assert seen != "end", seen  # the long stream was cut, not finished
+    assert "the grace period of 2 s ended: stopped 1 request still in flight" in out, out[-3000:]
+    calls, _ = _summary(out)
+    assert calls < 4000, out[-2000:]
+    assert "2 stopped when their client disconnected, 1 stopped at shutdown" in out, out[-2000:]
+
+
+@needs_serving
+@needs_continuous_batching
+@pytest.mark.slow
+def test_with_continuous_batching_a_client_that_leaves_stops_its_generation_and_sigint_stops_in_time(tmp_path):
+    """The same on continuous batching's packed route (a small cache: 64 blocks of 128 tokens). The requests share
+    its batches, so the short request is answered either way: the server idling once it is (no generation left in
+    the batch) shows the abandoned generations were cancelled."""
+    code, took, out, seen, idle_cpu = disconnect_then_stop(tmp_path, ["--continuous-batching", "--cb-block-size",
+                                                                      "128", "--cb-num-blocks", "64"])
+    assert code == 0, out[-4000:]
+    assert idle_cpu < IDLE_CPU_S, (idle_cpu, out[-3000:])
+    assert took < 2 + 30 and seen != "end", (took, seen, out[-3000:])
+    assert "the grace period of 2 s ended: stopped 1 request still in flight" in out, out[-3000:]
+    calls, packed = _summary(out)
+    assert packed > 0 and calls < 4000, out[-2000:]
+    assert "2 stopped when their client disconnected, 1 stopped at shutdown" in out, out[-2000:]
+
+
+@needs_serving
+def test_a_second_signal_exits_at_once(tmp_path):
+    """With a long grace period, SIGINT starts the graceful stop while a long generation runs on; SIGTERM then exits at
+    once, with status 128 + its number, after the summary line."""
+    import openai
+
+    path = save_checkpoint(tmp_path / "m", "symax", positions=4096)
+    server = Server(path, tmp_path / "server.log", "--grace-period", "600")
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=180, max_retries=0)
+        long = client.completions.create(model=str(path), prompt="w5", max_tokens=4000, temperature=0, stream=True)
+        next(iter(long))
+        server.proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 60
+        while "SIGINT: stopping" not in server.output() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert server.proc.poll() is None, server.output()[-3000:]  # (waiting for the generation in flight)
+        start = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        code = server.proc.wait(timeout=120)
+        took = time.monotonic() - start
+    finally:
+        server.close()
+    out = server.output()
+    assert code == 128 + signal.SIGTERM and took < 30, (code, took, out[-3000:])
+    assert "SIGTERM again: exiting now, without waiting for the requests in flight" in out
+    assert out.rstrip().splitlines()[-1].startswith("hf_attnorm serve: stopped; "), out[-2000:]

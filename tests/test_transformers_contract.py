@@ -260,6 +260,11 @@ needs_cb = pytest.mark.skipif(CB_REFUSED, reason=f"continuous batching is refuse
                                                  f"{', '.join(compat.continuous_batching_missing())}")
 
 
+def small_cache() -> transformers.ContinuousBatchingConfig:
+    """Continuous batching with a few small pages and short batches (tests on a CPU)."""
+    return transformers.ContinuousBatchingConfig(page_size=8, num_blocks=16, max_batch_tokens=16)
+
+
 def test_continuous_batching_has_one_entry_and_runs_ours_on_its_sdpa_route():
     owner = compat.continuous_batching_owner()
     assert owner is not None and issubclass(transformers.GenerationMixin, owner), broken(
@@ -278,11 +283,13 @@ def test_continuous_batching_has_one_entry_and_runs_ours_on_its_sdpa_route():
     assert {compat.CONTINUOUS_BATCHING_ENTRY[1], compat.CONTINUOUS_BATCHING_SWITCH[1],
             compat.CONTINUOUS_BATCHING_MASKS[1]} <= integration.HOOKED
     model = tiny("llama", "causal_lm", implementation="symax")
-    out = model.generate_batch([[1, 2, 3], [4]], max_new_tokens=2)
+    # a small explicit cache: sized from the free memory, a CPU's would take most of it (14.9 GB peak here)
+    out = model.generate_batch([[1, 2, 3], [4]], max_new_tokens=2, continuous_batching_config=small_cache())
     assert [len(r.generated_tokens) for r in out.values()] == [2, 2]
     assert model.config._attn_implementation == "symax"  # not switched away (e.g. to flash attention)
     with pytest.raises(AttnormError, match=r"^continuous batching .* cannot run hf_attnorm's 'selective'"):
-        tiny("llama", "causal_lm", implementation="selective").generate_batch([[1, 2, 3]])
+        tiny("llama", "causal_lm", implementation="selective").generate_batch(
+            [[1, 2, 3]], continuous_batching_config=small_cache())
 
 
 @needs_cb
@@ -444,6 +451,98 @@ def test_serves_generation_paths_reach_our_hooks():
     assert "init_continuous_batching" in inspect.getsource(utils.CBGenerateManager.init_cb), broken(
         "transformers serve no longer starts continuous batching with model.init_continuous_batching", feature)
     assert keyword_role("tokenizer").accepted
+
+
+def test_the_serve_guard_wraps_the_app_factory_before_uvicorn_starts():
+    """cli/serve.py: ``Serve.__init__`` imports the app factory (``compat.SERVE_APP_FACTORY``) by name when it runs
+    and calls it after the model is loaded and before uvicorn is built, with the model manager, the handlers and the
+    generation state the guard reads; the app has the generation routes the guard checks and the /health it keeps
+    answering 200."""
+    _serving()
+    from transformers.cli import serve as cli_serve
+
+    from hf_attnorm.serve_guard import ROUTES
+
+    feature = "python -m hf_attnorm serve's request guard (hf_attnorm/serve_guard.py) and its kernels' warm-up"
+    assert compat.serve_guard_missing() == [], broken(f"transformers serve lacks {compat.serve_guard_missing()}",
+                                                      feature)
+    module, name = compat.SERVE_APP_FACTORY
+    source = inspect.getsource(cli_serve.Serve.__init__)
+    assert f"from .serving.server import {name}" in source, broken(
+        f"Serve.__init__ no longer imports {name} by name when it runs (wrapping {module}.{name} would miss it)",
+        feature)
+    assert source.index("ModelManager(") < source.index(f"{name}(") < source.index("uvicorn.Server("), broken(
+        f"Serve.__init__ no longer loads the model, then builds the app with {name}, then uvicorn", feature)
+    routes = {path: methods for path, methods, _ in compat.serve_app_routes()}
+    assert all("POST" in routes.get(path, ()) for path in ROUTES) and "GET" in routes.get("/health", ()), broken(
+        f"transformers serve's app has the routes {sorted(routes)}", feature)
+    from transformers.cli.serving.chat_completion import ChatCompletionHandler
+    from transformers.cli.serving.completion import CompletionHandler
+
+    assert "messages" in compat.serve_handler_fields(ChatCompletionHandler), broken(
+        f"ChatCompletionHandler.{compat.SERVE_HANDLER_FIELDS} no longer lists the fields it accepts",
+        feature + " (what an 'Unexpected fields' refusal says is allowed)")
+    assert "prompt" in compat.serve_handler_fields(CompletionHandler)
+
+
+def test_the_generation_managers_give_the_guard_the_prompt_and_ways_to_stop():
+    """cli/serving/utils.py: ``GenerateManager.generate_non_streaming(model, processor, inputs, gen_config,
+    request_id)`` passes the inputs' keys to ``model.generate`` (the guard adds a stopping criterion there: set, the
+    generation stops at its next step); ``GenerationState`` keeps continuous batching's manager in
+    ``compat.SERVE_CB_STATE_ATTRIBUTE`` and it keeps its ``ContinuousBatchingManager`` in ``compat.SERVE_CB_MANAGER``,
+    which cancels a request, reports a dead worker, tells its cache's size and stops at once (``hard_stop``)."""
+    _serving()
+    if CB_REFUSED:
+        pytest.skip(f"continuous batching is refused for hf_attnorm implementations on transformers {VERSION}")
+    import asyncio
+    import threading
+    import warnings
+    from pathlib import Path
+    from tempfile import TemporaryDirectory
+
+    from test_serve import save_checkpoint
+    from transformers.cli.serving.utils import GenerateManager, GenerationState
+
+    from hf_attnorm.serve_guard import EventStop
+
+    feature = "python -m hf_attnorm serve's request guard: stopping a generation whose client left, its bounds"
+    with TemporaryDirectory() as d, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        path = save_checkpoint(Path(d), "symax")
+        model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    ids = tokenizer("w1 w2 w3", return_tensors="pt")
+    config = transformers.GenerationConfig(max_new_tokens=20, do_sample=False, pad_token_id=0)
+    stop = threading.Event()
+    stop.set()
+    inputs = {**ids, "stopping_criteria": transformers.StoppingCriteriaList([EventStop(stop)])}
+    _, _, generated = asyncio.run(GenerateManager().generate_non_streaming(model, tokenizer, inputs, config, "r"))
+    assert len(generated) == 1, broken(f"GenerateManager.generate_non_streaming generated {len(generated)} tokens "
+                                       "with a stopping criterion among its inputs that stops at once", feature)
+
+    cb_config = transformers.ContinuousBatchingConfig(page_size=8, num_blocks=16, max_batch_tokens=16)
+    state = GenerationState(continuous_batching=True, cb_config=cb_config)
+    manager = state.get_manager("m", use_cb=True)
+    assert getattr(state, compat.SERVE_CB_STATE_ATTRIBUTE) is manager and compat.serve_is_continuous_batching(
+        manager), broken(f"GenerationState.{compat.SERVE_CB_STATE_ATTRIBUTE} is not its continuous-batching manager",
+                         feature)
+    cb_gen = transformers.GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=-1, use_cache=False)
+    try:
+        manager.init_cb(model, cb_gen)
+        cb = compat.serve_continuous_batching(manager)
+        assert cb is not None and callable(getattr(cb, "cancel_request", None)), broken(
+            f"CBGenerateManager.{compat.SERVE_CB_MANAGER[1]} holds no ContinuousBatchingManager with cancel_request",
+            feature)
+        asyncio.run(manager.generate_non_streaming(model, tokenizer, {"input_ids": [1, 2, 3]}, cb_gen, "r1"))
+        assert compat.serve_cache_tokens(cb) == 16 * 8, broken(
+            "a running ContinuousBatchingManager no longer tells its cache's blocks and page size "
+            "(batch_processor.cache.num_blocks, continuous_batching_config.page_size)", feature)
+        assert compat.serve_worker_error(state) is None and state.is_cb_alive()
+        assert "hard_stop" in inspect.signature(type(cb).stop).parameters
+        compat.serve_stop_continuous_batching(state)
+        assert not cb.is_running() and compat.serve_continuous_batching(manager) is None
+    finally:
+        state.shutdown()
 
 
 #: (model folder, attention class, keyword): every family passing a sparse indexer's choice of keys to the attention

@@ -374,6 +374,131 @@ def serve_extra_installed() -> bool:
     return bool(available is not None and available())
 
 
+# What the serve command's guard (hf_attnorm/serve_guard.py) reads of transformers serve's server, without forking
+# it: the app factory it wraps and the generation objects the factory receives.
+_SERVING = "transformers.cli.serving"
+#: (module, function): the factory of transformers serve's FastAPI app, imported by name inside ``Serve.__init__``
+#: (cli/serve.py) after the model is loaded and before uvicorn starts: wrapped while the command builds its server,
+#: so that the guard's middleware sits in front of the app and the kernels are built before the port opens
+SERVE_APP_FACTORY = (f"{_SERVING}.server", "build_server")
+#: the factory's parameters the guard reads (the objects are transformers serve's own)
+SERVE_APP_ARGUMENTS = ("model_manager", "generation_state", "chat_handler", "completion_handler", "response_handler")
+#: (class path, methods): the per-model generation managers' entry points, which receive the tokenized prompt and the
+#: request's ``GenerationConfig`` (the guard checks the lengths there) and are wrapped per manager instance
+SERVE_GENERATE = (f"{_SERVING}.utils.BaseGenerateManager", ("generate_streaming", "generate_non_streaming"))
+#: (class path, methods): the shared generation state: ``get_manager(model_id, use_cb=...)`` hands out the managers
+#: (wrapped per instance), ``is_cb_alive()`` is what /health answers, ``shutdown()`` stops (and forgets) the
+#: continuous-batching manager, so that the next request starts a new one
+SERVE_GENERATION_STATE = (f"{_SERVING}.utils.GenerationState", ("get_manager", "is_cb_alive", "shutdown"))
+#: (class path, attribute): the continuous-batching generation manager of transformers serve and the attribute that
+#: holds its ``ContinuousBatchingManager`` (None before its first request)
+SERVE_CB_MANAGER = (f"{_SERVING}.utils.CBGenerateManager", "_cb")
+#: the attribute of ``GenerationState`` that holds that manager (None until continuous batching's first request)
+SERVE_CB_STATE_ATTRIBUTE = "_cb_manager"
+#: the attribute of a request handler naming the typed dict of the fields it accepts (read to say what is allowed
+#: when transformers serve refuses an unknown field)
+SERVE_HANDLER_FIELDS = "_valid_params_class"
+
+
+def _class(path: str) -> type | None:
+    module_name, _, cls_name = path.rpartition(".")
+    cls = _resolve(module_name, cls_name)
+    return cls if isinstance(cls, type) else None
+
+
+def serve_guard_missing() -> list[str]:
+    """The names of transformers serve's server that the serve command's guard relies on and the installed version
+    lacks (empty when every one is there). Imports the server: call it only when ``serve_extra_installed()``."""
+    module, name = SERVE_APP_FACTORY
+    factory = _resolve(module, name)
+    missing = [] if factory is not None else [f"{module}.{name}"]
+    if factory is not None:
+        params = _parameters(factory)
+        missing += [f"{module}.{name}({p})" for p in SERVE_APP_ARGUMENTS if p not in params]
+    for path, methods in (SERVE_GENERATE, SERVE_GENERATION_STATE):
+        cls = _class(path)
+        missing += [f"{path}.{m}" for m in methods if cls is None or not callable(getattr(cls, m, None))]
+    if _class(SERVE_CB_MANAGER[0]) is None:
+        missing.append(SERVE_CB_MANAGER[0])
+    return missing
+
+
+def serve_app_factory() -> tuple[types.ModuleType, str]:
+    """(the module, the name) of transformers serve's app factory, for wrapping it while a server is built."""
+    module, name = SERVE_APP_FACTORY
+    return importlib.import_module(module), name
+
+
+def serve_continuous_batching(manager: Any) -> Any | None:
+    """The ``ContinuousBatchingManager`` of one of transformers serve's generation managers: None for its sequential
+    manager, and for a continuous-batching one before its first request."""
+    cls = _class(SERVE_CB_MANAGER[0])
+    if cls is None or not isinstance(manager, cls):
+        return None
+    return getattr(manager, SERVE_CB_MANAGER[1], None)
+
+
+def serve_is_continuous_batching(manager: Any) -> bool:
+    """Whether ``manager`` is transformers serve's continuous-batching generation manager."""
+    cls = _class(SERVE_CB_MANAGER[0])
+    return cls is not None and isinstance(manager, cls)
+
+
+def serve_stop_continuous_batching(generation_state: Any, timeout: float = 5.0) -> None:
+    """Stop the continuous-batching worker of transformers serve's ``GenerationState`` now (a hard stop: the requests
+    it holds are dropped) and detach it from its generation manager, whose own ``stop`` (a flush, 2 s, after which
+    the worker's non-daemon thread runs on) then has nothing left to do."""
+    manager = getattr(generation_state, SERVE_CB_STATE_ATTRIBUTE, None)
+    cb = serve_continuous_batching(manager)
+    if cb is None:
+        return
+    cb.stop(block=True, timeout=timeout, hard_stop=True)
+    setattr(manager, SERVE_CB_MANAGER[1], None)
+
+
+def serve_worker_error(generation_state: Any) -> BaseException | None:
+    """The error that ended the continuous-batching worker of transformers serve's ``GenerationState`` (None while it
+    runs, or before it started)."""
+    cb = serve_continuous_batching(getattr(generation_state, SERVE_CB_STATE_ATTRIBUTE, None))
+    status = getattr(cb, "background_thread_status", None)
+    return getattr(status, "fatal_error", None)
+
+
+def serve_cache_tokens(cb: Any) -> int | None:
+    """How many tokens the paged KV cache of a running ``ContinuousBatchingManager`` holds (its blocks times their
+    page size), the most one request can occupy; None before its cache exists."""
+    processor = getattr(cb, "batch_processor", None)
+    cache = getattr(processor, "cache", None)
+    blocks = getattr(cache, "num_blocks", None)
+    page = getattr(getattr(cb, "continuous_batching_config", None), "page_size", None)
+    return blocks * page if isinstance(blocks, int) and isinstance(page, int) else None
+
+
+def serve_app_routes() -> list[tuple[str, tuple[str, ...], str]]:
+    """(path, HTTP methods, endpoint function) of every route of transformers serve's app as the installed version
+    builds it: its factory is called with no model (the routes only close over the objects it receives). Imports the
+    server: call it only when ``serve_extra_installed()``."""
+    module, name = serve_app_factory()
+    factory = getattr(module, name)
+    params = inspect.signature(factory).parameters.values()
+    app = factory(**{p.name: None for p in params if p.default is p.empty})
+    routes: dict[str, tuple[set[str], str]] = {}
+    for route in app.routes:
+        methods = getattr(route, "methods", None)
+        if methods is None:
+            continue
+        found = routes.setdefault(route.path, (set(), getattr(route.endpoint, "__name__", "")))
+        found[0].update(m for m in methods if m != "HEAD" or "GET" not in methods)
+    return [(path, tuple(sorted(found[0])), found[1]) for path, found in routes.items()]
+
+
+def serve_handler_fields(handler: Any) -> list[str]:
+    """The request fields a transformers serve handler accepts (its typed dict's keys; [] when unknown)."""
+    typed = getattr(handler, SERVE_HANDLER_FIELDS, None)
+    keys = getattr(typed, "__required_keys__", frozenset()) | getattr(typed, "__optional_keys__", frozenset())
+    return sorted(keys)
+
+
 def continuous_batching_missing() -> list[str]:
     """The transformers names the continuous-batching integration relies on that the installed version lacks (each
     as ``path.name``; empty when every one is there)."""
