@@ -35,11 +35,21 @@ def max_abs_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def low_precision_reference(call: AttnCall) -> torch.Tensor:
     """out [B, H, Lq, Dv] in the call's dtype as a half-precision kernel rounds: the scores (with their score
-    modifiers) rounded to the input dtype, the normalizer's weights from them in fp32 rounded to the input dtype, their
-    product with v in the input dtype. Differentiable (autograd's backward rounds dW in the input dtype as well)."""
+    modifiers) rounded to the input dtype, the normalizer's weights from them in fp32 rounded to the input dtype (the
+    softmax family: torch.softmax in the input dtype, as FlashAttention's own reference), their product with v in the
+    input dtype. Differentiable (autograd's backward rounds dW in the input dtype as well)."""
     dt = call.q.dtype
-    scores = reference_scores(call).to(dt).float()
-    weights = normalize(call.normalizer, scores, call.mask.dense(scores.device), call.ctx(), call.sinks)
+    keep = call.mask.dense(call.q.device)
+    if call.normalizer.kernel_family == "softmax" and call.sinks is None and call.normalizer.sink_logit(
+            call.ctx()) is None:
+        # softmax itself: FlashAttention's reference exactly (torch.softmax on the half-precision scores, its
+        # backward on the half-precision weights and their gradient)
+        scores = reference_scores(call).to(dt).masked_fill(~keep, float("-inf"))
+        weights = torch.softmax(scores, dim=-1)
+        weights = torch.where(keep.any(-1, keepdim=True), weights, torch.zeros((), dtype=dt, device=scores.device))
+    else:
+        scores = reference_scores(call).to(dt).float()
+        weights = normalize(call.normalizer, scores, keep, call.ctx(), call.sinks)
     out = weights.to(dt) @ repeat_kv(call.v, call.groups).to(dt)
     return out[:, :, call.drop_queries:]  # (learned memory's query rows, as attend drops them)
 

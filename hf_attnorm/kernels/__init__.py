@@ -15,6 +15,8 @@ Every path (``register_path``) states, without running anything:
 ============== ========= ============================================= =========================================
 path           priority  normalizers (declared family)                 accepts
 ============== ========= ============================================= =========================================
+triton_forget  8         "softmax" with forget gates (fox)             a call carrying a forget gate; auto: CUDA;
+                                                                       forced: CPU under TRITON_INTERPRET=1
 sdpa           10        "softmax" (softmax, cosine, softmax_n, sink)  CPU: any float dtype (fp16/bf16 in fp32);
                                                                        elsewhere no sink. Dropout: no sink only.
 sdpa_sinkcol   20        "softmax" with a sink (softmax_n, sink)       any; auto: not on CPU (D+1 is slow there)
@@ -60,8 +62,8 @@ The rule: needs-weights (``output_attentions``) -> the reference; otherwise the 
 (docs/export.md); while ``torch.compile`` traces, a path registered ``traceable=False`` (the Triton paths) declines,
 and one registered ``compiled_backward=False`` (chunked, selective) declines calls that need gradients;
 a call carrying a forget gate (``AttnCall.forget``, forgetting attention) only goes to the paths registered
-``forget=True`` (reference, chunked, decode, sdpa). A differential call (differential attention) is decided and run
-as its two halves (``AttnCall.halves``), which ``attend`` combines; with attention dropout it runs on the reference.
+``forget=True`` (reference, chunked, decode, sdpa, triton_forget). A differential call (differential attention) is
+decided and run as its two halves (``AttnCall.halves``), which ``attend`` combines; with attention dropout it runs on the reference.
 ``explain(call)`` lists every candidate with its reason, running nothing. Override: ``path=`` on
 ``attention()``/``attend()``, or the environment variable ``HF_ATTNORM_PATH`` (a path name or ``auto``; read when this
 package is imported and by ``set_forced_path()``), so ``attend`` reads no environment. A forced path that cannot take a

@@ -62,7 +62,8 @@ class AttnCall:
     #: c_j = sum_{l <= j} log f_l over the keys in order, in float64, autograd-connected to what the gates read.
     #: Adds F_ij = -|c_{p_i} - c_j| to the scores, p_i = Lk - Lq + i the query's own key (for a causal row the
     #: paper's sum_{l=j+1..i} log f_l). Only the paths registered ``forget=True`` take a call carrying it
-    #: (reference, chunked, decode, sdpa); ``score_bias()`` materialises it for those that add a bias tensor.
+    #: (reference, chunked, decode, sdpa, triton_forget); ``score_bias()`` materialises it for those that add a bias
+    #: tensor.
     forget: torch.Tensor | None = None
     #: a gate multiplied into the output by ``attend`` after the path ran (a normalizer's ``output_gate``, gated
     #: attention): [B, H, Lq, Dv] in fp32 or fp64 (rows of the caller's queries: no memory query rows); None: none

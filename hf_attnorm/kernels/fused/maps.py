@@ -54,8 +54,8 @@ Dispatch = Literal["tiles", "threshold", "alpha"]
 SingleKeyMark = Literal["n == 1", "negative", "none"]
 DISPATCH_IDS: dict[str, int] = {"tiles": 0, "threshold": 1, "alpha": 2}
 #: the per-row running shift m a normalised map's weights are computed relative to (``FusedMap.shift``)
-Shift = Literal["none", "max_score", "max_score_below_zero", "log_abs_max"]
-SHIFT_IDS: dict[str, int] = {"none": 0, "max_score": 1, "max_score_below_zero": 2, "log_abs_max": 3}
+Shift = Literal["none", "max_score", "max_score_below_zero", "log_abs_max", "max_exp"]
+SHIFT_IDS: dict[str, int] = {"none": 0, "max_score": 1, "max_score_below_zero": 2, "log_abs_max": 3, "max_exp": 4}
 
 
 @dataclass(frozen=True)
@@ -106,8 +106,9 @@ class FusedMap:
     #: the weights are kept relative to a per-row running shift m (what was accumulated is rescaled by e^(m_old -
     #: m_new) when it rises; m cancels in the normalised ratio): "max_score": m = max(0, visible scores) (softpick's
     #: e^s - 1); "max_score_below_zero": m = min(0, max visible score), starting at -inf (softplus);
-    #: "log_abs_max": m = |r| ln max_j |s_j|, starting at -inf (power's |s|^|r|); "none": none (``HF_MAPS_SHIFT_*``
-    #: in C++, ``SHIFT`` in Triton, ids ``SHIFT_IDS``)
+    #: "log_abs_max": m = |r| ln max_j |s_j|, starting at -inf (power's |s|^|r|); "max_exp": m = the max visible
+    #: score, starting at -inf (softmax's e^s: the Triton kernels only); "none": none (``HF_MAPS_SHIFT_*`` in C++,
+    #: ``RUNNING_SHIFT`` in Triton, ids ``SHIFT_IDS``)
     shift: Shift = "none"
     #: weight(s, r) = weight(s + r, 0) (sigmoid's bias): d out / d r = sum_j dS_j (``HF_MAPS_ROW_VALUE_IN_SCORE``,
     #: ``ROW_VALUE_IN_SCORE``)
@@ -128,6 +129,9 @@ class FusedMap:
     #: the rounding of O is not amplified into dS (docs/triton.md has the measurement that sorted the maps); False:
     #: the kernels compute delta from the same dP as dS (exact zeros on single-key rows)
     delta_from_output: bool = False
+    #: the C++ kernels implement this map (``compile_definitions`` and ``cpp_header`` take only these); False: the
+    #: Triton kernels only (softmax, which the CPU runs through SDPA's own kernels)
+    cpu: bool = True
 
     def __post_init__(self) -> None:
         if self.threshold == self.normalised and self.threshold:
@@ -153,6 +157,8 @@ class FusedMap:
         if self.code is not None and self.den_term is not None:
             raise ValueError(f"fused map {self.name!r}: the kernels sum a map's own weight in its denominator: "
                              "only shift 'max_score' (softpick) sums another term")
+        if self.shift == "max_exp" and self.cpu:
+            raise ValueError(f"fused map {self.name!r}: the C++ kernels have no 'max_exp' shift (cpu=False)")
         if self.delta_from_output and not self.normalised:
             raise ValueError(f"fused map {self.name!r}: delta_from_output is the delta of a normalised map "
                              "(sum_j w_ij dP_ij = dO . O); threshold maps keep their own mean term")
@@ -203,6 +209,7 @@ _SHIFT_FORMS: dict[str, tuple[EntryFn, EntryFn, str]] = {
     "max_score_below_zero": (lambda s, r: torch.nn.functional.softplus(s),
                              lambda s, r: torch.nn.functional.softplus(s), "softplus(s)"),
     "log_abs_max": (lambda s, r: s.abs() ** r.abs(), lambda s, r: s.abs() ** r.abs(), "|s|^|r|"),
+    "max_exp": (lambda s, r: s.exp(), lambda s, r: s.exp(), "e^s"),
 }
 
 
@@ -282,6 +289,13 @@ MAPS: tuple[FusedMap, ...] = (
              normalised=True, threshold=False, constant_on_single_key=True, single_key_mark="n == 1",
              row_value=_ROW_IS_N, row_value_for=_n, row_value_has_gradient=False, dispatch="tiles",
              shift="max_score_below_zero", delta_from_output=True),
+    # softmax itself, for the Triton kernels' score modifiers SDPA has no kernel for (forgetting attention's decay:
+    # path triton_forget); the CPU and the plain calls run SDPA. delta from its own pass, not dO . O: with the decay
+    # the weights sit on a few near keys, where the rounding of O reaches dS whole (measured, fp16 decode step: dq
+    # 2.3x, dk 3.6x the error of FlashAttention's own low-precision reference; exact pass 1.0x)
+    FusedMap("softmax", 11, lambda s, r: s.exp(), lambda s, r: s.exp(), normalised=True, threshold=False,
+             constant_on_single_key=False, single_key_mark="none", row_value=_ROW_IS_N, row_value_for=_n,
+             row_value_has_gradient=False, dispatch="tiles", shift="max_exp", cpu=False),
 )
 
 BY_NAME: dict[str, FusedMap] = {m.name: m for m in MAPS}
@@ -342,9 +356,16 @@ def check_table(table: tuple[FusedMap, ...]) -> None:
         raise ValueError("fused map ids are 0..63 (the C++ kernel reads its facts from 64-bit masks)")
 
 
+def cpu_maps(table: tuple[FusedMap, ...] = MAPS) -> tuple[FusedMap, ...]:
+    """The maps of ``table`` the C++ kernels implement (``FusedMap.cpu``)."""
+    return tuple(m for m in table if m.cpu)
+
+
 def compile_definitions(table: tuple[FusedMap, ...] = MAPS) -> list[str]:
-    """The map facts as C++ preprocessor definitions (bit i: map id i), read by ``fused/fused_cpu.cpp``."""
+    """The map facts as C++ preprocessor definitions (bit i: map id i), read by ``fused/fused_cpu.cpp``; the maps
+    with ``cpu=False`` are not declared there."""
     check_table(table)
+    table = cpu_maps(table)
     facts: dict[str, Callable[[FusedMap], bool]] = {
         "HF_MAPS_DECLARED": lambda m: True,
         "HF_MAPS_NORMALISED": lambda m: m.normalised,
@@ -369,8 +390,10 @@ def cpp_header(table: tuple[FusedMap, ...] = MAPS) -> str:
     """The C++ that ``fused/fused_cpu.cpp`` includes as ``hf_maps_generated.h`` (``cpu.py`` writes it beside the
     build): ``HF_MAPS_FOR_EACH(X)``, X(id) for every declared id (the kernels' dispatch switch), and
     ``MapEntry<T, id>`` with the declared ``EntryCode`` (``weight(s, r)``, ``slope(s, r, w)``) of each map that has
-    one. Inline functions of plain expressions: each call is inlined into the kernels' loops."""
+    one. Inline functions of plain expressions: each call is inlined into the kernels' loops. The maps with
+    ``cpu=False`` are left out."""
     check_table(table)
+    table = cpu_maps(table)
     ids = sorted(m.kernel_id for m in table)
     out = ["// generated by hf_attnorm/kernels/fused/maps.py (cpp_header) from the map declarations; not a source",
            "#pragma once", "", "#define HF_MAPS_FOR_EACH(X) " + " ".join(f"X({i})" for i in ids), "",

@@ -186,8 +186,8 @@ def _tuned(kernel: Any, name: str, size: str, masked: bool) -> Any:
 def _compiled(table: tuple[FusedMap, ...] = MAPS) -> types.SimpleNamespace:
     """The jitted kernels for the current mode (compiled or interpreted) and the map table ``table`` (default
     ``maps.MAPS``), built once per mode and table: the device functions of ``triton_device`` and the table's
-    per-entry functions, jitted into one namespace (``jit_namespace``); compiled, also autotuned variants of each
-    kernel (``tuned``: (kernel, head size, masked) -> the autotuner)."""
+    per-entry functions, jitted into one namespace (``jit_namespace``); compiled kernels get their autotuned variants
+    on first use (``tuned``)."""
     tc.load()
     mode = tc.jit_interprets()
     key = (mode, table_key(table))
@@ -201,14 +201,18 @@ def _compiled(table: tuple[FusedMap, ...] = MAPS) -> types.SimpleNamespace:
                                                   if n not in triton_device.KERNELS), mode,
                            dict(TINY=tc.tl.constexpr(triton_device.TINY),
                                 POW_NEG=tc.tl.constexpr(triton_device.POW_NEG)))
-        ns.tuned = {}
-        if not mode:
-            for name in triton_device.KERNELS:
-                for size in ("small", "large"):
-                    for masked in (False, True):
-                        ns.tuned[name, size, masked] = _tuned(getattr(ns, name), name, size, masked)
+        ns.tuned = {}  # (kernel, head size, masked) -> its autotuner, built on first use (``tuned``)
         _COMPILED[key] = ns
     return _COMPILED[key]
+
+
+def tuned(kern: types.SimpleNamespace, name: str, size: str, masked: bool) -> Any:
+    """The autotuned variant of kernel ``name`` of a compiled namespace, built once (older triton sets up its GPU
+    driver when an autotuner is made, so none is made before a GPU call needs it)."""
+    key = (name, size, masked)
+    if key not in kern.tuned:
+        kern.tuned[key] = _tuned(getattr(kern, name), name, size, masked)
+    return kern.tuned[key]
 
 
 def tuned_configs() -> dict[str, dict[str, str]]:
@@ -272,11 +276,12 @@ class _Plan:
 
     q, k, v: the call's tensors (shapes, dtype, device); keep: bool [B|1, H|1, Lq|1, Lk] or None; causal: no keep-mask
     and the call is causal; name: the fused map; table: the map table the kernels are built for (``maps.MAPS``;
-    tests pass others); cap: the soft-cap or None; slopes: ALiBi slopes [H] or None."""
+    tests pass others); cap: the soft-cap or None; slopes: ALiBi slopes [H] or None; forget: the call adds forgetting
+    attention's decay (its cumulative gates are differentiable inputs of the kernels)."""
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, causal: bool,
                  name: str, table: tuple[FusedMap, ...] = MAPS, cap: float | None = None,
-                 slopes: torch.Tensor | None = None) -> None:
+                 slopes: torch.Tensor | None = None, forget: bool = False) -> None:
         self.B, self.H, self.LQ, self.DH = q.shape
         self.HKV, self.LK, self.DV = k.shape[1], k.shape[2], v.shape[-1]
         self.groups = self.H // self.HKV
@@ -320,16 +325,21 @@ class _Plan:
         self.cap = cap
         self.slopes = None if slopes is None else slopes.detach().to(device=q.device,
                                                                       dtype=torch.float32).contiguous()
+        self.forget = forget
 
-    def mods(self, kernel: Any, bias: torch.Tensor | None, dbias: torch.Tensor | None = None) -> dict[str, Any]:
-        """The score-modifier arguments of ``kernel`` (by name; absent ones point at a dummy tensor)."""
+    def mods(self, kernel: Any, bias: torch.Tensor | None, forget: tuple[torch.Tensor, torch.Tensor] | None,
+             dbias: torch.Tensor | None = None) -> dict[str, Any]:
+        """The score-modifier arguments of ``kernel`` (by name; absent ones point at a dummy tensor). forget: the
+        cumulative log forget gates as (hi, lo) fp32 [B, H, Lk] contiguous, or None."""
         names = kernel.arg_names if hasattr(kernel, "arg_names") else kernel.fn.arg_names
         bs = _strides4(bias) if bias is not None else [0, 0, 0, 0]
+        fhi, flo = forget if forget is not None else (self.dummy, self.dummy)
         kw: dict[str, Any] = dict(
             BIAS=self.dummy if bias is None else bias, SLOPES=self.dummy if self.slopes is None else self.slopes,
             sbb=bs[0], sbh=bs[1], sbm=bs[2], sbn=bs[3], CAP=1.0 if self.cap is None else self.cap,
-            QOFF=self.LK - self.LQ, HAS_BIAS=bias is not None, HAS_ALIBI=self.slopes is not None,
-            HAS_CAP=self.cap is not None, LQ_KEY=_pow2(self.LQ), LK_KEY=_pow2(self.LK))
+            QOFF=self.LK - self.LQ, FHI=fhi, FLO=flo, sfb=self.H * self.LK, sfh=self.LK, sfn=1,
+            HAS_BIAS=bias is not None, HAS_ALIBI=self.slopes is not None, HAS_CAP=self.cap is not None,
+            HAS_FORGET=forget is not None, LQ_KEY=_pow2(self.LQ), LK_KEY=_pow2(self.LK))
         if "DBIAS" in names:
             ds = _strides4(dbias) if dbias is not None else [0, 0, 0, 0]
             kw.update(DBIAS=self.dummy if dbias is None else dbias, sdb=ds[0], sdh=ds[1], sdm=ds[2], sdn=ds[3],
@@ -362,7 +372,7 @@ class _Plan:
         if self.fixed is not None:
             blocks = {"BLOCK_M": self.fixed[0], "BLOCK_N": self.fixed[1]}
             return getattr(kern, name), blocks, self.table(blocks)
-        tuner = kern.tuned[name, self.size, self.masked]
+        tuner = tuned(kern, name, self.size, self.masked)
         if not self.masked:
             return tuner, {}, self.keep
         blocks = {"BLOCK_M": MASKED_BLOCKS[name][0], "BLOCK_N": MASKED_BLOCKS[name][1]}
@@ -378,9 +388,9 @@ class _Plan:
         return (_cdiv(n, blocks["BLOCK_M"]), rows) if blocks else lambda meta: (_cdiv(n, meta["BLOCK_M"]), rows)
 
 
-def _forward(plan: _Plan, q, k, v, score_scale, row_value, bias):
+def _forward(plan: _Plan, q, k, v, score_scale, row_value, bias, forget=None):
     """(out [B, H, Lq, Dv] in q's dtype, den, shift, rowmax [B, H, Lq] fp32): the threshold kernel (threshold maps),
-    then the forward kernel."""
+    then the forward kernel. forget: (hi, lo) of the cumulative log forget gates, or None."""
     check_map(plan.map_id, plan.maps)
     kern = _compiled(plan.maps)
     dev = q.device
@@ -399,17 +409,19 @@ def _forward(plan: _Plan, q, k, v, score_scale, row_value, bias):
         launch(kernel, plan.grid(blocks))(
             q, k, score_scale, plan.keep, table, shift, *common[:8], *common[12:], plan.H, plan.groups,
             plan.LQ, plan.LK, plan.DH, row_value, rowmax, STEPS=THRESHOLD_STEPS,
-            **_only(cst, kernel), **plan.mods(kernel, bias), **blocks)
+            **_only(cst, kernel), **plan.mods(kernel, bias, forget), **blocks)
     kernel, blocks, table = plan.kernel(kern, "_fwd_kernel")
     launch(kernel, plan.grid(blocks))(
         q, k, v, score_scale, row_value, plan.keep, table, shift, out, den, shift,
         *plan.common(q, k, v, score_scale, table), plan.H, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, rowmax,
-        **_only(cst, kernel), **plan.mods(kernel, bias), **blocks)
+        **_only(cst, kernel), **plan.mods(kernel, bias, forget), **blocks)
     return out, den, shift, rowmax
 
 
-def _backward(plan: _Plan, dout, q, k, v, score_scale, row_value, bias, out, den, shift, rowmax, bias_grad: bool):
-    """(dq, dk, dv in q's dtype, dscore_scale, drow_value [B, H, Lq] fp32, dbias fp32 in the bias's shape or None)."""
+def _backward(plan: _Plan, dout, q, k, v, score_scale, row_value, bias, out, den, shift, rowmax, bias_grad: bool,
+              forget=None):
+    """(dq, dk, dv in q's dtype, dscore_scale, drow_value [B, H, Lq] fp32, dbias fp32 in the bias's shape or None,
+    dforget [B, H, Lk] fp32, the gradient of the cumulative log forget gates, or None)."""
     kern = _compiled(plan.maps)
     dev = q.device
     do = dout.to(q.dtype).contiguous()
@@ -422,42 +434,54 @@ def _backward(plan: _Plan, dout, q, k, v, score_scale, row_value, bias, out, den
     dscore_scale = torch.empty_like(den)
     drow_value = torch.empty_like(den)
     dbias = torch.zeros(bias.shape, dtype=torch.float32, device=dev) if bias_grad else None
+    dfrow = torch.empty_like(den) if forget is not None else plan.dummy
+    dfcol = torch.empty(plan.B, plan.H, plan.LK, dtype=torch.float32, device=dev) if forget is not None else plan.dummy
     kernel, blocks, table = plan.kernel(kern, "_bwd_dq_kernel")
     launch(kernel, plan.grid(blocks))(
-        q, k, v, score_scale, row_value, plan.keep, table, shift, den, delta, do, dq, dscore_scale, drow_value,
+        q, k, v, score_scale, row_value, plan.keep, table, shift, den, delta, do, dq, dscore_scale, drow_value, dfrow,
         *plan.common(q, k, v, score_scale, table), plan.H, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV, rowmax,
-        **_only(cst, kernel), **plan.mods(kernel, bias, dbias), **blocks)
+        **_only(cst, kernel), **plan.mods(kernel, bias, forget, dbias), **blocks)
     dk = torch.empty(plan.B, plan.HKV, plan.LK, plan.DH, dtype=q.dtype, device=dev)
     dv = torch.empty(plan.B, plan.HKV, plan.LK, plan.DV, dtype=q.dtype, device=dev)
     kernel, blocks, table = plan.kernel(kern, "_bwd_dkdv_kernel")
     launch(kernel, plan.grid(blocks, over_keys=True))(
-        q, k, v, score_scale, row_value, plan.keep, table, shift, den, delta, do, dk, dv,
+        q, k, v, score_scale, row_value, plan.keep, table, shift, den, delta, do, dk, dv, dfcol,
         *plan.common(q, k, v, score_scale, table), plan.H, plan.HKV, plan.groups, plan.LQ, plan.LK, plan.DH, plan.DV,
-        rowmax, **_only(cst, kernel), **plan.mods(kernel, bias), **blocks)
-    return dq, dk, dv, dscore_scale, drow_value, dbias
+        rowmax, **_only(cst, kernel), **plan.mods(kernel, bias, forget), **blocks)
+    dforget = None
+    if forget is not None:  # each query's row sum goes to its own key p_i = clamp(Lk - Lq + i, 0, Lk - 1)
+        pos = (torch.arange(plan.LQ, device=dev) + (plan.LK - plan.LQ)).clamp(0, plan.LK - 1)
+        dforget = dfcol.index_add(-1, pos, dfrow)
+    return dq, dk, dv, dscore_scale, drow_value, dbias, dforget
 
 
 class _TritonAttention(torch.autograd.Function):
-    """(q, k, v, score_scale, row_value, bias) -> out [B, H, Lq, Dv] in q's dtype; score_scale (base scaling x the
-    per-query multiplier) and row_value (the map's per-row value, ``maps.FusedMap.row_value``): fp32 [B, H, Lq];
-    bias: fp32 [B|1, H|1, Lq|1, Lk|1] or None (its gradient comes back in that shape). The eager route; compiled
-    models run the same ``_forward`` / ``_backward`` through the custom ops below."""
+    """(q, k, v, score_scale, row_value, bias, plan, forget_hi, forget_lo) -> out [B, H, Lq, Dv] in q's dtype;
+    score_scale (base scaling x the per-query multiplier) and row_value (the map's per-row value,
+    ``maps.FusedMap.row_value``): fp32 [B, H, Lq]; bias: fp32 [B|1, H|1, Lq|1, Lk|1] or None (its gradient comes back
+    in that shape); forget_hi / forget_lo: forgetting attention's cumulative log gates c [B, H, Lk] as an fp32 pair
+    (hi = c rounded, lo = the rest; the gradient goes to hi) or None. The eager route; compiled models run the same
+    ``_forward`` / ``_backward`` through the custom ops below."""
 
     @staticmethod
-    def forward(ctx, q, k, v, score_scale, row_value, bias, plan: _Plan):
-        out, den, shift, rowmax = _forward(plan, q, k, v, score_scale, row_value, bias)
-        ctx.save_for_backward(q, k, v, score_scale, row_value, bias, out, den, shift, rowmax)
+    def forward(ctx, q, k, v, score_scale, row_value, bias, plan: _Plan, forget_hi=None, forget_lo=None):
+        forget = None if forget_hi is None else (forget_hi, forget_lo)
+        out, den, shift, rowmax = _forward(plan, q, k, v, score_scale, row_value, bias, forget)
+        ctx.save_for_backward(q, k, v, score_scale, row_value, bias, out, den, shift, rowmax, forget_hi, forget_lo)
         ctx.plan = plan
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        q, k, v, score_scale, row_value, bias, out, den, shift, rowmax = ctx.saved_tensors
-        dq, dk, dv, dscore_scale, drow_value, dbias = _backward(
-            ctx.plan, dout, q, k, v, score_scale, row_value, bias, out, den, shift, rowmax, ctx.needs_input_grad[5])
+        q, k, v, score_scale, row_value, bias, out, den, shift, rowmax, fhi, flo = ctx.saved_tensors
+        forget = None if fhi is None else (fhi, flo)
+        dq, dk, dv, dscore_scale, drow_value, dbias, dforget = _backward(
+            ctx.plan, dout, q, k, v, score_scale, row_value, bias, out, den, shift, rowmax, ctx.needs_input_grad[5],
+            forget)
         return (dq, dk, dv, dscore_scale if ctx.needs_input_grad[3] else None,
-                drow_value if ctx.needs_input_grad[4] else None, dbias, None)
+                drow_value if ctx.needs_input_grad[4] else None, dbias, None,
+                dforget if ctx.needs_input_grad[7] else None, None)
 
 
 # ----------------------------------------------------------------------------------------------- custom ops
@@ -465,23 +489,27 @@ class _TritonAttention(torch.autograd.Function):
 OPS_NAMESPACE = "hf_attnorm_triton"
 
 
-def _op_plan(q, k, v, keep, slopes, name: str, causal: bool, cap: float | None, table: str) -> _Plan:
-    return _Plan(q, k, v, keep, causal, name, _TABLES[table], cap, slopes)
+def _op_plan(q, k, v, keep, slopes, name: str, causal: bool, cap: float | None, table: str,
+             forget: bool = False) -> _Plan:
+    return _Plan(q, k, v, keep, causal, name, _TABLES[table], cap, slopes, forget)
 
 
 @torch.library.custom_op(f"{OPS_NAMESPACE}::forward", mutates_args=())
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_scale: torch.Tensor,
                 row_value: torch.Tensor, bias: torch.Tensor | None, keep: torch.Tensor | None,
-                slopes: torch.Tensor | None, name: str, causal: bool, cap: float | None,
-                table: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                slopes: torch.Tensor | None, name: str, causal: bool, cap: float | None, table: str,
+                forget_hi: torch.Tensor | None,
+                forget_lo: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused Triton forward as one op: (out, den, shift, rowmax)."""
-    plan = _op_plan(q, k, v, keep, slopes, name, causal, cap, table)
+    plan = _op_plan(q, k, v, keep, slopes, name, causal, cap, table, forget_hi is not None)
+    forget = None if forget_hi is None else (forget_hi, forget_lo)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        return _forward(plan, q, k, v, score_scale, row_value, bias)
+        return _forward(plan, q, k, v, score_scale, row_value, bias, forget)
 
 
 @_forward_op.register_fake
-def _forward_fake(q, k, v, score_scale, row_value, bias, keep, slopes, name, causal, cap, table):
+def _forward_fake(q, k, v, score_scale, row_value, bias, keep, slopes, name, causal, cap, table, forget_hi,
+                  forget_lo):
     B, H, Lq = q.shape[:3]
     rows = q.new_empty((B, H, Lq), dtype=torch.float32)
     alpha = next(m for m in _TABLES[table] if m.name == name).dispatch == "alpha"
@@ -494,37 +522,46 @@ def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                  row_value: torch.Tensor, bias: torch.Tensor | None, keep: torch.Tensor | None,
                  slopes: torch.Tensor | None, out: torch.Tensor, den: torch.Tensor, shift: torch.Tensor,
                  rowmax: torch.Tensor, name: str, causal: bool, cap: float | None, table: str,
-                 bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                           torch.Tensor]:
-    """The fused Triton backward as one op: (dq, dk, dv, dscore_scale, drow_value, dbias or an empty tensor)."""
-    plan = _op_plan(q, k, v, keep, slopes, name, causal, cap, table)
+                 bias_grad: bool, forget_hi: torch.Tensor | None,
+                 forget_lo: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                          torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused Triton backward as one op: (dq, dk, dv, dscore_scale, drow_value, dbias, dforget; the last two
+    empty tensors where absent)."""
+    plan = _op_plan(q, k, v, keep, slopes, name, causal, cap, table, forget_hi is not None)
+    forget = None if forget_hi is None else (forget_hi, forget_lo)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        dq, dk, dv, dscore, drow, dbias = _backward(plan, dout, q, k, v, score_scale, row_value, bias, out, den,
-                                                    shift, rowmax, bias_grad)
-    return dq, dk, dv, dscore, drow, dbias if dbias is not None else q.new_empty((0,), dtype=torch.float32)
+        dq, dk, dv, dscore, drow, dbias, dforget = _backward(plan, dout, q, k, v, score_scale, row_value, bias, out,
+                                                             den, shift, rowmax, bias_grad, forget)
+    empty = q.new_empty((0,), dtype=torch.float32)
+    return (dq, dk, dv, dscore, drow, dbias if dbias is not None else empty,
+            dforget if dforget is not None else empty)
 
 
 @_backward_op.register_fake
 def _backward_fake(dout, q, k, v, score_scale, row_value, bias, keep, slopes, out, den, shift, rowmax, name, causal,
-                   cap, table, bias_grad):
-    dbias = q.new_empty(bias.shape, dtype=torch.float32) if bias_grad else q.new_empty((0,), dtype=torch.float32)
+                   cap, table, bias_grad, forget_hi, forget_lo):
+    empty = q.new_empty((0,), dtype=torch.float32)
+    dbias = q.new_empty(bias.shape, dtype=torch.float32) if bias_grad else empty
+    dforget = torch.empty_like(forget_hi) if forget_hi is not None else empty
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), torch.empty_like(den),
-            torch.empty_like(den), dbias)
+            torch.empty_like(den), dbias, dforget)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, score_scale, row_value, bias, keep, slopes, name, causal, cap, table = inputs
+    q, k, v, score_scale, row_value, bias, keep, slopes, name, causal, cap, table, fhi, flo = inputs
     out, den, shift, rowmax = output
-    ctx.save_for_backward(q, k, v, score_scale, row_value, bias, keep, slopes, out, den, shift, rowmax)
+    ctx.save_for_backward(q, k, v, score_scale, row_value, bias, keep, slopes, out, den, shift, rowmax, fhi, flo)
     ctx.facts = (name, causal, cap, table)
 
 
 def _backward_autograd(ctx, dout, _dden, _dshift, _drowmax):
-    q, k, v, score_scale, row_value, bias, keep, slopes, out, den, shift, rowmax = ctx.saved_tensors
+    q, k, v, score_scale, row_value, bias, keep, slopes, out, den, shift, rowmax, fhi, flo = ctx.saved_tensors
     bias_grad = bias is not None and ctx.needs_input_grad[5]
-    dq, dk, dv, dscore, drow, dbias = _backward_op(dout, q, k, v, score_scale, row_value, bias, keep, slopes, out,
-                                                   den, shift, rowmax, *ctx.facts, bias_grad)
-    return (dq, dk, dv, dscore, drow, dbias if bias_grad else None, None, None, None, None, None, None)
+    dq, dk, dv, dscore, drow, dbias, dforget = _backward_op(dout, q, k, v, score_scale, row_value, bias, keep,
+                                                            slopes, out, den, shift, rowmax, *ctx.facts, bias_grad,
+                                                            fhi, flo)
+    return (dq, dk, dv, dscore, drow, dbias if bias_grad else None, None, None, None, None, None, None,
+            dforget if fhi is not None and ctx.needs_input_grad[12] else None, None)
 
 
 torch.library.register_autograd(f"{OPS_NAMESPACE}::forward", _backward_autograd, setup_context=_setup_context)
@@ -595,23 +632,65 @@ def accepts(call: AttnCall) -> str | None:
 MAPS_ID = _table_id(MAPS)
 
 
-def triton_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
-    """out [B, H, Lq, Dv] (input dtype) for calls ``accepts`` takes. Eager: ``_TritonAttention``; while
+def _forget_pair(call: AttnCall) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Forgetting attention's cumulative log gates c [B, H, Lk] (float64 in the call) as the kernels take them: hi =
+    c in fp32 (autograd-connected to c), lo = c - hi in fp32 (a constant)."""
+    if call.forget is None:
+        return None
+    c = call.forget.to(call.q.device)
+    hi = c.to(torch.float32).contiguous()
+    lo = (c.detach() - hi.detach().to(c.dtype)).to(torch.float32).contiguous()
+    return hi, lo
+
+
+def _attention(call: AttnCall, map_name: str) -> tuple[torch.Tensor, None]:
+    """out [B, H, Lq, Dv] (input dtype) of a call on the map ``map_name``. Eager: ``_TritonAttention``; while
     torch.compile traces: the custom op ``hf_attnorm_triton::forward`` (the compiled graph calls the same kernels)."""
     q, k, v = call.q, call.k, call.v
     score_scale, row_value = _row_values(call)
     bias = None if call.bias is None else compact_bias(call.bias.to(q.device), torch.float32)
     keep = call.mask.keep
     causal = keep is None and call.mask.causal
-    name = call.normalizer.fused_map
+    forget = _forget_pair(call)
+    fhi, flo = forget if forget is not None else (None, None)
     if torch.compiler.is_compiling():
-        out = _forward_op(q, k, v, score_scale, row_value, bias, keep, call.alibi_slopes, name, causal,
-                          call.softcap, MAPS_ID)[0]
+        out = _forward_op(q, k, v, score_scale, row_value, bias, keep, call.alibi_slopes, map_name, causal,
+                          call.softcap, MAPS_ID, fhi, flo)[0]
         return out, None
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():  # launch on q's GPU
-        plan = _Plan(q, k, v, keep, causal, name, MAPS, call.softcap, call.alibi_slopes)
-        out = _TritonAttention.apply(q, k, v, score_scale, row_value, bias, plan)
+        plan = _Plan(q, k, v, keep, causal, map_name, MAPS, call.softcap, call.alibi_slopes, forget is not None)
+        out = _TritonAttention.apply(q, k, v, score_scale, row_value, bias, plan, fhi, flo)
     return out, None
+
+
+def triton_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
+    """out [B, H, Lq, Dv] (input dtype) for calls ``accepts`` takes, on the normalizer's fused map."""
+    return _attention(call, call.normalizer.fused_map)
+
+
+def takes_forget(norm: Normalizer) -> str | None:
+    """Softmax with forget gates (forgetting attention's decay, ``Normalizer.forget_gates``), without a sink logit
+    or a q/k transform: the kernels' "softmax" map with the decay in the score modifiers."""
+    if norm.kernel_family != "softmax" or type(norm).forget_gates is Normalizer.forget_gates:
+        return f"normalizer {norm.name!r} is not softmax with forget gates"
+    if type(norm).sink_logit is not Normalizer.sink_logit:
+        return f"normalizer {norm.name!r} has a sink logit, which the Triton kernels do not apply"
+    if type(norm).transform_qk is not Normalizer.transform_qk or type(norm).feature_map is not Normalizer.feature_map:
+        return f"normalizer {norm.name!r} transforms q/k, which the Triton kernels do not"
+    return None
+
+
+def accepts_forget(call: AttnCall) -> str | None:
+    """``accepts``, for calls that carry forget gates (the others run SDPA)."""
+    if call.forget is None:
+        return "no forget gate on this call (softmax itself runs on SDPA)"
+    return accepts(call)
+
+
+def triton_forget_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
+    """out [B, H, Lq, Dv] (input dtype): softmax with forgetting attention's decay in the kernels, O(n) memory and no
+    materialised bias, forward and backward (the gates' gradient from the row and column sums of dS)."""
+    return _attention(call, "softmax")
 
 
 from .. import register_path  # noqa: E402  (registration at import, like the normalizers)
@@ -619,3 +698,7 @@ from .. import register_path  # noqa: E402  (registration at import, like the no
 # auto mode never tries this path on CPU tensors (the CPU paths own them); forced, it runs there under the
 # interpreter
 register_path("triton", triton_attention, takes=takes, accepts=accepts, priority=30, auto_exclude=("cpu",))
+# before sdpa (10): SDPA's kernels take the decay only as a materialised bias; on a CPU its flash route is exact and
+# O(n) already
+register_path("triton_forget", triton_forget_attention, takes=takes_forget, accepts=accepts_forget, priority=8,
+              auto_exclude=("cpu",), forget=True)

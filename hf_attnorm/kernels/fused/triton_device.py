@@ -87,6 +87,12 @@ def _entry(s, r, keep, shift, MAP: tl.constexpr, RUNNING_SHIFT: tl.constexpr, TH
         p = e - tl.exp(-shift)
         a = tl.where(p > 0, p, 0.0)
         b = _sel(keep, tl.abs(p), MASKED)
+    elif RUNNING_SHIFT == 4:  # (shift 'max_exp') softmax: e^(s - M), M the running max of the visible scores
+        if MASKED:
+            a = tl.exp(tl.where(keep, s - shift, -float("inf")))
+        else:
+            a = tl.exp(s - shift)
+        b = a
     elif THRESHOLD_EXP == 1:  # sparsemax [s - tau]_+
         a = _sel(keep, tl.maximum(s - shift, 0.0), MASKED)
         b = a
@@ -139,6 +145,13 @@ def _slopes(s, r, keep, shift, MAP: tl.constexpr, RUNNING_SHIFT: tl.constexpr, T
         a = tl.where(p > 0, p, 0.0)
         da = tl.where(p > 0, e, 0.0)
         db = tl.where(p > 0, e, tl.where(p < 0, -e, 0.0))
+    elif RUNNING_SHIFT == 4:  # (shift 'max_exp') softmax: (e^(s - M))' = e^(s - M)
+        if MASKED:
+            a = tl.exp(tl.where(keep, s - shift, -float("inf")))
+        else:
+            a = tl.exp(s - shift)
+        da = a
+        db = a
     elif THRESHOLD_EXP == 1:  # sparsemax
         a = _sel(keep, tl.maximum(s - shift, 0.0), MASKED)
         da = tl.where(a > 0, 1.0, 0.0)
@@ -182,13 +195,17 @@ def _slopes(s, r, keep, shift, MAP: tl.constexpr, RUNNING_SHIFT: tl.constexpr, T
     return a, da, db
 
 
-def _mods(s, b, h, om, on, inside, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF,
-          HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr):
+def _mods(s, b, h, om, on, inside, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF, FHI, FLO, sfb, sfh, sfn, LK,
+          HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr, HAS_FORGET: tl.constexpr):
     """Score modifiers on a block s (fp32; [BM, BN], or transposed): CAP tanh(s / CAP), + BIAS (strides 0 on its
-    broadcast dims), - SLOPES[h] |QOFF + i - j| (ALiBi). om, on: the query and key indices broadcast like s
-    (offs_m[:, None], offs_n[None, :] or transposed); inside: the entries within the call. Returns (s, capd) with
-    capd = 1 - tanh^2 (1.0 without a cap)."""
+    broadcast dims), - SLOPES[h] |QOFF + i - j| (ALiBi), - |c_p - c_j| (forgetting attention's decay: c the
+    cumulative log forget gates [B, H, Lk] as hi + lo fp32 pairs, p = clamp(QOFF + i, 0, Lk - 1) the query's own key;
+    for causal rows the paper's sum of log f after key j). om, on: the query and key indices broadcast like s
+    (offs_m[:, None], offs_n[None, :] or transposed); inside: the entries within the call. Returns (s, capd, fsg):
+    capd = 1 - tanh^2 (1.0 without a cap), fsg = sign(c_p - c_j) (0.0 without a decay: dF/dc_p = -fsg,
+    dF/dc_j = fsg)."""
     capd = 1.0
+    fsg = 0.0
     if HAS_CAP:
         t = _tanh(s / CAP)
         s = CAP * t
@@ -198,7 +215,17 @@ def _mods(s, b, h, om, on, inside, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF,
     if HAS_ALIBI:
         slope = tl.load(SLOPES + h)
         s -= slope * tl.abs((om + QOFF - on).to(tl.float32))
-    return s, capd
+    if HAS_FORGET:
+        base = b * sfb + h * sfh
+        pq = tl.minimum(tl.maximum(om + QOFF, 0), LK - 1)
+        kv = on < LK
+        # (hi_p - hi_j) + (lo_p - lo_j): near keys' hi values are close, so their difference is exact and the lo
+        # parts restore what fp32 rounded off c (whose magnitude grows with the length)
+        x = ((tl.load(FHI + base + pq * sfn) - tl.load(FHI + base + on * sfn, mask=kv, other=0.0))
+             + (tl.load(FLO + base + pq * sfn) - tl.load(FLO + base + on * sfn, mask=kv, other=0.0)))
+        s -= tl.abs(x)
+        fsg = tl.where(x > 0, 1.0, tl.where(x < 0, -1.0, 0.0))
+    return s, capd, fsg
 
 
 def _keep(keep_ptrs, om, on, inside, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr):
@@ -244,12 +271,14 @@ def _causal_ranges(start_m, LK, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CA
 
 
 def _qk(q, start_n, k_base, keep_base, offs_m, offs_n0, offs_d, m_valid, d_valid, skn, skd, smm, smn, score_scale,
-        LK, b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF,
-        HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr, CAUSAL: tl.constexpr,
+        LK, b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn,
+        HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr, HAS_FORGET: tl.constexpr,
+        CAUSAL: tl.constexpr,
         HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, EVEN_D: tl.constexpr,
         MASKED: tl.constexpr):
     """One block of scores of a query block against the keys [start_n, start_n + BN): (s [BM, BN] fp32 with the
-    score modifiers, k^T [BD, BN] as loaded, capd (``_mods``), keep (MASKED; else 0), n_valid [BN]). The pointers
+    score modifiers, k^T [BD, BN] as loaded, capd and fsg (``_mods``), keep (MASKED; else 0), n_valid [BN]). The
+    pointers
     are formed here from the bases (this program's batch and head), so no pointer tile stays live across a loop."""
     offs_n = start_n + offs_n0
     n_valid = offs_n < LK
@@ -260,12 +289,12 @@ def _qk(q, start_n, k_base, keep_base, offs_m, offs_n0, offs_d, m_valid, d_valid
     om = offs_m[:, None]
     on = offs_n[None, :]
     inside = m_valid[:, None] & n_valid[None, :]
-    s, capd = _mods(s, b, h, om, on, inside, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF, HAS_BIAS, HAS_ALIBI,
-                    HAS_CAP)
+    s, capd, fsg = _mods(s, b, h, om, on, inside, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF, FHI, FLO, sfb, sfh,
+                         sfn, LK, HAS_BIAS, HAS_ALIBI, HAS_CAP, HAS_FORGET)
     keep = 0
     if MASKED:
         keep = _keep(keep_base + om * smm + on * smn, om, on, inside, CAUSAL, HAS_MASK)
-    return s, kt, capd, keep, n_valid
+    return s, kt, capd, fsg, keep, n_valid
 
 
 def _rescale(acc, den, shift, new):
@@ -279,8 +308,8 @@ def _rescale(acc, den, shift, new):
 
 def _fwd_blocks(acc, den, shift, q, r, score_scale, mrow, lo, hi, k_base, v_base, keep_base, t_ptr, skn, skd, svn,
                 svd, smm, smn, stn, offs_m, offs_n0, offs_d, offs_dv, m_valid, d_valid, dv_valid, LK, b, h,
-                BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF,
-                HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr,
+                BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn,
+                HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr, HAS_FORGET: tl.constexpr,
                 MAP: tl.constexpr, RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXP: tl.constexpr, CAUSAL: tl.constexpr,
                 HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, FAST: tl.constexpr,
                 EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -291,10 +320,10 @@ def _fwd_blocks(acc, den, shift, q, r, score_scale, mrow, lo, hi, k_base, v_base
         if HAS_MASK:
             live = tl.load(t_ptr + (start_n // BLOCK_N) * stn)
         if live != 0:
-            s, kt, capd, keep, n_valid = _qk(
+            s, kt, capd, fsg, keep, n_valid = _qk(
                 q, start_n, k_base, keep_base, offs_m, offs_n0, offs_d, m_valid, d_valid, skn, skd, smm, smn,
-                score_scale, LK, b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP,
-                CAUSAL, HAS_MASK, PREC, UPCAST, EVEN_D, MASKED)
+                score_scale, LK, b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn, HAS_BIAS,
+                HAS_ALIBI, HAS_CAP, HAS_FORGET, CAUSAL, HAS_MASK, PREC, UPCAST, EVEN_D, MASKED)
             if THRESHOLD_EXP == -1:
                 s = (s - mrow[:, None]) * (r - 1.0)[:, None]
             if RUNNING_SHIFT == 1:  # 'max_score': m = max(0, visible scores)
@@ -306,6 +335,12 @@ def _fwd_blocks(acc, den, shift, q, r, score_scale, mrow, lo, hi, k_base, v_base
                     nz = nz & keep
                 lmax = tl.max(tl.where(nz, tl.abs(r)[:, None] * tl.log(tl.where(nz, mag, 1.0)), POW_NEG), 1)
                 acc, den, shift = _rescale(acc, den, shift, tl.maximum(shift, lmax))
+            if RUNNING_SHIFT == 4:  # 'max_exp': m = the max of the visible scores (softmax)
+                if MASKED:
+                    smax = tl.max(tl.where(keep, s, POW_NEG), 1)
+                else:
+                    smax = tl.max(s, 1)
+                acc, den, shift = _rescale(acc, den, shift, tl.maximum(shift, smax))
             if RUNNING_SHIFT == 2:  # 'max_score_below_zero': m = min(0, max of visible s)
                 if MASKED:
                     smax = tl.max(tl.where(keep, s, POW_NEG), 1)
@@ -327,8 +362,8 @@ def _fwd_kernel(
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, scb, sch, scm,
     smb, smh, smm, smn, stb, sth, stm, stn,
     H, GROUPS, LQ, LK, DH, DV, ROWMAX,
-    BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, LQ_KEY, LK_KEY,
-    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr,
+    BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn, LQ_KEY, LK_KEY,
+    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr, HAS_FORGET: tl.constexpr,
     MAP: tl.constexpr, NORMALISED: tl.constexpr, DEN_ADDS_ROW_VALUE: tl.constexpr, RUNNING_SHIFT: tl.constexpr,
     THRESHOLD_EXP: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, FAST: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
@@ -364,8 +399,9 @@ def _fwd_kernel(
     den = tl.zeros([BLOCK_M], tl.float32)
     if THRESHOLD_EXP != 0:
         shift = tl.load(SHIFT_IN + row, mask=m_valid, other=0.0)  # the sparse threshold tau
-    elif (RUNNING_SHIFT == 2) | (RUNNING_SHIFT == 3):
-        # power: running max of p ln|s| over visible s != 0; softplus: min(0, running max of visible s)
+    elif (RUNNING_SHIFT == 2) | (RUNNING_SHIFT == 3) | (RUNNING_SHIFT == 4):
+        # power: running max of p ln|s| over visible s != 0; softplus: min(0, running max of visible s); softmax:
+        # running max of visible s
         shift = tl.full([BLOCK_M], POW_NEG, tl.float32)
     else:
         shift = tl.zeros([BLOCK_M], tl.float32)  # shift 1 (softpick): running max of (0, visible scores)
@@ -376,13 +412,13 @@ def _fwd_kernel(
     acc, den, shift = _fwd_blocks(
         acc, den, shift, q, r, score_scale, mrow, 0, full, k_base, v_base, keep_base, t_ptr, skn, skd, svn, svd, smm,
         smn, stn, offs_m, offs_n0, offs_d, offs_dv, m_valid, d_valid, dv_valid, LK, b, h, BIAS, SLOPES, sbb, sbh, sbm,
-        sbn, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP, MAP, RUNNING_SHIFT, THRESHOLD_EXP, CAUSAL, HAS_MASK, PREC,
-        UPCAST, FAST, EVEN_D, EVEN_DV, False, BLOCK_N)
+        sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn, HAS_BIAS, HAS_ALIBI, HAS_CAP, HAS_FORGET, MAP, RUNNING_SHIFT,
+        THRESHOLD_EXP, CAUSAL, HAS_MASK, PREC, UPCAST, FAST, EVEN_D, EVEN_DV, False, BLOCK_N)
     acc, den, shift = _fwd_blocks(
         acc, den, shift, q, r, score_scale, mrow, full, hi, k_base, v_base, keep_base, t_ptr, skn, skd, svn, svd, smm,
         smn, stn, offs_m, offs_n0, offs_d, offs_dv, m_valid, d_valid, dv_valid, LK, b, h, BIAS, SLOPES, sbb, sbh, sbm,
-        sbn, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP, MAP, RUNNING_SHIFT, THRESHOLD_EXP, CAUSAL, HAS_MASK, PREC,
-        UPCAST, FAST, EVEN_D, EVEN_DV, True, BLOCK_N)
+        sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn, HAS_BIAS, HAS_ALIBI, HAS_CAP, HAS_FORGET, MAP, RUNNING_SHIFT,
+        THRESHOLD_EXP, CAUSAL, HAS_MASK, PREC, UPCAST, FAST, EVEN_D, EVEN_DV, True, BLOCK_N)
     if NORMALISED:
         if DEN_ADDS_ROW_VALUE:  # (maps.py: den_offset)
             den = den + r
@@ -404,8 +440,8 @@ def _threshold_kernel(
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, scb, sch, scm,
     smb, smh, smm, smn, stb, sth, stm, stn,
     H, GROUPS, LQ, LK, DH, R, ROWMAX,
-    BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, LQ_KEY, LK_KEY,
-    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr,
+    BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn, LQ_KEY, LK_KEY,
+    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr, HAS_FORGET: tl.constexpr,
     MAP: tl.constexpr, THRESHOLD_EXP: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, EVEN_D: tl.constexpr,
     STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -451,10 +487,10 @@ def _threshold_kernel(
         if HAS_MASK:
             live = tl.load(t_ptr + (start_n // BLOCK_N) * stn)
         if live != 0:
-            s, kt, capd, keep, n_valid = _qk(
+            s, kt, capd, fsg, keep, n_valid = _qk(
                 q, start_n, k_base, keep_base, offs_m, offs_n0, offs_d, m_valid, d_valid, skn, skd, smm, smn,
-                score_scale, LK, b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP,
-                CAUSAL, HAS_MASK, PREC, UPCAST, EVEN_D, True)
+                score_scale, LK, b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn, HAS_BIAS,
+                HAS_ALIBI, HAS_CAP, HAS_FORGET, CAUSAL, HAS_MASK, PREC, UPCAST, EVEN_D, True)
             if THRESHOLD_EXP == 2:
                 s = s * 0.5
             zmax = tl.maximum(zmax, tl.max(tl.where(keep, s, -float("inf")), 1))
@@ -482,10 +518,10 @@ def _threshold_kernel(
                 if HAS_MASK:
                     live = tl.load(t_ptr + (start_n // BLOCK_N) * stn)
                 if live != 0:
-                    s, kt, capd, keep, n_valid = _qk(
+                    s, kt, capd, fsg, keep, n_valid = _qk(
                         q, start_n, k_base, keep_base, offs_m, offs_n0, offs_d, m_valid, d_valid, skn, skd, smm, smn,
-                        score_scale, LK, b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, HAS_BIAS, HAS_ALIBI,
-                        HAS_CAP, CAUSAL, HAS_MASK, PREC, UPCAST, EVEN_D, True)
+                        score_scale, LK, b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn,
+                        HAS_BIAS, HAS_ALIBI, HAS_CAP, HAS_FORGET, CAUSAL, HAS_MASK, PREC, UPCAST, EVEN_D, True)
                     if THRESHOLD_EXP == 2:
                         s = s * 0.5
                     if THRESHOLD_EXP == -1:
@@ -531,8 +567,8 @@ def _threshold_kernel(
 
 def _delta_blocks(delta, gsum, ent, q, do, r, score_scale, shift, inv, den1, mrow, am1, lo, hi, k_base, v_base,
                   keep_base, t_ptr, skn, skd, svn, svd, smm, smn, stn, offs_m, offs_n0, offs_d, offs_dv, m_valid,
-                  d_valid, dv_valid, LK, b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF,
-                  HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr,
+                  d_valid, dv_valid, LK, b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn,
+                  HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr, HAS_FORGET: tl.constexpr,
                   MAP: tl.constexpr, NORMALISED: tl.constexpr, RUNNING_SHIFT: tl.constexpr,
                   THRESHOLD_EXP: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
                   UPCAST: tl.constexpr, FAST: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
@@ -544,10 +580,10 @@ def _delta_blocks(delta, gsum, ent, q, do, r, score_scale, shift, inv, den1, mro
         if HAS_MASK:
             live = tl.load(t_ptr + (start_n // BLOCK_N) * stn)
         if live != 0:
-            s, kt, capd, keep, n_valid = _qk(
+            s, kt, capd, fsg, keep, n_valid = _qk(
                 q, start_n, k_base, keep_base, offs_m, offs_n0, offs_d, m_valid, d_valid, skn, skd, smm, smn,
-                score_scale, LK, b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP,
-                CAUSAL, HAS_MASK, PREC, UPCAST, EVEN_D, MASKED)
+                score_scale, LK, b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn, HAS_BIAS,
+                HAS_ALIBI, HAS_CAP, HAS_FORGET, CAUSAL, HAS_MASK, PREC, UPCAST, EVEN_D, MASKED)
             offs_n = start_n + offs_n0
             vt = _load_cols(v_base + offs_n[None, :] * svn + offs_dv[:, None] * svd, dv_valid, n_valid, EVEN_DV)
             if UPCAST:
@@ -569,28 +605,28 @@ def _delta_blocks(delta, gsum, ent, q, do, r, score_scale, shift, inv, den1, mro
     return delta, gsum, ent
 
 
-def _dq_blocks(acc, dr, q, do, r, score_scale, shift, inv, delta, gsum, ent, zg, mrow, am1, lo, hi, k_base,
-               v_base, keep_base, t_ptr, skn, skd, svn, svd, smm, smn, stn, offs_m, offs_n0, offs_d, offs_dv,
-               m_valid, d_valid, dv_valid, LK, b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, DBIAS, sdb, sdh,
-               sdm, sdn,
-               HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr, HAS_DBIAS: tl.constexpr,
-               DB_BM: tl.constexpr, DB_BN: tl.constexpr,
+def _dq_blocks(acc, dr, dfrow, q, do, r, score_scale, shift, inv, delta, gsum, ent, zg, mrow, am1, lo, hi, k_base,
+               v_base, keep_base, t_ptr, skn, skd, svn, svd, smm, smn, stn, offs_m, offs_n0, offs_d, offs_dv, m_valid,
+               d_valid, dv_valid, LK, b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn,
+               DBIAS, sdb, sdh, sdm, sdn, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr,
+               HAS_FORGET: tl.constexpr, HAS_DBIAS: tl.constexpr, DB_BM: tl.constexpr, DB_BN: tl.constexpr,
                MAP: tl.constexpr, NORMALISED: tl.constexpr, ROW_VALUE_FACTOR: tl.constexpr,
                RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXP: tl.constexpr, ROW_VALUE_IN_SCORE: tl.constexpr,
                ROW_VALUE_EXPONENT: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
                UPCAST: tl.constexpr, FAST: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
                MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
     """The dq kernel's accumulation over the key blocks [lo, hi): acc [BM, BD] += dS K (dS in K's dtype), dr [BM]
-    += the row value's gradient terms, the score bias's gradient added atomically."""
+    += the row value's gradient terms, dfrow [BM] += the decay's gradient at each query's own key (HAS_FORGET), the
+    score bias's gradient added atomically."""
     for start_n in range(lo, hi, BLOCK_N):
         live = 1
         if HAS_MASK:
             live = tl.load(t_ptr + (start_n // BLOCK_N) * stn)
         if live != 0:
-            s, kt, capd, keep, n_valid = _qk(
+            s, kt, capd, fsg, keep, n_valid = _qk(
                 q, start_n, k_base, keep_base, offs_m, offs_n0, offs_d, m_valid, d_valid, skn, skd, smm, smn,
-                score_scale, LK, b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP,
-                CAUSAL, HAS_MASK, PREC, UPCAST, EVEN_D, MASKED)
+                score_scale, LK, b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn, HAS_BIAS,
+                HAS_ALIBI, HAS_CAP, HAS_FORGET, CAUSAL, HAS_MASK, PREC, UPCAST, EVEN_D, MASKED)
             offs_n = start_n + offs_n0
             vt = _load_cols(v_base + offs_n[None, :] * svn + offs_dv[:, None] * svd, dv_valid, n_valid, EVEN_DV)
             if UPCAST:
@@ -625,6 +661,8 @@ def _dq_blocks(acc, dr, q, do, r, score_scale, shift, inv, delta, gsum, ent, zg,
                 plp = tl.where(pa > 0, pa * tl.log(tl.where(pa > 0, pa, 1.0)), 0.0)
                 coef = ((pa - pt) / am1[:, None] - (plp - pt * ent[:, None])) / am1[:, None]
                 dr += tl.sum(coef * (dp - delta[:, None]), 1)
+            if HAS_FORGET:  # dF_ij / dc_p = -sign(c_p - c_j): the row's sum goes to its own key's c
+                dfrow -= tl.sum(ds * fsg, 1)
             if HAS_DBIAS:
                 ds = _sel(keep, ds, MASKED)
                 db_ptr = DBIAS + b * sdb + h * sdh
@@ -640,25 +678,23 @@ def _dq_blocks(acc, dr, q, do, r, score_scale, shift, inv, delta, gsum, ent, zg,
             if HAS_CAP:
                 ds = ds * capd  # w.r.t. the capped score -> w.r.t. score_scale q k^T
             acc += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=PREC)
-    return acc, dr
+    return acc, dr, dfrow
 
 
 def _bwd_dq_kernel(
-    Q, K, V, SCORE_SCALE, R, KEEP, TABLE, SHIFT, DEN, DELTA, DO, DQ, DSCORE_SCALE, DR,
-    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, scb, sch, scm,
-    smb, smh, smm, smn, stb, sth, stm, stn,
-    H, GROUPS, LQ, LK, DH, DV, ROWMAX,
-    BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, DBIAS, sdb, sdh, sdm, sdn, LQ_KEY, LK_KEY,
-    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr, HAS_DBIAS: tl.constexpr,
-    DB_BM: tl.constexpr, DB_BN: tl.constexpr,
-    MAP: tl.constexpr, NORMALISED: tl.constexpr, DEN_ADDS_ROW_VALUE: tl.constexpr, ROW_VALUE_FACTOR: tl.constexpr,
-    RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXP: tl.constexpr, ROW_VALUE_IN_SCORE: tl.constexpr,
-    ROW_VALUE_EXPONENT: tl.constexpr, DELTA_FROM_OUTPUT: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr, FAST: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    Q, K, V, SCORE_SCALE, R, KEEP, TABLE, SHIFT, DEN, DELTA, DO, DQ, DSCORE_SCALE, DR, DFROW, sqb, sqh, sqm, sqd, skb,
+    skh, skn, skd, svb, svh, svn, svd, scb, sch, scm, smb, smh, smm, smn, stb, sth, stm, stn, H, GROUPS, LQ, LK, DH,
+    DV, ROWMAX, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn, DBIAS, sdb, sdh, sdm, sdn,
+    LQ_KEY, LK_KEY, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr, HAS_FORGET: tl.constexpr,
+    HAS_DBIAS: tl.constexpr, DB_BM: tl.constexpr, DB_BN: tl.constexpr, MAP: tl.constexpr, NORMALISED: tl.constexpr,
+    DEN_ADDS_ROW_VALUE: tl.constexpr, ROW_VALUE_FACTOR: tl.constexpr, RUNNING_SHIFT: tl.constexpr,
+    THRESHOLD_EXP: tl.constexpr, ROW_VALUE_IN_SCORE: tl.constexpr, ROW_VALUE_EXPONENT: tl.constexpr,
+    DELTA_FROM_OUTPUT: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
+    UPCAST: tl.constexpr, FAST: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """One program per (query block, batch x head): DQ [B, H, Lq, D] (input dtype), DSCORE_SCALE and DR [B, H, Lq]
-    (fp32).
+    """One program per (query block, batch x head): DQ [B, H, Lq, D] (input dtype), DSCORE_SCALE, DR and (HAS_FORGET)
+    DFROW [B, H, Lq] (fp32; DFROW: the decay's gradient at each query's own key p_i).
 
     DELTA [B, H, Lq] (normalised and sparse maps): DELTA_FROM_OUTPUT: read (dO . O, from the host); otherwise
     written here by a first pass over the keys, for the dk/dv kernel. DO: contiguous, input dtype.
@@ -705,6 +741,7 @@ def _bwd_dq_kernel(
     t_ptr = TABLE + b * stb + h * sth + pid_m * stm
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dr = tl.zeros([BLOCK_M], tl.float32)
+    dfrow = tl.zeros([BLOCK_M], tl.float32)
     delta = tl.zeros([BLOCK_M], tl.float32)
     gsum = tl.zeros([BLOCK_M], tl.float32)
     ent = tl.zeros([BLOCK_M], tl.float32)  # alpha-entmax: H = sum_j p_j ln p_j
@@ -723,30 +760,33 @@ def _bwd_dq_kernel(
     elif NORMALISED or (THRESHOLD_EXP != 0):
         delta, gsum, ent = _delta_blocks(
             delta, gsum, ent, q, do, r, score_scale, shift, inv, den1, mrow, am1, 0, full, k_base, v_base, keep_base,
-            t_ptr, skn, skd, svn, svd, smm, smn, stn, offs_m, offs_n0, offs_d, offs_dv, m_valid, d_valid, dv_valid,
-            LK, b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP, MAP, NORMALISED,
-            RUNNING_SHIFT, THRESHOLD_EXP, CAUSAL, HAS_MASK, PREC, UPCAST, FAST, EVEN_D, EVEN_DV, False, BLOCK_N)
+            t_ptr, skn, skd, svn, svd, smm, smn, stn, offs_m, offs_n0, offs_d, offs_dv, m_valid, d_valid, dv_valid, LK,
+            b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn, HAS_BIAS, HAS_ALIBI, HAS_CAP,
+            HAS_FORGET, MAP, NORMALISED, RUNNING_SHIFT, THRESHOLD_EXP, CAUSAL, HAS_MASK, PREC, UPCAST, FAST, EVEN_D,
+            EVEN_DV, False, BLOCK_N)
         delta, gsum, ent = _delta_blocks(
-            delta, gsum, ent, q, do, r, score_scale, shift, inv, den1, mrow, am1, full, hi, k_base, v_base,
-            keep_base, t_ptr, skn, skd, svn, svd, smm, smn, stn, offs_m, offs_n0, offs_d, offs_dv, m_valid, d_valid,
-            dv_valid, LK, b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP, MAP,
-            NORMALISED, RUNNING_SHIFT, THRESHOLD_EXP, CAUSAL, HAS_MASK, PREC, UPCAST, FAST, EVEN_D, EVEN_DV, True,
-            BLOCK_N)
+            delta, gsum, ent, q, do, r, score_scale, shift, inv, den1, mrow, am1, full, hi, k_base, v_base, keep_base,
+            t_ptr, skn, skd, svn, svd, smm, smn, stn, offs_m, offs_n0, offs_d, offs_dv, m_valid, d_valid, dv_valid, LK,
+            b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn, HAS_BIAS, HAS_ALIBI, HAS_CAP,
+            HAS_FORGET, MAP, NORMALISED, RUNNING_SHIFT, THRESHOLD_EXP, CAUSAL, HAS_MASK, PREC, UPCAST, FAST, EVEN_D,
+            EVEN_DV, True, BLOCK_N)
         if THRESHOLD_EXP != 0:
             delta = tl.where(gsum > 0, delta / tl.where(gsum > 0, gsum, 1.0), 0.0)
         tl.store(DELTA + row, delta, mask=m_valid)
-    acc, dr = _dq_blocks(
-        acc, dr, q, do, r, score_scale, shift, inv, delta, gsum, ent, zg, mrow, am1, 0, full, k_base, v_base,
+    acc, dr, dfrow = _dq_blocks(
+        acc, dr, dfrow, q, do, r, score_scale, shift, inv, delta, gsum, ent, zg, mrow, am1, 0, full, k_base, v_base,
         keep_base, t_ptr, skn, skd, svn, svd, smm, smn, stn, offs_m, offs_n0, offs_d, offs_dv, m_valid, d_valid,
-        dv_valid, LK, b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, DBIAS, sdb, sdh, sdm, sdn, HAS_BIAS,
-        HAS_ALIBI, HAS_CAP, HAS_DBIAS, DB_BM, DB_BN, MAP, NORMALISED, ROW_VALUE_FACTOR, RUNNING_SHIFT, THRESHOLD_EXP,
-        ROW_VALUE_IN_SCORE, ROW_VALUE_EXPONENT, CAUSAL, HAS_MASK, PREC, UPCAST, FAST, EVEN_D, EVEN_DV, False, BLOCK_N)
-    acc, dr = _dq_blocks(
-        acc, dr, q, do, r, score_scale, shift, inv, delta, gsum, ent, zg, mrow, am1, full, hi, k_base, v_base,
+        dv_valid, LK, b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn, DBIAS, sdb, sdh, sdm,
+        sdn, HAS_BIAS, HAS_ALIBI, HAS_CAP, HAS_FORGET, HAS_DBIAS, DB_BM, DB_BN, MAP, NORMALISED, ROW_VALUE_FACTOR,
+        RUNNING_SHIFT, THRESHOLD_EXP, ROW_VALUE_IN_SCORE, ROW_VALUE_EXPONENT, CAUSAL, HAS_MASK, PREC, UPCAST, FAST,
+        EVEN_D, EVEN_DV, False, BLOCK_N)
+    acc, dr, dfrow = _dq_blocks(
+        acc, dr, dfrow, q, do, r, score_scale, shift, inv, delta, gsum, ent, zg, mrow, am1, full, hi, k_base, v_base,
         keep_base, t_ptr, skn, skd, svn, svd, smm, smn, stn, offs_m, offs_n0, offs_d, offs_dv, m_valid, d_valid,
-        dv_valid, LK, b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, DBIAS, sdb, sdh, sdm, sdn, HAS_BIAS,
-        HAS_ALIBI, HAS_CAP, HAS_DBIAS, DB_BM, DB_BN, MAP, NORMALISED, ROW_VALUE_FACTOR, RUNNING_SHIFT, THRESHOLD_EXP,
-        ROW_VALUE_IN_SCORE, ROW_VALUE_EXPONENT, CAUSAL, HAS_MASK, PREC, UPCAST, FAST, EVEN_D, EVEN_DV, True, BLOCK_N)
+        dv_valid, LK, b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn, DBIAS, sdb, sdh, sdm,
+        sdn, HAS_BIAS, HAS_ALIBI, HAS_CAP, HAS_FORGET, HAS_DBIAS, DB_BM, DB_BN, MAP, NORMALISED, ROW_VALUE_FACTOR,
+        RUNNING_SHIFT, THRESHOLD_EXP, ROW_VALUE_IN_SCORE, ROW_VALUE_EXPONENT, CAUSAL, HAS_MASK, PREC, UPCAST, FAST,
+        EVEN_D, EVEN_DV, True, BLOCK_N)
     if DEN_ADDS_ROW_VALUE:  # r is added to the denominator (maps.py: den_offset)
         dr = -delta * inv
     if ROW_VALUE_EXPONENT:  # r = +-p (the sign marks single-key rows; their gradient is 0 anyway)
@@ -755,12 +795,14 @@ def _bwd_dq_kernel(
              mask=m_valid[:, None] & d_valid[None, :])
     tl.store(DSCORE_SCALE + row, tl.sum(q.to(tl.float32) * acc, 1), mask=m_valid)
     tl.store(DR + row, dr, mask=m_valid)
+    if HAS_FORGET:
+        tl.store(DFROW + row, dfrow, mask=m_valid)
 
 
-def _dkdv_blocks(dk, dv, k, v, lo, hi, row0, q_base, keep_base, t_ptr, sqm, sqd, smm, smn, stm, offs_m0, offs_n,
-                 offs_d, offs_dv, n_valid, d_valid, dv_valid, LQ, b, h, scb, sch, scm, SCORE_SCALE, R, SHIFT, DEN,
-                 DELTA, DO, ROWMAX, DV, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF,
-                 HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr,
+def _dkdv_blocks(dk, dv, dfcol, k, v, lo, hi, row0, q_base, keep_base, t_ptr, sqm, sqd, smm, smn, stm, offs_m0, offs_n,
+                 offs_d, offs_dv, n_valid, d_valid, dv_valid, LQ, LK, b, h, scb, sch, scm, SCORE_SCALE, R, SHIFT, DEN,
+                 DELTA, DO, ROWMAX, DV, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn,
+                 HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr, HAS_FORGET: tl.constexpr,
                  MAP: tl.constexpr, NORMALISED: tl.constexpr, RUNNING_SHIFT: tl.constexpr,
                  THRESHOLD_EXP: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
                  UPCAST: tl.constexpr, FAST: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
@@ -792,8 +834,8 @@ def _dkdv_blocks(dk, dv, k, v, lo, hi, row0, q_base, keep_base, t_ptr, sqm, sqd,
             om = offs_m[None, :]
             on = offs_n[:, None]
             inside = n_valid[:, None] & m_valid[None, :]
-            st, capd = _mods(st, b, h, om, on, inside, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF, HAS_BIAS,
-                             HAS_ALIBI, HAS_CAP)
+            st, capd, fsg = _mods(st, b, h, om, on, inside, BIAS, sbb, sbh, sbm, sbn, SLOPES, CAP, QOFF, FHI, FLO, sfb,
+                                  sfh, sfn, LK, HAS_BIAS, HAS_ALIBI, HAS_CAP, HAS_FORGET)
             keep = 0
             if MASKED:
                 keep = _keep(keep_base + om * smm + on * smn, om, on, inside, CAUSAL, HAS_MASK)
@@ -814,26 +856,29 @@ def _dkdv_blocks(dk, dv, k, v, lo, hi, row0, q_base, keep_base, t_ptr, sqm, sqd,
                 w = a
                 ds = da * dpt
             dv += tl.dot(w.to(do.dtype), do, input_precision=PREC)
+            if HAS_FORGET:  # dF_ij / dc_j = sign(c_p - c_j): the column's sum over this head's queries
+                dfcol += tl.sum(ds * fsg, 1)
             if HAS_CAP:
                 ds = ds * capd
             dk += tl.dot((ds * score_scale[None, :]).to(qt.dtype), tl.trans(qt), input_precision=PREC)
-    return dk, dv
+    return dk, dv, dfcol
 
 
 def _bwd_dkdv_kernel(
-    Q, K, V, SCORE_SCALE, R, KEEP, TABLE, SHIFT, DEN, DELTA, DO, DK, DV_OUT,
+    Q, K, V, SCORE_SCALE, R, KEEP, TABLE, SHIFT, DEN, DELTA, DO, DK, DV_OUT, DFCOL,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, scb, sch, scm,
     smb, smh, smm, smn, stb, sth, stm, stn,
     H, HKV, GROUPS, LQ, LK, DH, DV, ROWMAX,
-    BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, LQ_KEY, LK_KEY,
-    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr,
+    BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn, LQ_KEY, LK_KEY,
+    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr, HAS_FORGET: tl.constexpr,
     MAP: tl.constexpr, NORMALISED: tl.constexpr, RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXP: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, FAST: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     """One program per (key block, batch x kv head), looping over the GROUPS query heads that share the kv head:
-    DK [B, Hkv, Lk, D] and DV_OUT [B, Hkv, Lk, Dv] (input dtype), so no atomics. Causal: the query blocks from the
+    DK [B, Hkv, Lk, D] and DV_OUT [B, Hkv, Lk, Dv] (input dtype), so no atomics; (HAS_FORGET) DFCOL [B, H, Lk] fp32,
+    the decay's gradient at each key from each query head. Causal: the query blocks from the
     first one holding a query i >= the block's first key; those whose every row sees every key of the block
     (i >= the block's last key) without a mask."""
     pid_n = tl.program_id(0)
@@ -872,21 +917,24 @@ def _bwd_dkdv_kernel(
         q_base = Q + b * sqb + h * sqh
         keep_base = KEEP + b * smb + h * smh
         t_ptr = TABLE + b * stb + h * sth + pid_n * stn
+        dfcol = tl.zeros([BLOCK_N], tl.float32)
         if CAUSAL or HAS_MASK:
-            dk, dv = _dkdv_blocks(
-                dk, dv, k, v, lo, full, row0, q_base, keep_base, t_ptr, sqm, sqd, smm, smn, stm, offs_m0, offs_n,
-                offs_d, offs_dv, n_valid, d_valid, dv_valid, LQ, b, h, scb, sch, scm, SCORE_SCALE, R, SHIFT, DEN,
-                DELTA, DO, ROWMAX, DV, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP, MAP,
-                NORMALISED, RUNNING_SHIFT, THRESHOLD_EXP, CAUSAL, HAS_MASK, PREC, UPCAST, FAST, EVEN_D, EVEN_DV, True,
-                BLOCK_M)
+            dk, dv, dfcol = _dkdv_blocks(
+                dk, dv, dfcol, k, v, lo, full, row0, q_base, keep_base, t_ptr, sqm, sqd, smm, smn, stm, offs_m0,
+                offs_n, offs_d, offs_dv, n_valid, d_valid, dv_valid, LQ, LK, b, h, scb, sch, scm, SCORE_SCALE, R,
+                SHIFT, DEN, DELTA, DO, ROWMAX, DV, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh,
+                sfn, HAS_BIAS, HAS_ALIBI, HAS_CAP, HAS_FORGET, MAP, NORMALISED, RUNNING_SHIFT, THRESHOLD_EXP, CAUSAL,
+                HAS_MASK, PREC, UPCAST, FAST, EVEN_D, EVEN_DV, True, BLOCK_M)
         if not HAS_MASK:
             # (rows past Lq load q = dO = 0 and contribute nothing; keys past Lk only reach unstored rows)
-            dk, dv = _dkdv_blocks(
-                dk, dv, k, v, full, end, row0, q_base, keep_base, t_ptr, sqm, sqd, smm, smn, stm, offs_m0, offs_n,
-                offs_d, offs_dv, n_valid, d_valid, dv_valid, LQ, b, h, scb, sch, scm, SCORE_SCALE, R, SHIFT, DEN,
-                DELTA, DO, ROWMAX, DV, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, HAS_BIAS, HAS_ALIBI, HAS_CAP, MAP,
-                NORMALISED, RUNNING_SHIFT, THRESHOLD_EXP, CAUSAL, HAS_MASK, PREC, UPCAST, FAST, EVEN_D, EVEN_DV, False,
-                BLOCK_M)
+            dk, dv, dfcol = _dkdv_blocks(
+                dk, dv, dfcol, k, v, full, end, row0, q_base, keep_base, t_ptr, sqm, sqd, smm, smn, stm, offs_m0,
+                offs_n, offs_d, offs_dv, n_valid, d_valid, dv_valid, LQ, LK, b, h, scb, sch, scm, SCORE_SCALE, R,
+                SHIFT, DEN, DELTA, DO, ROWMAX, DV, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh,
+                sfn, HAS_BIAS, HAS_ALIBI, HAS_CAP, HAS_FORGET, MAP, NORMALISED, RUNNING_SHIFT, THRESHOLD_EXP, CAUSAL,
+                HAS_MASK, PREC, UPCAST, FAST, EVEN_D, EVEN_DV, False, BLOCK_M)
+        if HAS_FORGET:  # this query head's column sums: each (head, key) is written by one program
+            tl.store(DFCOL + (b * H + h) * LK + offs_n, dfcol, mask=n_valid)
     out_row = pid_bk.to(tl.int64) * LK + offs_n
     tl.store(DK + out_row[:, None] * DH + offs_d[None, :], dk.to(DK.dtype.element_ty),
              mask=n_valid[:, None] & d_valid[None, :])
