@@ -21,6 +21,7 @@ from hf_attnorm.attention import param_specs
 from hf_attnorm.kernels import PATHS, paths_for
 from hf_attnorm.registry import NORMALIZERS, PRESETS, SCALES
 from hf_attnorm.settings import GLOBAL_OPTIONS, OPTIONS, resolve_settings
+from hf_attnorm.torch_compat import TORCH_FEATURES
 
 #: paths every normalizer has (pure PyTorch fallbacks), left out of the fast-path columns
 FALLBACK_PATHS = ("chunked", "reference")
@@ -117,7 +118,26 @@ def versions_line() -> str:
             f"torch pins (the GPU kernels need it; nothing else does); transformers >= {supported.MIN_TRANSFORMERS}, "
             f"no upper cap. CI runs the whole suite on torch {supported.MAIN_TORCH} (CPU build) with triton "
             f"{supported.TESTED_TRITON} and the newest transformers (last: {supported.TESTED_NEWEST}), then, on "
-            f"{envs}.")
+            f"{envs}. {torch_features_sentence()}")
+
+
+def torch_features_sentence() -> str:
+    """One sentence naming each feature that needs a newer torch than the lowest supported one, with its version
+    and, where an older torch gets one, the fallback (``hf_attnorm.torch_compat.TORCH_FEATURES``)."""
+    items = [f"{f.name} needs torch >= {f.since}" + (" (older: the same results, slower or with more memory)"
+                                                      if f.fallback else "")
+             for f in sorted(TORCH_FEATURES, key=lambda f: supported.release(f.since))]
+    return f"Features that need a newer torch than {supported.MIN_TORCH}: {'; '.join(items)} (docs/internals.md)."
+
+
+def torch_features_table() -> str:
+    """Each feature that needs a newer torch than the lowest supported one: the version, what an older torch does and
+    what hf_attnorm does there (``hf_attnorm.torch_compat.TORCH_FEATURES``)."""
+    lines = ["| feature | needs torch | on an older torch | there |", "|---|---|---|---|"]
+    for f in sorted(TORCH_FEATURES, key=lambda f: supported.release(f.since)):
+        instead = f"runs exactly all the same: {f.fallback}; one warning" if f.fallback else f"unsupported: {f.remedy}"
+        lines.append(f"| {f.name} | >= {f.since} | {f.older} | {instead} |")
+    return "\n".join(lines)
 
 
 #: ``--markdown`` sections: name -> generator
@@ -126,6 +146,7 @@ SECTIONS = {
     "options": options_table,
     "learned": learned_list,
     "versions": versions_line,
+    "torch-features": torch_features_table,
 }
 
 

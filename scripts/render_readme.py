@@ -46,7 +46,8 @@ if str(ROOT) not in sys.path:
 
 #: the documents that carry generated blocks, relative to the repository root
 DOCUMENTS = ["README.md", "docs/options.md", "docs/architecture.md", "docs/benchmarks.md", "bench/compare/README.md",
-             "docs/families.md", "bench/convert/README.md", "docs/evaluation.md", "docs/convert.md", "docs/clients.md"]
+             "docs/families.md", "bench/convert/README.md", "docs/evaluation.md", "docs/convert.md", "docs/clients.md",
+             "docs/internals.md"]
 BLOCK = re.compile(r"(<!-- generated:(?P<name>[a-z0-9_-]+) -->\n)(?P<body>.*?)(<!-- /generated:(?P=name) -->)", re.S)
 
 #: the kernel benchmark run the README summarises (its JSON holds the numbers, the command, the date and the machine;
@@ -650,7 +651,7 @@ def serve_endpoints() -> str:
 
 
 GENERATORS: dict[str, Callable[[], str]] = {
-    **{name: _main_section(name) for name in ("implementations", "options", "learned", "versions")},
+    **{name: _main_section(name) for name in ("implementations", "options", "learned", "versions", "torch-features")},
     "families": families,
     "main-job": main_job,
     "conversion": conversion,

@@ -35,6 +35,9 @@ if "OMP_NUM_THREADS" not in os.environ or os.environ.get("HF_ATTNORM_TESTS_SET_T
 
 #: marks the torch.compile tests: skipped, with the reason, on a torch whose compiler cannot compile the models
 needs_compile = pytest.mark.skipif(compile_problem() is not None, reason=compile_problem() or "")
+#: and those compiling with inductor (the default backend) on the CPU, which needs a newer torch still
+needs_compile_inductor = pytest.mark.skipif(compile_problem("inductor") is not None,
+                                            reason=compile_problem("inductor") or "")
 
 #: (family, task) of every tiny model the generic tests run on
 MODEL_KINDS = [("gpt2", "causal_lm"), ("bert", "encoder"), ("bert", "masked_lm"), ("llama", "causal_lm")]

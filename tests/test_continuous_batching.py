@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from conftest import first_implementations, needs_compile
+from conftest import first_implementations, needs_compile, needs_compile_inductor
 from transformers import GenerationConfig
 
 from hf_attnorm.hf import forward, integration
@@ -328,6 +328,7 @@ def test_no_switch_to_flash_attention_and_a_reused_manager(monkeypatch):
 
 @pytest.mark.slow
 @needs_compile
+@needs_compile_inductor
 def test_the_compiled_varlen_path():
     """``default_compile_level=1`` compiles the manager's forward (torch.compile, not fullgraph): the pre-hook and the
     packed route trace, and the tokens stay equal."""

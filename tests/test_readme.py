@@ -200,7 +200,8 @@ def test_docs_list_the_main_jobs_default_implementations():
 def test_versions_line_reads_supported(monkeypatch):
     """The README's Supported line is generated from hf_attnorm.supported, the data .ci/run installs."""
     from hf_attnorm import supported
-    from hf_attnorm.__main__ import versions_line
+    from hf_attnorm.__main__ import torch_features_sentence, versions_line
+    from hf_attnorm.torch_compat import TORCH_FEATURES
 
     monkeypatch.setattr(supported, "CI_ENVIRONMENTS", {
         "floor": ({"torch": "2.1.0", "triton": "2.9.0", "transformers": "5.0.0"}, "lowest",
@@ -208,8 +209,12 @@ def test_versions_line_reads_supported(monkeypatch):
     monkeypatch.setattr(supported, "MIN_TORCH", "2.1.0")
     line = versions_line()
     assert line.startswith("Supported: Python >= 3.10; torch >= 2.1.0, no upper cap;")
-    assert line.endswith(f"on torch 2.1.0 / triton 2.9.0 / transformers 5.0.0 (lowest): "
-                         f"{supported.CI_GROUPS['torch']} and {supported.CI_GROUPS['transformers']}.")
+    assert (f"on torch 2.1.0 / triton 2.9.0 / transformers 5.0.0 (lowest): {supported.CI_GROUPS['torch']} and "
+            f"{supported.CI_GROUPS['transformers']}. ") in line
+    # then each feature that needs a newer torch, with that torch (hf_attnorm.torch_compat's declarations)
+    assert line.endswith(torch_features_sentence())
+    for feature in TORCH_FEATURES:
+        assert f"{feature.name} needs torch >= {feature.since}" in line
     assert f"whole suite on torch {supported.MAIN_TORCH} (CPU build) with triton {supported.TESTED_TRITON}" in line
 
 

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from conftest import LAST_CALL, needs_compile, tiny
+from conftest import LAST_CALL, needs_compile, needs_compile_inductor, tiny
 from transformers import DynamicCache
 
 from hf_attnorm.attention import constant_heads, make_call
@@ -347,6 +347,7 @@ def test_hook_follows_the_implementation(model):
 
 @pytest.mark.slow
 @needs_compile
+@needs_compile_inductor
 def test_compiled_generation_with_a_dynamic_cache(counted):
     """torch.compile(fullgraph=True) traces the pre-hook and the attention function with a dynamic cache: no state
     there (nothing may persist across a graph), the exact path, the same generation as eager."""

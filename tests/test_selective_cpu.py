@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import mask_of_kind, needs_compile
+from conftest import mask_of_kind, needs_compile, needs_compile_inductor
 
 from hf_attnorm.attention import attention, constant_heads, make_call
 from hf_attnorm.kernels import attend, explain
@@ -212,6 +212,7 @@ def test_deterministic_with_several_threads(monkeypatch):
 
 @pytest.mark.slow
 @needs_compile
+@needs_compile_inductor
 def test_compiles_with_fullgraph_forward_and_backward():
     """The ops' fake implementations let dynamo trace the path, backward included, with eager's results."""
     q, k, v = _leaves((1, 2, 11, 8), (1, 2, 11, 8), (1, 2, 11, 8), dtype=torch.float32, seed=6)

@@ -6,7 +6,15 @@ import warnings
 
 import pytest
 import torch
-from conftest import LAST_CALL, first_implementations, has_memory, model_output, needs_compile, tiny
+from conftest import (
+    LAST_CALL,
+    first_implementations,
+    has_memory,
+    model_output,
+    needs_compile,
+    needs_compile_inductor,
+    tiny,
+)
 
 from hf_attnorm.registry import NORMALIZERS, PRESETS, SCALES
 from hf_attnorm.settings import resolve_settings
@@ -72,7 +80,7 @@ def _compile_cases(with_memory: bool, inductor_families: tuple[str, ...]) -> lis
     inside a family live in the kernels."""
     aot = first_implementations(lambda s: (s.normalizer, with_memory and has_memory(s)))
     cases = [pytest.param(impl, "aot_eager", id=f"{impl}-aot_eager") for impl in aot]
-    cases += [pytest.param(impl, "inductor", id=f"{impl}-inductor")
+    cases += [pytest.param(impl, "inductor", id=f"{impl}-inductor", marks=needs_compile_inductor)
               for impl in first_implementations(_family) if _family(resolve_settings(impl)) in inductor_families]
     return cases
 

@@ -165,6 +165,9 @@ def test_ci_runs_every_version_it_claims():
     assert f'"transformers>={compat.MIN_TRANSFORMERS}"' in pyproject
     floor = re.search(r'"torch>=([0-9.]+)"', pyproject)
     assert floor and supported.release(floor.group(1)) == supported.release(supported.MIN_TORCH)
+    triton = re.search(r'"triton>=([0-9.]+);', pyproject)  # the dev extra admits the triton the lowest torch pins
+    assert triton and supported.release(triton.group(1)) == supported.release(supported.MIN_TRITON)
+    assert pins["floor"]["triton"] == supported.MIN_TRITON and "torch" in supported.runs("floor")
     image = pins["gpu-image"]
     triton_doc = (REPO / "docs" / "triton.md").read_text()
     for name in ("torch", "triton", "transformers"):
@@ -182,7 +185,7 @@ def test_ci_environments_with_one_torch_share_one_virtual_environment():
         assert not any(r.startswith("transformers") for r in supported.base_requirements(env))
     assert all(len(bases) == 1 for bases in by_venv.values())  # one venv holds one torch/triton/numpy
     assert len(by_venv) == len({next(iter(bases)) for bases in by_venv.values()})  # and each torch gets one venv
-    assert supported.venv("floor") == supported.venv("gpu-image")  # today's floor is the GPU image's torch
+    assert supported.venv("floor") != supported.venv("gpu-image")  # the floor is older than the GPU image's torch
     for command in (supported.venv, supported.runs, supported.requirements):
         with pytest.raises(SystemExit, match="unknown CI environment 'nope'; known: gpu-image"):
             command("nope")

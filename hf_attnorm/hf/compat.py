@@ -110,7 +110,10 @@ def cache_of_call(args: tuple, kwargs: Mapping[str, Any]) -> Cache | None:
         value = kwargs.get(name)
         if isinstance(value, Cache):
             return value
-    return next((a for a in args if isinstance(a, Cache)), None)
+    for a in args:  # (a loop: Dynamo before torch 2.9 cannot trace next() over a generator)
+        if isinstance(a, Cache):
+            return a
+    return None
 
 
 def cache_kwargs(model: Any, cache: Cache | None) -> dict[str, Any]:

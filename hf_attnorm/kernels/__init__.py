@@ -83,7 +83,7 @@ import torch
 
 from ..normalizers.base import Normalizer
 from ..registry import NORMALIZERS, AttnormError
-from ..torch_compat import DYNAMIC_EXPORT, DYNAMIC_EXPORT_TORCH, is_exporting
+from ..torch_compat import DYNAMIC_EXPORT, DYNAMIC_EXPORT_FEATURE, is_exporting
 from .base import AttnCall, repeat_kv
 from .reference import reference_attention, reference_weights
 
@@ -230,9 +230,7 @@ def _auto_candidates(call: AttnCall) -> list[Path]:
         _AUTO[key] = found
     if is_exporting():  # portable graphs: no custom op, no length-sized loop (docs/export.md);
         if not DYNAMIC_EXPORT and any(isinstance(n, torch.SymInt) for n in (*call.q.shape, *call.k.shape)):
-            raise AttnormError(f"torch.export with dynamic shapes needs torch >= {DYNAMIC_EXPORT_TORCH} with "
-                               f"hf_attnorm attention; this is torch {torch.__version__}. Export with fixed shapes "
-                               "(no dynamic_shapes), or upgrade torch")
+            raise AttnormError(DYNAMIC_EXPORT_FEATURE.message())
         # auto_exclude is about speed on a device, so it does not apply here (sdpa_sinkcol takes the sinks)
         return [p for p in _ORDER if p.exportable and p.takes(call.normalizer) is None]
     return found
@@ -267,7 +265,11 @@ def choose(call: AttnCall, path: str | None = None) -> str:
                              f"dtype {call.q.dtype}, device {call.q.device}, mask {call.mask.kind}, "
                              f"dropout {call.dropout}): {why}")
         return forced
-    chosen = next((p.name for p in _auto_candidates(call) if p.accepts(call) is None), "reference")
+    chosen = "reference"
+    for p in _auto_candidates(call):  # (a loop: Dynamo before torch 2.9 cannot trace next() over a generator)
+        if p.accepts(call) is None:
+            chosen = p.name
+            break
     if call.dropout > 0 and not torch.compiler.is_compiling():
         _warn_dropout_fallback(call, chosen)
     return chosen

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from ..normalizers.base import Normalizer
-from ..torch_compat import FLASH_CPU_GQA, is_exporting
+from ..torch_compat import FLASH_CPU_GQA, FLASH_CPU_GQA_FEATURE, is_exporting, warn_fallback
 from . import triton_rows
 from .base import AttnCall, compute_dtype, repeat_kv
 
@@ -557,6 +557,8 @@ def sdpa_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
                                                  enable_gqa=q.shape[1] != k.shape[1])
             return out.to(call.q.dtype), None
+        if not FLASH_CPU_GQA and k.shape[1] != q.shape[1]:  # (_FlashCPU repeats the key/value heads)
+            warn_fallback(FLASH_CPU_GQA_FEATURE)
         out = _FlashCPU.apply(q, k, v, lam, _float_mask(call, keep, dt), causal, scale)
         return out.to(call.q.dtype), None
     if _has_sink(call) and sink_backend(call) is not None and not is_exporting():
