@@ -45,11 +45,11 @@ class Option:
             if not isinstance(value, bool):
                 raise AttnormError(f"{where} must be true or false, got {value!r}")
         elif self.kind is int:
-            if isinstance(value, bool) or not isinstance(value, int | float) or float(value) != int(value):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or float(value) != int(value):
                 raise AttnormError(f"{where} must be an integer, got {value!r}")
             value = int(value)
         elif self.kind is float:
-            if isinstance(value, bool) or not isinstance(value, int | float):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise AttnormError(f"{where} must be a number, got {value!r}")
             value = float(value)
             if not math.isfinite(value):

@@ -24,11 +24,11 @@ from hf_attnorm.settings import resolve_settings
 IMPLS = list(PRESETS)
 
 
-#: paths these fp64 CPU tests cannot exercise at all, and why (they have their own tests)
-NOT_HERE = {"triton": "fp64 and CPU tensors: the Triton kernels are tested in test_triton.py",
-            "linear_recurrent": "needs a recurrent state kept by a cache: tested in test_recurrent.py",
-            "stickbreaking_triton": "fp64 and CPU tensors: tested in test_stickbreaking_triton.py",
-            "selective_triton": "fp64 and CPU tensors: tested in test_selective_triton.py"}
+#: paths these fp64 CPU tests cannot exercise at all, and why (they have their own tests): every Triton path (fp64 and
+#: CPU tensors: test_triton.py, test_triton_errors.py and each family's Triton tests) and the recurrent one
+NOT_HERE = {n: "fp64 and CPU tensors: a Triton path" for n, p in PATHS.items()
+            if p.kernel.__module__.rsplit(".", 1)[-1].startswith("triton")}
+NOT_HERE["linear_recurrent"] = "needs a recurrent state kept by a cache: tested in test_recurrent.py"
 
 
 def paths_for(impl: str) -> list[str]:

@@ -23,6 +23,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from conftest import needs_compile  # noqa: E402
 from numerics import assert_all_within_reference_error, low_precision_reference, run_interpreted  # noqa: E402
 
 from hf_attnorm.attention import attention, constant_heads, make_call, param_specs  # noqa: E402
@@ -142,6 +143,7 @@ if not INTERPRETED:
     TRITON_PATHS = sorted(p for p, path in PATHS.items() if path.kernel.__module__.rsplit(".", 1)[-1]
                           .startswith("triton"))
 
+    @needs_compile
     @pytest.mark.parametrize("path", TRITON_PATHS)
     def test_accepts_traces_under_torch_compile_and_declines_as_registered(path):
         """A compiled model asks every candidate path's ``accepts`` while Dynamo traces (on a GPU too, before any
@@ -442,6 +444,7 @@ if INTERPRETED:  # the kernel tests proper: only where the interpreter was on be
         for name in _half_sample():
             _check_scenario(name, SLOW_SCENARIOS[sid], f"{sid}/{blocks}")
 
+    @needs_compile
     @pytest.mark.parametrize("name", ["sigmoid", "entmax15", "fox"])
     def test_torch_compile_keeps_the_triton_path(name, monkeypatch):
         """torch.compile(fullgraph=True) of a call forced onto the Triton path (backend aot_eager: Dynamo and

@@ -105,7 +105,7 @@ else:
         q32 = q.float().requires_grad_(True)
         heads = {"entmax_alpha": torch.tensor(alphas, requires_grad=True)}
         out, _ = attention(q32, k.float(), v.float(), "entmax_alpha", heads=heads, causal=True, path="triton")
-        _q, _k, _v, c, _r, _bias, _out, z, tau, m = _triton_node(out).saved_tensors
+        _q, _k, _v, c, _r, _bias, _out, z, tau, m, *_forget = _triton_node(out).saved_tensors
         s = c.double()[..., None] * (q32.detach().double() @ k.float().double().transpose(-1, -2))
         keep = torch.ones(L, L, dtype=torch.bool).tril().expand(1, H, L, L)
         a = torch.tensor(alphas, dtype=torch.float64).view(1, H, 1, 1)

@@ -21,7 +21,11 @@ pytest.importorskip("triton")
 from numerics import run_interpreted  # noqa: E402
 
 from hf_attnorm.attention import attention  # noqa: E402
-from hf_attnorm.kernels import PATHS, declared_normalizers  # noqa: E402
+from hf_attnorm.kernels import (  # noqa: E402
+    PATHS,
+    declared_normalizers,
+    triton_common,  # noqa: E402
+)
 from hf_attnorm.kernels.fused import triton as ta  # noqa: E402
 from hf_attnorm.kernels.fused import triton_device  # noqa: E402
 
@@ -92,7 +96,8 @@ if not INTERPRETED:
         assert "hf_attnorm.kernels.fused.triton_device._fwd_kernel failed to compile or launch on cpu" in first
         assert "RuntimeError: PassManager::run failed" in first and "HF_ATTNORM_PATH=chunked" in first
         assert isinstance(info.value.__cause__, RuntimeError) and fake.launched == 1
-        monkeypatch.setattr(ta, "device_problem", lambda device: "simulated unsupported device")
+        # (patched where launch looks it up: every Triton family shares triton_common's launch)
+        monkeypatch.setattr(triton_common, "device_problem", lambda device: "simulated unsupported device")
         with pytest.raises(ta.TritonKernelError, match="cannot run on cpu .*simulated unsupported device.*"
                                                        "HF_ATTNORM_PATH=chunked"):
             ta.launch(fake, (1,))(torch.zeros(2))

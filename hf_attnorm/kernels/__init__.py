@@ -59,11 +59,13 @@ tensor).
 The rule: needs-weights (``output_attentions``) -> the reference; otherwise the first path by priority whose
 ``auto_exclude`` does not hold the call's device and whose ``takes`` and ``accepts`` say None; while
 ``torch.compiler.is_exporting()``, only the ``exportable`` paths (sdpa, sdpa_sinkcol: any device) and the reference
-(docs/export.md); while ``torch.compile`` traces, a path registered ``traceable=False`` (the Triton paths) declines,
+(docs/export.md); while ``torch.compile`` traces, a path registered ``traceable=False`` (triton_stickbreaking,
+triton_selective) declines,
 and one registered ``compiled_backward=False`` (chunked, selective) declines calls that need gradients;
 a call carrying a forget gate (``AttnCall.forget``, forgetting attention) only goes to the paths registered
 ``forget=True`` (reference, chunked, decode, sdpa, triton_forget). A differential call (differential attention) is
-decided and run as its two halves (``AttnCall.halves``), which ``attend`` combines; with attention dropout it runs on the reference.
+decided and run as its two halves (``AttnCall.halves``), which ``attend`` combines; with attention dropout it runs on
+the reference.
 ``explain(call)`` lists every candidate with its reason, running nothing. Override: ``path=`` on
 ``attention()``/``attend()``, or the environment variable ``HF_ATTNORM_PATH`` (a path name or ``auto``; read when this
 package is imported and by ``set_forced_path()``), so ``attend`` reads no environment. A forced path that cannot take a

@@ -32,8 +32,11 @@ from ..kernels.fused import maps, triton_device
 from ..kernels.fused import triton as ta
 
 #: one map per kernel form: non-normalised (sigmoid, its fast tanh), normalised with delta from its own pass (symax),
-#: normalised with delta from dO . O and a running shift (softplus), a threshold search (entmax15), alpha-entmax
-FORM_MAPS = ("sigmoid", "symax", "softplus", "entmax15", "entmax_alpha")
+#: normalised with delta from dO . O and a running shift (softplus), a threshold search (entmax15), alpha-entmax,
+#: softmax with forgetting attention's decay (the only use of the softmax map: path triton_forget)
+FORM_MAPS = ("sigmoid", "symax", "softplus", "entmax15", "entmax_alpha", "softmax")
+#: maps compiled with a forget gate (HAS_FORGET): the softmax map runs only for forgetting attention
+FORGET_MAPS = frozenset({"softmax"})
 #: pointer arguments in the input dtype (the rest are fp32, the masks uint8)
 _INPUT_DTYPE = {"Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV_OUT"}
 _INTS = {"H", "HKV", "GROUPS", "LQ", "LK", "DH", "DV", "QOFF", "LQ_KEY", "LK_KEY"}
@@ -113,8 +116,9 @@ def _ptxas(ptx: str, arch: int) -> tuple[int | None, int | None, int | None]:
 def check_kernel(kernel: str, map_name: str, dtype: str = "bf16", head_dim: int = 64, arch: int = 90,
                  causal: bool = True, masked: bool = False) -> KernelReport:
     """Compile one fused kernel for ``map_name`` with its first autotune config for ``head_dim`` (a keep-mask's
-    blocks when ``masked``) and read it. ``dtype``: "bf16" or "fp16" (the inputs; fp32 inputs run IEEE fp32
-    products, which the check must flag: it is how tests/test_triton_ptx.py shows that the check can fail)."""
+    blocks when ``masked``; the forget gate's decay for a map in ``FORGET_MAPS``) and read it. ``dtype``: "bf16" or
+    "fp16" (the inputs; fp32 inputs run IEEE fp32 products, which the check must flag: it is how
+    tests/test_triton_ptx.py shows that the check can fail)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
@@ -128,7 +132,7 @@ def check_kernel(kernel: str, map_name: str, dtype: str = "bf16", head_dim: int 
     consts = dict(**ta.map_constants(maps.BY_NAME[map_name]), CAUSAL=causal and not masked, HAS_MASK=masked,
                   PREC="ieee", UPCAST=False, FAST=dtype == "bf16", EVEN_D=True, EVEN_DV=True, BLOCK_M=bm, BLOCK_N=bn,
                   BLOCK_D=bd, BLOCK_DV=bd, STEPS=ta.THRESHOLD_STEPS, HAS_BIAS=False, HAS_ALIBI=False,
-                  HAS_CAP=False, HAS_DBIAS=False, DB_BM=False, DB_BN=False)
+                  HAS_CAP=False, HAS_DBIAS=False, DB_BM=False, DB_BN=False, HAS_FORGET=map_name in FORGET_MAPS)
     consts = {a: v for a, v in consts.items() if a in fn.arg_names}
     src = ASTSource(fn=fn, signature=_signature(fn, consts, dtype),
                     constexprs={(fn.arg_names.index(a),): v for a, v in consts.items()})

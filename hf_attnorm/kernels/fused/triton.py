@@ -481,7 +481,7 @@ class _TritonAttention(torch.autograd.Function):
             forget)
         return (dq, dk, dv, dscore_scale if ctx.needs_input_grad[3] else None,
                 drow_value if ctx.needs_input_grad[4] else None, dbias, None,
-                dforget if ctx.needs_input_grad[7] else None, None)
+                dforget if forget is not None and ctx.needs_input_grad[7] else None, None)
 
 
 # ----------------------------------------------------------------------------------------------- custom ops
