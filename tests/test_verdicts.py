@@ -186,3 +186,27 @@ def test_claims_table_reports_each_set_the_verdict_and_the_rerun_estimate():
         rec["accuracy"]["8"] = 1.0
     rows, _ = report.claim_rows(report.Results(records, ids, "softmax", SETS, draws=50))
     assert rows[0]["verdict"] == "refuted (opposite direction)"
+
+
+def test_second_run_changes_are_classified():
+    """Two runs of the job side by side: the same verdict, a move to or from "inconclusive", a contradiction."""
+    ref = [0.50, 0.52, 0.55, 0.51, 0.50, 0.53]
+    first = {"softmax": ref, "ssmax": [0.70, 0.71, 0.75, 0.72, 0.74, 0.70], "stickbreaking": [x + 0.2 for x in ref],
+             "asentmax": [0.50, 0.53, 0.54, 0.52, 0.49, 0.53]}
+    second = {**first, "stickbreaking": [0.50, 0.95, 0.30, 0.52, 0.40, 0.80],  # holds -> inconclusive
+              "asentmax": [x + 0.2 for x in ref]}  # not reproduced -> holds
+    results = []
+    for values in (first, second):
+        records, ids = _records("mqar", values, ["accuracy", "64"], 6)
+        for rid, rec in records.items():
+            rec["accuracy"]["8"] = 1.0
+            rec["final_train_loss"] = 1.0 if "ssmax" in rid and values is second else 0.5
+        results.append(report.Results(records, ids, "softmax", SETS, draws=50))
+    changes = {r["first"]["implementation"]: r["change"] for r in report.second_run_rows(*results)
+               if r["first"]["measurement"] == "mqar accuracy % @ 8x L"}
+    assert changes == {"ssmax": "same", "stickbreaking": "to or from inconclusive", "asentmax": "contradicted"}
+    summary = report.second_run_summary(*results)
+    assert summary["checks"] == 3 and summary["contradicted"] == 1 and summary["same"] == 1
+    assert summary["runs_in_both"] == 24 and summary["runs_differing"] == 6  # ssmax's runs ended differently
+    table = report.second_run_table(*results)
+    assert table.count("\n") == 2 + 3 - 1 and "| contradicted |" in table

@@ -55,7 +55,8 @@ PROBE_SHAPE = {"hidden": 64, "layers": 2, "heads": 2, "mlp": 128}
 LM_SHAPE = {"hidden": 96, "layers": 3, "heads": 4, "mlp": 256}
 
 #: budget -> settings (each overridable by its flag). Run times: docs/evaluation.md. "default" fits the default
-#: implementations in 15 minutes on 2 cores; "full" trains each run about 3x longer (the MQAR probe converges).
+#: implementations, both seed sets, in 15 minutes on 2 cores; "full" trains each run 4-5x longer (the MQAR probe
+#: converges).
 BUDGETS: dict[str, dict[str, Any]] = {
     "default": {"seeds": 6, "seed_sets": 2, "probe_length": 64, "probe_factors": [1, 2, 4, 8, 16], "mqar_steps": 400,
                 "passkey_steps": 100, "probe_batch": 16, "probe_lr": 3e-3, "test_sequences": 64,
@@ -108,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", nargs="+", choices=TASKS, default=TASKS, help="tasks to run")
     p.add_argument("--budget", choices=list(BUDGETS), default="default",
                    help="preset of the values below: default (the README's run, under 15 min on 2 idle cores), full "
-                        "(about 3x the training per run), long (longer training, bigger LM; hours), micro (seconds; "
+                        "(4-5x the training per run), long (longer training, bigger LM; hours), micro (seconds; "
                         "tests)")
     p.add_argument("--seeds", type=positive_int, default=None,
                    help="seeds 0 .. N-1 (a multiple of --seed_sets); see --seed_plan for which configurations run all")
@@ -380,7 +381,8 @@ def write_report(args: argparse.Namespace, cfg: dict[str, Any], res: report.Resu
     header = (f"Command: `{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
               f"{sweep_seconds / 60:.1f} min wall, {cpu_seconds / 60:.1f} min of CPU time in all its processes, "
               f"{cfg['trained_runs']} runs trained by this call and {cfg['cached_runs']} taken from the cache, "
-              f"per-run times summing to {sum(r.get('seconds', 0) for r in records.values()) / 60:.1f} min; "
+              f"per-run times summing to {sum(r.get('seconds', 0) for r in records.values()) / 60:.1f} min of wall "
+              f"and {sum(r.get('cpu_seconds', 0) for r in records.values()) / 60:.1f} min of CPU time; "
               f"{args.jobs} process(es) × {args.threads} thread(s), load average at the end "
               f"{', '.join(f'{x:.1f}' for x in load or [])}); seeds {names} ({len(res.sets)} set(s)): every "
               f"configuration runs the first set, later sets run where the claim verdicts need them (seed plan "
@@ -445,8 +447,8 @@ def write_cards(args: argparse.Namespace, cfg: dict[str, Any], res: report.Resul
         card = card_dir / f"{name}.md"
         cols = report.lm_columns(rec)
         extra = ["", "<!-- hf_attnorm compare.py -->", "## Across seeds (scripts/compare.py)", "",
-                 f"{cfg['seeds']} seeds, mean ± 95% CI; ▲/▼ = significant paired difference from "
-                 f"`{args.reference}`. Loss in nats/char.", "",
+                 f"{len(res.planned('lm', spec))} seeds, mean ± 95% CI; ▲/▼ = significant paired difference from "
+                 f"`{args.reference}` (on the seeds both ran). Loss in nats/char.", "",
                  "| " + " | ".join(c[0] for c in cols) + " |", "|" + "---|" * len(cols),
                  "| " + " | ".join(report.fmt_ci(res.stat("lm", spec, c[1], c[2]), c[3])
                                    + report._mark(res.versus("lm", spec, c[1], c[2])) for c in cols) + " |"]

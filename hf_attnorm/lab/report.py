@@ -352,9 +352,12 @@ def claim_rows(res: Results) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         earlier = [{**c, "verdict": c["earlier_verdict"]} for c in checks]
         summary["earlier_rule"] = {k: v for k, v in verdicts.rerun_rates(
             earlier, res.seeds, len(res.sets), draws=res.draws, single_test=True).items() if k != "checks"}
-        summary["earlier_rule"]["changed_on_second_set"] = sum(
-            verdicts.single_test_verdict(c["ref"], c["imp"], res.sets[1], c["expect"], c["floor"], c["scale"])
-            != c["earlier_verdict"] for c in checks) if len(res.sets) > 1 else None
+        if len(res.sets) > 1:  # the earlier rule on each set alone, where both sets were measured
+            both = [c for c in checks if all(len(verdicts.pairs(c["ref"], c["imp"], s)) >= 2 for s in res.sets[:2])]
+            summary["earlier_rule"]["measured_on_both_sets"] = len(both)
+            summary["earlier_rule"]["changed_on_second_set"] = sum(
+                verdicts.single_test_verdict(c["ref"], c["imp"], res.sets[1], c["expect"], c["floor"], c["scale"])
+                != c["earlier_verdict"] for c in both)
     res._claims = (rows, summary)
     return res._claims
 
@@ -418,10 +421,61 @@ def rerun_summary(res: Results) -> str:
              f"of draws ({rates['mean_changed']:.2f} rows per rerun). The earlier rule (one paired t-test at 5% on "
              f"one set of {e['set_size']} seeds, no margin) on the same runs changes at least one of its verdicts "
              f"in {_pct(1 - e['none_changed'])} of draws ({e['mean_changed']:.2f} rows per rerun)")
-    if e.get("changed_on_second_set") is not None:
-        text += (f", and {e['changed_on_second_set']} of its {len(rows)} verdicts differ between "
-                 f"{_set_name(res.sets[0])} and {_set_name(res.sets[1])}")
+    if e.get("measured_on_both_sets"):
+        text += (f"; on the {e['measured_on_both_sets']} checks measured on both sets it gives a different verdict "
+                 f"on {_set_name(res.sets[0])} than on {_set_name(res.sets[1])} for {e['changed_on_second_set']}")
     return text + "."
+
+
+def second_run_rows(first: Results, second: Results) -> list[dict[str, Any]]:
+    """The claim checks of two runs of the job side by side (matched by implementation and measurement), each
+    classified: ``same`` verdict, ``to or from inconclusive`` (a verdict in one run, none in the other: the change
+    the protocol allows), ``contradicted`` (two different verdicts) or ``missing`` (not checked in the second)."""
+    rows_b = {(r["implementation"], r["measurement"]): r for r in claim_rows(second)[0]}
+    out = []
+    for a in claim_rows(first)[0]:
+        b = rows_b.get((a["implementation"], a["measurement"]))
+        if b is None:
+            change = "missing"
+        elif b["verdict"] == a["verdict"]:
+            change = "same"
+        elif verdicts.contradicts(a["verdict"], b["verdict"]):
+            change = "contradicted"
+        else:
+            change = "to or from inconclusive"
+        out.append({"first": a, "second": b, "change": change})
+    return out
+
+
+def second_run_table(first: Results, second: Results) -> str:
+    """Markdown: each claim check's per-set differences and verdict in both runs, and what changed."""
+    rows = second_run_rows(first, second)
+    lines = ["| implementation | measurement | Δ per seed set, this run | verdict | Δ per seed set, second run | "
+             "verdict | change |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        a, b = r["first"], r["second"]
+
+        def sets(x: Mapping[str, Any] | None) -> str:
+            if x is None:
+                return "—"
+            return "; ".join(fmt_diff(s["paired"], x["digits"]) if s["paired"] else "—" for s in x["sets"])
+
+        lines.append(f"| `{a['implementation']}` | {a['measurement']} | {sets(a)} | {a['verdict']} | {sets(b)} | "
+                     f"{b['verdict'] if b else '—'} | {r['change']} |")
+    return "\n".join(lines)
+
+
+def second_run_summary(first: Results, second: Results) -> dict[str, Any]:
+    """Counts of ``second_run_rows``' changes, and how many runs both hold ended training differently (evidence that
+    the second run's floating-point order differed: runs are bit-identical under the same order)."""
+    rows = second_run_rows(first, second)
+    counts = {k: sum(r["change"] == k for r in rows) for k in ("same", "to or from inconclusive", "contradicted",
+                                                                 "missing")}
+    both = [rid for rid, rec in first.records.items() if rec.get("status") == "ok"
+            and (second.records.get(rid) or {}).get("status") == "ok"]
+    differ = [rid for rid in both if first.records[rid].get("final_train_loss")
+              != second.records[rid].get("final_train_loss")]
+    return {"checks": len(rows), **counts, "runs_in_both": len(both), "runs_differing": len(differ)}
 
 
 # ------------------------------------------------------------------------------------------------------------ plots

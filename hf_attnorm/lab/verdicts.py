@@ -35,7 +35,7 @@ from typing import Any
 from .stats import t_ppf
 
 __all__ = ["INCONCLUSIVE", "MARGINS", "check_verdict", "conclusive", "contradicts", "paired_ci", "rerun_rates",
-           "seed_sets", "set_outcome", "single_test_verdict", "still_decidable", "verdict"]
+           "pairs", "seed_sets", "set_outcome", "single_test_verdict", "still_decidable", "verdict"]
 
 #: the smallest difference from the reference a verdict counts, per kind of measurement (in the table's units):
 #: probe accuracy in percentage points, LM loss in nats/char, first-token share, sink rate in percentage points of
@@ -136,7 +136,7 @@ def contradicts(a: str, b: str) -> bool:
     return conclusive(a) and conclusive(b) and a != b
 
 
-def _pairs(ref: Sequence[float | None], imp: Sequence[float | None], seeds: Sequence[int]
+def pairs(ref: Sequence[float | None], imp: Sequence[float | None], seeds: Sequence[int]
            ) -> list[tuple[float, float]]:
     return [(imp[i], ref[i]) for i in seeds if i < len(ref) and i < len(imp) and ref[i] is not None
             and imp[i] is not None]
@@ -150,8 +150,8 @@ def check_verdict(ref: Sequence[float | None], imp: Sequence[float | None], sets
     values / ``scale``) for the check to be testable there."""
     outcomes, testable = [], []
     for s in sets:
-        pairs = _pairs(ref, imp, s)
-        outcomes.append(set_outcome([a - b for a, b in pairs], expect, margin))
+        both = pairs(ref, imp, s)
+        outcomes.append(set_outcome([a - b for a, b in both], expect, margin))
         if floor is not None:
             refs = [ref[i] for i in s if i < len(ref) and ref[i] is not None]
             testable.append(sum(refs) / len(refs) / scale > floor if refs else None)
@@ -180,12 +180,12 @@ def single_test_verdict(ref: Sequence[float | None], imp: Sequence[float | None]
     """The verdict of one check under the earlier rule: significant in the claimed direction = holds, else not
     reproduced (no significant difference / opposite direction); "matches" = not contradicted unless significant;
     not testable where the reference's mean is at or below ``floor``."""
-    pairs = _pairs(ref, imp, seeds)
-    if len(pairs) < 2:
+    both = pairs(ref, imp, seeds)
+    if len(both) < 2:
         return FEW_SEEDS
-    if floor is not None and not sum(b for _, b in pairs) / len(pairs) / scale > floor:
+    if floor is not None and not sum(b for _, b in both) / len(both) / scale > floor:
         return "not testable"
-    m, lo, hi = paired_ci([a - b for a, b in pairs])
+    m, lo, hi = paired_ci([a - b for a, b in both])
     significant = lo > 0 or hi < 0
     if expect == "equal":
         return "does not hold (differs)" if significant else "not contradicted"
@@ -216,7 +216,7 @@ def rerun_rates(checks: Sequence[Mapping[str, Any]], seeds: int, sets: int, draw
     k = size * (1 if single_test else sets)
     positions = [list(range(g * size, (g + 1) * size)) for g in range(k // size)]
     rng = random.Random(rng_seed)
-    pools = [[i for i in range(seeds) if len(_pairs(c["ref"], c["imp"], [i])) == 1] for c in checks]
+    pools = [[i for i in range(seeds) if len(pairs(c["ref"], c["imp"], [i])) == 1] for c in checks]
     per = [{"same": 0, "contradicted": 0, "changed": 0} for _ in checks]
     no_contradiction = no_change = contradicted_total = changed_total = 0
     for _ in range(draws):
