@@ -98,8 +98,17 @@ def main_job() -> str:
             f"run; ▲/▼: significantly higher/lower than `{data['reference']}` (paired t-test by seed, 5%).\n\n"
             f"{report.headline_sentence(res)}\n\n{report.headline_table(res)}\n\n"
             f"Published claims checked at this scale: a verdict only where both seed sets agree and the effect clears "
-            f"the stated margin ([protocol](docs/evaluation.md#claim-verdicts)):\n\n{report.verdicts_table(rows)}"
-            f"\n\n{report.rerun_summary(res)}\n\n{plots}")
+            f"the stated margin ([protocol](docs/evaluation.md#claim-verdicts); —: the second set was not needed). "
+            f"{report.rerun_summary(res)} {_second_run_sentence()}\n\n{report.verdicts_table(rows)}\n\n{plots}")
+
+
+def _second_run_sentence() -> str:
+    from hf_attnorm.lab import report
+
+    n = report.second_run_summary(_compare_results(), _second_run_results())
+    return (f"A second run in another floating-point order kept {n['same']} of the {n['checks']} verdicts, "
+            f"{n['contradicted']} turned into another verdict "
+            f"([details](bench/compare/README.md#a-second-run-in-another-floating-point-order)).")
 
 
 def _conversion_results() -> dict:
@@ -271,11 +280,15 @@ def _second_run_words() -> str:
     first, second = _compare_results(), _second_run_results()
     data = json.loads((SECOND_RUN / "results.json").read_text())
     n = report.second_run_summary(first, second)
-    return (f"`{data['command']}` ({data['date'][:10]}; {data['jobs']} process(es) × {data['threads']} torch "
-            f"threads, where the published run used {_published()['jobs']} × {_published()['threads']}: another "
-            f"order of floating-point sums) trained the same seeds again: {n['runs_differing']} of the "
+    return (f"The same seeds trained again with {data['jobs']} process(es) × {data['threads']} torch threads, where "
+            f"the published run used {_published()['jobs']} × {_published()['threads']}: another order of "
+            f"floating-point sums (tables: `{data['command']}`, {data['date'][:10]}). {n['runs_differing']} of the "
             f"{n['runs_in_both']} runs both hold ended training with a different loss (under one order they are "
-            f"bit-identical). Of the {n['checks']} claim checks, {n['same']} kept their verdict, "
+            f"bit-identical), and the test measurements moved in "
+            + ", ".join(f"{m['changed']} of {m['runs']} {task} runs (by up to "
+                        + (f"{m['largest']:.3f} nats/char)" if task == "lm" else f"{m['largest']:.1f} points)")
+                        for task, m in n["measurements_moved"].items())
+            + f". Of the {n['checks']} claim checks, {n['same']} kept their verdict, "
             f"{n['to or from inconclusive']} moved between a verdict and \"inconclusive\", {n['contradicted']} "
             f"turned into another verdict" + (f", {n['missing']} were not checked" if n["missing"] else "") + ".")
 

@@ -208,5 +208,7 @@ def test_second_run_changes_are_classified():
     summary = report.second_run_summary(*results)
     assert summary["checks"] == 3 and summary["contradicted"] == 1 and summary["same"] == 1
     assert summary["runs_in_both"] == 24 and summary["runs_differing"] == 6  # ssmax's runs ended differently
+    # stickbreaking's and asentmax's 6 runs each moved (stickbreaking's seed 2 by 45 points), the others' did not
+    assert summary["measurements_moved"] == {"mqar": {"runs": 24, "changed": 12, "largest": pytest.approx(45.0)}}
     table = report.second_run_table(*results)
     assert table.count("\n") == 2 + 3 - 1 and "| contradicted |" in table

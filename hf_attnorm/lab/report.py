@@ -392,7 +392,7 @@ def claims_table(res: Results) -> tuple[str, list[dict[str, Any]]]:
         last = r["claim"]
         d = r["digits"]
         per_set = [fmt_diff(x["paired"], d) if x["paired"] else "—" for x in r["sets"]]
-        lines.append(f"| {said} | {r['measurement']} (±{r['margin']:g}) | {fmt_ci(r['reference'], d)} | "
+        lines.append(f"| {said} | {r['measurement']} (margin {r['margin']:g}) | {fmt_ci(r['reference'], d)} | "
                      f"`{r['implementation']}` {fmt_ci(r['value'], d)} | " + " | ".join(per_set)
                      + f" | {r['verdict']} | {rerun_words(r)} |")
     return "\n".join(lines), rows
@@ -466,8 +466,9 @@ def second_run_table(first: Results, second: Results) -> str:
 
 
 def second_run_summary(first: Results, second: Results) -> dict[str, Any]:
-    """Counts of ``second_run_rows``' changes, and how many runs both hold ended training differently (evidence that
-    the second run's floating-point order differed: runs are bit-identical under the same order)."""
+    """Counts of ``second_run_rows``' changes, how many runs both hold ended training differently (evidence that the
+    second run's floating-point order differed: runs are bit-identical under the same order) and, per task, how many
+    runs' test measurements moved and by how much at most (accuracy points; LM nats/char)."""
     rows = second_run_rows(first, second)
     counts = {k: sum(r["change"] == k for r in rows) for k in ("same", "to or from inconclusive", "contradicted",
                                                                  "missing")}
@@ -475,7 +476,18 @@ def second_run_summary(first: Results, second: Results) -> dict[str, Any]:
             and (second.records.get(rid) or {}).get("status") == "ok"]
     differ = [rid for rid in both if first.records[rid].get("final_train_loss")
               != second.records[rid].get("final_train_loss")]
-    return {"checks": len(rows), **counts, "runs_in_both": len(both), "runs_differing": len(differ)}
+    moved: dict[str, dict[str, Any]] = {}
+    for rid in both:  # the test measurements: accuracy points per length, LM nats/char per context
+        a, b = first.records[rid], second.records[rid]
+        x, y = (a["accuracy"], b["accuracy"]) if "accuracy" in a else (a["val_loss_per_char"], b["val_loss_per_char"])
+        scale = 100.0 if "accuracy" in a else 1.0
+        d = max((abs(x[k] - y[k]) * scale for k in x if k in y), default=0.0)
+        m = moved.setdefault(rid.split("/")[0], {"runs": 0, "changed": 0, "largest": 0.0})
+        m["runs"] += 1
+        m["changed"] += d > 0
+        m["largest"] = max(m["largest"], d)
+    return {"checks": len(rows), **counts, "runs_in_both": len(both), "runs_differing": len(differ),
+            "measurements_moved": moved}
 
 
 # ------------------------------------------------------------------------------------------------------------ plots
