@@ -11,6 +11,8 @@ two markers is replaced by the output of generator NAME:
 * main-job: ``bench/compare/results.json`` re-rendered by ``hf_attnorm.lab.report`` (the code that writes
   results.md);
 * compare-mqar, compare-passkey, compare-lm: the main job's full table of one task, from the same records;
+* compare-claims, compare-rerun, compare-second-run: the claims table with its rerun estimate, and the published run
+  beside its second run in another floating-point order (``bench/compare/second-run/results.json``);
 * claims-list: the published claims the main job tests (``hf_attnorm.lab.report.CLAIMS``);
 * kernels-run1, kernels-run3, kernels-run4: the tables of three earlier ``scripts/bench_kernels.py`` runs
   (bench/kernels/history/2026-11-22-first-run, 2026-11-23-added-kernels, 2026-11-27-attention-variants);
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import importlib.util
 import json
 import re
@@ -84,16 +87,28 @@ def main_job() -> str:
 
     data = json.loads((ROOT / "bench" / "compare" / "results.json").read_text())
     res = _compare_results()
-    _, rows = report.claims_table(res)
-    settings = data["settings"]
+    rows, _ = report.claim_rows(res)
     plots = " ".join(f"![{name}](bench/compare/plots/{Path(p['path']).name})" for name, p in data["plots"].items())
-    return (f"{len(data['implementations'])} implementations × {settings['seeds']} seeds, from "
+    sets = " and ".join(f"{s[0]}–{s[-1]}" for s in res.sets)
+    return (f"{len(data['implementations'])} implementations, seeds {sets}, from "
             f"[bench/compare/results.json](bench/compare/results.json) (`{data['command']}`, aggregated "
             f"{data['date'][:10]}; how the rows were trained: [bench/compare/README.md](bench/compare/README.md)). "
-            f"Cells: mean ± 95% CI over seeds; ▲/▼: significantly higher/lower than `{data['reference']}` "
-            f"(paired t-test by seed, 5%).\n\n"
+            f"Every implementation runs seeds {res.sets[0][0]}–{res.sets[0][-1]}; the reference and the claimed "
+            f"implementations run the second set where a claim check needs it. Cells: mean ± 95% CI over the seeds "
+            f"run; ▲/▼: significantly higher/lower than `{data['reference']}` (paired t-test by seed, 5%).\n\n"
             f"{report.headline_sentence(res)}\n\n{report.headline_table(res)}\n\n"
-            f"Published claims checked at this scale:\n\n{report.verdicts_table(rows)}\n\n{plots}")
+            f"Published claims checked at this scale: a verdict only where both seed sets agree and the effect clears "
+            f"the stated margin ([protocol](docs/evaluation.md#claim-verdicts); —: the second set was not needed). "
+            f"{report.rerun_summary(res)} {_second_run_sentence()}\n\n{report.verdicts_table(rows)}\n\n{plots}")
+
+
+def _second_run_sentence() -> str:
+    from hf_attnorm.lab import report
+
+    n = report.second_run_summary(_compare_results(), _second_run_results())
+    return (f"A second run in another floating-point order kept {n['same']} of the {n['checks']} verdicts, "
+            f"{n['contradicted']} turned into another verdict "
+            f"([details](bench/compare/README.md#a-second-run-in-another-floating-point-order)).")
 
 
 def _conversion_results() -> dict:
@@ -218,10 +233,22 @@ def transfer_learning_rates() -> str:
             f"average over the runs {min(loads)} to {max(loads)}.")
 
 
+#: the second run of the published main job, in another floating-point order (bench/compare/README.md)
+SECOND_RUN = ROOT / "bench" / "compare" / "second-run"
+
+
+@functools.cache
 def _compare_results():
     from hf_attnorm.lab import report
 
     return report.results_from_json(json.loads((ROOT / "bench" / "compare" / "results.json").read_text()))
+
+
+@functools.cache
+def _second_run_results():
+    from hf_attnorm.lab import report
+
+    return report.results_from_json(json.loads((SECOND_RUN / "results.json").read_text()))
 
 
 def task_table(task: str) -> Callable[[], str]:
@@ -239,10 +266,144 @@ def task_table(task: str) -> Callable[[], str]:
 
 
 def claims() -> str:
-    """The main job's full published-claims table (claim text, both means, paired difference, verdict)."""
+    """The main job's full published-claims table (claim text, both means, paired difference per seed set, verdict,
+    rerun estimate) and the rerun estimate over the table."""
     from hf_attnorm.lab import report
 
-    return report.claims_table(_compare_results())[0]
+    res = _compare_results()
+    return report.claims_table(res)[0] + "\n\n" + report.rerun_summary(res)
+
+
+def _second_run_words() -> str:
+    from hf_attnorm.lab import report
+
+    first, second = _compare_results(), _second_run_results()
+    data = json.loads((SECOND_RUN / "results.json").read_text())
+    n = report.second_run_summary(first, second)
+    return (f"The same seeds trained again with {data['jobs']} process(es) × {data['threads']} torch threads, where "
+            f"the published run used {_published()['jobs']} × {_published()['threads']}: another order of "
+            f"floating-point sums (tables: `{data['command']}`, {data['date'][:10]}). {n['runs_differing']} of the "
+            f"{n['runs_in_both']} runs both hold ended training with a different loss (under one order they are "
+            f"bit-identical), and the test measurements moved in "
+            + ", ".join(f"{m['changed']} of {m['runs']} {task} runs (by up to "
+                        + (f"{m['largest']:.3f} nats/char)" if task == "lm" else f"{m['largest']:.1f} points)")
+                        for task, m in n["measurements_moved"].items())
+            + f". Of the {n['checks']} claim checks, {n['same']} kept their verdict, "
+            f"{n['to or from inconclusive']} moved between a verdict and \"inconclusive\", {n['contradicted']} "
+            f"turned into another verdict" + (f", {n['missing']} were not checked" if n["missing"] else "") + ".")
+
+
+def _published() -> dict:
+    return json.loads((ROOT / "bench" / "compare" / "results.json").read_text())
+
+
+def second_run() -> str:
+    """The published run and its second run side by side, claim check by claim check (bench/compare/second-run)."""
+    from hf_attnorm.lab import report
+
+    return _second_run_words() + "\n\n" + report.second_run_table(_compare_results(), _second_run_results())
+
+
+#: the published run before the seed sets (3 seeds, one t-test per claim, the longer default budget)
+EARLIER_RUN = ROOT / "bench" / "compare" / "2026-11-27-three-seeds"
+
+
+def _mean_over(records: dict, task: str, spec: str, seeds: list[int], get) -> float | None:
+    vals = [get(records[f"{task}/{spec}/seed{k}"]) for k in seeds if f"{task}/{spec}/seed{k}" in records]
+    vals = [v for v in vals if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def budget_curves() -> str:
+    """From the earlier run's training curves (3 seeds): where each task's curve stands at the steps the default
+    budget now stops at, against its end, per implementation."""
+    data = json.loads((EARLIER_RUN / "results.json").read_text())
+    recs = {r["id"]: r for r in data["runs"] if r.get("status") == "ok"}
+    seeds = list(range(int(data["settings"]["seeds"])))
+    impls = data["implementations"]
+
+    def at(task: str, step: int, key: str):
+        return lambda r: next((p[key] for p in r["curve"] if p["step"] == step), None)
+
+    pk, mq, lm = (data["settings"][k] for k in ("passkey_steps", "mqar_steps", "lm_steps"))
+    pk_steps = sorted({p["step"] for p in recs[f"passkey/{impls[0]}/seed0"]["curve"]})
+    lm_steps = sorted({p["step"] for p in recs[f"lm/{impls[0]}/seed0"]["curve"]})
+    mq_steps = sorted({p["step"] for p in recs[f"mqar/{impls[0]}/seed0"]["curve"]})
+    head = ([f"passkey % @ L, step {k}" for k in pk_steps[1:]]
+            + [f"LM Δ vs {data['reference']} @ L, step {k}" for k in lm_steps[2:]]
+            + [f"mqar % @ L, step {k}" for k in mq_steps[-2:]])
+    lines = ["| implementation | " + " | ".join(head) + " |", "|" + "---|" * (len(head) + 1)]
+    for spec in impls:
+        cells = []
+        for k in pk_steps[1:]:
+            v = _mean_over(recs, "passkey", spec, seeds, at("passkey", k, "accuracy"))
+            cells.append("—" if v is None else f"{100 * v:.0f}")
+        for k in lm_steps[2:]:
+            mine = _mean_over(recs, "lm", spec, seeds, at("lm", k, "val_loss"))
+            ref = _mean_over(recs, "lm", data["reference"], seeds, at("lm", k, "val_loss"))
+            cells.append("—" if mine is None or ref is None else f"{mine - ref:+.3f}")
+        for k in mq_steps[-2:]:
+            v = _mean_over(recs, "mqar", spec, seeds, at("mqar", k, "accuracy"))
+            cells.append("—" if v is None else f"{100 * v:.0f}")
+        lines.append(f"| `{spec}` | " + " | ".join(cells) + " |")
+    return (f"Mean over seeds 0–{seeds[-1]} of the earlier run ([{EARLIER_RUN.name}]({EARLIER_RUN.name}/README.md): "
+            f"passkey {pk}, LM {lm}, MQAR {mq} steps), from the curves each run records during training (probe "
+            f"accuracy on the test sequences at L; the LM's validation loss in nats/token at L, as a difference from "
+            f"{data['reference']}'s at the same step):\n\n" + "\n".join(lines))
+
+
+def budget_change() -> str:
+    """The same seeds at the earlier and the current default budget: each implementation's claim measurements."""
+    from hf_attnorm.lab import report
+
+    old, new = report.results_from_json(json.loads((EARLIER_RUN / "results.json").read_text())), _compare_results()
+    seeds = [s for s in range(len(next(iter(next(iter(old.ids.values())).values()))))]
+    cols = []
+    for task in ("mqar", "passkey", "lm"):
+        rec = old.first_ok(task)
+        if task == "lm":
+            L, ctx = rec["train_length"], rec["contexts"]
+            cols += [(task, f"LM @ {c // L}x L", ["val_loss_per_char", str(c)], 1.0, 3) for c in (ctx[0], ctx[-1])]
+        else:
+            L, n = rec["train_length"], rec["lengths"]
+            cols += [(task, f"{task} % @ {m // L}x L", ["accuracy", str(m)], 100.0, 1) for m in (n[0], n[-1])]
+    lines = ["| implementation | " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * (len(cols) + 1)]
+    for spec in new.ids["mqar"]:
+        cells = []
+        for task, _, path, scale, digits in cols:
+            a = [v for v in old.values(task, spec, path, scale)[:len(seeds)] if v is not None]
+            b = [v for v in new.values(task, spec, path, scale)[:len(seeds)] if v is not None]
+            cells.append(f"{sum(a) / len(a):.{digits}f} → {sum(b) / len(b):.{digits}f}" if a and b else "—")
+        lines.append(f"| `{spec}` | " + " | ".join(cells) + " |")
+    return (f"Seeds 0–{seeds[-1]}, mean, earlier budget → current (the same seeds: same initial weights and data "
+            f"order):\n\n" + "\n".join(lines))
+
+
+def earlier_verdicts() -> str:
+    """The earlier run's verdicts (3 seeds, one t-test at 5%) beside the current ones, claim check by claim check."""
+    from hf_attnorm.lab import report
+
+    old = json.loads((EARLIER_RUN / "results.json").read_text())["claims"]
+    rows, _ = report.claim_rows(_compare_results())
+    now = {(r["implementation"], r["measurement"]): r for r in rows}
+    lines = ["| implementation | measurement | earlier: Δ seeds 0–2 (95% CI) | earlier verdict | now: Δ per seed "
+             "set | verdict now |", "|---|---|---|---|---|---|"]
+    for o in old:
+        n = now.get((o["implementation"], o["measurement"]))
+        d = n["digits"] if n else 3
+        earlier = report.fmt_diff(o["paired"], d) if o.get("paired") else "—"
+        sets = "; ".join(report.fmt_diff(x["paired"], d) if x["paired"] else "—" for x in n["sets"]) if n else "—"
+        lines.append(f"| `{o['implementation']}` | {o['measurement']} | {earlier} | {o['verdict']} | {sets} | "
+                     f"{n['verdict'] if n else '—'} |")
+    return "\n".join(lines)
+
+
+def rerun_estimate() -> str:
+    """How stable the published verdicts are: the estimate from the published runs and the second run's outcome."""
+    from hf_attnorm.lab import report
+
+    return (f"{report.rerun_summary(_compare_results())}\n\nChecked by a second run "
+            f"([bench/compare/second-run](../bench/compare/second-run/results.md)): {_second_run_words()}")
 
 
 def claims_list() -> str:
@@ -664,6 +825,11 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "serve-endpoints": serve_endpoints,
     **{f"compare-{task}": task_table(task) for task in ("mqar", "passkey", "lm")},
     "compare-claims": claims,
+    "compare-second-run": second_run,
+    "compare-rerun": rerun_estimate,
+    "compare-budget-curves": budget_curves,
+    "compare-budget-change": budget_change,
+    "compare-earlier-verdicts": earlier_verdicts,
     "claims-list": claims_list,
     "keyword-scan": keyword_scan,
     "speed-goals": speed_goals,

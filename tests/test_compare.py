@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_attnorm.lab import compare_job, swap_evaluation
+from hf_attnorm.lab import compare_job, report, swap_evaluation
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,8 +41,21 @@ def test_micro_budget_writes_every_artifact(micro_run):
     saved = json.loads((out / "results.json").read_text())
     assert saved["budget"] == "micro" and saved["tasks"] == ["mqar", "passkey", "lm"]
     assert not saved["failed"] and not saved["missing"]
+    assert saved["seed_sets"] == [[0, 1], [2, 3]] and saved["settings"]["seed_plan"] == "adaptive"
     runs = saved["runs"]
-    assert len(runs) == 3 * 3 * 2 and all(r["status"] == "ok" for r in runs)  # tasks x implementations x seeds
+    assert all(r["status"] == "ok" and r["cpu_seconds"] > 0 for r in runs)
+    first = [r for r in runs if r["seed"] < 2]
+    assert len(first) == 3 * 3 * 2  # tasks x implementations x the first set's seeds
+    # the second set ran exactly where a claim check could still end in a verdict after the first
+    res = report.results_from_json(saved)
+    first_only = report.Results(res.records, {t: {s: ids[:2] + [None, None] for s, ids in per.items()}
+                                              for t, per in res.ids.items()}, "softmax", res.sets)
+    needed = report.cells_for_set(first_only, 1)
+    assert {(r["task"], r["implementation"]) for r in runs if r["seed"] >= 2} == needed
+    assert len(runs) == len(first) + 2 * len(needed)
+    for task, per in saved["run_ids"].items():
+        for spec, ids in per.items():
+            assert (ids[2] is not None) == ((task, spec) in needed), (task, spec)
     by_id = {r["id"]: r for r in runs}
     probe = by_id["mqar/symax-eta-0.5/seed1"]
     assert probe["lengths"] == [16, 32] and set(probe["accuracy"]) == {"16", "32"}
@@ -57,11 +70,15 @@ def test_micro_budget_writes_every_artifact(micro_run):
     for task in ("mqar", "passkey", "lm"):
         rows = [x for x in saved["tables"][task].splitlines() if x.startswith("| `")]
         assert [x.split("`")[1] for x in rows] == IMPLS
+        assert "symax:eta=0.5` (2 seeds)" in saved["tables"][task]  # no claim: the first set only
         assert len([x for x in saved["tables"][f"{task}_diff"].splitlines() if x.startswith("| `")]) == 2
     assert "± " in saved["tables"]["lm"]  # two seeds give an interval
     md = (out / "results.md").read_text()
-    assert "### Published claims" in md and "Nakanishi 2025" in md
+    assert "### Published claims" in md and "Nakanishi 2025" in md and "reruns drawn with replacement" in md
     assert {c["implementation"] for c in saved["claims"]} == {"ssmax"}  # only claims whose implementation ran
+    assert all(len(c["sets"]) == 2 and "rerun" in c for c in saved["claims"])
+    assert saved["claims_summary"]["rerun"]["draws"] == 2000
+    assert report.claims_table(res)[0] in md  # the claims re-render from results.json as written
     # plots: valid PNGs with one band per implementation
     for name in ("mqar_accuracy", "passkey_accuracy", "lm_loss_vs_context", "lm_val_curve"):
         info = saved["plots"][name]
@@ -80,20 +97,42 @@ def test_second_call_is_cached_and_a_lost_run_reruns_alone(compare, micro_run, c
     out, argv, first = micro_run
     capsys.readouterr()
     again = compare.run(argv)
-    assert "18 runs, 18 cached, 0 to run" in capsys.readouterr().out
-    assert again["tables"] == first["tables"]
+    second_set = sum(r["seed"] >= 2 for r in first["runs"])
+    log = capsys.readouterr().out
+    assert "sweep: 18 runs, 18 cached, 0 to run" in log
+    assert f"sweep: {second_set} runs, {second_set} cached, 0 to run" in log
+    assert again["tables"] == first["tables"] and again["claims"] == first["claims"]
     # a sweep killed before this run finished: its result is missing, only it runs again, with the same numbers
     lost = out / "runs" / "passkey" / "ssmax" / "seed1" / "result.json"
     before = json.loads(lost.read_text())
     lost.unlink()
     third = compare.run(argv)
-    assert "18 runs, 17 cached, 1 to run" in capsys.readouterr().out
+    assert "sweep: 18 runs, 17 cached, 1 to run" in capsys.readouterr().out
     after = json.loads(lost.read_text())
     assert after["accuracy"] == before["accuracy"] and after["curve"] == before["curve"]  # bit-reproducible
     assert third["tables"] == first["tables"]
     # a changed setting is a different run
     compare.run(argv + ["--tasks", "passkey", "--passkey_steps", "3", "--only", "passkey/softmax/seed0"])
     assert "1 to run" in capsys.readouterr().out
+
+
+def test_seed_plans_all_and_claims(compare, tmp_path, capsys):
+    """``--seed_plan claims`` runs the later sets for the reference and the claimed implementations on their claim
+    tasks, ``all`` for every configuration; later calls use every run the cache holds."""
+    base = ["--budget", "micro", "--tasks", "passkey", "--implementations", "softmax", "symax", "ssmax", "--jobs", "1",
+            "--output_dir", str(tmp_path)]
+    claims = compare.run(base + ["--seed_plan", "claims"])
+    assert claims["settings"]["seed_plan"] == "claims"
+    assert {r["id"] for r in claims["runs"] if r["seed"] >= 2} == {
+        f"passkey/{s}/seed{k}" for s in ("softmax", "ssmax") for k in (2, 3)}
+    capsys.readouterr()
+    every = compare.run(base + ["--seed_plan", "all"])
+    assert "sweep: 6 runs, 4 cached, 2 to run" in capsys.readouterr().out  # symax's second set only
+    assert len(every["runs"]) == 3 * 4 and every["run_ids"]["passkey"]["symax"][3] == "passkey/symax/seed3"
+    again = compare.run(base)  # adaptive, with symax's second set in the cache: it is used
+    assert len(again["runs"]) == 3 * 4 and again["tables"] == every["tables"]
+    with pytest.raises(SystemExit, match="multiple of --seed_sets"):
+        compare.run(base + ["--seeds", "5"])
 
 
 def test_failed_run_is_reported_and_the_others_finish(compare, tmp_path, monkeypatch):
@@ -111,7 +150,7 @@ def test_failed_run_is_reported_and_the_others_finish(compare, tmp_path, monkeyp
                           "--output_dir", str(tmp_path), "--jobs", "1"])
     assert result["failed"] == ["passkey/symax/seed1"]
     ok = [r for r in result["runs"] if r["status"] == "ok"]
-    assert len(ok) == 3
+    assert len(ok) == 3 and len(result["runs"]) == 4  # symax has no claim: no second seed set
     failed = json.loads((tmp_path / "runs" / "passkey" / "symax" / "seed1" / "failed.json").read_text())
     assert failed["error"] == "RuntimeError: boom" and "Traceback" in failed["traceback"]
     assert "(1 of 2 runs missing/failed)" in result["tables"]["passkey"]
@@ -123,15 +162,17 @@ def test_failed_run_is_reported_and_the_others_finish(compare, tmp_path, monkeyp
 
 
 def test_shards_split_the_sweep(compare, tmp_path, capsys):
-    base = ["--budget", "micro", "--tasks", "passkey", "--implementations", "softmax", "symax",
+    base = ["--budget", "micro", "--tasks", "passkey", "--implementations", "softmax", "ssmax",
             "--output_dir", str(tmp_path), "--jobs", "1"]
     first = compare.run(base + ["--shard", "0/2"])
-    assert "sweep: 2 runs, 0 cached, 2 to run" in capsys.readouterr().out  # the shard runs only its half
-    assert len(first["missing"]) == 2
+    log = capsys.readouterr().out
+    # the shard runs only its half of each seed set; the second set is planned as "claims" (softmax and ssmax)
+    assert log.count("sweep: 2 runs, 0 cached, 2 to run") == 2
+    assert len(first["missing"]) == 4 and first["settings"]["seed_plan"] == "claims"
     second = compare.run(base + ["--shard", "1/2"])
     assert not second["missing"]  # the other shard's results are picked up from the shared output directory
     merged = compare.run(base + ["--aggregate_only"])
-    assert merged["tables"] == second["tables"] and not merged["missing"]
+    assert merged["tables"] == second["tables"] and not merged["missing"] and merged["claims"] == second["claims"]
 
 
 def test_bad_input_fails_before_training(compare, tmp_path):

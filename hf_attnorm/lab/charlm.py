@@ -62,12 +62,17 @@ def ngram_entropies(train_ids: torch.Tensor, val_ids: torch.Tensor, vocab: int) 
     return {"unigram": float(uni_nll), "bigram": float(bi_nll)}
 
 
+def data_folder(out_dir: Path, vocab_size: int = 0) -> Path:
+    """Where ``prepare`` puts the tokenizer and token ids of ``vocab_size`` under ``out_dir``."""
+    return Path(out_dir) / f"charlm-data-v{DATA_VERSION}-vocab{vocab_size}"
+
+
 def prepare(out_dir: Path, vocab_size: int = 0) -> Path:
     """Train the tokenizer and tokenize both splits once per output directory (idempotent, atomic): returns the
     folder holding ``tokenizer.json``, ``data.pt`` (train/validation ids) and ``meta.json`` (vocabulary size,
     characters per token, n-gram baselines)."""
 
-    folder = Path(out_dir) / f"charlm-data-v{DATA_VERSION}-vocab{vocab_size}"
+    folder = data_folder(out_dir, vocab_size)
     if (folder / "meta.json").is_file():
         return folder
     tmp = folder.with_name(f".tmp-{os.getpid()}-{folder.name}")
@@ -129,6 +134,8 @@ def run_lm(task: str, implementation: str, options: dict[str, Any], seed: int, s
     eval_every, shape (ModelShape fields)."""
 
     data_dir = Path(settings["data_dir"])
+    if not (data_dir / "meta.json").is_file():  # normally prepared beforehand, while the probes train
+        data_dir = prepare(data_dir.parent, int(settings.get("vocab", 0)))
     meta = json.loads((data_dir / "meta.json").read_text())
     ids = torch.load(data_dir / "data.pt")
     train_ids, val_ids = ids["train"], ids["validation"]

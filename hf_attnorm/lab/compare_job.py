@@ -12,7 +12,12 @@ tests it at multiples of the training length L:
 
 Every configuration runs with several seeds (same seed = same initial weights and data for every normalizer);
 tables give mean ± 95% CI (Student t) and mark differences from softmax that are significant in a paired
-comparison by seed. A table sets published claims (SSMax, softmax1, softpick, sink, sigmoid) beside our numbers.
+comparison by seed. A table sets published claims (SSMax, softmax1, softpick, sigmoid, ...) beside our numbers,
+with verdicts that a rerun does not overturn: the seeds form disjoint sets (default 0-2 and 3-5), each set is
+compared on its own against a stated margin, and a verdict stands only where every set agrees
+(``hf_attnorm.lab.verdicts``), with the estimated share of reruns that would keep it. Every implementation runs the
+first set; the later sets run for the reference and the claimed implementations whose checks can still end in a
+verdict (``--seed_plan``).
 
 Runs are cached in --output_dir/runs (one folder per task/implementation/seed): a killed sweep continues where it
 stopped; a failed run is reported and the others go on. --shard i/n and --only split the sweep over processes or
@@ -29,11 +34,15 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from . import charlm, probes, report
+from .. import resolve_settings
+from ..kernels import paths_for
+from ..kernels.fused.cpu import native_ops
+from . import charlm, probes, report, verdicts
 from .cards import write_model_card
 from .cli import nonnegative_int, offline_by_default, positive_float, positive_int
 from .sweep import Run, label_of, parse_implementation, select, sweep
@@ -46,31 +55,36 @@ PROBE_SHAPE = {"hidden": 64, "layers": 2, "heads": 2, "mlp": 128}
 LM_SHAPE = {"hidden": 96, "layers": 3, "heads": 4, "mlp": 256}
 
 #: budget -> settings (each overridable by its flag). Run times: docs/evaluation.md. "default" fits the default
-#: implementations in 15 minutes on 2 cores; "full" trains each run about 3x longer (the MQAR probe converges).
+#: implementations, both seed sets, in 15 minutes on 2 cores; "full" trains each run 4-5x longer (the MQAR probe
+#: converges).
 BUDGETS: dict[str, dict[str, Any]] = {
-    "default": {"seeds": 3, "probe_length": 64, "probe_factors": [1, 2, 4, 8, 16], "mqar_steps": 500,
-                "passkey_steps": 150, "probe_batch": 16, "probe_lr": 3e-3, "test_sequences": 64,
-                "probe_shape": PROBE_SHAPE, "lm_length": 128, "lm_factors": [1, 2, 4, 8], "lm_steps": 150,
+    "default": {"seeds": 6, "seed_sets": 2, "probe_length": 64, "probe_factors": [1, 2, 4, 8, 16], "mqar_steps": 400,
+                "passkey_steps": 100, "probe_batch": 16, "probe_lr": 3e-3, "test_sequences": 64,
+                "probe_shape": PROBE_SHAPE, "lm_length": 128, "lm_factors": [1, 2, 4, 8], "lm_steps": 100,
                 "lm_batch": 8, "lm_lr": 3e-3, "lm_eval_tokens": 4096, "lm_vocab": 0, "lm_shape": LM_SHAPE},
-    "full": {"seeds": 3, "probe_length": 64, "probe_factors": [1, 2, 4, 8, 16], "mqar_steps": 800,
+    "full": {"seeds": 6, "seed_sets": 2, "probe_length": 64, "probe_factors": [1, 2, 4, 8, 16], "mqar_steps": 800,
              "passkey_steps": 250, "probe_batch": 32, "probe_lr": 3e-3, "test_sequences": 256,
              "probe_shape": PROBE_SHAPE, "lm_length": 128, "lm_factors": [1, 2, 4, 8], "lm_steps": 250,
              "lm_batch": 16, "lm_lr": 3e-3, "lm_eval_tokens": 8192, "lm_vocab": 0, "lm_shape": LM_SHAPE},
-    "long": {"seeds": 5, "probe_length": 64, "probe_factors": [1, 2, 4, 8, 16, 32], "mqar_steps": 1500,
+    "long": {"seeds": 6, "seed_sets": 2, "probe_length": 64, "probe_factors": [1, 2, 4, 8, 16, 32], "mqar_steps": 1500,
              "passkey_steps": 500, "probe_batch": 32, "probe_lr": 3e-3, "test_sequences": 512,
              "probe_shape": PROBE_SHAPE, "lm_length": 256, "lm_factors": [1, 2, 4, 8], "lm_steps": 3000,
              "lm_batch": 32, "lm_lr": 2e-3, "lm_eval_tokens": 32768, "lm_vocab": 0,
              "lm_shape": {"hidden": 192, "layers": 4, "heads": 6, "mlp": 576}},
-    "micro": {"seeds": 2, "probe_length": 16, "probe_factors": [1, 2], "mqar_steps": 6, "passkey_steps": 6,
-              "probe_batch": 8, "probe_lr": 3e-3, "test_sequences": 16,
+    "micro": {"seeds": 4, "seed_sets": 2, "probe_length": 16, "probe_factors": [1, 2], "mqar_steps": 6,
+              "passkey_steps": 6, "probe_batch": 8, "probe_lr": 3e-3, "test_sequences": 16,
               "probe_shape": {"hidden": 16, "layers": 1, "heads": 2, "mlp": 32},
               "lm_length": 16, "lm_factors": [1, 2], "lm_steps": 6, "lm_batch": 4, "lm_lr": 3e-3,
               "lm_eval_tokens": 256, "lm_vocab": 0, "lm_shape": {"hidden": 16, "layers": 1, "heads": 2, "mlp": 32}},
 }
+#: how the seeds past the first set are planned (``--seed_plan``)
+SEED_PLANS = ["adaptive", "claims", "all"]
+#: fast paths that are C++ code compiled on first use (a fresh checkout builds them inside the job)
+NATIVE_PATHS = {"fused_cpu", "stickbreaking_cpu", "selective_cpu"}
 #: flags that override one budget value each (shape dictionaries have no flag: pick a budget)
-OVERRIDABLE = ["seeds", "probe_length", "probe_factors", "mqar_steps", "passkey_steps", "probe_batch", "probe_lr",
-               "test_sequences", "lm_length", "lm_factors", "lm_steps", "lm_batch", "lm_lr", "lm_eval_tokens",
-               "lm_vocab"]
+OVERRIDABLE = ["seeds", "seed_sets", "probe_length", "probe_factors", "mqar_steps", "passkey_steps", "probe_batch",
+               "probe_lr", "test_sequences", "lm_length", "lm_factors", "lm_steps", "lm_batch", "lm_lr",
+               "lm_eval_tokens", "lm_vocab"]
 
 
 def _shard(text: str) -> tuple[int, int]:
@@ -94,9 +108,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the implementation every other one is compared with, seed by seed (must be listed)")
     p.add_argument("--tasks", nargs="+", choices=TASKS, default=TASKS, help="tasks to run")
     p.add_argument("--budget", choices=list(BUDGETS), default="default",
-                   help="preset of the values below: default (the README's run, about 9 min on 2 idle cores), "
-                        "long (5 seeds, longer training, bigger LM; hours), micro (seconds; tests)")
-    p.add_argument("--seeds", type=positive_int, default=None, help="seeds per configuration: 0 .. N-1")
+                   help="preset of the values below: default (the README's run, under 15 min on 2 idle cores), full "
+                        "(4-5x the training per run), long (longer training, bigger LM; hours), micro (seconds; "
+                        "tests)")
+    p.add_argument("--seeds", type=positive_int, default=None,
+                   help="seeds 0 .. N-1 (a multiple of --seed_sets); see --seed_plan for which configurations run all")
+    p.add_argument("--seed_sets", type=positive_int, default=None,
+                   help="the seeds form this many disjoint consecutive sets; a claim verdict needs every set to agree")
+    p.add_argument("--seed_plan", choices=SEED_PLANS, default="adaptive",
+                   help="which configurations run the seeds past the first set: adaptive = the reference and each "
+                        "claimed implementation whose claim checks can still end in a verdict after the sets before; "
+                        "claims = the reference and every claimed implementation on its claim tasks; all = every "
+                        "configuration (with --shard, adaptive plans as claims)")
     p.add_argument("--probe_length", type=positive_int, default=None, help="training length L of the probes")
     p.add_argument("--probe_factors", type=positive_float, nargs="+", default=None,
                    help="probe test lengths as multiples of L")
@@ -162,6 +185,12 @@ def run_cost(r: Run) -> float:
     return s["steps"] * s["batch_size"] * s["length"] * width
 
 
+def needs_native(spec: str) -> bool:
+    """Whether an implementation spec may run a C++ fast path on the CPU (built on first use)."""
+    name, options = parse_implementation(spec)
+    return bool(NATIVE_PATHS & set(paths_for(resolve_settings(name, options).normalizer)))
+
+
 def run(argv: list[str] | None = None) -> dict[str, Any]:
     """The main job with these flags (``sys.argv[1:]`` when None): trains the runs not in the cache, writes
     results.json, results.md, the plots and the model cards, and returns what results.json holds. Bad input raises
@@ -186,38 +215,97 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     if "mqar" in args.tasks and cfg["probe_length"] < probes.MQAR().min_length():
         raise SystemExit(f"compare.py: error: --probe_length must be >= {probes.MQAR().min_length()} for mqar, got "
                          f"{cfg['probe_length']}")
-    if cfg["seeds"] < 2:
-        print("compare.py: warning: one seed gives no confidence intervals", file=sys.stderr)
+    if cfg["seeds"] % cfg["seed_sets"]:
+        raise SystemExit(f"compare.py: error: --seeds must be a multiple of --seed_sets (the sets are disjoint and "
+                         f"equal), got {cfg['seeds']} seeds in {cfg['seed_sets']} sets")
+    sets = verdicts.seed_sets(cfg["seeds"], cfg["seed_sets"])
+    if len(sets[0]) < 2:
+        print("compare.py: warning: a seed set of one seed gives no confidence intervals and no claim verdicts",
+              file=sys.stderr)
+    plan = "claims" if args.seed_plan == "adaptive" and args.shard is not None else args.seed_plan
+    cfg["seed_plan"] = plan
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
+    background = _start_background_work(args, cfg, out)
     runtime: dict[str, Any] = {}
-    if "lm" in args.tasks and not args.aggregate_only:
-        runtime["data_dir"] = str(charlm.prepare(out, cfg["lm_vocab"]))
-    runs = [Run(task, spec, seed, task_settings(task, cfg), runtime if task == "lm" else {})
-            for task in args.tasks for spec in args.implementations for seed in range(cfg["seeds"])]
+    if "lm" in args.tasks:
+        runtime["data_dir"] = str(charlm.data_folder(out, cfg["lm_vocab"]))
     runners = {"mqar": probes.run_probe, "passkey": probes.run_probe, "lm": charlm.run_lm}
-    cached_before, chosen = 0, []
-    if args.aggregate_only:
-        records = {r.id: r.cached(out) for r in runs}
-        records = {k: v for k, v in records.items() if v is not None}
-    else:
-        chosen = select(runs, args.shard, args.only)
-        cached_before = sum(r.cached(out) is not None for r in chosen)
-        records = sweep(chosen, out, runners, jobs=args.jobs, threads=args.threads, cost=run_cost,
-                        log=lambda m: print(m, flush=True))
-        for r in runs:  # runs of other shards that are already there count too
+    native = {spec: needs_native(spec) for spec in args.implementations}
+    building = background.get("native")
+
+    def later(r: Run) -> bool:  # runs that would wait for the C++ build start after the others
+        return building is not None and building.is_alive() and native[r.spec]
+
+    cells = [(task, spec) for task in args.tasks for spec in args.implementations]
+    planned: dict[tuple[str, str], list[int]] = {cell: [] for cell in cells}
+    records: dict[str, dict[str, Any]] = {}
+    runs: list[Run] = []
+    cfg["cached_runs"] = cfg["trained_runs"] = 0
+    for k, seeds in enumerate(sets):
+        if k == 0 or plan == "all":
+            chosen_cells = set(cells)
+        else:
+            chosen_cells = report.cells_for_set(_results(args, planned, records, sets), k, plan == "adaptive")
+        candidates = {cell: [Run(cell[0], cell[1], seed, task_settings(cell[0], cfg),
+                                 runtime if cell[0] == "lm" else {}) for seed in seeds] for cell in cells}
+        # runs of this set already in the cache count too (e.g. from an earlier call with --seed_plan all)
+        chosen_cells |= {cell for cell, rs in candidates.items() if any(r.cached(out) is not None for r in rs)}
+        phase = [r for cell in cells if cell in chosen_cells for r in candidates[cell]]
+        for r in phase:
+            planned[(r.task, r.spec)].append(r.seed)
+        runs += phase
+        if args.aggregate_only:
+            hits = {r.id: r.cached(out) for r in phase}
+            records.update({rid: rec for rid, rec in hits.items() if rec is not None})
+            cfg["cached_runs"] += sum(rec is not None for rec in hits.values())
+            continue
+        if len(sets) > 1:
+            print(f"seed set {k + 1} of {len(sets)} (seeds {seeds[0]}-{seeds[-1]}): {len(phase)} runs", flush=True)
+        chosen = select(phase, args.shard, args.only)
+        cached = sum(r.cached(out) is not None for r in chosen)
+        cfg["cached_runs"] += cached
+        cfg["trained_runs"] += len(chosen) - cached
+        records.update(sweep(chosen, out, runners, jobs=args.jobs, threads=args.threads, cost=run_cost,
+                             log=lambda m: print(m, flush=True), later=later))
+        for r in phase:  # runs of other shards that are already there count too
             if r.id not in records:
                 hit = r.cached(out)
                 if hit is not None:
                     records[r.id] = hit
+    for thread in background.values():
+        thread.join()
     sweep_seconds = time.time() - started
-    ids = {task: {spec: [f"{task}/{label_of(spec)}/seed{s}" for s in range(cfg["seeds"])]
-                  for spec in args.implementations} for task in args.tasks}
-    res = report.Results(records, ids, args.reference)
-    cfg["cached_runs"] = len(records) if args.aggregate_only else cached_before
-    cfg["trained_runs"] = len(chosen) - cached_before
+    res = _results(args, planned, records, sets)
     return write_report(args, cfg, res, runs, records, out, sweep_seconds, argv)
+
+
+def _results(args: argparse.Namespace, planned: dict[tuple[str, str], list[int]], records: dict[str, Any],
+             sets: list[list[int]]) -> report.Results:
+    seeds = sum(len(s) for s in sets)
+    ids = {task: {spec: [f"{task}/{label_of(spec)}/seed{s}" if s in planned[(task, spec)] else None
+                         for s in range(seeds)] for spec in args.implementations} for task in args.tasks}
+    return report.Results(records, ids, args.reference, sets)
+
+
+def _start_background_work(args: argparse.Namespace, cfg: dict[str, Any], out: Path) -> dict[str, threading.Thread]:
+    """Work this process does while the workers train: building the C++ kernels (a fresh checkout compiles them on
+    first use, about a minute) and preparing the LM's tokenizer and data (the probes do not need it). With one
+    worker in this process the data are prepared first instead."""
+    threads: dict[str, threading.Thread] = {}
+    if args.aggregate_only:
+        return threads
+    if any(needs_native(spec) for spec in args.implementations):
+        threads["native"] = threading.Thread(target=native_ops, kwargs={"warn": False}, daemon=True)
+    if "lm" in args.tasks:
+        if args.jobs == 1:
+            charlm.prepare(out, cfg["lm_vocab"])
+        else:
+            threads["lm_data"] = threading.Thread(target=charlm.prepare, args=(out, cfg["lm_vocab"]), daemon=True)
+    for t in threads.values():
+        t.start()
+    return threads
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,28 +369,37 @@ def write_report(args: argparse.Namespace, cfg: dict[str, Any], res: report.Resu
         sections.append(f"### {task}\n\n{intro}\n\n{tables[task]}\n\nPaired differences (95% CI, * = "
                         f"significant):\n\n{tables[f'{task}_diff']}")
     claims_md, claims = report.claims_table(res)
+    _, claims_summary = report.claim_rows(res)
+    rerun_md = report.rerun_summary(res)
     failed = sorted(rid for rid, r in records.items() if r.get("status") != "ok")
     missing = sorted(r.id for r in runs if r.id not in records)
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     command = "python scripts/compare.py" + ("" if not argv else " " + " ".join(argv))
+    t = os.times()
+    cpu_seconds = t.user + t.system + t.children_user + t.children_system
+    names = ", ".join(f"{s[0]}-{s[-1]}" for s in res.sets)
     header = (f"Command: `{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-              f"{sweep_seconds / 60:.1f} min wall, {cfg['trained_runs']} runs trained by this call and "
-              f"{cfg['cached_runs']} taken from the cache, per-run times summing to "
-              f"{sum(r.get('seconds', 0) for r in records.values()) / 60:.1f} min; {args.jobs} process(es) × "
-              f"{args.threads} thread(s), load "
-              f"average at the end {', '.join(f'{x:.1f}' for x in load or [])}); {cfg['seeds']} seeds per "
-              f"configuration; cells are mean ± 95% CI half-width (Student t); ▲/▼ = significantly higher/lower "
-              f"than `{args.reference}` in a paired t-test by seed (5%).")
-    body = header + "\n\n" + "\n\n".join(sections) + "\n\n### Published claims\n\n" + claims_md + "\n"
+              f"{sweep_seconds / 60:.1f} min wall, {cpu_seconds / 60:.1f} min of CPU time in all its processes, "
+              f"{cfg['trained_runs']} runs trained by this call and {cfg['cached_runs']} taken from the cache, "
+              f"per-run times summing to {sum(r.get('seconds', 0) for r in records.values()) / 60:.1f} min of wall "
+              f"and {sum(r.get('cpu_seconds', 0) for r in records.values()) / 60:.1f} min of CPU time; "
+              f"{args.jobs} process(es) × {args.threads} thread(s), load average at the end "
+              f"{', '.join(f'{x:.1f}' for x in load or [])}); seeds {names} ({len(res.sets)} set(s)): every "
+              f"configuration runs the first set, later sets run where the claim verdicts need them (seed plan "
+              f"`{cfg['seed_plan']}`); cells are mean ± 95% CI half-width over the seeds run (Student t); ▲/▼ = "
+              f"significantly higher/lower than `{args.reference}` in a paired t-test by seed (5%).")
+    body = (header + "\n\n" + "\n\n".join(sections) + "\n\n### Published claims\n\n" + claims_md + "\n\n"
+            + rerun_md + "\n")
     if failed or missing:
         body += f"\nFailed runs: {', '.join(failed) or 'none'}; missing runs: {', '.join(missing) or 'none'}.\n"
     (out / "results.md").write_text(body)
     cards = write_cards(args, cfg, res, out)
     result = {"command": command, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "seconds": sweep_seconds, "budget": args.budget, "settings": cfg,
+              "seconds": sweep_seconds, "cpu_seconds": cpu_seconds, "budget": args.budget, "settings": cfg,
               "implementations": args.implementations,
               "reference": args.reference, "tasks": args.tasks, "jobs": args.jobs, "threads": args.threads,
-              "load_average": load, "tables": tables, "claims": claims, "plots": plots, "model_cards": cards,
+              "load_average": load, "tables": tables, "claims": claims, "claims_summary": claims_summary,
+              "seed_sets": res.sets, "run_ids": res.ids, "plots": plots, "model_cards": cards,
               "failed": failed, "missing": missing, "runs": [records.get(r.id, {"id": r.id, "status": "missing"})
                                                             for r in runs]}
     (out / "results.json").write_text(json.dumps(result, indent=1, default=float))
@@ -350,8 +447,8 @@ def write_cards(args: argparse.Namespace, cfg: dict[str, Any], res: report.Resul
         card = card_dir / f"{name}.md"
         cols = report.lm_columns(rec)
         extra = ["", "<!-- hf_attnorm compare.py -->", "## Across seeds (scripts/compare.py)", "",
-                 f"{cfg['seeds']} seeds, mean ± 95% CI; ▲/▼ = significant paired difference from "
-                 f"`{args.reference}`. Loss in nats/char.", "",
+                 f"{len(res.planned('lm', spec))} seeds, mean ± 95% CI; ▲/▼ = significant paired difference from "
+                 f"`{args.reference}` (on the seeds both ran). Loss in nats/char.", "",
                  "| " + " | ".join(c[0] for c in cols) + " |", "|" + "---|" * len(cols),
                  "| " + " | ".join(report.fmt_ci(res.stat("lm", spec, c[1], c[2]), c[3])
                                    + report._mark(res.versus("lm", spec, c[1], c[2])) for c in cols) + " |"]

@@ -151,15 +151,22 @@ def make_test_set(probe, length: int, num: int, batch_size: int = 64) -> list[tu
     return out
 
 
+#: at most this many tokens per forward pass when scoring (long test sequences go through in smaller groups: the
+#: attention maps of 64 sequences at 16x L are memory-bound, 16 at a time were about 20% faster)
+EVAL_TOKENS = 16384
+
+
 def accuracy(model, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     """Fraction of answer positions (targets != -100) where the argmax of the logits is the target."""
     hit = total = 0
     with torch.inference_mode():
-        for x, y in batches:
-            logits = model(input_ids=x, use_cache=False).logits
-            sel = y != IGNORE
-            hit += int((logits[sel].argmax(-1) == y[sel]).sum())
-            total += int(sel.sum())
+        for xs, ys in batches:
+            group = max(1, EVAL_TOKENS // xs.shape[1])
+            for x, y in zip(xs.split(group), ys.split(group)):
+                logits = model(input_ids=x, use_cache=False).logits
+                sel = y != IGNORE
+                hit += int((logits[sel].argmax(-1) == y[sel]).sum())
+                total += int(sel.sum())
     return hit / total
 
 

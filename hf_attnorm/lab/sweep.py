@@ -122,7 +122,7 @@ def execute(run: Run, root: str, runner: Callable[..., dict[str, Any]]) -> dict[
     exception. Returns the record (never raises for a failing run)."""
     folder = run.folder(Path(root))
     folder.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     base = {"id": run.id, "key": run.key, "task": run.task, "implementation": run.spec, "seed": run.seed,
             "settings": run.settings, "code_version": CODE_VERSION}
     try:
@@ -133,7 +133,8 @@ def execute(run: Run, root: str, runner: Callable[..., dict[str, Any]]) -> dict[
                   "traceback": traceback.format_exc(), "seconds": time.perf_counter() - started}
         _write_json(folder / FAILED_FILE, record)
         return record
-    record = {**base, "status": "ok", "seconds": time.perf_counter() - started, **result}
+    record = {**base, "status": "ok", "seconds": time.perf_counter() - started,
+              "cpu_seconds": time.process_time() - cpu, **result}
     _write_json(folder / RESULT_FILE, record)
     (folder / FAILED_FILE).unlink(missing_ok=True)
     return record
@@ -141,10 +142,11 @@ def execute(run: Run, root: str, runner: Callable[..., dict[str, Any]]) -> dict[
 
 def sweep(runs: Sequence[Run], root: Path, runners: dict[str, Callable[..., dict[str, Any]]], jobs: int = 2,
           threads: int = 1, cost: Callable[[Run], float] | None = None,
-          log: Callable[[str], None] = print) -> dict[str, dict[str, Any]]:
+          log: Callable[[str], None] = print, later: Callable[[Run], bool] | None = None) -> dict[str, dict[str, Any]]:
     """Execute the runs not already cached under ``root`` with ``jobs`` worker processes (in this process when
     jobs == 1) and return {run id: record} for every run (cached ones included). ``cost`` orders the work,
-    most expensive first, so that the last minutes are not one long run on one worker."""
+    most expensive first, so that the last minutes are not one long run on one worker; runs for which ``later``
+    is true start after the others (e.g. those waiting for a C++ extension that is still being built)."""
     unknown = sorted({r.task for r in runs} - set(runners))
     if unknown:
         raise ValueError(f"no runner for task(s) {unknown}; known: {', '.join(runners)}")
@@ -158,6 +160,8 @@ def sweep(runs: Sequence[Run], root: Path, runners: dict[str, Callable[..., dict
             todo.append(r)
     if cost is not None:
         todo.sort(key=cost, reverse=True)
+    if later is not None:
+        todo.sort(key=later)  # stable: each group keeps its longest-first order
     log(f"sweep: {len(runs)} runs, {len(runs) - len(todo)} cached, {len(todo)} to run "
         f"({jobs} process(es) x {threads} thread(s))")
     started = time.perf_counter()
