@@ -36,10 +36,10 @@ UNKNOWN_ID = max(maps.BY_ID) + 5
 #: (docs/extending.md walks through it).
 NEW_MAP = maps.FusedMap(
     "softsign", max(maps.BY_ID) + 1,
-    weight=lambda s, r: 1 + s / (1 + s.abs()), slope=lambda s, r: 1 / (1 + s.abs()) ** 2,
-    normalised=True, threshold=False, constant_on_single_key=True, single_key_mark="n == 1",
+    weight=lambda s, r: 1 + s / (1 + s.abs()), slope=lambda s, r: 1 / (1 + s.abs()) ** 2, form="pointwise",
+    normalised=True, single_key="n == 1",
     row_value="n, the keys the query sees (the map reads no row value; n == 1 marks single-key rows)",
-    row_value_for=lambda n: n.to(torch.float64), row_value_has_gradient=False, dispatch="tiles",
+    row_value_for=lambda n: n.to(torch.float64), row_value_has_gradient=False,
     code=maps.EntryCode(cpp_weight="T(1) + s / (T(1) + std::abs(s))",
                         cpp_slope="T(1) / ((T(1) + std::abs(s)) * (T(1) + std::abs(s)))",
                         triton_weight="1.0 + s / (1.0 + tl.abs(s))",
@@ -100,49 +100,116 @@ def test_declared_slope_is_the_derivative_of_the_declared_weight(name):
 def test_map_tables_are_derived_from_the_declarations():
     assert maps.MAP_IDS == {m.name: m.kernel_id for m in maps.MAPS}
     assert maps.NORMALISED == {m.name for m in maps.MAPS if m.normalised}
-    assert maps.THRESHOLD == {m.name for m in maps.MAPS if m.threshold}
-    assert maps.DEN_ADDS_ROW_VALUE == {m.name for m in maps.MAPS if m.den_offset is not None}
-    assert maps.ROW_VALUE_FACTOR == {m.name for m in maps.MAPS if m.row_value_factor}
+    assert maps.THRESHOLD == {m.name for m in maps.MAPS if m.form == "threshold"}
 
 
 @pytest.mark.parametrize("name", IDS)
-def test_a_row_value_factor_is_what_the_weight_says(name):
-    """The kernels take a map declaring ``row_value_factor`` as weight(s, 1) scaled by r per row: its declared weight
-    must be exactly that; and a declared ``den_offset`` must be the row value itself (what both kernels add)."""
+def test_how_the_row_value_enters_is_what_the_weight_says(name):
+    """The kernels take a map whose ``row_value_use`` is "weight_factor" as weight(s, 1) scaled by r per row, and
+    "score_offset" as weight(s + r, 0): its declared weight must be exactly that."""
     fmap = maps.BY_NAME[name]
     s = torch.linspace(-3.1, 2.9, 61, dtype=torch.float64)
     r = torch.linspace(0.1, 2.0, 61, dtype=torch.float64)
-    if fmap.row_value_factor:
+    if fmap.row_value_use == "weight_factor":
         torch.testing.assert_close(fmap.weight(s, r), r * fmap.weight(s, torch.ones_like(r)), rtol=1e-14, atol=0)
-    if fmap.den_offset is not None:
-        assert torch.equal(fmap.den_offset(r), r), name
+    if fmap.row_value_use == "score_offset":
+        torch.testing.assert_close(fmap.weight(s, r), fmap.weight(s + r, torch.zeros_like(r)), rtol=1e-14, atol=0)
 
 
 def test_a_declaration_the_kernels_cannot_obey_is_refused():
     base = maps.BY_NAME["symax"]
-    with pytest.raises(ValueError, match="no other offset"):
-        dataclasses.replace(base, name="offset2", den_offset=lambda r: 2 * r)
-    with pytest.raises(ValueError, match="row_value_factor scales"):
-        dataclasses.replace(base, name="factor", row_value_factor=True)
-    with pytest.raises(ValueError, match="the kernels compute shift 'max_score' for the weight"):
-        dataclasses.replace(maps.BY_NAME["squared"], name="shifted", shift="max_score", code=None)
+    refused = {
+        "must be one of": dict(name="formless", form="tiled"),
+        "adds r to the denominator of a normalised pointwise map": dict(name="offset", normalised=False),
+        "is implemented for pointwise maps that are not normalised": dict(name="factor",
+                                                                         row_value_use="weight_factor"),
+        "declares its per-entry code": dict(name="uncoded", code=None),
+        "only shift 'max_score'|only running_shift 'max_score'": dict(name="den_term", den_term=lambda s, r: s * s,
+                                                                     den_slope=lambda s, r: 2 * s),
+    }
+    for pattern, change in refused.items():
+        with pytest.raises(ValueError, match=pattern):
+            dataclasses.replace(base, **change)
+    with pytest.raises(ValueError, match="the kernels compute running_shift 'max_score' for the weight"):
+        dataclasses.replace(maps.BY_NAME["squared"], name="shifted", form="shifted", running_shift="max_score",
+                            code=None)
     with pytest.raises(ValueError, match="a running shift cancels only"):
-        dataclasses.replace(maps.BY_NAME["sigmoid"], name="shifted", shift="max_score", code=None)
-    with pytest.raises(ValueError, match="row_value_exponent"):
-        dataclasses.replace(maps.BY_NAME["power"], name="exponent", row_value_exponent=False)
-    with pytest.raises(ValueError, match="row_value_in_score needs"):
-        dataclasses.replace(maps.BY_NAME["relu_len"], name="in_score", row_value_factor=False,
-                            row_value_in_score=True)
+        dataclasses.replace(maps.BY_NAME["softpick"], name="unnormalised", normalised=False)
+    with pytest.raises(ValueError, match="the shifted form, and only it"):
+        dataclasses.replace(maps.BY_NAME["softpick"], name="unshifted", running_shift="none")
+    with pytest.raises(ValueError, match="'exponent'"):
+        dataclasses.replace(maps.BY_NAME["power"], name="exponent", row_value_use="n")
+    with pytest.raises(ValueError, match="score_offset' needs"):
+        dataclasses.replace(maps.BY_NAME["relu_len"], name="in_score", row_value_use="score_offset")
     with pytest.raises(ValueError, match="threshold_exponent 2 means"):
         dataclasses.replace(maps.BY_NAME["sparsemax"], name="squared_threshold", threshold_exponent=2)
-    with pytest.raises(ValueError, match="declare threshold_exponent 1 or 2"):
+    with pytest.raises(ValueError, match="the threshold form, and only it"):
         dataclasses.replace(maps.BY_NAME["sparsemax"], name="no_exponent", threshold_exponent=0)
-    with pytest.raises(ValueError, match="declares its per-entry code"):
-        dataclasses.replace(base, name="uncoded", code=None)
-    with pytest.raises(ValueError, match="declares its per-entry code"):
+    with pytest.raises(ValueError, match="row value alpha"):
+        dataclasses.replace(maps.BY_NAME["entmax_alpha"], name="alpha_n", row_value_use="n")
+    with pytest.raises(ValueError, match="is computed by the kernels' code for its numbers"):
         dataclasses.replace(maps.BY_NAME["softpick"], name="coded", code=base.code)
-    with pytest.raises(ValueError, match="only shift 'max_score'"):
-        dataclasses.replace(base, name="den_term", den_term=lambda s, r: s * s, den_slope=lambda s, r: 2 * s)
+    with pytest.raises(ValueError, match="'n == 1' reads n"):
+        dataclasses.replace(maps.BY_NAME["sigmoid"], name="marked", single_key="n == 1")
+
+
+def test_the_triton_kernels_name_each_fact_value_they_compare_with():
+    """One vocabulary: the Triton device code compares the facts (``maps.FACTS``) with their numbers; each
+    comparison with a named value carries that value's name in its comment (or the comment line above), so a
+    renumbered value fails here instead of silently selecting another form's code."""
+    import inspect
+    import re
+
+    from hf_attnorm.kernels.fused import triton_device
+
+    names = {"RUNNING_SHIFT": maps.SHIFT_IDS, "ROW_VALUE_USE": maps.ROW_VALUE_USE_IDS, "FORM": maps.FORM_IDS,
+             "SINGLE_KEY": maps.SINGLE_KEY_IDS}
+    seen = 0
+    for fn in triton_device.JIT_FUNCTIONS:
+        lines = inspect.getsource(getattr(triton_device, fn)).splitlines()
+        for i, line in enumerate(lines):
+            for fact, ids in names.items():
+                for number in re.findall(rf"\b{fact}\s*==\s*(\d+)", line.split("#")[0]):
+                    value = {v: k for k, v in ids.items()}[int(number)]
+                    comment = (line.split("#", 1)[1] if "#" in line else "") + " " + lines[i - 1]
+                    assert value in comment, f"{fn}: `{line.strip()}` does not name {fact} {value!r}"
+                    seen += 1
+    assert seen >= 10, seen  # (the check found the comparisons it is meant to read)
+
+
+def test_the_checklist_names_everything_a_new_map_changes(monkeypatch):
+    """docs/extending.md's list of the places a new map touches, against what actually changes when ``NEW_MAP``
+    joins a temporary table: each generated file or table that then differs (or fails its test) must be named in
+    the checklist with the command that regenerates it."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    import hf_attnorm
+
+    root = Path(__file__).resolve().parents[1]
+    checklist = (root / "docs" / "extending.md").read_text()
+    checklist = checklist[checklist.index("4. **A new fused map**"):checklist.index("The kernels can also be built")]
+    changed: dict[str, list[str]] = {}
+    if maps.triton_source(TABLE) != maps.TRITON_MAPS_FILE.read_text():
+        changed["hf_attnorm/kernels/fused/triton_maps.py"] = ["python -m hf_attnorm.kernels.fused.maps"]
+    if maps.cpp_facts_header(TABLE) != maps.cpp_facts_header() or maps.cpp_header(TABLE) != maps.cpp_header():
+        changed["C++ headers"] = ["generated at build time", "rebuilds the C++ extension"]
+    # a normalizer on the new map is a new implementation: the speed-goal table has no measurement for it
+    spec = importlib.util.spec_from_file_location("render_readme_checklist", root / "scripts" / "render_readme.py")
+    render = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "render_readme_checklist", render)
+    spec.loader.exec_module(render)
+    available = hf_attnorm.available()
+    monkeypatch.setattr(hf_attnorm, "available", lambda: [*available, NEW_MAP.name])
+    if f"| `{NEW_MAP.name}` | not measured in this run" in render.speed_goals():
+        changed["the speed-goal table"] = ["tests/test_readme.py", "scripts/bench_kernels.py --only",
+                                           "--curve_implementations", "python scripts/render_readme.py"]
+    assert set(changed) == {"hf_attnorm/kernels/fused/triton_maps.py", "C++ headers", "the speed-goal table"}, (
+        "what a new map changes moved: update this test and docs/extending.md together")
+    for what, words in changed.items():
+        missing = [w for w in words if w not in checklist]
+        assert not missing, f"docs/extending.md's checklist does not say {missing} for {what}"
 
 
 def test_a_normalizer_naming_its_map_by_the_former_attribute_still_gets_it():
@@ -221,10 +288,8 @@ def test_the_triton_map_code_in_the_repository_is_generated_from_the_declaration
 def test_cpp_build_answers_the_declared_facts(name):
     fmap = maps.BY_NAME[name]
     facts = list(_map_facts(fmap.kernel_id))
-    assert facts == [fmap.normalised, fmap.threshold, fmap.constant_on_single_key,
-                     fmap.single_key_mark == "negative", maps.DISPATCH_IDS[fmap.dispatch],
-                     fmap.den_offset is not None, fmap.row_value_factor, fmap.threshold_exponent == 2,
-                     maps.SHIFT_IDS[fmap.shift], fmap.row_value_in_score, fmap.row_value_exponent], name
+    assert facts == [*fmap.facts().values(), fmap.driver], name
+    assert list(fmap.facts()) == list(maps.FACTS)
 
 
 def test_cpp_refuses_an_undeclared_id_in_the_kernel_and_in_the_launcher():
@@ -276,7 +341,7 @@ def test_cpp_kernel_computes_a_map_declared_only_in_a_test():
     ops = fused_cpu.build_ops(TABLE)
     assert ops is not torch.ops.hf_attnorm_native
     facts = list(ops.map_facts(NEW_MAP.kernel_id))
-    assert facts[:2] == [1, 0] and facts[4] == 0, facts
+    assert facts == [*NEW_MAP.facts().values(), NEW_MAP.driver], facts
     q, k, v, keep = _inputs(torch.float64)
     r = NEW_MAP.row_value_for(keep.sum(-1).clamp(min=1)).to(torch.float64).contiguous()
     w = torch.linspace(-1, 1, q.shape[2] * 2 * v.shape[-1], dtype=torch.float64).view(1, 2, q.shape[2], v.shape[-1])

@@ -166,7 +166,7 @@ def check_forms(maps_: tuple[str, ...] = FORM_MAPS, dtype: str = "bf16", head_di
     for head_dim in head_dims:
         for name in maps_:
             kernels = [k for k in triton_device.KERNELS
-                       if k != "_threshold_kernel" or maps.BY_NAME[name].threshold]
+                       if k != "_threshold_kernel" or maps.BY_NAME[name].form == "threshold"]
             out += [check_kernel(k, name, dtype, head_dim, arch) for k in kernels]
     return out
 

@@ -37,7 +37,7 @@ from .maps import (
     MAPS,
     THRESHOLD,
     FusedMap,
-    compile_definitions,
+    cpp_facts_header,
     cpp_header,
     fused_takes,
     lookup_id,
@@ -48,7 +48,7 @@ from .maps import (
 logger = logging.getLogger("hf_attnorm")
 
 _THRESHOLD_IDS = frozenset(MAP_IDS[name] for name in THRESHOLD)
-_ALPHA_IDS = frozenset(m.kernel_id for m in MAPS if m.dispatch == "alpha")
+_ALPHA_IDS = frozenset(m.kernel_id for m in MAPS if m.row_value_use == "alpha")
 #: (block_q, block_k) of the blocked kernels (tuned on a 2-core AVX-512 Xeon, d = 64: 128 x 256 was best of
 #: 32..256 x 64..512 at n = 1024..4096); threshold maps take block_q_threshold queries against a full row buffer
 BLOCKS = {"block_q": 128, "block_k": 256, "block_q_threshold": 128}
@@ -115,8 +115,8 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
 
 
-def _cflags(table: tuple[FusedMap, ...] = MAPS) -> list[str]:
-    """Compiler flags, with the fused maps' facts (kernels/fused/maps.py) as preprocessor definitions."""
+def _cflags() -> list[str]:
+    """Compiler flags (the fused maps' facts come in the generated headers: kernels/fused/maps.py)."""
     # -fno-trapping-math lets GCC vectorise floor() (in the exponential). On x86 the loops GCC vectorises itself use
     # 256-bit vectors even where the CPU has AVX-512 (the explicit AVX-512 intrinsics still run there): 512-bit
     # ones were 5-10% faster at n = 4096 on an AVX-512 Xeon, but on another AVX-512 Xeon they put alpha-entmax's
@@ -125,12 +125,13 @@ def _cflags(table: tuple[FusedMap, ...] = MAPS) -> list[str]:
     flags = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-math-errno", "-DNDEBUG"]
     if platform.machine().lower() in ("x86_64", "amd64", "x86", "i686"):
         flags.insert(-1, "-mprefer-vector-width=256")
-    return flags + compile_definitions(table)
+    return flags
 
 
 def _load(name: str, sources: list[str], table: tuple[FusedMap, ...], extra: tuple[str, ...] = ()) -> None:
     """Compile (or load from torch's cache) extension ``name`` from ``sources`` for the map table ``table``:
-    the generated ``hf_maps_generated.h`` (maps.cpp_header) is written into the build directory first."""
+    the generated ``hf_map_facts_generated.h`` (maps.cpp_facts_header) and ``hf_maps_generated.h``
+    (maps.cpp_header) are written into the build directory first."""
     from torch.utils.cpp_extension import _get_build_directory, load
 
     build_dir = Path(_get_build_directory(name, verbose=False))
@@ -139,14 +140,15 @@ def _load(name: str, sources: list[str], table: tuple[FusedMap, ...], extra: tup
                        "minute; cached in %s)", build_dir)
     generated = build_dir / "generated"
     generated.mkdir(parents=True, exist_ok=True)
-    header = generated / "hf_maps_generated.h"
-    text = cpp_header(table)
-    if not header.exists() or header.read_text() != text:
-        header.write_text(text)
+    for file, text in (("hf_map_facts_generated.h", cpp_facts_header(table)),
+                       ("hf_maps_generated.h", cpp_header(table))):
+        header = generated / file
+        if not header.exists() or header.read_text() != text:
+            header.write_text(text)
     load(
         name=name,
         sources=sources,
-        extra_cflags=[*_cflags(table), *extra],
+        extra_cflags=[*_cflags(), *extra],
         extra_ldflags=["-fopenmp"],
         extra_include_paths=[str(_KERNELS), str(generated)],
         is_python_module=False,

@@ -45,54 +45,25 @@
 
 namespace {
 
-// Every per-map difference comes from the map's declaration in maps.py (FusedMap): its facts, passed by cpu.py as
-// bit masks (bit i: map id i; maps.compile_definitions; tests/test_fused_maps.py reads them back through
-// map_facts), and its per-entry code (FusedMap.code) with the id list, in the generated hf_maps_generated.h
-// (maps.cpp_header) included below. Nothing here names a map.
-#if !defined(HF_MAPS_DECLARED) || !defined(HF_MAPS_NORMALISED) || \
-    !defined(HF_MAPS_THRESHOLD) || !defined(HF_MAPS_CONSTANT_ON_SINGLE_KEY) || \
-    !defined(HF_MAPS_SINGLE_KEY_NEGATIVE) || !defined(HF_MAPS_DEN_ADDS_ROW_VALUE) || !defined(HF_MAPS_ROW_VALUE_FACTOR) || \
-    !defined(HF_MAPS_DISPATCH_THRESHOLD) || !defined(HF_MAPS_DISPATCH_ALPHA) || !defined(HF_MAPS_THRESHOLD_SQUARED) || \
-    !defined(HF_MAPS_SHIFT_MAX_SCORE) || !defined(HF_MAPS_SHIFT_MAX_SCORE_BELOW_ZERO) || \
-    !defined(HF_MAPS_SHIFT_LOG_ABS_MAX) || !defined(HF_MAPS_ROW_VALUE_IN_SCORE) || !defined(HF_MAPS_ROW_VALUE_EXPONENT)
-#error "fused_cpu.cpp is built by kernels/fused/cpu.py, which defines the map facts of kernels/fused/maps.py"
-#endif
+// Every per-map difference comes from the map's declaration in maps.py (FusedMap): its form and the form's numbers,
+// by the names maps.FACTS shares with the Triton kernels (map_form(K), map_normalised(K), map_running_shift(K),
+// map_threshold_exponent(K), map_row_value_use(K), map_single_key(K) and the constants FORM_THRESHOLD,
+// RUNNING_SHIFT_MAX_SCORE, ROW_VALUE_USE_ALPHA, ...), in the generated hf_map_facts_generated.h
+// (maps.cpp_facts_header; tests/test_fused_maps.py reads them back through map_facts), and its per-entry code
+// (FusedMap.code) with the id list, in the generated hf_maps_generated.h (maps.cpp_header) included below.
+// Nothing here names a map.
+#include "hf_map_facts_generated.h"
 
-constexpr bool map_bit(unsigned long long mask, int64_t map_id) {
-  return map_id >= 0 && map_id < 64 && ((mask >> map_id) & 1ULL);
-}
-inline bool is_declared(int64_t map_id) { return map_bit(HF_MAPS_DECLARED, map_id); }
-// rows divided by a denominator accumulated with them (FusedMap.normalised)
-constexpr bool is_normalised(int64_t map_id) { return map_bit(HF_MAPS_NORMALISED, map_id); }
-// a per-row threshold found by a search over the row (FusedMap.threshold)
-constexpr bool is_threshold(int64_t map_id) { return map_bit(HF_MAPS_THRESHOLD, map_id); }
-// the denominator adds the row value (FusedMap.den_offset = r): d out / d r = -out / D
-constexpr bool den_adds_row_value(int64_t map_id) {
-  return map_id >= 0 && map_id < 64 && ((HF_MAPS_DEN_ADDS_ROW_VALUE >> map_id) & 1ULL);
-}
-// weight(s, r) = r weight(s, 1) (FusedMap.row_value_factor): fmap gives weight(s, 1), the row is scaled by r once
-constexpr bool row_value_factor(int64_t map_id) {
-  return map_id >= 0 && map_id < 64 && ((HF_MAPS_ROW_VALUE_FACTOR >> map_id) & 1ULL);
-}
-// the threshold is the row value's alpha-entmax threshold, searched in forward_alpha (FusedMap.dispatch "alpha")
-constexpr bool is_alpha(int64_t map_id) { return map_bit(HF_MAPS_DISPATCH_ALPHA, map_id); }
-// the forward driver of map K (FusedMap.dispatch): 0 forward_tiles, 1 forward_threshold, 2 forward_alpha
+inline bool is_declared(int64_t map_id) { return map_declared(map_id); }
+// the forward driver of map K (FusedMap.driver): 0 forward_tiles, 1 forward_threshold (threshold exponent 1 or 2),
+// 2 forward_alpha (the exponent 1 / (alpha - 1) from the row value)
 constexpr int64_t driver_of(int64_t K) {
-  return is_alpha(K) ? 2 : map_bit(HF_MAPS_DISPATCH_THRESHOLD, K) ? 1 : 0;
+  return map_form(K) != FORM_THRESHOLD ? 0 : map_row_value_use(K) == ROW_VALUE_USE_ALPHA ? 2 : 1;
 }
-// threshold maps of driver 1: weight [x / 2 - tau]_+^2 (entmax-1.5), else [x - tau]_+ (FusedMap.threshold_exponent)
-constexpr bool threshold_squared(int64_t map_id) { return map_bit(HF_MAPS_THRESHOLD_SQUARED, map_id); }
-// the running shift of normalised maps (FusedMap.shift): max(0, visible scores); min(0, max visible score) from
-// -inf; |r| ln max |s| from -inf
-constexpr bool shift_max_score(int64_t map_id) { return map_bit(HF_MAPS_SHIFT_MAX_SCORE, map_id); }
-constexpr bool shift_max_score_below_zero(int64_t map_id) { return map_bit(HF_MAPS_SHIFT_MAX_SCORE_BELOW_ZERO, map_id); }
-constexpr bool shift_log_abs_max(int64_t map_id) { return map_bit(HF_MAPS_SHIFT_LOG_ABS_MAX, map_id); }
-// weight(s, r) = weight(s + r, 0) (FusedMap.row_value_in_score): d out / d r = sum_j dS_j
-constexpr bool row_value_in_score(int64_t map_id) { return map_bit(HF_MAPS_ROW_VALUE_IN_SCORE, map_id); }
-// weight(s, r) = |s|^|r| (FusedMap.row_value_exponent): d weight / d r = weight ln|s|, accumulated by dmap
-constexpr bool row_value_exponent(int64_t map_id) { return map_bit(HF_MAPS_ROW_VALUE_EXPONENT, map_id); }
 // alpha-entmax's U holds [U (Dv) | A = sum_j (d p_j / d alpha) v_j (Dv) | Z | H | M] per row (see forward_alpha)
-inline int64_t u_width(int64_t map_id, int64_t Dv) { return is_alpha(map_id) ? 2 * Dv + 3 : Dv; }
+inline int64_t u_width(int64_t map_id, int64_t Dv) {
+  return map_row_value_use(map_id) == ROW_VALUE_USE_ALPHA ? 2 * Dv + 3 : Dv;
+}
 
 // ------------------------------------------------------------------------------------------------ elementwise math
 
@@ -511,10 +482,11 @@ void add_dbias(const Problem<T>& p, const T* dS, int64_t b, int64_t h, int64_t i
 // The loops below are written branch-free (selects, no short-circuit conditions) so that GCC vectorises every
 // instantiation; MASKED rows read keep[j] over keys the caller already limited to the causal range.
 
-// the declared weight (FusedMap.code); row_value_factor maps: weight(s, 1), the row being scaled by r once
+// the declared weight (FusedMap.code); ROW_VALUE_USE_WEIGHT_FACTOR maps: weight(s, 1), the row being scaled by r once
 template <typename T, int64_t MAP>
 inline T fmap(T x, T row_value) {
-  if constexpr (MapEntry<T, MAP>::declared) return MapEntry<T, MAP>::weight(x, row_value_factor(MAP) ? T(1) : row_value);
+  if constexpr (MapEntry<T, MAP>::declared)
+    return MapEntry<T, MAP>::weight(x, map_row_value_use(MAP) == ROW_VALUE_USE_WEIGHT_FACTOR ? T(1) : row_value);
   else static_assert(MAP < 0, "fmap: this fused map declares no per-entry code (fwd_tile_row sends it here)");
 }
 
@@ -627,7 +599,7 @@ template <typename T, int64_t MAP>
 inline void fwd_tile_row(const bool* kr, int64_t lim, T* s, int64_t nb, T row_value, T& den, T& mrow, T* orow,
                          int64_t Dv) {
   lim = std::max<int64_t>(0, std::min(lim, nb));
-  if constexpr (shift_max_score(MAP)) {
+  if constexpr (map_running_shift(MAP) == RUNNING_SHIFT_MAX_SCORE) {
     T mx = kr ? row_max<T, true>(s, lim, kr, mrow) : row_max<T, false>(s, lim, nullptr, mrow);
     if (mx > mrow) {  // rescale what was accumulated under the old shift (flash-softmax style)
       const T sc = vexp(mrow - mx);
@@ -637,7 +609,7 @@ inline void fwd_tile_row(const bool* kr, int64_t lim, T* s, int64_t nb, T row_va
     }
     const T em = vexp(-mrow);
     den += kr ? softpick_row<T, true>(s, lim, kr, mrow, em) : softpick_row<T, false>(s, lim, nullptr, mrow, em);
-  } else if constexpr (shift_log_abs_max(MAP)) {
+  } else if constexpr (map_running_shift(MAP) == RUNNING_SHIFT_LOG_ABS_MAX) {
     // |s|^p relative to the row's running largest |s| = M (shift m = p ln M, rescaled like softpick when it grows),
     // so large |s| or p cannot overflow: (|s| / M)^p, by multiplications for integer p; row_value = +-p (the sign only marks
     // single-key rows for the backward pass). The max is of |s| (one cheap pass), its log taken once per row.
@@ -657,7 +629,7 @@ inline void fwd_tile_row(const bool* kr, int64_t lim, T* s, int64_t nb, T row_va
     } else {
       std::fill(s, s + lim, T(0));  // no nonzero score yet: weights 0
     }
-  } else if constexpr (shift_max_score_below_zero(MAP)) {
+  } else if constexpr (map_running_shift(MAP) == RUNNING_SHIFT_MAX_SCORE_BELOW_ZERO) {
     // shift shift = min(0, running max), rescaled like softpick when it rises; once 0 (a score >= 0 was seen: most
     // rows after their first tile) it stays, and the max pass is skipped
     const T mx = mrow >= T(0) ? mrow
@@ -706,8 +678,11 @@ void forward_tiles(const Problem<T>& p, T* out, T* r1, T* r2) {
     T den[MAX_BQ], mrow[MAX_BQ];
     const T* row_values = p.row_value + bh * p.Lq + i0;
     for (int64_t r = 0; r < m; ++r) {
-      den[r] = den_adds_row_value(MAP) ? row_values[r] : T(0);
-      mrow[r] = shift_log_abs_max(MAP) || shift_max_score_below_zero(MAP) ? POW_NEG<T> : T(0);
+      den[r] = (map_row_value_use(MAP) == ROW_VALUE_USE_DEN_OFFSET) ? row_values[r] : T(0);
+      mrow[r] = map_running_shift(MAP) == RUNNING_SHIFT_LOG_ABS_MAX ||
+                        map_running_shift(MAP) == RUNNING_SHIFT_MAX_SCORE_BELOW_ZERO
+                    ? POW_NEG<T>
+                    : T(0);
     }
     std::fill(O.begin(), O.begin() + m * p.Dv, T(0));
     const int64_t jend = p.causal ? std::min(p.Lk, i0 + m) : p.Lk;
@@ -728,8 +703,8 @@ void forward_tiles(const Problem<T>& p, T* out, T* r1, T* r2) {
     T* orow = out + (bh * p.Lq + i0) * p.Dv;
     for (int64_t r = 0; r < m; ++r) {
       T scale = T(1);
-      if (is_normalised(MAP)) scale = den[r] != T(0) ? T(1) / den[r] : T(0);
-      if (row_value_factor(MAP)) scale = row_values[r];
+      if (map_normalised(MAP)) scale = den[r] != T(0) ? T(1) / den[r] : T(0);
+      if (map_row_value_use(MAP) == ROW_VALUE_USE_WEIGHT_FACTOR) scale = row_values[r];
       for (int64_t d = 0; d < p.Dv; ++d) orow[r * p.Dv + d] = O[r * p.Dv + d] * scale;
       r1[bh * p.Lq + i0 + r] = den[r];
       r2[bh * p.Lq + i0 + r] = mrow[r];
@@ -803,7 +778,7 @@ T find_threshold(const T* y, int64_t L) {
 // uout nullptr: U is not wanted (no backward pass will run, e.g. inference): its buffer and matmul are skipped
 template <typename T, int64_t MAP>
 void forward_threshold(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
-  constexpr bool ENTMAX = threshold_squared(MAP);
+  constexpr bool ENTMAX = (map_threshold_exponent(MAP) == 2);
   const T half = ENTMAX ? T(0.5) : T(1);
   const T ninf = -std::numeric_limits<T>::infinity();
   const int64_t nqb = (p.Lq + p.BQ - 1) / p.BQ;
@@ -1178,15 +1153,13 @@ struct RowConstants {
 };
 
 // Maps whose weights are constant on a row with a single visible key (sum-normalised without an extra constant:
-// P = 1, or softpick's 0/1), FusedMap.constant_on_single_key. Their gradient there is exactly 0, but
-// dS = f'(s) (dP - delta) / D would be rounding noise amplified by f'/D (2/s for squared): such rows get dS = 0.
-inline bool constant_on_single_key(int64_t map_id) { return map_bit(HF_MAPS_CONSTANT_ON_SINGLE_KEY, map_id); }
-
-// whether a row's value marks it as having a single visible key (FusedMap.single_key_mark): row_value = n == 1, or,
-// for maps marked "negative" (power: -p there, +p elsewhere), row_value < 0
+// P = 1, or softpick's 0/1) declare how such rows are found (FusedMap.single_key). Their gradient there is exactly
+// 0, but dS = f'(s) (dP - delta) / D would be rounding noise amplified by f'/D (2/s for squared): such rows get
+// dS = 0. Whether a row's value marks it: SINGLE_KEY_N_EQ_1 (row_value = n == 1) or SINGLE_KEY_NEGATIVE (power: -p
+// there, +p elsewhere)
 template <typename T>
 inline bool single_key_row(int64_t map_id, T row_value) {
-  return map_bit(HF_MAPS_SINGLE_KEY_NEGATIVE, map_id) ? row_value < T(0) : row_value == T(1);
+  return map_single_key(map_id) == SINGLE_KEY_NEGATIVE ? row_value < T(0) : row_value == T(1);
 }
 
 // d/ds of one entry: P and dS from the score x and g = dO_i . v_j (branch-free, see the forward); dr: the entry's
@@ -1197,35 +1170,39 @@ inline void dmap(T x, T g, const RowConstants<T>& rc, T& pp, T& ds, T& dr) {
   if constexpr (MapEntry<T, MAP>::declared) {  // the declared weight and slope (FusedMap.code)
     const T w = MapEntry<T, MAP>::weight(x, rc.row_value);
     const T slope = MapEntry<T, MAP>::slope(x, rc.row_value, w);
-    if constexpr (is_normalised(MAP)) {
+    if constexpr (map_normalised(MAP)) {
       pp = w * invd;
       ds = (g - delta) * invd * slope;
     } else {
       pp = w;
       ds = g * slope;
     }
-  } else if constexpr (shift_max_score(MAP)) {  // softpick: u = e^{s-M} - e^{-M}: P = relu(u)/D, d|u| = sign(u) e^{s-M}
+  } else if constexpr (map_running_shift(MAP) == RUNNING_SHIFT_MAX_SCORE) {
+    // softpick: u = e^{s-M} - e^{-M}: P = relu(u)/D, d|u| = sign(u) e^{s-M}
     const T e = vexp(x - rc.m), u = e - rc.em;
     const T pos = u > T(0) ? T(1) : T(0), neg = u < T(0) ? T(1) : T(0);
     pp = u * pos * invd;
     ds = (g * pos - delta * (pos - neg)) * e * invd;
-  } else if constexpr (threshold_squared(MAP)) {  // entmax-1.5: p = r^2 with r = [s/2 - tau]_+: dS = r (g - delta)
+  } else if constexpr (map_threshold_exponent(MAP) == 2) {
+    // entmax-1.5: p = r^2 with r = [s/2 - tau]_+: dS = r (g - delta)
     const T r = std::max(x * T(0.5) - rc.tau, T(0));
     pp = r * r;
     ds = r * (g - delta);
-  } else if constexpr (is_alpha(MAP)) {  // alpha-entmax: p = r^P / Z, r = [(alpha-1) s - tau]_+, dS = p^(2-alpha) (g - delta)
+  } else if constexpr (map_row_value_use(MAP) == ROW_VALUE_USE_ALPHA) {
+    // alpha-entmax: p = r^P / Z, r = [(alpha-1) s - tau]_+, dS = p^(2-alpha) (g - delta)
     // rc.m: M, as in the forward; powers through vpow_pos as there (vectorised; glibc pow was scalar)
     const T tiny = std::numeric_limits<T>::min();
     const T r = std::max((x - rc.m) * (rc.row_value - T(1)) - rc.tau, T(0));
     const T pr = r > T(0) ? vpow_pos(std::max(r, tiny), T(1) / (rc.row_value - T(1))) * invd : T(0);
     pp = pr;
     ds = pr > tiny ? vpow_pos(std::max(pr, tiny), T(2) - rc.row_value) * (g - delta) : T(0);
-  } else if constexpr (is_threshold(MAP)) {  // sparsemax: [x - tau]_+
+  } else if constexpr (map_form(MAP) == FORM_THRESHOLD) {  // sparsemax: [x - tau]_+
     const T r = x - rc.tau;
     const T pos = r > T(0) ? T(1) : T(0);
     pp = r * pos;
     ds = (g - delta) * pos;
-  } else if constexpr (row_value_exponent(MAP)) {  // power: A = |s|^p e^-m: dA/ds = p A / s, dA/dp = A ln|s|
+  } else if constexpr (map_row_value_use(MAP) == ROW_VALUE_USE_EXPONENT) {
+    // power: A = |s|^p e^-m: dA/ds = p A / s, dA/dp = A ln|s|
     const T pw = std::abs(rc.row_value), ax = std::abs(x), tiny = std::numeric_limits<T>::min();
     const bool nz = ax >= tiny;
     const T lx = nz ? vlog(std::max(ax, tiny)) : T(0);  // (only the p-gradient needs it)
@@ -1244,7 +1221,8 @@ inline void dmap(T x, T g, const RowConstants<T>& rc, T& pp, T& ds, T& dr) {
     // sum_j P_j (g_j - delta) = 0, so ln|s| may be centred at the row's largest ln|s| (m / p): this keeps the
     // rounding of delta = dO . out from being amplified by large |ln|s|| (fp16 inputs: 4x closer to fp64)
     dr = gp * (lx - rc.m / pw);
-  } else if constexpr (shift_max_score_below_zero(MAP)) {  // softplus: softplus(s) e^-shift, shift = rc.m: d/ds = sigmoid(s) e^-shift (SLOW: below SP_SLOW)
+  } else if constexpr (map_running_shift(MAP) == RUNNING_SHIFT_MAX_SCORE_BELOW_ZERO) {
+    // softplus: softplus(s) e^-shift, shift = rc.m: d/ds = sigmoid(s) e^-shift (SLOW: below SP_SLOW)
     const T shift = rc.m;
     const T u = vexp(-std::abs(x)), r = log1p_ratio(u);
     if constexpr (SLOW) {
@@ -1259,7 +1237,7 @@ inline void dmap(T x, T g, const RowConstants<T>& rc, T& pp, T& ds, T& dr) {
   } else {
     static_assert(MAP < 0, "dmap: no derivative for this fused map id: add its block above");
   }
-  if constexpr (!row_value_exponent(MAP)) dr = ds;
+  if constexpr (!(map_row_value_use(MAP) == ROW_VALUE_USE_EXPONENT)) dr = ds;
 }
 
 // One row of a tile: s (scores) becomes P, dp (dO . v_j) becomes dS; returns sum_j dr (the row value's gradient:
@@ -1291,7 +1269,7 @@ template <typename T, int64_t MAP>
 inline T bwd_tile_row(const bool* kr, int64_t lim, T* s, T* dp, int64_t nb, const RowConstants<T>& rc) {
   lim = std::max<int64_t>(0, std::min(lim, nb));
   T acc;
-  if constexpr (row_value_exponent(MAP)) {  // integer p: its own instantiation (see power_row)
+  if constexpr (map_row_value_use(MAP) == ROW_VALUE_USE_EXPONENT) {  // integer p: its own instantiation (see power_row)
     const int np = power_int(std::abs(rc.row_value));
     auto run = [&](auto npc) {
       constexpr int NP = decltype(npc)::value;
@@ -1303,7 +1281,8 @@ inline T bwd_tile_row(const bool* kr, int64_t lim, T* s, T* dp, int64_t nb, cons
           : np == 3 ? run(std::integral_constant<int, 3>{})
           : np == 4 ? run(std::integral_constant<int, 4>{})
                     : run(std::integral_constant<int, 0>{});
-  } else if (shift_max_score_below_zero(MAP) && rc.m < SP_SLOW<T>) {  // softplus rows of very negative scores only
+  } else if ((map_running_shift(MAP) == RUNNING_SHIFT_MAX_SCORE_BELOW_ZERO) && rc.m < SP_SLOW<T>) {
+    // softplus rows of very negative scores only
     acc = kr ? bwd_row<T, MAP, true, true>(s, dp, lim, kr, rc)
              : bwd_row<T, MAP, false, true>(s, dp, lim, nullptr, rc);
   } else {
@@ -1321,7 +1300,7 @@ bool sparse_tile(const Problem<T>& p, int st, int64_t b, int64_t h, int64_t g, i
                  int64_t nb, const T* S, int32_t* E, T* dQb, T* dK, T* dV, const T* dout, const T* r1,
                  const T* delta, const T* invd, const T* shift, const T* live_row, T* dq, std::mutex* lock, const T* capd) {
   if (p.dbias != nullptr) return false;  // the dense tile forms dS for dbias
-  constexpr bool ENTMAX = threshold_squared(MAP), ALPHA = is_alpha(MAP);
+  constexpr bool ENTMAX = (map_threshold_exponent(MAP) == 2), ALPHA = (map_row_value_use(MAP) == ROW_VALUE_USE_ALPHA);
   const int64_t bh = b * p.H + h;
   // the score factor of the map: 1/2 (entmax-1.5), 1 (sparsemax), alpha_i - 1 (alpha-entmax)
   auto factor = [&](int64_t row) { return ALPHA ? p.row_value[row] - T(1) : (ENTMAX ? T(0.5) : T(1)); };
@@ -1399,12 +1378,12 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
   std::vector<T> live_row(rows);
   at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      live_row[i] = constant_on_single_key(MAP) && single_key_row(MAP, p.row_value[i]) ? T(0) : T(1);
+      live_row[i] = (map_single_key(MAP) != SINGLE_KEY_NONE) && single_key_row(MAP, p.row_value[i]) ? T(0) : T(1);
       const T* go = dout + i * p.Dv;
-      const T* x = is_threshold(MAP) ? uout + i * u_width(MAP, p.Dv) : out + i * p.Dv;
+      const T* x = (map_form(MAP) == FORM_THRESHOLD) ? uout + i * u_width(MAP, p.Dv) : out + i * p.Dv;
       T dot = 0;
       for (int64_t d = 0; d < p.Dv; ++d) dot += go[d] * x[d];
-      if (is_alpha(MAP)) {
+      if (map_row_value_use(MAP) == ROW_VALUE_USE_ALPHA) {
         // d alpha_i = sum_j dp_j [(p_j - pt_j) / (alpha-1)^2 - (p_j ln p_j - pt_j H) / (alpha-1)], pt = g / G
         // (Correia et al. 2019), with dp_j = dO_i . v_j: = dO_i . A_i, A formed per entry in the forward
         T dot_a = 0;
@@ -1415,18 +1394,22 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
         delta[i] = r2[i] != T(0) ? dot / std::abs(r2[i]) : T(0);
         if (r2[i] < T(0)) live_row[i] = T(0);
         d_row_value[i] = r2[i] < T(0) ? T(0) : dot_a;
-      } else if (is_normalised(MAP)) {
+      } else if (map_normalised(MAP)) {
         invd[i] = r1[i] != T(0) ? T(1) / r1[i] : T(0);
         delta[i] = dot;
-        d_row_value[i] = den_adds_row_value(MAP) ? -dot * invd[i] : T(0);  // d out_i / d r = -out_i / D_i
-      } else if (is_threshold(MAP)) {
+        // d out_i / d r = -out_i / D_i
+        d_row_value[i] = (map_row_value_use(MAP) == ROW_VALUE_USE_DEN_OFFSET) ? -dot * invd[i] : T(0);
+      } else if (map_form(MAP) == FORM_THRESHOLD) {
         invd[i] = T(1);
         delta[i] = r2[i] != T(0) ? dot / r2[i] : T(0);
         d_row_value[i] = T(0);
       } else {
         invd[i] = T(1);
         delta[i] = T(0);
-        d_row_value[i] = (row_value_factor(MAP) && p.row_value[i] != T(0)) ? dot / p.row_value[i] : T(0);  // out_i = c_i O_i
+        // out_i = c_i O_i
+        d_row_value[i] = map_row_value_use(MAP) == ROW_VALUE_USE_WEIGHT_FACTOR && p.row_value[i] != T(0)
+                             ? dot / p.row_value[i]
+                             : T(0);
       }
     }
   });
@@ -1477,7 +1460,7 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
           mm_abt<T>(m, nb, p.D, qi, p.qsl, kj, p.ksl, T(0), buf.S.data(), nb);
           T* capd = p.cap != T(0) ? buf.Cd.data() : nullptr;
           if (p.mods()) modify_tile(p, buf.S.data(), nb, b, h, i0, m, j0, nb, capd);
-          if constexpr (is_threshold(MAP)) {
+          if constexpr (map_form(MAP) == FORM_THRESHOLD) {
             if (sparse_tile<T, MAP>(p, st, b, h, g, i0, m, j0, nb, buf.S.data(), buf.E.data(), buf.dQ.data(),
                                      buf.dK.data(), buf.dV.data(), dout, r1, delta.data(), invd.data(), shift.data(),
                                      live_row.data(), dq, per_head ? nullptr : &locks[bh * nqb + qb], capd)) {
@@ -1489,8 +1472,11 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
           for (int64_t r = 0; r < m; ++r) {
             const int64_t row = bh * p.Lq + i0 + r;
             // em: e^-m (softpick, softplus), 1/M (power)
-            const T em = shift_log_abs_max(MAP) ? power_inv_max(r2[row], std::abs(p.row_value[row])) : vexp(-r2[row]);
-            RowConstants<T> rc{invd[row], delta[row], p.row_value[row], is_alpha(MAP) ? shift[row] : r2[row], em, r1[row],
+            const T em = map_running_shift(MAP) == RUNNING_SHIFT_LOG_ABS_MAX
+                             ? power_inv_max(r2[row], std::abs(p.row_value[row]))
+                             : vexp(-r2[row]);
+            RowConstants<T> rc{invd[row], delta[row], p.row_value[row],
+                               map_row_value_use(MAP) == ROW_VALUE_USE_ALPHA ? shift[row] : r2[row], em, r1[row],
                        live_row[row]};
             const bool* kr = st == 2 && p.keep ? p.mrow(b, h, i0 + r) + j0 : nullptr;
             d_row_values[r] = bwd_tile_row<T, MAP>(kr, st == 1 ? nb : p.key_end(i0 + r) - j0, buf.S.data() + r * nb,
@@ -1508,7 +1494,7 @@ void backward(const Problem<T>& p, const T* dout, const T* out, const T* r1, con
           mm_atb<T>(nb, p.D, m, buf.dP.data(), nb, qi, p.qsl, T(1), buf.dK.data(), p.D);
           auto update = [&]() {
             mm_ab<T>(m, p.D, nb, buf.dP.data(), nb, kj, p.ksl, T(1), dq + (bh * p.Lq + i0) * p.D, p.D);
-            if (row_value_in_score(MAP) || row_value_exponent(MAP))
+            if (map_row_value_use(MAP) == ROW_VALUE_USE_SCORE_OFFSET || map_row_value_use(MAP) == ROW_VALUE_USE_EXPONENT)
               for (int64_t r = 0; r < m; ++r) d_row_value[bh * p.Lq + i0 + r] += d_row_values[r];
           };
           if (per_head) {
@@ -1542,11 +1528,10 @@ void dispatch_map(int64_t map_id, const F& f) {
   }
 }
 
-// What this build says about map ``map_id``, for tests/test_fused_maps.py: [is_normalised, is_threshold,
-// constant_on_single_key, single_key_negative, driver, den_adds_row_value, row_value_factor, threshold_squared,
-// shift (0 none, 1 max_score, 2 max_score_below_zero, 3 log_abs_max), row_value_in_score, row_value_exponent] with driver
-// 0 forward_tiles, 1 forward_threshold, 2 forward_alpha (the driver fused_forward picks, through dispatch_map).
-// Raises for an unknown id.
+// What this build says about map ``map_id``, for tests/test_fused_maps.py: its facts in the order of maps.FACTS
+// (form, normalised, running_shift, threshold_exponent, row_value_use, single_key), then the forward driver
+// fused_forward picks through dispatch_map (0 forward_tiles, 1 forward_threshold, 2 forward_alpha). Raises for an
+// unknown id.
 std::vector<int64_t> map_facts(int64_t map_id) {
   TORCH_CHECK(is_declared(map_id), "hf_attnorm fused_cpu: unknown fused map id ", map_id,
               " (not declared in kernels/fused/maps.py)");
@@ -1555,10 +1540,8 @@ std::vector<int64_t> map_facts(int64_t map_id) {
     constexpr int64_t K = decltype(kc)::value;
     driver = driver_of(K);
   });
-  const int64_t shift = shift_max_score(map_id) ? 1 : shift_max_score_below_zero(map_id) ? 2 : shift_log_abs_max(map_id) ? 3 : 0;
-  return {is_normalised(map_id), is_threshold(map_id), constant_on_single_key(map_id),
-          map_bit(HF_MAPS_SINGLE_KEY_NEGATIVE, map_id), driver, den_adds_row_value(map_id), row_value_factor(map_id),
-          threshold_squared(map_id), shift, row_value_in_score(map_id), row_value_exponent(map_id)};
+  return {map_form(map_id), map_normalised(map_id), map_running_shift(map_id), map_threshold_exponent(map_id),
+          map_row_value_use(map_id), map_single_key(map_id), driver};
 }
 
 // forward -> [out, den_or_tau, shift_or_gsum, hv_sum], per row (all [B, H, Lq] but hv_sum):
@@ -1579,7 +1562,7 @@ std::vector<at::Tensor> fused_forward(int64_t map_id, const at::Tensor& q, const
   auto den_or_tau = at::empty({B, H, Lq}, q.options());
   auto shift_or_gsum = at::empty({B, H, Lq}, q.options());
   // U (threshold maps) only feeds the backward pass: need_u false (inference) skips it and returns it empty
-  auto hv_sum = is_threshold(map_id) && need_u ? at::empty({B, H, Lq, u_width(map_id, Dv)}, q.options())
+  auto hv_sum = (map_form(map_id) == FORM_THRESHOLD) && need_u ? at::empty({B, H, Lq, u_width(map_id, Dv)}, q.options())
                                         : at::empty({0}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "hf_attnorm_fused_forward", [&] {
     auto p = make_problem<scalar_t>(map_id, q, k, v, keep, causal, row_value, block_q, block_k, bias, slopes, cap);
@@ -1617,7 +1600,7 @@ std::vector<at::Tensor> fused_backward(int64_t map_id, const at::Tensor& q, cons
                   shift_or_gsum.is_contiguous(),
               "fused_cpu: out, dout, den_or_tau, shift_or_gsum must be contiguous");
   TORCH_CHECK(dout.sizes() == out.sizes() && dout.scalar_type() == q.scalar_type(), "fused_cpu: bad dout");
-  TORCH_CHECK(!is_threshold(map_id) || (hv_sum.is_contiguous() && hv_sum.dim() == 4 &&
+  TORCH_CHECK(!(map_form(map_id) == FORM_THRESHOLD) || (hv_sum.is_contiguous() && hv_sum.dim() == 4 &&
                                       hv_sum.size(3) == u_width(map_id, v.size(3)) && hv_sum.size(2) == out.size(2)),
               "fused_cpu: bad hv_sum");
   auto dq = at::empty(q.sizes(), q.options());
@@ -1633,7 +1616,7 @@ std::vector<at::Tensor> fused_backward(int64_t map_id, const at::Tensor& q, cons
       constexpr int64_t K = decltype(kc)::value;
       backward<scalar_t, K>(p, dout.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), den_or_tau.data_ptr<scalar_t>(),
                             shift_or_gsum.data_ptr<scalar_t>(),
-                            is_threshold(map_id) ? hv_sum.data_ptr<scalar_t>() : nullptr,
+                            (map_form(map_id) == FORM_THRESHOLD) ? hv_sum.data_ptr<scalar_t>() : nullptr,
                             dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
                             drow_value.data_ptr<scalar_t>());
     });

@@ -58,7 +58,7 @@ from ...normalizers.base import Normalizer
 from .. import triton_common as tc
 from ..base import AttnCall, compact_bias
 from . import triton_device, triton_maps
-from .maps import MAPS, SHIFT_IDS, FusedMap, fused_takes, lookup_id, table_key, triton_source
+from .maps import MAPS, FusedMap, fused_takes, lookup_id, table_key, triton_source
 
 #: at most this many Newton passes for the sparse threshold (measured: sparsemax 3-5, entmax15 6-8, plus one max pass)
 THRESHOLD_STEPS = 30
@@ -248,10 +248,8 @@ def _strides4(t: torch.Tensor) -> list[int]:
 
 def map_constants(fmap: FusedMap) -> dict[str, Any]:
     """The compile-time constants that carry map ``fmap``'s declaration (maps.py) into the kernels."""
-    return dict(MAP=fmap.kernel_id, NORMALISED=fmap.normalised, DEN_ADDS_ROW_VALUE=fmap.den_offset is not None,
-                ROW_VALUE_FACTOR=fmap.row_value_factor, RUNNING_SHIFT=SHIFT_IDS[fmap.shift],
-                THRESHOLD_EXP=-1 if fmap.dispatch == "alpha" else fmap.threshold_exponent,
-                ROW_VALUE_IN_SCORE=fmap.row_value_in_score, ROW_VALUE_EXPONENT=fmap.row_value_exponent,
+    facts = fmap.facts()  # (maps.FACTS: the names the C++ header uses too)
+    return dict(MAP=fmap.kernel_id, **{k: bool(v) if k == "NORMALISED" else v for k, v in facts.items()},
                 DELTA_FROM_OUTPUT=fmap.delta_from_output)
 
 
@@ -293,8 +291,8 @@ class _Plan:
         self.fmap = by_name[name]
         self.map_id = self.fmap.kernel_id
         self.normalised = self.fmap.normalised
-        #: the threshold search's form (FusedMap.threshold_exponent; -1: alpha-entmax's, from the row value)
-        self.threshold_exp = -1 if self.fmap.dispatch == "alpha" else self.fmap.threshold_exponent
+        #: the threshold form's exponent (FusedMap.threshold_exponent: 1, 2, -1 for alpha-entmax's; 0 other forms)
+        self.threshold_exp = self.fmap.threshold_exponent
         self.interpreted = not q.is_cuda
         self.size = "small" if max(self.DH, self.DV) <= 64 else "large"
         self.bd, self.bdv = _pow2(self.DH), _pow2(self.DV)
@@ -403,7 +401,7 @@ def _forward(plan: _Plan, q, k, v, score_scale, row_value, bias, forget=None):
     # an output would overwrite it)
     rowmax = torch.zeros(rows if plan.threshold_exp == -1 else (1,), dtype=torch.float32, device=dev)
     cst = plan.consts()
-    if plan.fmap.threshold:
+    if plan.fmap.form == "threshold":
         kernel, blocks, table = plan.kernel(kern, "_threshold_kernel")
         common = plan.common(q, k, v, score_scale, table)
         launch(kernel, plan.grid(blocks))(
@@ -512,7 +510,7 @@ def _forward_fake(q, k, v, score_scale, row_value, bias, keep, slopes, name, cau
                   forget_lo):
     B, H, Lq = q.shape[:3]
     rows = q.new_empty((B, H, Lq), dtype=torch.float32)
-    alpha = next(m for m in _TABLES[table] if m.name == name).dispatch == "alpha"
+    alpha = next(m for m in _TABLES[table] if m.name == name).threshold_exponent == -1
     return (q.new_empty((B, H, Lq, v.shape[-1])), rows, torch.empty_like(rows),
             torch.empty_like(rows) if alpha else q.new_empty((1,), dtype=torch.float32))
 

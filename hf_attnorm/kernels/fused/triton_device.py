@@ -71,7 +71,7 @@ def _tanh(x):
     return tl.where(ax < 0.625, p * z * x + x, tl.where(x < 0, -big, big))
 
 
-def _entry(s, r, keep, shift, MAP: tl.constexpr, RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXP: tl.constexpr,
+def _entry(s, r, keep, shift, MAP: tl.constexpr, RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXPONENT: tl.constexpr,
            MASKED: tl.constexpr, FAST: tl.constexpr):
     """Forward map of one score block: (a, b) with a the numerator weight and b the denominator term.
 
@@ -93,7 +93,7 @@ def _entry(s, r, keep, shift, MAP: tl.constexpr, RUNNING_SHIFT: tl.constexpr, TH
         else:
             a = tl.exp(s - shift)
         b = a
-    elif THRESHOLD_EXP == 1:  # sparsemax [s - tau]_+
+    elif THRESHOLD_EXPONENT == 1:  # sparsemax [s - tau]_+
         a = _sel(keep, tl.maximum(s - shift, 0.0), MASKED)
         b = a
     elif RUNNING_SHIFT == 3:  # ('log_abs_max') power |s|^p = e^(p ln|s| - M), p = |r|, M = max of p ln|s|
@@ -115,12 +115,12 @@ def _entry(s, r, keep, shift, MAP: tl.constexpr, RUNNING_SHIFT: tl.constexpr, TH
         neg = tl.exp(tl.minimum(s - shift, 0.0)) * ratio
         a = _sel(keep, tl.where(s > 0, s + lp, neg), MASKED)
         b = a
-    elif THRESHOLD_EXP == -1:  # alpha-entmax [x - tau]_+^(1/(alpha-1)), x = (s - M)(alpha - 1) from the caller
+    elif THRESHOLD_EXPONENT == -1:  # alpha-entmax [x - tau]_+^(1/(alpha-1)), x = (s - M)(alpha - 1) from the caller
         d = _sel(keep, s - shift, MASKED)
         pos = d > 0
         a = tl.where(pos, tl.exp(tl.log(tl.where(pos, d, 1.0)) / (r - 1.0)), 0.0)
         b = a
-    elif THRESHOLD_EXP == 2:  # entmax-1.5 [s/2 - tau]_+^2
+    elif THRESHOLD_EXPONENT == 2:  # entmax-1.5 [s/2 - tau]_+^2
         t = _sel(keep, tl.maximum(s * 0.5 - shift, 0.0), MASKED)
         a = t * t
         b = a
@@ -130,7 +130,7 @@ def _entry(s, r, keep, shift, MAP: tl.constexpr, RUNNING_SHIFT: tl.constexpr, TH
     return a, b
 
 
-def _slopes(s, r, keep, shift, MAP: tl.constexpr, RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXP: tl.constexpr,
+def _slopes(s, r, keep, shift, MAP: tl.constexpr, RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXPONENT: tl.constexpr,
             MASKED: tl.constexpr, FAST: tl.constexpr):
     """Backward map of one score block: (a, da, db) with da = a'(s), db = b'(s) (0 on hidden entries).
 
@@ -152,7 +152,7 @@ def _slopes(s, r, keep, shift, MAP: tl.constexpr, RUNNING_SHIFT: tl.constexpr, T
             a = tl.exp(s - shift)
         da = a
         db = a
-    elif THRESHOLD_EXP == 1:  # sparsemax
+    elif THRESHOLD_EXPONENT == 1:  # sparsemax
         a = _sel(keep, tl.maximum(s - shift, 0.0), MASKED)
         da = tl.where(a > 0, 1.0, 0.0)
         db = da
@@ -175,14 +175,14 @@ def _slopes(s, r, keep, shift, MAP: tl.constexpr, RUNNING_SHIFT: tl.constexpr, T
         a = _sel(keep, tl.where(s > 0, s + lp, e * ratio), MASKED)
         da = _sel(keep, tl.where(s > 0, 1.0, e) / w, MASKED)
         db = da
-    elif THRESHOLD_EXP == -1:  # alpha-entmax: g = d^(1/(alpha-1) - 1) = p^(2 - alpha) (unnormalised)
+    elif THRESHOLD_EXPONENT == -1:  # alpha-entmax: g = d^(1/(alpha-1) - 1) = p^(2 - alpha) (unnormalised)
         d = _sel(keep, s - shift, MASKED)
         pos = d > 0
         d1 = tl.where(pos, d, 1.0)
         a = tl.where(pos, tl.exp(tl.log(d1) / (r - 1.0)), 0.0)
         da = tl.where(pos, a / d1, 0.0)
         db = da
-    elif THRESHOLD_EXP == 2:  # entmax-1.5
+    elif THRESHOLD_EXPONENT == 2:  # entmax-1.5
         t = _sel(keep, tl.maximum(s * 0.5 - shift, 0.0), MASKED)
         a = t * t
         da = t
@@ -310,7 +310,7 @@ def _fwd_blocks(acc, den, shift, q, r, score_scale, mrow, lo, hi, k_base, v_base
                 svd, smm, smn, stn, offs_m, offs_n0, offs_d, offs_dv, m_valid, d_valid, dv_valid, LK, b, h,
                 BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn,
                 HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr, HAS_FORGET: tl.constexpr,
-                MAP: tl.constexpr, RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXP: tl.constexpr, CAUSAL: tl.constexpr,
+                MAP: tl.constexpr, RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXPONENT: tl.constexpr, CAUSAL: tl.constexpr,
                 HAS_MASK: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, FAST: tl.constexpr,
                 EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
     """The forward's accumulation over the key blocks [lo, hi): acc [BM, BDV] += a V (a in V's dtype), den [BM] +=
@@ -324,7 +324,7 @@ def _fwd_blocks(acc, den, shift, q, r, score_scale, mrow, lo, hi, k_base, v_base
                 q, start_n, k_base, keep_base, offs_m, offs_n0, offs_d, m_valid, d_valid, skn, skd, smm, smn,
                 score_scale, LK, b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn, HAS_BIAS,
                 HAS_ALIBI, HAS_CAP, HAS_FORGET, CAUSAL, HAS_MASK, PREC, UPCAST, EVEN_D, MASKED)
-            if THRESHOLD_EXP == -1:
+            if THRESHOLD_EXPONENT == -1:
                 s = (s - mrow[:, None]) * (r - 1.0)[:, None]
             if RUNNING_SHIFT == 1:  # 'max_score': m = max(0, visible scores)
                 acc, den, shift = _rescale(acc, den, shift, tl.maximum(shift, tl.max(_sel(keep, s, MASKED), 1)))
@@ -347,7 +347,7 @@ def _fwd_blocks(acc, den, shift, q, r, score_scale, mrow, lo, hi, k_base, v_base
                 else:
                     smax = tl.max(s, 1)
                 acc, den, shift = _rescale(acc, den, shift, tl.maximum(shift, tl.minimum(smax, 0.0)))
-            a, bden = _entry(s, r[:, None], keep, shift[:, None], MAP, RUNNING_SHIFT, THRESHOLD_EXP, MASKED, FAST)
+            a, bden = _entry(s, r[:, None], keep, shift[:, None], MAP, RUNNING_SHIFT, THRESHOLD_EXPONENT, MASKED, FAST)
             offs_n = start_n + offs_n0
             v = _load_rows(v_base + offs_n[:, None] * svn + offs_dv[None, :] * svd, n_valid, dv_valid, EVEN_DV)
             if UPCAST:
@@ -364,8 +364,8 @@ def _fwd_kernel(
     H, GROUPS, LQ, LK, DH, DV, ROWMAX,
     BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn, LQ_KEY, LK_KEY,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr, HAS_FORGET: tl.constexpr,
-    MAP: tl.constexpr, NORMALISED: tl.constexpr, DEN_ADDS_ROW_VALUE: tl.constexpr, RUNNING_SHIFT: tl.constexpr,
-    THRESHOLD_EXP: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    MAP: tl.constexpr, NORMALISED: tl.constexpr, ROW_VALUE_USE: tl.constexpr, RUNNING_SHIFT: tl.constexpr,
+    THRESHOLD_EXPONENT: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, FAST: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -397,8 +397,9 @@ def _fwd_kernel(
     t_ptr = TABLE + b * stb + h * sth + pid_m * stm
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     den = tl.zeros([BLOCK_M], tl.float32)
-    if THRESHOLD_EXP != 0:
+    if THRESHOLD_EXPONENT != 0:
         shift = tl.load(SHIFT_IN + row, mask=m_valid, other=0.0)  # the sparse threshold tau
+    # max_score_below_zero, log_abs_max, max_exp
     elif (RUNNING_SHIFT == 2) | (RUNNING_SHIFT == 3) | (RUNNING_SHIFT == 4):
         # power: running max of p ln|s| over visible s != 0; softplus: min(0, running max of visible s); softmax:
         # running max of visible s
@@ -406,24 +407,24 @@ def _fwd_kernel(
     else:
         shift = tl.zeros([BLOCK_M], tl.float32)  # shift 1 (softpick): running max of (0, visible scores)
     mrow = shift
-    if THRESHOLD_EXP == -1:
+    if THRESHOLD_EXPONENT == -1:
         mrow = tl.load(ROWMAX + row, mask=m_valid, other=0.0)
     full, hi = _causal_ranges(start_m, LK, BLOCK_M, BLOCK_N, CAUSAL, HAS_MASK)
     acc, den, shift = _fwd_blocks(
         acc, den, shift, q, r, score_scale, mrow, 0, full, k_base, v_base, keep_base, t_ptr, skn, skd, svn, svd, smm,
         smn, stn, offs_m, offs_n0, offs_d, offs_dv, m_valid, d_valid, dv_valid, LK, b, h, BIAS, SLOPES, sbb, sbh, sbm,
         sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn, HAS_BIAS, HAS_ALIBI, HAS_CAP, HAS_FORGET, MAP, RUNNING_SHIFT,
-        THRESHOLD_EXP, CAUSAL, HAS_MASK, PREC, UPCAST, FAST, EVEN_D, EVEN_DV, False, BLOCK_N)
+        THRESHOLD_EXPONENT, CAUSAL, HAS_MASK, PREC, UPCAST, FAST, EVEN_D, EVEN_DV, False, BLOCK_N)
     acc, den, shift = _fwd_blocks(
         acc, den, shift, q, r, score_scale, mrow, full, hi, k_base, v_base, keep_base, t_ptr, skn, skd, svn, svd, smm,
         smn, stn, offs_m, offs_n0, offs_d, offs_dv, m_valid, d_valid, dv_valid, LK, b, h, BIAS, SLOPES, sbb, sbh, sbm,
         sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn, HAS_BIAS, HAS_ALIBI, HAS_CAP, HAS_FORGET, MAP, RUNNING_SHIFT,
-        THRESHOLD_EXP, CAUSAL, HAS_MASK, PREC, UPCAST, FAST, EVEN_D, EVEN_DV, True, BLOCK_N)
+        THRESHOLD_EXPONENT, CAUSAL, HAS_MASK, PREC, UPCAST, FAST, EVEN_D, EVEN_DV, True, BLOCK_N)
     if NORMALISED:
-        if DEN_ADDS_ROW_VALUE:  # (maps.py: den_offset)
+        if ROW_VALUE_USE == 3:  # den_offset: r is added to the denominator
             den = den + r
         acc = acc * tl.where(den != 0, 1.0 / tl.where(den != 0, den, 1.0), 0.0)[:, None]
-    if THRESHOLD_EXP == -1:
+    if THRESHOLD_EXPONENT == -1:
         acc = acc * tl.where(den != 0, 1.0 / tl.where(den != 0, den, 1.0), 0.0)[:, None]
     tl.store(OUT + row[:, None] * DV + offs_dv[None, :], acc.to(OUT.dtype.element_ty),
              mask=m_valid[:, None] & dv_valid[None, :])
@@ -442,7 +443,7 @@ def _threshold_kernel(
     H, GROUPS, LQ, LK, DH, R, ROWMAX,
     BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn, LQ_KEY, LK_KEY,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr, HAS_FORGET: tl.constexpr,
-    MAP: tl.constexpr, THRESHOLD_EXP: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+    MAP: tl.constexpr, THRESHOLD_EXPONENT: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, EVEN_D: tl.constexpr,
     STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -491,7 +492,7 @@ def _threshold_kernel(
                 q, start_n, k_base, keep_base, offs_m, offs_n0, offs_d, m_valid, d_valid, skn, skd, smm, smn,
                 score_scale, LK, b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn, HAS_BIAS,
                 HAS_ALIBI, HAS_CAP, HAS_FORGET, CAUSAL, HAS_MASK, PREC, UPCAST, EVEN_D, True)
-            if THRESHOLD_EXP == 2:
+            if THRESHOLD_EXPONENT == 2:
                 s = s * 0.5
             zmax = tl.maximum(zmax, tl.max(tl.where(keep, s, -float("inf")), 1))
     has_keys = zmax > -float("inf")
@@ -500,7 +501,7 @@ def _threshold_kernel(
     am1 = hi_t
     pw = hi_t
     mrow = hi_t
-    if THRESHOLD_EXP == -1:
+    if THRESHOLD_EXPONENT == -1:
         am1 = tl.load(R + b * scb + h * sch + offs_m * scm, mask=m_valid, other=2.0) - 1.0
         pw = 1.0 / am1
         mrow = hi_t  # M (0 on fully masked rows)
@@ -522,21 +523,21 @@ def _threshold_kernel(
                         q, start_n, k_base, keep_base, offs_m, offs_n0, offs_d, m_valid, d_valid, skn, skd, smm, smn,
                         score_scale, LK, b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn,
                         HAS_BIAS, HAS_ALIBI, HAS_CAP, HAS_FORGET, CAUSAL, HAS_MASK, PREC, UPCAST, EVEN_D, True)
-                    if THRESHOLD_EXP == 2:
+                    if THRESHOLD_EXPONENT == 2:
                         s = s * 0.5
-                    if THRESHOLD_EXP == -1:
+                    if THRESHOLD_EXPONENT == -1:
                         s = (s - mrow[:, None]) * am1[:, None]
                     t = tl.where(keep, tl.maximum(s - tau[:, None], 0.0), 0.0)
-                    if THRESHOLD_EXP == -1:  # mass = sum t^P, slope = sum t^(P-1) (-d mass/d tau = P slope)
+                    if THRESHOLD_EXPONENT == -1:  # mass = sum t^P, slope = sum t^(P-1) (-d mass/d tau = P slope)
                         pos = t > 0
                         t1 = tl.where(pos, t, 1.0)
                         e = tl.where(pos, tl.exp(tl.log(t1) * pw[:, None]), 0.0)
                         mass += tl.sum(e, 1)
                         slope += tl.sum(e / t1, 1)
-                    elif THRESHOLD_EXP == 2:
+                    elif THRESHOLD_EXPONENT == 2:
                         mass += tl.sum(t * t, 1)
                         slope += 2.0 * tl.sum(t, 1)
-                    elif THRESHOLD_EXP == 1:
+                    elif THRESHOLD_EXPONENT == 1:
                         mass += tl.sum(t, 1)
                         slope += tl.sum(tl.where(t > 0, 1.0, 0.0), 1)
                     else:
@@ -544,7 +545,7 @@ def _threshold_kernel(
             f = mass - 1.0  # decreasing and convex in tau
             lo_t = tl.where(f >= 0, tau, lo_t)
             hi_t = tl.where(f >= 0, hi_t, tau)
-            if THRESHOLD_EXP == -1:
+            if THRESHOLD_EXPONENT == -1:
                 # h = mass^(1/P): tau + (h - 1) / -h' = tau + (mass - mass^(1 - 1/P)) / slope. alpha > 2: bisection
                 # (-2 is outside the bracket), as the C++ kernel: there the slope is infinite at the support's edge,
                 # so Newton's steps on mass shrink to nothing away from the root and stop the search early
@@ -570,7 +571,7 @@ def _delta_blocks(delta, gsum, ent, q, do, r, score_scale, shift, inv, den1, mro
                   d_valid, dv_valid, LK, b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn,
                   HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr, HAS_FORGET: tl.constexpr,
                   MAP: tl.constexpr, NORMALISED: tl.constexpr, RUNNING_SHIFT: tl.constexpr,
-                  THRESHOLD_EXP: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
+                  THRESHOLD_EXPONENT: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
                   UPCAST: tl.constexpr, FAST: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
                   MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
     """The dq kernel's first pass over the key blocks [lo, hi): delta = sum_j w_ij dp_ij (normalised maps) or
@@ -589,17 +590,19 @@ def _delta_blocks(delta, gsum, ent, q, do, r, score_scale, shift, inv, den1, mro
             if UPCAST:
                 vt = vt.to(tl.float32)
             dp = tl.dot(do, vt, input_precision=PREC)
-            if THRESHOLD_EXP == -1:
+            if THRESHOLD_EXPONENT == -1:
                 s = (s - mrow[:, None]) * am1[:, None]
             if NORMALISED:
-                a, _b = _entry(s, r[:, None], keep, shift[:, None], MAP, RUNNING_SHIFT, THRESHOLD_EXP, MASKED, FAST)
+                a, _b = _entry(s, r[:, None], keep, shift[:, None], MAP, RUNNING_SHIFT,
+                               THRESHOLD_EXPONENT, MASKED, FAST)
                 delta += tl.sum(a / den1[:, None] * dp, 1)
             else:
-                a, g, _db = _slopes(s, r[:, None], keep, shift[:, None], MAP, RUNNING_SHIFT, THRESHOLD_EXP, MASKED,
+                a, g, _db = _slopes(s, r[:, None], keep, shift[:, None], MAP, RUNNING_SHIFT,
+                                    THRESHOLD_EXPONENT, MASKED,
                                     FAST)
                 delta += tl.sum(g * dp, 1)
                 gsum += tl.sum(g, 1)
-                if THRESHOLD_EXP == -1:
+                if THRESHOLD_EXPONENT == -1:
                     pa = a * inv[:, None]
                     ent += tl.sum(tl.where(pa > 0, pa * tl.log(tl.where(pa > 0, pa, 1.0)), 0.0), 1)
     return delta, gsum, ent
@@ -610,9 +613,9 @@ def _dq_blocks(acc, dr, dfrow, q, do, r, score_scale, shift, inv, delta, gsum, e
                d_valid, dv_valid, LK, b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn,
                DBIAS, sdb, sdh, sdm, sdn, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr,
                HAS_FORGET: tl.constexpr, HAS_DBIAS: tl.constexpr, DB_BM: tl.constexpr, DB_BN: tl.constexpr,
-               MAP: tl.constexpr, NORMALISED: tl.constexpr, ROW_VALUE_FACTOR: tl.constexpr,
-               RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXP: tl.constexpr, ROW_VALUE_IN_SCORE: tl.constexpr,
-               ROW_VALUE_EXPONENT: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
+               MAP: tl.constexpr, NORMALISED: tl.constexpr, ROW_VALUE_USE: tl.constexpr,
+               RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXPONENT: tl.constexpr, CAUSAL: tl.constexpr,
+               HAS_MASK: tl.constexpr, PREC: tl.constexpr,
                UPCAST: tl.constexpr, FAST: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
                MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
     """The dq kernel's accumulation over the key blocks [lo, hi): acc [BM, BD] += dS K (dS in K's dtype), dr [BM]
@@ -632,30 +635,32 @@ def _dq_blocks(acc, dr, dfrow, q, do, r, score_scale, shift, inv, delta, gsum, e
             if UPCAST:
                 vt = vt.to(tl.float32)
             dp = tl.dot(do, vt, input_precision=PREC)
-            if THRESHOLD_EXP == -1:
+            if THRESHOLD_EXPONENT == -1:
                 s = (s - mrow[:, None]) * am1[:, None]
-            a, da, db = _slopes(s, r[:, None], keep, shift[:, None], MAP, RUNNING_SHIFT, THRESHOLD_EXP, MASKED, FAST)
+            a, da, db = _slopes(s, r[:, None], keep, shift[:, None], MAP, RUNNING_SHIFT,
+                                THRESHOLD_EXPONENT, MASKED, FAST)
             if NORMALISED:
                 ds = (da * dp - db * delta[:, None]) * inv[:, None]
-            elif (THRESHOLD_EXP == 1) | (THRESHOLD_EXP == 2):
+            elif (THRESHOLD_EXPONENT == 1) | (THRESHOLD_EXPONENT == 2):
                 ds = da * (dp - delta[:, None])
-            elif THRESHOLD_EXP == -1:
+            elif THRESHOLD_EXPONENT == -1:
                 ds = da * zg[:, None] * (dp - delta[:, None])
             else:
                 ds = da * dp
-            if ROW_VALUE_IN_SCORE:  # weight(s + r) (maps.py): d/dr = sum_j ds_j
+            if ROW_VALUE_USE == 1:  # score_offset: weight(s + r), d/dr = sum_j ds_j
                 dr += tl.sum(ds, 1)
-            if ROW_VALUE_FACTOR:  # weight(s, r) = r weight(s, 1) (maps.py): d/dr = sum_j weight(s_j, 1) dp_j
-                a1, _b1 = _entry(s, r[:, None] * 0.0 + 1.0, keep, shift[:, None], MAP, RUNNING_SHIFT, THRESHOLD_EXP,
-                                 MASKED, FAST)
+            if ROW_VALUE_USE == 2:  # weight_factor: r weight(s, 1), d/dr = sum_j weight(s_j, 1) dp_j
+                a1, _b1 = _entry(s, r[:, None] * 0.0 + 1.0, keep, shift[:, None], MAP, RUNNING_SHIFT,
+                                 THRESHOLD_EXPONENT, MASKED,
+                                 FAST)
                 dr += tl.sum(a1 * dp, 1)
-            if ROW_VALUE_EXPONENT:  # |s|^|r| (power): d/dp of a_j / D is a_j ln|s_j| (dp_j - delta) / D; ln|s|
+            if ROW_VALUE_USE == 4:  # exponent: |s|^|r|, d/dp of a_j / D is a_j ln|s_j| (dp_j - delta) / D; ln|s|
                 # centred at the row's largest (shift / p), which sum_j a_j (dp_j - delta) = 0 allows, against rounding
                 mag = tl.abs(s)
                 centre = shift / tl.maximum(tl.abs(r), 1.0)  # (|r| = p >= 1; 0 on rows past Lq)
                 lg = tl.where(a > 0, tl.log(tl.where(a > 0, mag, 1.0)) - centre[:, None], 0.0)
                 dr += tl.sum(a * lg * (dp - delta[:, None]), 1) * inv
-            if THRESHOLD_EXP == -1:
+            if THRESHOLD_EXPONENT == -1:
                 pa = a * inv[:, None]
                 pt = da / tl.where(gsum > 0, gsum, 1.0)[:, None]
                 plp = tl.where(pa > 0, pa * tl.log(tl.where(pa > 0, pa, 1.0)), 0.0)
@@ -687,8 +692,7 @@ def _bwd_dq_kernel(
     DV, ROWMAX, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn, DBIAS, sdb, sdh, sdm, sdn,
     LQ_KEY, LK_KEY, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr, HAS_FORGET: tl.constexpr,
     HAS_DBIAS: tl.constexpr, DB_BM: tl.constexpr, DB_BN: tl.constexpr, MAP: tl.constexpr, NORMALISED: tl.constexpr,
-    DEN_ADDS_ROW_VALUE: tl.constexpr, ROW_VALUE_FACTOR: tl.constexpr, RUNNING_SHIFT: tl.constexpr,
-    THRESHOLD_EXP: tl.constexpr, ROW_VALUE_IN_SCORE: tl.constexpr, ROW_VALUE_EXPONENT: tl.constexpr,
+    ROW_VALUE_USE: tl.constexpr, RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXPONENT: tl.constexpr,
     DELTA_FROM_OUTPUT: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, FAST: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -748,7 +752,7 @@ def _bwd_dq_kernel(
     mrow = den
     am1 = den
     zg = den
-    if THRESHOLD_EXP == -1:
+    if THRESHOLD_EXPONENT == -1:
         mrow = tl.load(ROWMAX + row, mask=m_valid, other=0.0)
         am1 = r - 1.0
         # g of the renormalised p = a / Z, as the reference: (a / Z)^(2 - alpha) = a^(2 - alpha) Z^(alpha - 2)
@@ -757,39 +761,41 @@ def _bwd_dq_kernel(
     full, hi = _causal_ranges(start_m, LK, BLOCK_M, BLOCK_N, CAUSAL, HAS_MASK)
     if DELTA_FROM_OUTPUT:
         delta = tl.load(DELTA + row, mask=m_valid, other=0.0)
-    elif NORMALISED or (THRESHOLD_EXP != 0):
+    elif NORMALISED or (THRESHOLD_EXPONENT != 0):
         delta, gsum, ent = _delta_blocks(
             delta, gsum, ent, q, do, r, score_scale, shift, inv, den1, mrow, am1, 0, full, k_base, v_base, keep_base,
             t_ptr, skn, skd, svn, svd, smm, smn, stn, offs_m, offs_n0, offs_d, offs_dv, m_valid, d_valid, dv_valid, LK,
             b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn, HAS_BIAS, HAS_ALIBI, HAS_CAP,
-            HAS_FORGET, MAP, NORMALISED, RUNNING_SHIFT, THRESHOLD_EXP, CAUSAL, HAS_MASK, PREC, UPCAST, FAST, EVEN_D,
-            EVEN_DV, False, BLOCK_N)
+            HAS_FORGET, MAP, NORMALISED, RUNNING_SHIFT, THRESHOLD_EXPONENT, CAUSAL, HAS_MASK, PREC, UPCAST, FAST,
+            EVEN_D, EVEN_DV, False,
+            BLOCK_N)
         delta, gsum, ent = _delta_blocks(
             delta, gsum, ent, q, do, r, score_scale, shift, inv, den1, mrow, am1, full, hi, k_base, v_base, keep_base,
             t_ptr, skn, skd, svn, svd, smm, smn, stn, offs_m, offs_n0, offs_d, offs_dv, m_valid, d_valid, dv_valid, LK,
             b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn, HAS_BIAS, HAS_ALIBI, HAS_CAP,
-            HAS_FORGET, MAP, NORMALISED, RUNNING_SHIFT, THRESHOLD_EXP, CAUSAL, HAS_MASK, PREC, UPCAST, FAST, EVEN_D,
-            EVEN_DV, True, BLOCK_N)
-        if THRESHOLD_EXP != 0:
+            HAS_FORGET, MAP, NORMALISED, RUNNING_SHIFT, THRESHOLD_EXPONENT, CAUSAL, HAS_MASK, PREC, UPCAST, FAST,
+            EVEN_D, EVEN_DV, True,
+            BLOCK_N)
+        if THRESHOLD_EXPONENT != 0:
             delta = tl.where(gsum > 0, delta / tl.where(gsum > 0, gsum, 1.0), 0.0)
         tl.store(DELTA + row, delta, mask=m_valid)
     acc, dr, dfrow = _dq_blocks(
         acc, dr, dfrow, q, do, r, score_scale, shift, inv, delta, gsum, ent, zg, mrow, am1, 0, full, k_base, v_base,
         keep_base, t_ptr, skn, skd, svn, svd, smm, smn, stn, offs_m, offs_n0, offs_d, offs_dv, m_valid, d_valid,
         dv_valid, LK, b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn, DBIAS, sdb, sdh, sdm,
-        sdn, HAS_BIAS, HAS_ALIBI, HAS_CAP, HAS_FORGET, HAS_DBIAS, DB_BM, DB_BN, MAP, NORMALISED, ROW_VALUE_FACTOR,
-        RUNNING_SHIFT, THRESHOLD_EXP, ROW_VALUE_IN_SCORE, ROW_VALUE_EXPONENT, CAUSAL, HAS_MASK, PREC, UPCAST, FAST,
+        sdn, HAS_BIAS, HAS_ALIBI, HAS_CAP, HAS_FORGET, HAS_DBIAS, DB_BM, DB_BN, MAP, NORMALISED, ROW_VALUE_USE,
+        RUNNING_SHIFT, THRESHOLD_EXPONENT, CAUSAL, HAS_MASK, PREC, UPCAST, FAST,
         EVEN_D, EVEN_DV, False, BLOCK_N)
     acc, dr, dfrow = _dq_blocks(
         acc, dr, dfrow, q, do, r, score_scale, shift, inv, delta, gsum, ent, zg, mrow, am1, full, hi, k_base, v_base,
         keep_base, t_ptr, skn, skd, svn, svd, smm, smn, stn, offs_m, offs_n0, offs_d, offs_dv, m_valid, d_valid,
         dv_valid, LK, b, h, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn, DBIAS, sdb, sdh, sdm,
-        sdn, HAS_BIAS, HAS_ALIBI, HAS_CAP, HAS_FORGET, HAS_DBIAS, DB_BM, DB_BN, MAP, NORMALISED, ROW_VALUE_FACTOR,
-        RUNNING_SHIFT, THRESHOLD_EXP, ROW_VALUE_IN_SCORE, ROW_VALUE_EXPONENT, CAUSAL, HAS_MASK, PREC, UPCAST, FAST,
+        sdn, HAS_BIAS, HAS_ALIBI, HAS_CAP, HAS_FORGET, HAS_DBIAS, DB_BM, DB_BN, MAP, NORMALISED, ROW_VALUE_USE,
+        RUNNING_SHIFT, THRESHOLD_EXPONENT, CAUSAL, HAS_MASK, PREC, UPCAST, FAST,
         EVEN_D, EVEN_DV, True, BLOCK_N)
-    if DEN_ADDS_ROW_VALUE:  # r is added to the denominator (maps.py: den_offset)
+    if ROW_VALUE_USE == 3:  # den_offset: r is added to the denominator
         dr = -delta * inv
-    if ROW_VALUE_EXPONENT:  # r = +-p (the sign marks single-key rows; their gradient is 0 anyway)
+    if ROW_VALUE_USE == 4:  # exponent: r = +-p (the sign marks single-key rows; their gradient is 0 anyway)
         dr = tl.where(r < 0, -dr, dr)
     tl.store(DQ + row[:, None] * DH + offs_d[None, :], (acc * score_scale[:, None]).to(DQ.dtype.element_ty),
              mask=m_valid[:, None] & d_valid[None, :])
@@ -804,7 +810,7 @@ def _dkdv_blocks(dk, dv, dfcol, k, v, lo, hi, row0, q_base, keep_base, t_ptr, sq
                  DELTA, DO, ROWMAX, DV, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn,
                  HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr, HAS_FORGET: tl.constexpr,
                  MAP: tl.constexpr, NORMALISED: tl.constexpr, RUNNING_SHIFT: tl.constexpr,
-                 THRESHOLD_EXP: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
+                 THRESHOLD_EXPONENT: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
                  UPCAST: tl.constexpr, FAST: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
                  MASKED: tl.constexpr, BLOCK_M: tl.constexpr):
     """The dk/dv kernel's accumulation over the query blocks [lo, hi) of one query head, in the transposed
@@ -839,17 +845,17 @@ def _dkdv_blocks(dk, dv, dfcol, k, v, lo, hi, row0, q_base, keep_base, t_ptr, sq
             keep = 0
             if MASKED:
                 keep = _keep(keep_base + om * smm + on * smn, om, on, inside, CAUSAL, HAS_MASK)
-            if THRESHOLD_EXP == -1:
+            if THRESHOLD_EXPONENT == -1:
                 st = (st - tl.load(ROWMAX + row, mask=m_valid, other=0.0)[None, :]) * (r - 1.0)
-            a, da, db = _slopes(st, r, keep, shift, MAP, RUNNING_SHIFT, THRESHOLD_EXP, MASKED, FAST)
+            a, da, db = _slopes(st, r, keep, shift, MAP, RUNNING_SHIFT, THRESHOLD_EXPONENT, MASKED, FAST)
             dpt = tl.dot(v, tl.trans(do), input_precision=PREC)  # [BN, BM]
             if NORMALISED:
                 w = a * inv
                 ds = (da * dpt - db * delta) * inv
-            elif THRESHOLD_EXP == -1:  # renormalised by Z, as the forward (and g, see the dq kernel)
+            elif THRESHOLD_EXPONENT == -1:  # renormalised by Z, as the forward (and g, see the dq kernel)
                 w = a * inv
                 ds = da * tl.exp(tl.log(tl.where(den > 0, den, 1.0)) * (r - 2.0)) * (dpt - delta)
-            elif (THRESHOLD_EXP == 1) | (THRESHOLD_EXP == 2):
+            elif (THRESHOLD_EXPONENT == 1) | (THRESHOLD_EXPONENT == 2):
                 w = a
                 ds = da * (dpt - delta)
             else:
@@ -871,7 +877,7 @@ def _bwd_dkdv_kernel(
     H, HKV, GROUPS, LQ, LK, DH, DV, ROWMAX,
     BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh, sfn, LQ_KEY, LK_KEY,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_CAP: tl.constexpr, HAS_FORGET: tl.constexpr,
-    MAP: tl.constexpr, NORMALISED: tl.constexpr, RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXP: tl.constexpr,
+    MAP: tl.constexpr, NORMALISED: tl.constexpr, RUNNING_SHIFT: tl.constexpr, THRESHOLD_EXPONENT: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, FAST: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -923,7 +929,8 @@ def _bwd_dkdv_kernel(
                 dk, dv, dfcol, k, v, lo, full, row0, q_base, keep_base, t_ptr, sqm, sqd, smm, smn, stm, offs_m0,
                 offs_n, offs_d, offs_dv, n_valid, d_valid, dv_valid, LQ, LK, b, h, scb, sch, scm, SCORE_SCALE, R,
                 SHIFT, DEN, DELTA, DO, ROWMAX, DV, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh,
-                sfn, HAS_BIAS, HAS_ALIBI, HAS_CAP, HAS_FORGET, MAP, NORMALISED, RUNNING_SHIFT, THRESHOLD_EXP, CAUSAL,
+                sfn, HAS_BIAS, HAS_ALIBI, HAS_CAP, HAS_FORGET, MAP, NORMALISED, RUNNING_SHIFT, THRESHOLD_EXPONENT,
+                CAUSAL,
                 HAS_MASK, PREC, UPCAST, FAST, EVEN_D, EVEN_DV, True, BLOCK_M)
         if not HAS_MASK:
             # (rows past Lq load q = dO = 0 and contribute nothing; keys past Lk only reach unstored rows)
@@ -931,7 +938,8 @@ def _bwd_dkdv_kernel(
                 dk, dv, dfcol, k, v, full, end, row0, q_base, keep_base, t_ptr, sqm, sqd, smm, smn, stm, offs_m0,
                 offs_n, offs_d, offs_dv, n_valid, d_valid, dv_valid, LQ, LK, b, h, scb, sch, scm, SCORE_SCALE, R,
                 SHIFT, DEN, DELTA, DO, ROWMAX, DV, BIAS, SLOPES, sbb, sbh, sbm, sbn, CAP, QOFF, FHI, FLO, sfb, sfh,
-                sfn, HAS_BIAS, HAS_ALIBI, HAS_CAP, HAS_FORGET, MAP, NORMALISED, RUNNING_SHIFT, THRESHOLD_EXP, CAUSAL,
+                sfn, HAS_BIAS, HAS_ALIBI, HAS_CAP, HAS_FORGET, MAP, NORMALISED, RUNNING_SHIFT, THRESHOLD_EXPONENT,
+                CAUSAL,
                 HAS_MASK, PREC, UPCAST, FAST, EVEN_D, EVEN_DV, False, BLOCK_M)
         if HAS_FORGET:  # this query head's column sums: each (head, key) is written by one program
             tl.store(DFCOL + (b * H + h) * LK + offs_n, dfcol, mask=n_valid)
