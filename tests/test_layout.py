@@ -103,8 +103,8 @@ def test_lab_has_no_function_level_package_imports(path: Path) -> None:
 
 
 KERNELS = PKG / "kernels"
-#: the kernel folders whose modules the others may use: ``fused`` holds the C++ extension every CPU kernel is compiled
-#: into and the Triton helpers the other Triton kernels share
+#: the kernel folders whose modules the others may use: ``fused`` holds the Triton helpers the other Triton kernels
+#: share
 SHARED_FAMILY = "fused"
 
 
@@ -154,7 +154,10 @@ def test_every_kernel_family_is_a_package_with_its_sources_beside_it() -> None:
     for d in families:
         assert (d / "__init__.py").exists(), d
     assert not list(KERNELS.glob("*.cpp")) and list(KERNELS.glob("*.h")) == [KERNELS / "cpu_common.h"]
-    from hf_attnorm.kernels.fused import cpu
+    from hf_attnorm.kernels.native import EXTENSIONS
 
-    for source in [cpu._SOURCE, *cpu.EXTRA_SOURCES]:
-        assert source.exists() and source.parent.parent == KERNELS, source
+    assert set(EXTENSIONS) == {"fused", "stick-breaking", "selective"}
+    for family, ext in EXTENSIONS.items():
+        for source in ext.sources:  # one extension per family, built from the family's own folder
+            assert source.exists() and source.parent.parent == KERNELS, (family, source)
+            assert len({ext.sources[0].parent, source.parent}) == 1, (family, ext.sources)
