@@ -866,6 +866,45 @@ def test_mask_facts_made_under_inference_mode_do_not_reach_training(path):
         q.grad = None
 
 
+def test_record_paths_of_two_threads_do_not_mix():
+    """Two threads (a server's) record at the same time, each its own model's calls: each record holds only the calls
+    of its own thread, though the blocks overlap (a barrier holds both inside them until both have run)."""
+    import threading
+
+    from conftest import tiny
+
+    from hf_attnorm.hf.forward import record_paths
+
+    models = {name: tiny("llama", "causal_lm", name) for name in ("softmax", "stickbreaking")}
+    ids = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(0))
+    layers = models["softmax"].config.num_hidden_layers
+    both_inside, both_ran = threading.Barrier(2, timeout=120), threading.Barrier(2, timeout=120)
+    records, errors = {}, []
+
+    def run(name: str) -> None:
+        try:
+            with torch.no_grad(), record_paths() as rec:
+                both_inside.wait()
+                for _ in range(3):
+                    models[name](ids)
+                both_ran.wait()
+            records[name] = rec
+        except BaseException as exc:  # (reported by the main thread)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    for name, rec in records.items():
+        with torch.no_grad(), record_paths() as alone:
+            models[name](ids)
+        assert rec.paths == alone.paths * 3 and len(alone.paths) == layers, (name, rec.paths, alone.paths)
+    assert set(records["softmax"].paths).isdisjoint(records["stickbreaking"].paths)
+
+
 def test_record_paths_records_the_calls_inside_its_block_only():
     """``record_paths`` (nestable) sees every attention call of the block, in order; after the block nothing is
     written to its record."""

@@ -20,6 +20,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hf_attnorm.hf import compat, integration
 from hf_attnorm.hf.families import keyword_role, refused_keywords
+from hf_attnorm.hf.forward import record_paths
 from hf_attnorm.registry import AttnormError
 
 VERSION = transformers.__version__
@@ -282,9 +283,14 @@ def test_continuous_batching_has_one_entry_and_runs_ours_on_its_sdpa_route():
         "generate_batch with hf_attnorm implementations (refused without them, as docs/internals.md says)")
     assert {compat.CONTINUOUS_BATCHING_ENTRY[1], compat.CONTINUOUS_BATCHING_SWITCH[1],
             compat.CONTINUOUS_BATCHING_MASKS[1]} <= integration.HOOKED
+    assert compat.CONTINUOUS_BATCHING_THREAD[1] in integration.HOOKED, broken(
+        f"the manager has no {compat.CONTINUOUS_BATCHING_THREAD[1:]}", "record_paths around generate_batch")
     model = tiny("llama", "causal_lm", implementation="symax")
     # a small explicit cache: sized from the free memory, a CPU's would take most of it (14.9 GB peak here)
-    out = model.generate_batch([[1, 2, 3], [4]], max_new_tokens=2, continuous_batching_config=small_cache())
+    with record_paths() as rec:  # (the manager's thread runs in this context's copy: its calls are recorded here)
+        out = model.generate_batch([[1, 2, 3], [4]], max_new_tokens=2, continuous_batching_config=small_cache())
+    assert rec.packed > 0, broken("the manager's thread does not run the method the hook gives the caller's context",
+                                  "record_paths around generate_batch")
     assert [len(r.generated_tokens) for r in out.values()] == [2, 2]
     assert model.config._attn_implementation == "symax"  # not switched away (e.g. to flash attention)
     with pytest.raises(AttnormError, match=r"^continuous batching .* cannot run hf_attnorm's 'selective'"):

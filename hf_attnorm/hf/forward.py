@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping
@@ -55,8 +56,10 @@ class PathRecord:
     packed: int = 0
 
 
-#: the records being written (record_paths); empty, the attention calls write nothing
-_RECORDS: list[PathRecord] = []
+#: the records of this context (thread, asyncio task) being written (record_paths); empty, eager calls write nothing
+_RECORDS: contextvars.ContextVar[tuple[PathRecord, ...]] = contextvars.ContextVar("hf_attnorm_records", default=())
+#: every context's records, for traced calls only (Dynamo cannot read a ContextVar)
+_TRACED_RECORDS: list[PathRecord] = []
 
 
 @contextlib.contextmanager
@@ -67,13 +70,26 @@ def record_paths(record: PathRecord | None = None) -> Iterator[PathRecord]:
             model(**batch)
         rec.path, rec.paths  # e.g. "fused_cpu", ["fused_cpu", "fused_cpu"]
 
-    ``explain(call)`` says why a path was chosen; this says which ran."""
+    The records belong to the context (a thread, an asyncio task): calls that other threads make meanwhile (a
+    server's) are not recorded. A ``torch.compile``d graph, which cannot read the context, writes ``path`` and
+    ``mask`` of the records active in any thread when it was traced. ``explain(call)`` says why a path was chosen;
+    this says which ran."""
     record = PathRecord() if record is None else record
-    _RECORDS.append(record)
+    token = _RECORDS.set((*_RECORDS.get(), record))
+    _TRACED_RECORDS.append(record)
     try:
         yield record
     finally:
-        _RECORDS.remove(record)
+        _TRACED_RECORDS.remove(record)
+        try:
+            _RECORDS.reset(token)
+        except ValueError:  # (left in another context than it was entered in: drop this record only)
+            _RECORDS.set(tuple(r for r in _RECORDS.get() if r is not record))
+
+
+def _active_records() -> tuple[PathRecord, ...] | list[PathRecord]:
+    """The records an attention call writes: its context's, or under torch.compile every context's."""
+    return _TRACED_RECORDS if torch.compiler.is_compiling() else _RECORDS.get()
 
 
 def __getattr__(name: str) -> Any:
@@ -171,8 +187,9 @@ def _compute(module: nn.Module, state: Any, query: torch.Tensor, key: torch.Tens
     out, weights, path = attend(call)
     for step in steps:
         step.after(call, path)
-    if _RECORDS:  # (nothing to do unless record_paths is active)
-        for record in _RECORDS:
+    records = _active_records()
+    if records:  # (nothing to do unless record_paths is active)
+        for record in records:
             record.path, record.mask = path, call.mask.kind
             if not torch.compiler.is_compiling():  # (a traced append guards on the list's length: a recompile a call)
                 record.paths.append(path)
@@ -264,8 +281,8 @@ def _attend_packed(module: nn.Module, state: Any, query: torch.Tensor, key: torc
         out, _ = _compute(module, state, query, key, value, attention_mask, causal, scaling, dropout, kwargs, [])
     else:
         out = _per_sequence(module, state, query, key, value, attention_mask, causal, scaling, dropout, kwargs)
-    if _RECORDS and not torch.compiler.is_compiling():  # (traced, the count guards on its value: a recompile a call)
-        for record in _RECORDS:
+    if not torch.compiler.is_compiling():  # (traced, the count guards on its value: a recompile a call)
+        for record in _RECORDS.get():
             record.packed += 1
     return _to_model_layout(out), None
 
