@@ -308,10 +308,10 @@ def _start_background_work(args: argparse.Namespace, cfg: dict[str, Any], out: P
     return threads
 
 
+@offline_by_default()
 def main(argv: list[str] | None = None) -> int:
     """``scripts/compare.py`` and the console command ``hf-attnorm-compare``, offline by default: exit code 1 when a
     run failed or is missing, else 0."""
-    offline_by_default()
     result = run(argv)
     return 1 if result["failed"] or result["missing"] else 0
 
