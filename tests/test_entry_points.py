@@ -123,7 +123,8 @@ from hf_attnorm.lab import training
 from hf_attnorm.lab.cli import OFFLINE_VARIABLES, offline_by_default
 
 def state():
-    return {"hub": hub.HF_HUB_OFFLINE, "datasets": [datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE],
+    return {"hub": hub.HF_HUB_OFFLINE,
+            "datasets": [datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE],
             "env": {v: os.environ.get(v) for v in OFFLINE_VARIABLES}}
 
 before = state()

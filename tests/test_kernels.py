@@ -29,10 +29,10 @@ from hf_attnorm.kernels import (
     choose,
     declared_normalizers,
     explain,
+    native,
     set_forced_path,
 )
 from hf_attnorm.kernels import chunked as chunked_mod
-from hf_attnorm.kernels import native
 from hf_attnorm.kernels.fused import cpu as fused_cpu
 from hf_attnorm.kernels.fused import maps
 from hf_attnorm.normalizers.base import KernelFamily, Normalizer
@@ -667,7 +667,8 @@ def test_one_family_failing_to_build_leaves_the_others_on_their_kernels(tmp_path
     assert got["ran"] == {"symax": "fused_cpu", "stickbreaking": "stickbreaking_scan", "selective": "selective_cpu"}
     assert got["errors"]["fused"] is None and got["errors"]["selective"] is None, got["errors"]
     [message] = got["messages"]
-    assert message.startswith("hf_attnorm: stick-breaking CPU kernels unavailable (building the C++ extension "), message
+    assert message.startswith("hf_attnorm: stick-breaking CPU kernels unavailable (building the C++ extension "), (
+        message)
     assert "error: #error a broken stick-breaking source" in message, message
     assert "'stickbreaking_scan'" in message
 
@@ -868,7 +869,8 @@ def test_mask_facts_made_under_inference_mode_do_not_reach_training(path):
 
 def test_record_paths_of_two_threads_do_not_mix():
     """Two threads (a server's) record at the same time, each its own model's calls: each record holds only the calls
-    of its own thread, though the blocks overlap (a barrier holds both inside them until both have run)."""
+    of its own thread, though the blocks overlap (a barrier holds both inside them until both have run); a record of
+    all threads holds both."""
     import threading
 
     from conftest import tiny
@@ -893,11 +895,13 @@ def test_record_paths_of_two_threads_do_not_mix():
             errors.append(exc)
 
     threads = [threading.Thread(target=run, args=(name,)) for name in models]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
+    with record_paths(all_threads=True) as everything:  # (a command owning its process, e.g. serve)
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
     assert not errors, errors
+    assert len(everything.paths) == 2 * 3 * layers
     for name, rec in records.items():
         with torch.no_grad(), record_paths() as alone:
             models[name](ids)

@@ -11,8 +11,8 @@ from conftest import mask_of_kind, tiny
 
 from hf_attnorm.attention import attention, constant_heads, make_call
 from hf_attnorm.kernels import attend, explain
-from hf_attnorm.kernels.selective import cpu as selective_cpu
 from hf_attnorm.kernels.selective import blocked as selective_mod
+from hf_attnorm.kernels.selective import cpu as selective_cpu
 from hf_attnorm.normalizers.selective import selection_penalty
 from hf_attnorm.registry import AttnormError
 from hf_attnorm.settings import resolve_settings
@@ -164,7 +164,8 @@ def test_the_rule_picks_a_selective_path_and_the_splitting_paths_decline():
     settings = resolve_settings("selective")
     call = make_call(q, q, q, settings, {}, None, True)
     # the fused C++ path (test_selective_cpu.py) where the extension builds, else the blocked path
-    assert explain(call)[-1] == ("selective_cpu" if selective_cpu.NATIVE.unavailable_reason() is None else "selective", "runs")
+    expected = "selective_cpu" if selective_cpu.NATIVE.unavailable_reason() is None else "selective"
+    assert explain(call)[-1] == (expected, "runs")
     with pytest.raises(ValueError, match="couples the queries"):
         attend(make_call(q[:, :, :1], q, q, settings, {}, None, True), "chunked")
     # one query has no other query in its call (earlier ones arrive as AttnCall.selective_carry): the one-query

@@ -274,4 +274,5 @@ def test_encoder_modules_warn_and_causal_models_do_not():
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask).logits
     assert torch.isfinite(logits).all()
-    assert LAST_CALL.path == ("stickbreaking_cpu" if sb_cpu.NATIVE.unavailable_reason() is None else "stickbreaking_scan")
+    expected = "stickbreaking_cpu" if sb_cpu.NATIVE.unavailable_reason() is None else "stickbreaking_scan"
+    assert LAST_CALL.path == expected

@@ -459,6 +459,26 @@ def test_serves_generation_paths_reach_our_hooks():
     assert keyword_role("tokenizer").accepted
 
 
+def test_the_serve_command_object_holds_what_the_command_stops():
+    """cli/serve.py: ``Serve`` takes the hidden ``--non-blocking`` (``compat.SERVE_COMMAND``), assigns the attributes
+    the serve command reads to stop it (``compat.SERVE_OBJECT_ATTRIBUTES``) and has ``kill_server``; the command
+    reads them through compat, which names an attribute this transformers does not set."""
+    _serving()
+    from transformers.cli.serve import Serve
+
+    feature = "python -m hf_attnorm serve's stop (grace period, continuous batching's worker, unloading the model)"
+    path, option, parameter = compat.SERVE_COMMAND
+    assert f"{Serve.__module__}.{Serve.__qualname__}" == path, broken(
+        f"transformers serve's command moved from {path}", feature)
+    assert parameter in inspect.signature(Serve.__init__).parameters, broken(f"Serve has no {option}", feature)
+    assert callable(getattr(Serve, compat.SERVE_STOP, None)), broken(f"Serve has no {compat.SERVE_STOP}", feature)
+    source = inspect.getsource(Serve)
+    for name in compat.SERVE_OBJECT_ATTRIBUTES:
+        assert f"self.{name} =" in source, broken(f"Serve no longer sets {name}", feature)
+    with pytest.raises(AttnormError, match=r"transformers serve's .*Serve object has no '_thread'"):
+        compat.serve_object_attribute(object(), "_thread")
+
+
 def test_the_serve_guard_wraps_the_app_factory_before_uvicorn_starts():
     """cli/serve.py: ``Serve.__init__`` imports the app factory (``compat.SERVE_APP_FACTORY``) by name when it runs
     and calls it after the model is loaded and before uvicorn is built, with the model manager, the handlers and the

@@ -408,6 +408,16 @@ SERVE_CB_STATE_ATTRIBUTE = "_cb_manager"
 SERVE_HANDLER_FIELDS = "_valid_params_class"
 
 
+#: (class path, hidden option, its ``__init__`` parameter): transformers serve's command object (cli/serve.py). Run
+#: with the hidden ``--non-blocking`` it starts uvicorn in a thread and returns itself, holding what the serve command
+#: stops: ``SERVE_OBJECT_ATTRIBUTES``, and ``SERVE_STOP`` (stops the generation managers and unloads the model)
+SERVE_COMMAND = ("transformers.cli.serve.Serve", "--non-blocking", "non_blocking")
+#: the attributes of that object the serve command reads: uvicorn's thread, uvicorn's ``Server`` (``should_exit``,
+#: ``force_exit``) and the shared ``GenerationState``; set by its methods (``__init__``, the server's start)
+SERVE_OBJECT_ATTRIBUTES = ("_thread", "server", "_generation_state")
+SERVE_STOP = "kill_server"
+
+
 def _class(path: str) -> type | None:
     module_name, _, cls_name = path.rpartition(".")
     cls = _resolve(module_name, cls_name)
@@ -428,7 +438,38 @@ def serve_guard_missing() -> list[str]:
         missing += [f"{path}.{m}" for m in methods if cls is None or not callable(getattr(cls, m, None))]
     if _class(SERVE_CB_MANAGER[0]) is None:
         missing.append(SERVE_CB_MANAGER[0])
+    path, option, parameter = SERVE_COMMAND
+    command = _class(path)
+    if command is None:
+        return [*missing, path]
+    if parameter not in _parameters(command.__init__):
+        missing.append(f"{path}({parameter}) (the hidden {option})")
+    if not callable(getattr(command, SERVE_STOP, None)):
+        missing.append(f"{path}.{SERVE_STOP}")
+    try:  # (instance attributes: assigned in the class's source)
+        source = inspect.getsource(command)
+    except (OSError, TypeError):  # pragma: no cover - no source shipped: checked when read (serve_object_attribute)
+        source = None
+    if source is not None:
+        missing += [f"{path}.{a}" for a in SERVE_OBJECT_ATTRIBUTES if f"self.{a} =" not in source]
     return missing
+
+
+def serve_object_attribute(server: Any, name: str) -> Any:
+    """Attribute ``name`` (one of ``SERVE_OBJECT_ATTRIBUTES``) of the object transformers serve's command returned;
+    an ``AttnormError`` naming it when this transformers does not set it."""
+    if name not in SERVE_OBJECT_ATTRIBUTES:
+        raise ValueError(f"{name!r} is not one of {SERVE_OBJECT_ATTRIBUTES}")
+    value = getattr(server, name, None)
+    if value is None:
+        raise AttnormError(f"transformers serve's {SERVE_COMMAND[0]} object has no {name!r} (transformers "
+                           f"{transformers.__version__}); python -m hf_attnorm serve needs it to stop the server")
+    return value
+
+
+def serve_stop(server: Any) -> None:
+    """Stop transformers serve's generation managers and unload the model (``SERVE_STOP`` of its command object)."""
+    getattr(server, SERVE_STOP)()
 
 
 def serve_app_factory() -> tuple[types.ModuleType, str]:
