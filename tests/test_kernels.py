@@ -30,6 +30,7 @@ from hf_attnorm.kernels import (
     declared_normalizers,
     explain,
     native,
+    prepare_path,
     set_forced_path,
 )
 from hf_attnorm.kernels import chunked as chunked_mod
@@ -67,7 +68,9 @@ PAIR_IDS = [f"{p}-{n}" for p, n in PAIRS]
 
 
 def _probe_reason(path: str, name: str) -> str | None:
-    """Why ``path`` declines a plain small fp32 CPU call of ``name`` (None when it runs it)."""
+    """Why ``path`` declines a plain small fp32 CPU call of ``name`` (None when it runs it), once the path is prepared
+    (its C++ extension built), as the dispatcher prepares it before asking."""
+    prepare_path(path)
     q = torch.randn(1, 2, 3, 4)
     settings = resolve_settings(name)
     call = make_call(q, q, q, settings, constant_heads(settings, 2, head_dim=4), None, True, None,
