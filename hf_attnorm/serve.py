@@ -327,7 +327,7 @@ def summary(record: PathRecord, implementation: str, guardian: Guardian | None =
 #: transformers serve's hidden switch that starts uvicorn in a thread and returns the ``Serve`` object (its
 #: ``kill_server`` stops the continuous-batching manager's thread, which uvicorn's own shutdown leaves running: a
 #: blocking ``transformers serve --continuous-batching`` does not exit after SIGINT)
-NON_BLOCKING_OPTION = "--non-blocking"
+NON_BLOCKING_OPTION = compat.SERVE_COMMAND[1]
 
 
 def transformers_serve(args: list[str], standalone: bool = True) -> Any:
@@ -374,7 +374,8 @@ def serve_until_stopped(args: list[str], guardian: Guardian, options: Options, s
         raise
     if isinstance(server, int):  # (click's status for an early exit)
         return server
-    thread = server._thread
+    thread = compat.serve_object_attribute(server, "_thread")
+    uvicorn_server = compat.serve_object_attribute(server, "server")
     while thread.is_alive() and not stopper.event.wait(0.5):
         guardian.revive()
         if guardian.fatal:
@@ -384,7 +385,7 @@ def serve_until_stopped(args: list[str], guardian: Guardian, options: Options, s
         name = signal.Signals(stopper.signal).name if stopper.signal else "a signal"
         log(f"{name}: stopping; the requests in flight ({len(guardian.active)}) get up to {options.grace_period:g} s "
             "(a second signal exits at once)")
-    server.server.should_exit = True
+    uvicorn_server.should_exit = True
     thread.join(options.grace_period)
     if thread.is_alive():
         stopped = guardian.abort_requests("the grace period ended")
@@ -392,12 +393,12 @@ def serve_until_stopped(args: list[str], guardian: Guardian, options: Options, s
             f"{'s' if stopped != 1 else ''} still in flight")
         thread.join(5)
         if thread.is_alive():
-            server.server.force_exit = True
+            uvicorn_server.force_exit = True
             thread.join(2)
     guardian.stop_generations("the server stopped")
     with contextlib.suppress(Exception):  # (continuous batching's worker stops now, without waiting for a flush)
-        compat.serve_stop_continuous_batching(server._generation_state)
-    server.kill_server()
+        compat.serve_stop_continuous_batching(compat.serve_object_attribute(server, "_generation_state"))
+    compat.serve_stop(server)
     if guardian.fatal:
         log(f"ERROR: {guardian.fatal}")
         return 1
@@ -470,7 +471,7 @@ def main(argv: Sequence[str] | None = None, exit_process: bool | None = None) ->
         listed = ", ".join(f"{p} x{n}" for p, n in sorted(paths.items())) or "none"
         log(f"attention kernels ready in {seconds:.1f} s, built or loaded from the build cache before the port opens "
             f"(a prefill, a decode step and a padded batch on {model.device}; kernel paths: {listed})")
-        recording.enter_context(record_paths(record))
+        recording.enter_context(record_paths(record, all_threads=True))  # (the server's threads)
 
     def at_once(signum: int) -> None:
         log(f"{signal.Signals(signum).name} again: exiting now, without waiting for the requests in flight")

@@ -116,22 +116,34 @@ def test_the_installed_command_answers_help():
 
 
 OFFLINE_CHECK = """
-import json
+import json, os
 import datasets.config
 import huggingface_hub.constants as hub
-from hf_attnorm.lab.cli import offline_by_default
+from hf_attnorm.lab import training
+from hf_attnorm.lab.cli import OFFLINE_VARIABLES, offline_by_default
 
-before = [hub.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE]
-set_now = offline_by_default()
-print(json.dumps({"before": before, "set": set_now, "hub": hub.HF_HUB_OFFLINE,
-                  "datasets": [datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE]}))
+def state():
+    return {"hub": hub.HF_HUB_OFFLINE,
+            "datasets": [datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE],
+            "env": {v: os.environ.get(v) for v in OFFLINE_VARIABLES}}
+
+before = state()
+with offline_by_default() as set_now:
+    inside = state()
+after = state()
+during_main = []
+training._run = lambda kind, argv: during_main.append(state())  # what a command's run sees
+code = training.main("pretrain", [])
+print(json.dumps({"before": before, "set": set_now, "inside": inside, "after": after, "main": during_main,
+                  "after_main": state(), "code": code}))
 """
 
 
 @pytest.mark.parametrize("user", [{}, {"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0"}], ids=["unset", "online"])
-def test_the_offline_default_reaches_libraries_imported_before_it(user):
+def test_the_offline_default_reaches_libraries_imported_before_it_for_the_run_only(user):
     """A console command imports huggingface_hub and datasets (with hf_attnorm) before its main sets the variables:
-    they are offline unless the user said otherwise."""
+    they are offline inside the run unless the user said otherwise; a main called from Python (a notebook) leaves
+    the variables and the libraries' copies of them as they were."""
     pytest.importorskip("datasets")
     env = {k: v for k, v in os.environ.items() if k not in OFFLINE_VARIABLES}
     env.update(user, PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
@@ -139,7 +151,10 @@ def test_the_offline_default_reaches_libraries_imported_before_it(user):
                           cwd=str(ROOT), timeout=120)
     assert proc.returncode == 0, proc.stderr
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert seen["before"] == [False, False]
+    assert seen["before"]["hub"] is False and seen["before"]["datasets"] == [False, False]
     offline = not user
     assert seen["set"] == [v for v in OFFLINE_VARIABLES if v not in user]
-    assert seen["hub"] is offline and seen["datasets"] == [offline, offline]
+    for run in (seen["inside"], *seen["main"]):
+        assert run["hub"] is offline and run["datasets"] == [offline, offline]
+    assert len(seen["main"]) == 1 and seen["code"] == 0
+    assert seen["after"] == seen["before"] and seen["after_main"] == seen["before"]

@@ -29,6 +29,8 @@ from hf_attnorm.kernels import (
     choose,
     declared_normalizers,
     explain,
+    native,
+    prepare_path,
     set_forced_path,
 )
 from hf_attnorm.kernels import chunked as chunked_mod
@@ -66,7 +68,9 @@ PAIR_IDS = [f"{p}-{n}" for p, n in PAIRS]
 
 
 def _probe_reason(path: str, name: str) -> str | None:
-    """Why ``path`` declines a plain small fp32 CPU call of ``name`` (None when it runs it)."""
+    """Why ``path`` declines a plain small fp32 CPU call of ``name`` (None when it runs it), once the path is prepared
+    (its C++ extension built), as the dispatcher prepares it before asking."""
+    prepare_path(path)
     q = torch.randn(1, 2, 3, 4)
     settings = resolve_settings(name)
     call = make_call(q, q, q, settings, constant_heads(settings, 2, head_dim=4), None, True, None,
@@ -560,9 +564,9 @@ def test_build_error_reports_the_compiler_lines():
     log = ("Error building extension 'x':\n[1/2] c++ -c fused_cpu.cpp\nFAILED: fused_cpu.o\n"
            "fused_cpu.cpp:12:3: error: 'foo' was not declared in this scope\n"
            "fused_cpu.cpp:40:1: error: expected ';' before '}' token\nninja: build stopped: subcommand failed.")
-    summary = fused_cpu.build_error_summary(RuntimeError(log))
+    summary = native.build_error_summary(RuntimeError(log))
     assert "'foo' was not declared" in summary and "expected ';'" in summary
-    assert fused_cpu.build_error_summary(RuntimeError("just one line")) == "just one line"
+    assert native.build_error_summary(RuntimeError("just one line")) == "just one line"
 
 
 @pytest.mark.parametrize("name", list(NORMALIZERS))
@@ -610,11 +614,106 @@ def test_chunked_dropout_replays_the_same_mask(name):
 
 
 def test_native_kernels_build_when_a_compiler_exists():
-    """CI has a compiler: the fused kernels must build there (a silent fallback would hide a broken build)."""
-    if fused_cpu._compiler() is None or os.environ.get(fused_cpu.NO_NATIVE_ENV, "0") not in ("", "0"):
+    """CI has a compiler: every family's kernels must build there (a silent fallback would hide a broken build)."""
+    if native.compiler() is None or os.environ.get(native.NO_NATIVE_ENV, "0") not in ("", "0"):
         pytest.skip("no C++ compiler, or the native build is disabled")
+    assert native.build_all() == {family: None for family in native.EXTENSIONS}
     assert fused_cpu.unavailable_reason() is None
     assert fused_cpu.native_ops() is not None
+
+
+def _needs_native() -> None:
+    if native.compiler() is None or os.environ.get(native.NO_NATIVE_ENV, "0") not in ("", "0"):
+        pytest.skip("no C++ compiler, or the native build is disabled")
+
+
+#: one call per family (normalizer, the path its C++ kernels run, the path without them), in a subprocess whose
+#: stick-breaking source is replaced by a copy that does not compile (argv[1]: a folder for it and its build)
+_ONE_FAMILY_BROKEN = """
+import json, sys, warnings
+from pathlib import Path
+import torch
+from hf_attnorm.attention import constant_heads, make_call
+from hf_attnorm.kernels import attend, native
+from hf_attnorm.kernels.stickbreaking import cpu as sb_cpu
+from hf_attnorm.settings import resolve_settings
+
+tmp = Path(sys.argv[1])
+broken = tmp / "stickbreaking_cpu.cpp"
+broken.write_text("#error a broken stick-breaking source\\n" + sb_cpu.NATIVE.sources[0].read_text())
+sb_cpu.NATIVE.sources = [broken]
+sb_cpu.NATIVE.build_root = tmp / "build"  # (the shared extensions cache keeps only good builds)
+q = torch.randn(1, 2, 7, 8)
+ran = {}
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for name in ("symax", "stickbreaking", "selective"):
+        s = resolve_settings(name)
+        ran[name] = attend(make_call(q, q, q, s, constant_heads(s, 2), None, True, None))[2]
+messages = [str(w.message) for w in caught if "CPU kernels unavailable" in str(w.message)]
+print(json.dumps({"ran": ran, "messages": messages, "errors": {f: e.error for f, e in native.EXTENSIONS.items()}}))
+"""
+
+
+def test_one_family_failing_to_build_leaves_the_others_on_their_kernels(tmp_path):
+    """Each family is its own extension: a stick-breaking source that does not compile makes stick-breaking fall back
+    with one warning naming the family and the compiler's error line, while the fused maps and selective attention
+    still run their C++ paths."""
+    import json
+
+    _needs_native()
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    res = subprocess.run([sys.executable, "-c", _ONE_FAMILY_BROKEN, str(tmp_path)], capture_output=True, text=True,
+                         env=env, timeout=1800)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["ran"] == {"symax": "fused_cpu", "stickbreaking": "stickbreaking_scan", "selective": "selective_cpu"}
+    assert got["errors"]["fused"] is None and got["errors"]["selective"] is None, got["errors"]
+    [message] = got["messages"]
+    assert message.startswith("hf_attnorm: stick-breaking CPU kernels unavailable (building the C++ extension "), (
+        message)
+    assert "error: #error a broken stick-breaking source" in message, message
+    assert "'stickbreaking_scan'" in message
+
+
+_COMPILED_FIRST = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from conftest import tiny
+from hf_attnorm.attention import constant_heads, make_call
+from hf_attnorm.hf.forward import record_paths
+from hf_attnorm.kernels import PATHS
+from hf_attnorm.kernels.fused import cpu as fused_cpu
+from hf_attnorm.settings import resolve_settings
+
+s = resolve_settings("symax")
+q = torch.randn(1, 2, 5, 8)
+call = make_call(q, q, q, s, constant_heads(s, 2), None, True, None)
+why = PATHS["fused_cpu"].accepts(call)
+assert fused_cpu.NATIVE.ops is None and "not built yet" in why, why  # accepts builds nothing
+model = tiny("llama", "causal_lm", implementation="symax")
+compiled = torch.compile(model, backend="aot_eager")
+x = torch.randint(1, 97, (1, 9), generator=torch.Generator().manual_seed(0))
+with torch.no_grad(), record_paths() as rec:
+    got = compiled(x).logits
+with torch.no_grad():
+    want = model(x).logits
+torch.testing.assert_close(got, want)
+print(rec.path, fused_cpu.NATIVE.ops is not None)
+"""
+
+
+@needs_compile
+def test_a_model_compiled_before_any_eager_call_runs_the_cpp_kernels():
+    """torch.compile as the first call of a fresh process: the fused C++ extension is built while Dynamo traces (its
+    path's ``prepare``, not its ``accepts``, which builds nothing), so the compiled graph holds the fused kernel."""
+    _needs_native()
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    tests = os.path.dirname(os.path.abspath(__file__))
+    res = subprocess.run([sys.executable, "-c", _COMPILED_FIRST, tests], capture_output=True, text=True, env=env,
+                         timeout=1800)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().splitlines()[-1] == "fused_cpu True"
 
 
 def test_fallback_without_native_kernels_warns_once():
@@ -769,6 +868,48 @@ def test_mask_facts_made_under_inference_mode_do_not_reach_training(path):
         out.sum().backward()
         assert q.grad is not None and torch.isfinite(q.grad).all()
         q.grad = None
+
+
+def test_record_paths_of_two_threads_do_not_mix():
+    """Two threads (a server's) record at the same time, each its own model's calls: each record holds only the calls
+    of its own thread, though the blocks overlap (a barrier holds both inside them until both have run); a record of
+    all threads holds both."""
+    import threading
+
+    from conftest import tiny
+
+    from hf_attnorm.hf.forward import record_paths
+
+    models = {name: tiny("llama", "causal_lm", name) for name in ("softmax", "stickbreaking")}
+    ids = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(0))
+    layers = models["softmax"].config.num_hidden_layers
+    both_inside, both_ran = threading.Barrier(2, timeout=120), threading.Barrier(2, timeout=120)
+    records, errors = {}, []
+
+    def run(name: str) -> None:
+        try:
+            with torch.no_grad(), record_paths() as rec:
+                both_inside.wait()
+                for _ in range(3):
+                    models[name](ids)
+                both_ran.wait()
+            records[name] = rec
+        except BaseException as exc:  # (reported by the main thread)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in models]
+    with record_paths(all_threads=True) as everything:  # (a command owning its process, e.g. serve)
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    assert not errors, errors
+    assert len(everything.paths) == 2 * 3 * layers
+    for name, rec in records.items():
+        with torch.no_grad(), record_paths() as alone:
+            models[name](ids)
+        assert rec.paths == alone.paths * 3 and len(alone.paths) == layers, (name, rec.paths, alone.paths)
+    assert set(records["softmax"].paths).isdisjoint(records["stickbreaking"].paths)
 
 
 def test_record_paths_records_the_calls_inside_its_block_only():

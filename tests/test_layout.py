@@ -4,6 +4,7 @@ safetensors (the lab's dependencies are extras)."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -103,8 +104,8 @@ def test_lab_has_no_function_level_package_imports(path: Path) -> None:
 
 
 KERNELS = PKG / "kernels"
-#: the kernel folders whose modules the others may use: ``fused`` holds the C++ extension every CPU kernel is compiled
-#: into and the Triton helpers the other Triton kernels share
+#: the kernel folders whose modules the others may use: ``fused`` holds the Triton helpers the other Triton kernels
+#: share
 SHARED_FAMILY = "fused"
 
 
@@ -154,7 +155,80 @@ def test_every_kernel_family_is_a_package_with_its_sources_beside_it() -> None:
     for d in families:
         assert (d / "__init__.py").exists(), d
     assert not list(KERNELS.glob("*.cpp")) and list(KERNELS.glob("*.h")) == [KERNELS / "cpu_common.h"]
-    from hf_attnorm.kernels.fused import cpu
+    from hf_attnorm.kernels.native import EXTENSIONS
 
-    for source in [cpu._SOURCE, *cpu.EXTRA_SOURCES]:
-        assert source.exists() and source.parent.parent == KERNELS, source
+    assert set(EXTENSIONS) == {"fused", "stick-breaking", "selective"}
+    for family, ext in EXTENSIONS.items():
+        for source in ext.sources:  # one extension per family, built from the family's own folder
+            assert source.exists() and source.parent.parent == KERNELS, (family, source)
+            assert len({ext.sources[0].parent, source.parent}) == 1, (family, ext.sources)
+
+
+_PRIVATE = re.compile(r"^_[A-Za-z]\w*$")
+#: private names that are not another library's internals: ours, set on foreign objects (``_hf_attnorm_*``), and
+#: ``os._exit`` (documented public API of the standard library despite its underscore)
+_NOT_INTERNALS = ("_hf_attnorm", "_exit")
+#: the modules whose private string constants name transformers' internals they hook or read (hook tables, compat)
+_NAMING_MODULES = ("hf/compat.py", "hf/integration.py")
+
+
+def _private(name: str) -> bool:
+    return bool(_PRIVATE.match(name)) and not name.endswith("__") and not name.startswith(_NOT_INTERNALS)
+
+
+def private_names_read() -> dict[str, list[str]]:
+    """The private names the package reads of objects it does not define, name -> where (file:line): attributes
+    ``x._name`` (not on ``self``/``cls``, and not a name the package defines anywhere), private names imported from
+    other packages, private names passed as strings to ``getattr``/``hasattr``/``setattr``/``delattr``/
+    ``getattr_static``/``hook``, and the private string constants of the modules that name what they hook."""
+    trees = {p: ast.parse(p.read_text()) for p in sorted(PKG.rglob("*.py"))}
+    defined: set[str] = set()
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                defined.add(node.id)
+            elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                  and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                defined.add(node.attr)
+            elif isinstance(node, ast.arg):
+                defined.add(node.arg)
+            elif isinstance(node, ast.alias) and node.asname:
+                defined.add(node.asname)
+    found: dict[str, list[str]] = {}
+    for path, tree in trees.items():
+        rel = str(path.relative_to(PKG))
+        # (the literal parts of f-strings are text, not names)
+        text = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}
+        for node in ast.walk(tree):
+            names: list[str] = []
+            if isinstance(node, ast.Attribute) and not (isinstance(node.value, ast.Name)
+                                                        and node.value.id in ("self", "cls")):
+                names = [node.attr] if node.attr not in defined else []
+            elif isinstance(node, ast.ImportFrom) and not node.level and not (node.module or "").startswith(
+                    "hf_attnorm"):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.Call) and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
+                func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+                if func in ("getattr", "hasattr", "setattr", "delattr", "getattr_static", "hook"):
+                    names = [node.args[1].value] if isinstance(node.args[1].value, str) else []
+            elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and rel in _NAMING_MODULES
+                  and id(node) not in text):
+                names = [node.value]
+            for name in names:
+                if _private(name):
+                    found.setdefault(name, []).append(f"{rel}:{node.lineno}")
+    return found
+
+
+def test_every_private_name_the_package_reads_is_documented() -> None:
+    """docs/internals.md lists every private name of another library the package relies on, with its guard: a name
+    read in the source and missing from the page fails here, naming where it is read."""
+    documented = set()
+    for span in re.findall(r"`([^`]+)`", (PKG.parent / "docs" / "internals.md").read_text()):
+        documented.update(re.findall(r"(?<![\w])_[A-Za-z]\w*", span))
+    read = private_names_read()
+    assert {"_global_mapping", "_forward_pre_hooks_with_kwargs", "_get_build_directory", "_thread"} <= set(read)
+    missing = {name: where[:3] for name, where in sorted(read.items()) if name not in documented}
+    assert not missing, f"private names read but not listed in docs/internals.md: {missing}"

@@ -11,8 +11,8 @@ from conftest import mask_of_kind, tiny
 
 from hf_attnorm.attention import attention, constant_heads, make_call
 from hf_attnorm.kernels import attend, explain
-from hf_attnorm.kernels.fused import cpu as fused_cpu
 from hf_attnorm.kernels.selective import blocked as selective_mod
+from hf_attnorm.kernels.selective import cpu as selective_cpu
 from hf_attnorm.normalizers.selective import selection_penalty
 from hf_attnorm.registry import AttnormError
 from hf_attnorm.settings import resolve_settings
@@ -55,7 +55,7 @@ def test_reference_equals_the_paper_listing_forward_and_gradients(head):
 
 
 @pytest.mark.parametrize("path", ["selective", pytest.param("selective_cpu", marks=pytest.mark.skipif(
-    fused_cpu.unavailable_reason() is not None, reason="fused CPU kernels unavailable"))])
+    selective_cpu.NATIVE.unavailable_reason() is not None, reason="selective CPU kernels unavailable"))])
 def test_gradient_flows_through_the_penalty(path):
     """With F detached the selecting head's q gets another gradient: the path differentiates through F."""
     q, k, v = _leaves((1, 2, 9, 4), (1, 2, 9, 4), (1, 2, 9, 4), seed=1)
@@ -135,7 +135,7 @@ def _packed_keep(lengths: tuple[int, ...]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("path", ["reference", "selective", pytest.param("selective_cpu", marks=pytest.mark.skipif(
-    fused_cpu.unavailable_reason() is not None, reason="fused CPU kernels unavailable"))])
+    selective_cpu.NATIVE.unavailable_reason() is not None, reason="selective CPU kernels unavailable"))])
 def test_packed_documents_equal_each_alone_forward_and_gradients(path, monkeypatch):
     """Every document's first key is a BOS (``document_starts``): with a block-diagonal mask each document gets the
     output and the gradients it gets alone (before: only the row's first key was exempt)."""
@@ -164,7 +164,8 @@ def test_the_rule_picks_a_selective_path_and_the_splitting_paths_decline():
     settings = resolve_settings("selective")
     call = make_call(q, q, q, settings, {}, None, True)
     # the fused C++ path (test_selective_cpu.py) where the extension builds, else the blocked path
-    assert explain(call)[-1] == ("selective_cpu" if fused_cpu.unavailable_reason() is None else "selective", "runs")
+    expected = "selective_cpu" if selective_cpu.NATIVE.unavailable_reason() is None else "selective"
+    assert explain(call)[-1] == (expected, "runs")
     with pytest.raises(ValueError, match="couples the queries"):
         attend(make_call(q[:, :, :1], q, q, settings, {}, None, True), "chunked")
     # one query has no other query in its call (earlier ones arrive as AttnCall.selective_carry): the one-query

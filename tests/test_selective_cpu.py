@@ -13,13 +13,12 @@ from conftest import mask_of_kind, needs_compile, needs_compile_inductor
 
 from hf_attnorm.attention import attention, constant_heads, make_call
 from hf_attnorm.kernels import attend, explain
-from hf_attnorm.kernels.fused import cpu as fused_cpu
 from hf_attnorm.kernels.selective import cpu as cpu_mod
 from hf_attnorm.normalizers.selective import selection_penalty
 from hf_attnorm.settings import resolve_settings
 
-pytestmark = pytest.mark.skipif(fused_cpu.unavailable_reason() is not None,
-                                reason=f"fused CPU kernels unavailable: {fused_cpu.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(cpu_mod.NATIVE.unavailable_reason() is not None,
+                                reason=f"selective CPU kernels unavailable: {cpu_mod.NATIVE.unavailable_reason()}")
 
 PATH = "selective_cpu"
 

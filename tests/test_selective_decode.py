@@ -23,9 +23,9 @@ from hf_attnorm.hf import compat
 from hf_attnorm.hf import forward as hf_forward
 from hf_attnorm.hf.selective_cache import SelectiveLayer, drop_states, state_of_layer
 from hf_attnorm.kernels import PATHS, attend, explain
-from hf_attnorm.kernels.fused import cpu as fused_cpu
 from hf_attnorm.kernels.reference import reference_scores
 from hf_attnorm.kernels.selective import blocked as selective_mod
+from hf_attnorm.kernels.selective import cpu as selective_cpu
 from hf_attnorm.kernels.selective.carry import column_sums, prefix_column_sums
 from hf_attnorm.normalizers.selective import selection_parts
 from hf_attnorm.registry import AttnormError
@@ -33,7 +33,8 @@ from hf_attnorm.settings import resolve_settings
 
 TOL = 1e-10  # fp64 throughout
 #: the path the rule gives calls of several queries on CPU: the fused C++ kernel where it builds, else the blocked one
-SEVERAL = "selective_cpu" if "selective_cpu" in PATHS and fused_cpu.unavailable_reason() is None else "selective"
+SEVERAL = ("selective_cpu" if "selective_cpu" in PATHS and selective_cpu.NATIVE.unavailable_reason() is None
+           else "selective")
 
 
 def reference_column_sums(call) -> torch.Tensor:

@@ -237,12 +237,12 @@ def test_fast_paths_in_fp32_long(path):
 
 
 def test_auto_rule_picks_the_fused_kernel_on_cpu():
-    from hf_attnorm.kernels.fused import cpu as fused_cpu
+    from hf_attnorm.kernels.stickbreaking import cpu as sb_cpu
 
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(1, 2, 9, 8, generator=g) for _ in range(3))
     _, _, ran = _attend(None, q, k, v, None, True, {})
-    assert ran == ("stickbreaking_cpu" if fused_cpu.unavailable_reason() is None else "stickbreaking_scan")
+    assert ran == ("stickbreaking_cpu" if sb_cpu.NATIVE.unavailable_reason() is None else "stickbreaking_scan")
 
 
 # ------------------------------------------------------------------------------ models
@@ -256,7 +256,7 @@ def test_encoder_modules_warn_and_causal_models_do_not():
     from conftest import LAST_CALL
 
     from hf_attnorm.hf import state
-    from hf_attnorm.kernels.fused import cpu as fused_cpu
+    from hf_attnorm.kernels.stickbreaking import cpu as sb_cpu
     from hf_attnorm.lab.model_zoo import build_model
 
     state._WARNED_ORDER.clear()
@@ -274,4 +274,5 @@ def test_encoder_modules_warn_and_causal_models_do_not():
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask).logits
     assert torch.isfinite(logits).all()
-    assert LAST_CALL.path == ("stickbreaking_cpu" if fused_cpu.unavailable_reason() is None else "stickbreaking_scan")
+    expected = "stickbreaking_cpu" if sb_cpu.NATIVE.unavailable_reason() is None else "stickbreaking_scan"
+    assert LAST_CALL.path == expected

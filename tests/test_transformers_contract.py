@@ -20,6 +20,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hf_attnorm.hf import compat, integration
 from hf_attnorm.hf.families import keyword_role, refused_keywords
+from hf_attnorm.hf.forward import record_paths
 from hf_attnorm.registry import AttnormError
 
 VERSION = transformers.__version__
@@ -282,9 +283,14 @@ def test_continuous_batching_has_one_entry_and_runs_ours_on_its_sdpa_route():
         "generate_batch with hf_attnorm implementations (refused without them, as docs/internals.md says)")
     assert {compat.CONTINUOUS_BATCHING_ENTRY[1], compat.CONTINUOUS_BATCHING_SWITCH[1],
             compat.CONTINUOUS_BATCHING_MASKS[1]} <= integration.HOOKED
+    assert compat.CONTINUOUS_BATCHING_THREAD[1] in integration.HOOKED, broken(
+        f"the manager has no {compat.CONTINUOUS_BATCHING_THREAD[1:]}", "record_paths around generate_batch")
     model = tiny("llama", "causal_lm", implementation="symax")
     # a small explicit cache: sized from the free memory, a CPU's would take most of it (14.9 GB peak here)
-    out = model.generate_batch([[1, 2, 3], [4]], max_new_tokens=2, continuous_batching_config=small_cache())
+    with record_paths() as rec:  # (the manager's thread runs in this context's copy: its calls are recorded here)
+        out = model.generate_batch([[1, 2, 3], [4]], max_new_tokens=2, continuous_batching_config=small_cache())
+    assert rec.packed > 0, broken("the manager's thread does not run the method the hook gives the caller's context",
+                                  "record_paths around generate_batch")
     assert [len(r.generated_tokens) for r in out.values()] == [2, 2]
     assert model.config._attn_implementation == "symax"  # not switched away (e.g. to flash attention)
     with pytest.raises(AttnormError, match=r"^continuous batching .* cannot run hf_attnorm's 'selective'"):
@@ -451,6 +457,26 @@ def test_serves_generation_paths_reach_our_hooks():
     assert "init_continuous_batching" in inspect.getsource(utils.CBGenerateManager.init_cb), broken(
         "transformers serve no longer starts continuous batching with model.init_continuous_batching", feature)
     assert keyword_role("tokenizer").accepted
+
+
+def test_the_serve_command_object_holds_what_the_command_stops():
+    """cli/serve.py: ``Serve`` takes the hidden ``--non-blocking`` (``compat.SERVE_COMMAND``), assigns the attributes
+    the serve command reads to stop it (``compat.SERVE_OBJECT_ATTRIBUTES``) and has ``kill_server``; the command
+    reads them through compat, which names an attribute this transformers does not set."""
+    _serving()
+    from transformers.cli.serve import Serve
+
+    feature = "python -m hf_attnorm serve's stop (grace period, continuous batching's worker, unloading the model)"
+    path, option, parameter = compat.SERVE_COMMAND
+    assert f"{Serve.__module__}.{Serve.__qualname__}" == path, broken(
+        f"transformers serve's command moved from {path}", feature)
+    assert parameter in inspect.signature(Serve.__init__).parameters, broken(f"Serve has no {option}", feature)
+    assert callable(getattr(Serve, compat.SERVE_STOP, None)), broken(f"Serve has no {compat.SERVE_STOP}", feature)
+    source = inspect.getsource(Serve)
+    for name in compat.SERVE_OBJECT_ATTRIBUTES:
+        assert f"self.{name} =" in source, broken(f"Serve no longer sets {name}", feature)
+    with pytest.raises(AttnormError, match=r"transformers serve's .*Serve object has no '_thread'"):
+        compat.serve_object_attribute(object(), "_thread")
 
 
 def test_the_serve_guard_wraps_the_app_factory_before_uvicorn_starts():

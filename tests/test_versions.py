@@ -36,7 +36,8 @@ def test_installed_transformers_is_supported_and_every_name_is_registered():
     assert compat.unsupported_reason() is None
     # (continuous batching's name checks only where every name it relies on exists; refused elsewhere)
     cb = set() if compat.continuous_batching_missing() else {compat.CONTINUOUS_BATCHING_SWITCH[1],
-                                                              compat.CONTINUOUS_BATCHING_MASKS[1]}
+                                                              compat.CONTINUOUS_BATCHING_MASKS[1],
+                                                              compat.CONTINUOUS_BATCHING_THREAD[1]}
     assert integration.HOOKED == {"_check_and_adjust_attn_implementation", "post_init", "set_attn_implementation",
                                   "_initialize_weights", "from_pretrained", "save_pretrained",
                                   compat.CONTINUOUS_BATCHING_ENTRY[1], *cb}

@@ -27,6 +27,7 @@ Every private transformers internal the integration touches is listed in docs/in
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import importlib.util
@@ -293,6 +294,10 @@ CONTINUOUS_BATCHING_ENTRY = (f"{_CB}.continuous_api.ContinuousMixin", "init_cont
 #: reused. It accepts only ``paged|eager``, ``sdpa`` or flash names, and first switches sdpa/eager models (and would
 #: switch ours) to flash attention where it is installed: hooked so that an hf_attnorm name passes unchanged
 CONTINUOUS_BATCHING_SWITCH = (f"{_CB}.continuous_api.ContinuousBatchingManager", "switch_to_cb_friendly_attn")
+#: (class path, method that starts the manager's thread, the method it runs there): a new thread starts in an empty
+#: context, so the caller's ``record_paths`` would not see the calls it makes for the caller; hooked so that the thread
+#: runs in a copy of the starting thread's context (as an asyncio task does), for models running ours
+CONTINUOUS_BATCHING_THREAD = (f"{_CB}.continuous_api.ContinuousBatchingManager", "start", "_run_generation_loop")
 #: (module, function): whether the manager builds attention masks (the sdpa route: packed queries, keys gathered
 #: per sequence, one block-diagonal mask) or leaves them to flash's varlen metadata; it decides by name
 #: (``paged|eager``, ``sdpa``) and is imported by name into the modules that build the batch: hooked in each of them
@@ -403,6 +408,16 @@ SERVE_CB_STATE_ATTRIBUTE = "_cb_manager"
 SERVE_HANDLER_FIELDS = "_valid_params_class"
 
 
+#: (class path, hidden option, its ``__init__`` parameter): transformers serve's command object (cli/serve.py). Run
+#: with the hidden ``--non-blocking`` it starts uvicorn in a thread and returns itself, holding what the serve command
+#: stops: ``SERVE_OBJECT_ATTRIBUTES``, and ``SERVE_STOP`` (stops the generation managers and unloads the model)
+SERVE_COMMAND = ("transformers.cli.serve.Serve", "--non-blocking", "non_blocking")
+#: the attributes of that object the serve command reads: uvicorn's thread, uvicorn's ``Server`` (``should_exit``,
+#: ``force_exit``) and the shared ``GenerationState``; set by its methods (``__init__``, the server's start)
+SERVE_OBJECT_ATTRIBUTES = ("_thread", "server", "_generation_state")
+SERVE_STOP = "kill_server"
+
+
 def _class(path: str) -> type | None:
     module_name, _, cls_name = path.rpartition(".")
     cls = _resolve(module_name, cls_name)
@@ -423,7 +438,38 @@ def serve_guard_missing() -> list[str]:
         missing += [f"{path}.{m}" for m in methods if cls is None or not callable(getattr(cls, m, None))]
     if _class(SERVE_CB_MANAGER[0]) is None:
         missing.append(SERVE_CB_MANAGER[0])
+    path, option, parameter = SERVE_COMMAND
+    command = _class(path)
+    if command is None:
+        return [*missing, path]
+    if parameter not in _parameters(command.__init__):
+        missing.append(f"{path}({parameter}) (the hidden {option})")
+    if not callable(getattr(command, SERVE_STOP, None)):
+        missing.append(f"{path}.{SERVE_STOP}")
+    try:  # (instance attributes: assigned in the class's source)
+        source = inspect.getsource(command)
+    except (OSError, TypeError):  # pragma: no cover - no source shipped: checked when read (serve_object_attribute)
+        source = None
+    if source is not None:
+        missing += [f"{path}.{a}" for a in SERVE_OBJECT_ATTRIBUTES if f"self.{a} =" not in source]
     return missing
+
+
+def serve_object_attribute(server: Any, name: str) -> Any:
+    """Attribute ``name`` (one of ``SERVE_OBJECT_ATTRIBUTES``) of the object transformers serve's command returned;
+    an ``AttnormError`` naming it when this transformers does not set it."""
+    if name not in SERVE_OBJECT_ATTRIBUTES:
+        raise ValueError(f"{name!r} is not one of {SERVE_OBJECT_ATTRIBUTES}")
+    value = getattr(server, name, None)
+    if value is None:
+        raise AttnormError(f"transformers serve's {SERVE_COMMAND[0]} object has no {name!r} (transformers "
+                           f"{transformers.__version__}); python -m hf_attnorm serve needs it to stop the server")
+    return value
+
+
+def serve_stop(server: Any) -> None:
+    """Stop transformers serve's generation managers and unload the model (``SERVE_STOP`` of its command object)."""
+    getattr(server, SERVE_STOP)()
 
 
 def serve_app_factory() -> tuple[types.ModuleType, str]:
@@ -587,3 +633,29 @@ def hook_continuous_batching(prepare: Callable[[Any], bool], runs_packed: Callab
         if (name == _CB or name.startswith(_CB + ".")) and getattr(module, masks_name, None) is orig_masks:
             setattr(module, masks_name, attn_mask_is_needed)
     return [switch_name, masks_name]
+
+
+def hook_manager_thread_context(applies: Callable[[Any], bool]) -> bool:
+    """Run the continuous-batching manager's thread (``CONTINUOUS_BATCHING_THREAD``) in a copy of the context of
+    the thread that starts it, for managers whose model ``applies`` (``applies(model)``): context-local state of the
+    caller (``record_paths``' records) then covers the calls the manager makes for it. False, hooking nothing, when
+    the installed transformers lacks either method (the records then miss the manager's calls)."""
+    path, start_name, loop_name = CONTINUOUS_BATCHING_THREAD
+    module_name, _, cls_name = path.rpartition(".")
+    manager = _resolve(module_name, cls_name)
+    if manager is None or not callable(getattr(manager, loop_name, None)):
+        return False
+
+    def make_start(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def start(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if applies(getattr(self, "model", None)):
+                # the thread's target is looked up on the instance: the class's method, run in this context's copy
+                loop = getattr(type(self), loop_name).__get__(self)
+                self.__dict__[loop_name] = functools.partial(contextvars.copy_context().run, loop)
+            else:
+                self.__dict__.pop(loop_name, None)
+            return orig(self, *args, **kwargs)
+
+        return start
+
+    return hook(manager, start_name, make_start)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping
@@ -55,25 +56,51 @@ class PathRecord:
     packed: int = 0
 
 
-#: the records being written (record_paths); empty, the attention calls write nothing
-_RECORDS: list[PathRecord] = []
+#: the records of this context (thread, asyncio task) being written (record_paths); empty, eager calls write nothing
+_RECORDS: contextvars.ContextVar[tuple[PathRecord, ...]] = contextvars.ContextVar("hf_attnorm_records", default=())
+#: the records of every thread's eager calls (``record_paths(all_threads=True)``: a command that owns its process)
+_PROCESS_RECORDS: list[PathRecord] = []
+#: every record, for traced calls (Dynamo cannot read a ContextVar)
+_TRACED_RECORDS: list[PathRecord] = []
 
 
 @contextlib.contextmanager
-def record_paths(record: PathRecord | None = None) -> Iterator[PathRecord]:
+def record_paths(record: PathRecord | None = None, *, all_threads: bool = False) -> Iterator[PathRecord]:
     """Record which path each attention call takes inside the block (also inside ``torch.compile``d code)::
 
         with record_paths() as rec:
             model(**batch)
         rec.path, rec.paths  # e.g. "fused_cpu", ["fused_cpu", "fused_cpu"]
 
-    ``explain(call)`` says why a path was chosen; this says which ran."""
+    The records belong to the context (a thread, an asyncio task): calls that other threads make meanwhile (a
+    server's) are not recorded; ``all_threads=True`` records every thread's calls instead (for a command that owns
+    its process). A ``torch.compile``d graph, which cannot read the context, writes ``path`` and ``mask`` of the
+    records active in any thread when it was traced. ``explain(call)`` says why a path was chosen; this says which
+    ran."""
     record = PathRecord() if record is None else record
-    _RECORDS.append(record)
+    token = None if all_threads else _RECORDS.set((*_RECORDS.get(), record))
+    if all_threads:
+        _PROCESS_RECORDS.append(record)
+    _TRACED_RECORDS.append(record)
     try:
         yield record
     finally:
-        _RECORDS.remove(record)
+        _TRACED_RECORDS.remove(record)
+        if token is None:
+            _PROCESS_RECORDS.remove(record)
+        else:
+            try:
+                _RECORDS.reset(token)
+            except ValueError:  # (left in another context than it was entered in: drop this record only)
+                _RECORDS.set(tuple(r for r in _RECORDS.get() if r is not record))
+
+
+def _active_records() -> tuple[PathRecord, ...] | list[PathRecord]:
+    """The records an attention call writes: its context's and the process-wide ones, or under torch.compile all."""
+    if torch.compiler.is_compiling():
+        return _TRACED_RECORDS
+    own = _RECORDS.get()
+    return (*own, *_PROCESS_RECORDS) if _PROCESS_RECORDS else own
 
 
 def __getattr__(name: str) -> Any:
@@ -171,8 +198,9 @@ def _compute(module: nn.Module, state: Any, query: torch.Tensor, key: torch.Tens
     out, weights, path = attend(call)
     for step in steps:
         step.after(call, path)
-    if _RECORDS:  # (nothing to do unless record_paths is active)
-        for record in _RECORDS:
+    records = _active_records()
+    if records:  # (nothing to do unless record_paths is active)
+        for record in records:
             record.path, record.mask = path, call.mask.kind
             if not torch.compiler.is_compiling():  # (a traced append guards on the list's length: a recompile a call)
                 record.paths.append(path)
@@ -264,8 +292,8 @@ def _attend_packed(module: nn.Module, state: Any, query: torch.Tensor, key: torc
         out, _ = _compute(module, state, query, key, value, attention_mask, causal, scaling, dropout, kwargs, [])
     else:
         out = _per_sequence(module, state, query, key, value, attention_mask, causal, scaling, dropout, kwargs)
-    if _RECORDS and not torch.compiler.is_compiling():  # (traced, the count guards on its value: a recompile a call)
-        for record in _RECORDS:
+    if not torch.compiler.is_compiling():  # (traced, the count guards on its value: a recompile a call)
+        for record in _active_records():
             record.packed += 1
     return _to_model_layout(out), None
 

@@ -156,6 +156,8 @@ def register() -> None:
         HOOKED.add(entry)
         hooked = compat.hook_continuous_batching(_prepare_continuous_batching, _runs_packed)
         HOOKED.update(hooked)
+        if hooked and compat.hook_manager_thread_context(lambda model: _runs_packed(getattr(model, "config", None))):
+            HOOKED.add(compat.CONTINUOUS_BATCHING_THREAD[1])
         CONTINUOUS_BATCHING_MISSING[:] = [] if hooked else compat.continuous_batching_missing()
 
 

@@ -8,6 +8,10 @@ Every path (``register_path``) states, without running anything:
   the reason. It looks only at shapes, dtypes, devices and settings: no kernel runs, no value is read from a tensor,
   so it costs microseconds and traces under torch.compile;
 * ``priority``: lower is tried first; ``auto_exclude``: device types on which the automatic rule skips it;
+* ``prepare``: what the path needs done once before it can accept a call (building its family's C++ extension,
+  kernels/native.py), run by the dispatcher the first time its rule considers the path for a normalizer and device, or
+  when it is forced (``prepare_path``): never by ``accepts``, and never traced (under torch.compile it runs for real
+  while Dynamo traces, so a model compiled before any eager call still gets the path);
 * ``exportable``: the automatic rule considers it under ``torch.export`` (and so ``torch.onnx.export``): a pure
   PyTorch path whose traced graph holds no hf_attnorm custom op and no loop sized from the sequence length, so the
   exported program runs without the compiled extension, converts to ONNX, and keeps a dynamic sequence length.
@@ -116,6 +120,8 @@ class Path:
     #: False: while torch.compile traces, declines calls that need gradients (its backward cannot be traced: the
     #: compiled model runs another path for training; compiled inference still runs it)
     compiled_backward: bool = True
+    #: run once before the path is first considered (``prepare_path``), e.g. building its C++ extension; None: nothing
+    prepare: Callable[[], object] | None = None
 
     def check(self, call: AttnCall) -> str | None:
         """None when this path can run ``call``, else the reason (runs nothing)."""
@@ -139,6 +145,9 @@ PATHS: dict[str, Path] = {
 #: the hot path then only runs the accepts checks)
 _ORDER: list[Path] = []
 _AUTO: dict[tuple[str, str], list[Path]] = {}
+
+#: the paths whose ``prepare`` has run
+_PREPARED: set[str] = set()
 
 ENV_VAR = "HF_ATTNORM_PATH"
 #: the path HF_ATTNORM_PATH forces ("auto": none); read at import and by ``set_forced_path``
@@ -176,7 +185,8 @@ def _declining_compiled_backward(name: str, accepts: Check) -> Check:
 
 def register_path(name: str, kernel: Kernel, *, takes: NormCheck, accepts: Check, priority: int,
                   auto_exclude: Collection[str] = (), exportable: bool = False, traceable: bool = True,
-                  forget: bool = False, compiled_backward: bool = True) -> None:
+                  forget: bool = False, compiled_backward: bool = True,
+                  prepare: Callable[[], object] | None = None) -> None:
     """Register a path with its declared capabilities (see the module docstring)."""
     if not forget:
         accepts = _declining_forget(name, accepts)
@@ -185,9 +195,22 @@ def register_path(name: str, kernel: Kernel, *, takes: NormCheck, accepts: Check
     if not traceable:
         accepts = _declining_compile(name, accepts)
     PATHS[name] = Path(name, kernel, takes, accepts, priority, frozenset(auto_exclude), exportable, traceable,
-                       forget, compiled_backward)
+                       forget, compiled_backward, prepare)
+    _PREPARED.discard(name)
     _ORDER[:] = sorted((p for p in PATHS.values() if p.name != "reference"), key=lambda p: p.priority)
     _AUTO.clear()
+
+
+@torch.compiler.assume_constant_result
+def prepare_path(name: str) -> bool:
+    """Run path ``name``'s ``prepare`` once (build its C++ extension: a minute the first time, cached after that);
+    its ``accepts`` then reads the outcome. Marked a constant result, so torch.compile calls it for real while
+    tracing instead of tracing it (no graph break). Returns True."""
+    path = PATHS[name]
+    if path.prepare is not None and name not in _PREPARED:
+        path.prepare()
+        _PREPARED.add(name)
+    return True
 
 
 def set_forced_path(path: str | None = None) -> str:
@@ -226,11 +249,16 @@ def _auto_candidates(call: AttnCall) -> list[Path]:
         return []  # only the materialised path has the weights: explicit fallback
     key = (call.settings.normalizer, call.q.device.type)
     found = _AUTO.get(key)
+    exporting = is_exporting()
     if found is None:
         norm = call.normalizer
         found = [p for p in _ORDER if key[1] not in p.auto_exclude and p.takes(norm) is None]
-        _AUTO[key] = found
-    if is_exporting():  # portable graphs: no custom op, no length-sized loop (docs/export.md);
+        if not exporting:  # (an exported program holds no custom op: nothing to build)
+            for p in found:
+                if p.prepare is not None:
+                    prepare_path(p.name)
+            _AUTO[key] = found
+    if exporting:  # portable graphs: no custom op, no length-sized loop (docs/export.md);
         if not DYNAMIC_EXPORT and any(isinstance(n, torch.SymInt) for n in (*call.q.shape, *call.k.shape)):
             raise AttnormError(DYNAMIC_EXPORT_FEATURE.message())
         # auto_exclude is about speed on a device, so it does not apply here (sdpa_sinkcol takes the sinks)
@@ -261,6 +289,8 @@ def choose(call: AttnCall, path: str | None = None) -> str:
                              f"available: auto, {', '.join(PATHS)}")
         if call.need_weights and forced != "reference":
             raise ValueError(f"path {forced!r} cannot return attention weights; output_attentions needs 'reference'")
+        if PATHS[forced].prepare is not None and not is_exporting():
+            prepare_path(forced)
         why = PATHS[forced].check(call)
         if why is not None:
             raise ValueError(f"path {forced!r} cannot run this call (normalizer {call.settings.normalizer!r}, "

@@ -1,6 +1,7 @@
-// Shared by the fused CPU kernels (fused_cpu.cpp, stickbreaking.cpp, selective.cpp; one extension): the BLAS entry
-// points and row-major matmul wrappers, an exp that GCC vectorises, and the q/k/v/keep binding of a problem struct. Everything is in an anonymous namespace, so each
-// translation unit gets its own inlined copy.
+// Shared by the C++ CPU kernels (fused_cpu.cpp, stickbreaking_cpu.cpp, selective_cpu.cpp; one extension per family,
+// kernels/native.py): the BLAS entry points and row-major matmul wrappers, an exp that GCC vectorises, and the
+// q/k/v/keep binding of a problem struct. Everything is in an anonymous namespace, so each translation unit gets its
+// own inlined copy.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -23,6 +24,9 @@ __attribute__((weak)) void dgemm_(const char* ta, const char* tb, const int* m, 
                                   const double* alpha, const double* a, const int* lda, const double* b,
                                   const int* ldb, const double* beta, double* c, const int* ldc);
 }
+
+// whether the BLAS entry points resolved (each extension registers it as its op blas_available)
+inline bool blas_available() { return sgemm_ != nullptr && dgemm_ != nullptr; }
 
 // column-major C = op(A) op(B) + beta C, as BLAS
 inline void blas_gemm(char ta, char tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
@@ -120,3 +124,11 @@ void bind_qkv(P& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 }
 
 }  // namespace
+
+// The namespace of an extension's ops: -DHF_ATTNORM_NATIVE_NS=<namespace> (kernels/native.py gives each family its
+// own, and a build of another map table another), expanded before TORCH_LIBRARY pastes it into names.
+#ifndef HF_ATTNORM_NATIVE_NS
+#error "compile with -DHF_ATTNORM_NATIVE_NS=<namespace> (kernels/native.py does)"
+#endif
+#define HF_TORCH_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define HF_TORCH_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)

@@ -1,32 +1,70 @@
-"""What the command lines share: offline by default (``offline_by_default``, which every command's ``main`` and
-``scripts/_bootstrap.py`` call), and argparse types that refuse bad numbers with the value and what is allowed."""
+"""What the command lines share: offline by default (``offline_by_default``, around every command's ``main``, and
+``set_offline_defaults``, which ``scripts/_bootstrap.py`` calls), and argparse types that refuse bad numbers with the
+value and what is allowed."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 #: the variables that keep huggingface_hub, transformers and datasets from downloading
 OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
-def offline_by_default() -> list[str]:
-    """Nothing downloads from a model or dataset hub unless the user says otherwise: sets each of
-    ``OFFLINE_VARIABLES`` that is unset to "1" (a value the user set is kept) and returns the names it set."""
+def _library_copies() -> list[tuple[object, str, bool]]:
+    """(module, attribute, value): the copies of the variables that huggingface_hub and datasets read once, when
+    imported (a command imports them, with hf_attnorm and the lab, before its main runs), with the values they would
+    read from the environment now; only for the modules imported so far."""
+    copies: list[tuple[object, str, bool]] = []
+    hub = sys.modules.get("huggingface_hub.constants")
+    if hub is not None:
+        value = _true(os.environ.get("HF_HUB_OFFLINE", "") or os.environ.get("TRANSFORMERS_OFFLINE", ""))
+        copies.append((hub, "HF_HUB_OFFLINE", value))
+    datasets_config = sys.modules.get("datasets.config")
+    if datasets_config is not None:
+        value = _true(os.environ.get("HF_DATASETS_OFFLINE", ""))
+        copies += [(datasets_config, "HF_HUB_OFFLINE", value), (datasets_config, "HF_DATASETS_OFFLINE", value)]
+    return copies
+
+
+@contextlib.contextmanager
+def offline_by_default() -> Iterator[list[str]]:
+    """Nothing downloads from a model or dataset hub inside the block unless the user says otherwise: sets each of
+    ``OFFLINE_VARIABLES`` that is unset to "1" (a value the user set is kept), gives the copies huggingface_hub and
+    datasets took of them the values they would read now, and yields the names it set. On exit both are as before
+    (copies taken inside the block read the restored variables), so a command's ``main`` called from Python (a
+    notebook) changes nothing for the rest of the process. Also a decorator (``@offline_by_default()``)."""
+    unset = [name for name in OFFLINE_VARIABLES if name not in os.environ]
+    before = {(id(module), attr): (module, attr, getattr(module, attr)) for module, attr, _ in _library_copies()}
+    for name in unset:
+        os.environ[name] = "1"
+    try:
+        if unset:
+            for module, attr, value in _library_copies():
+                setattr(module, attr, value)
+        yield unset
+    finally:
+        for name in unset:
+            os.environ.pop(name, None)
+        if unset:
+            for module, attr, value in _library_copies():
+                old = before.get((id(module), attr))
+                setattr(module, attr, value if old is None else old[2])
+
+
+def set_offline_defaults() -> list[str]:
+    """``offline_by_default`` for the rest of this process: for a script's own process (``scripts/_bootstrap.py``),
+    never for code that other code imports. Returns the names it set."""
     unset = [name for name in OFFLINE_VARIABLES if name not in os.environ]
     for name in unset:
         os.environ[name] = "1"
-    # huggingface_hub and datasets read the variables once, when imported, and a command has imported them (with
-    # hf_attnorm and the lab) before its main runs: their copies get what they would read now
-    hub = sys.modules.get("huggingface_hub.constants")
-    if unset and hub is not None:
-        hub.HF_HUB_OFFLINE = _true(os.environ["HF_HUB_OFFLINE"] or os.environ["TRANSFORMERS_OFFLINE"])
-    datasets_config = sys.modules.get("datasets.config")
-    if unset and datasets_config is not None:
-        datasets_config.HF_HUB_OFFLINE = datasets_config.HF_DATASETS_OFFLINE = _true(os.environ["HF_DATASETS_OFFLINE"])
+    if unset:
+        for module, attr, value in _library_copies():
+            setattr(module, attr, value)
     return unset
 
 

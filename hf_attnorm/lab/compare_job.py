@@ -41,7 +41,7 @@ from typing import Any
 
 from .. import resolve_settings
 from ..kernels import paths_for
-from ..kernels.fused.cpu import native_ops
+from ..kernels.native import build_all
 from . import charlm, probes, report, verdicts
 from .cards import write_model_card
 from .cli import nonnegative_int, offline_by_default, positive_float, positive_int
@@ -297,7 +297,7 @@ def _start_background_work(args: argparse.Namespace, cfg: dict[str, Any], out: P
     if args.aggregate_only:
         return threads
     if any(needs_native(spec) for spec in args.implementations):
-        threads["native"] = threading.Thread(target=native_ops, kwargs={"warn": False}, daemon=True)
+        threads["native"] = threading.Thread(target=build_all, kwargs={"warn": False}, daemon=True)
     if "lm" in args.tasks:
         if args.jobs == 1:
             charlm.prepare(out, cfg["lm_vocab"])
@@ -308,10 +308,10 @@ def _start_background_work(args: argparse.Namespace, cfg: dict[str, Any], out: P
     return threads
 
 
+@offline_by_default()
 def main(argv: list[str] | None = None) -> int:
     """``scripts/compare.py`` and the console command ``hf-attnorm-compare``, offline by default: exit code 1 when a
     run failed or is missing, else 0."""
-    offline_by_default()
     result = run(argv)
     return 1 if result["failed"] or result["missing"] else 0
 

@@ -109,10 +109,10 @@ def _one(out: Path, impl: str, kind: str, seed: int, a: argparse.Namespace, step
     return summary
 
 
+@offline_by_default()
 def main(argv: list[str] | None = None) -> int:
     """``scripts/convert_study.py`` and the console command ``hf-attnorm-convert-study``, offline by default: runs
     what is not cached, writes results.json and results.md; exit code 0."""
-    offline_by_default()
     a = build_parser().parse_args(argv)
     out = Path(a.output_dir)
     lengths = [str(n) for n in a.eval_lengths]  # the keys of conversion.json's perplexities

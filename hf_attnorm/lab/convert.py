@@ -685,10 +685,10 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return Converter(args, command="python scripts/convert.py " + shlex.join(shown)).run()
 
 
+@offline_by_default()
 def main(argv: Sequence[str] | None = None) -> int:
     """``scripts/convert.py`` and the console command ``hf-attnorm-convert``, offline by default: bad input ->
     ``convert.py: error: ...`` and exit code 2; Ctrl-C -> 130; else 0."""
-    offline_by_default()
     try:
         run(argv)
     except (ConvertError, TransferError, data_lib.DataError, AttnormError) as exc:

@@ -166,8 +166,8 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
+@offline_by_default()
 def main(argv: list[str] | None = None) -> int:
     """``scripts/evaluate.py`` and the console command ``hf-attnorm-evaluate``, offline by default; exit code 0."""
-    offline_by_default()
     run(argv)
     return 0

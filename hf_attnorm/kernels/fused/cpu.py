@@ -4,10 +4,10 @@ A block of queries meets a block of keys: scores -> the normalizer's map -> accu
 with no [Lq, Lk] tensor; the backward pass recomputes the blocks. Memory is O((Lq + Lk) d) plus a few cache-sized
 buffers per thread. Threshold maps (sparsemax, entmax-1.5) take two passes over a [block, Lk] row buffer.
 
-The extension is compiled on first use with ``torch.utils.cpp_extension.load`` (cached by torch under
-``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; about a minute once). Without a C++ compiler, or
-with ``HF_ATTNORM_NO_NATIVE=1``, this path declines every call after a one-time warning and the dispatcher uses
-the pure-PyTorch ``chunked`` path (same math, O(n * chunk) memory, slower).
+The extension (this family's own: ``kernels/native.py``) is compiled on first use (cached by torch under
+``TORCH_EXTENSIONS_DIR``; about a minute once). Without a C++ compiler, when its build fails, or with
+``HF_ATTNORM_NO_NATIVE=1``, this path declines every call after a one-time warning and the dispatcher uses the
+pure-PyTorch ``chunked`` path (same math, O(n * chunk) memory, slower).
 
 Score modifiers run in the kernel on each score tile: soft-cap, an additive bias read through its broadcast strides
 (never expanded to [B, H, Lq, Lk]; its gradient is reduced to its own shape in the kernel) and ALiBi slopes
@@ -17,21 +17,17 @@ Score modifiers run in the kernel on each score tile: soft-cap, an additive bias
 from __future__ import annotations
 
 import hashlib
-import logging
-import os
-import platform
-import shutil
-import threading
-import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ...normalizers.base import Normalizer
-from ...torch_compat import register_export_ops
 from ..base import AttnCall, compact_bias, compute_dtype, dense_keep, last_dim_contiguous
+from ..native import NO_NATIVE_ENV as NO_NATIVE_ENV  # (re-exported: read where the fused kernels are tested)
+from ..native import OPS, NativeExtension, compiler, extension
+from ..native import build_error_summary as build_error_summary
+from ..native import cpu_call_reason as cpu_call_reason
 from .maps import (
     MAP_IDS,
     MAPS,
@@ -45,8 +41,6 @@ from .maps import (
     table_key,
 )
 
-logger = logging.getLogger("hf_attnorm")
-
 _THRESHOLD_IDS = frozenset(MAP_IDS[name] for name in THRESHOLD)
 _ALPHA_IDS = frozenset(m.kernel_id for m in MAPS if m.row_value_use == "alpha")
 #: (block_q, block_k) of the blocked kernels (tuned on a 2-core AVX-512 Xeon, d = 64: 128 x 256 was best of
@@ -54,167 +48,46 @@ _ALPHA_IDS = frozenset(m.kernel_id for m in MAPS if m.row_value_use == "alpha")
 BLOCKS = {"block_q": 128, "block_k": 256, "block_q_threshold": 128}
 #: tests set this to small blocks so that odd lengths cross block edges: (block_q, block_k) or None
 BLOCK_OVERRIDE: tuple[int, int] | None = None
-#: set to disable the native build (forces the pure-PyTorch fallback, e.g. to test it)
-NO_NATIVE_ENV = "HF_ATTNORM_NO_NATIVE"
 
 _SOURCE = Path(__file__).with_name("fused_cpu.cpp")
-#: the kernels folder: the header every C++ source includes (cpu_common.h) and the family folders
-_KERNELS = Path(__file__).parents[1]
-#: further sources compiled into the same extension (their ops are TORCH_LIBRARY_FRAGMENTs of hf_attnorm_native),
-#: each beside the Python of its family
-EXTRA_SOURCES = [_KERNELS / "stickbreaking" / "stickbreaking_cpu.cpp", _KERNELS / "selective" / "selective_cpu.cpp"]
-_lock = threading.Lock()
-_state: dict[str, Any] = {"ops": None, "error": None, "warned": False}
-
-#: the ops that traced and exported graphs hold. Their schemas, shape functions and CPU implementations are
-#: registered here from Python when hf_attnorm is imported, so a saved ``torch.export`` program resolves them after
-#: ``import hf_attnorm`` with nothing built; the CPU implementation builds the C++ extension (whose own ops live in
-#: the namespace ``hf_attnorm_native``) on its first call.
-OPS_NAMESPACE = "hf_attnorm_fused"
-_LIB = torch.library.Library(OPS_NAMESPACE, "DEF")
-register_export_ops()  # (and torch's own op that such programs hold, on a torch that defines it late)
 
 
-def define_op(schema: str, fake: Callable[..., Any]) -> None:
-    """Declare ``hf_attnorm_fused::<schema>`` (the C++ op of the same name and schema in hf_attnorm_native) with
-    its shape function ``fake``."""
-    name = schema.split("(", 1)[0]
-    _LIB.define(schema)
-
-    def cpu_kernel(*args: Any, **kwargs: Any) -> Any:
-        if native_ops() is None:
-            raise RuntimeError(f"{OPS_NAMESPACE}::{name} runs the fused CPU kernels, which are unavailable here: "
-                               f"{unavailable_reason()}; export without them (the automatic rule does: "
-                               "docs/export.md)")
-        return getattr(torch.ops.hf_attnorm_native, name)(*args, **kwargs)
-
-    _LIB.impl(name, cpu_kernel, "CPU")
-    torch.library.register_fake(f"{OPS_NAMESPACE}::{name}", lib=_LIB)(fake)
+def _table_options(table: tuple[FusedMap, ...]) -> dict[str, Any]:
+    """What the fused kernel is built with for the map table ``table``: the generated ``hf_map_facts_generated.h``
+    (its facts: maps.cpp_facts_header) and ``hf_maps_generated.h`` (its per-entry code: maps.cpp_header)."""
+    return {"generated": lambda: {"hf_map_facts_generated.h": cpp_facts_header(table),
+                                  "hf_maps_generated.h": cpp_header(table)}}
 
 
-def _cpu_fingerprint(table: tuple[FusedMap, ...] = MAPS) -> str:
-    """Identifies the instruction set the extension is compiled for (-march=native) and the map table it is
-    built for (its facts and per-entry code: maps.table_key): a cache shared between machines must not hand one
-    CPU's binary to another, nor one table's build to another table."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = line
-                break
-    except OSError:
-        flags = platform.processor() + platform.machine()
-    # torch's JIT rebuilds when a source file changes but does not read the headers they include: hash those into
-    # the build name, so an edited header (kernels/*.h) never links against a stale cached build
-    headers = "".join(h.read_text() for h in sorted(_KERNELS.glob("*.h")))
-    maps = table_key(table)  # (torch's JIT also rebuilds on changed flags; this keeps names apart)
-    return hashlib.sha1(f"{flags}|{torch.__version__}|{headers}|{maps}".encode()).hexdigest()[:10]
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
-
-
-def _cflags() -> list[str]:
-    """Compiler flags (the fused maps' facts come in the generated headers: kernels/fused/maps.py)."""
-    # -fno-trapping-math lets GCC vectorise floor() (in the exponential). On x86 the loops GCC vectorises itself use
-    # 256-bit vectors even where the CPU has AVX-512 (the explicit AVX-512 intrinsics still run there): 512-bit
-    # ones were 5-10% faster at n = 4096 on an AVX-512 Xeon, but on another AVX-512 Xeon they put alpha-entmax's
-    # fp32 d alpha beyond 5x the fp32 reference's error (3.3e-4 against 5.9e-5 at alpha = 1.15, L = 300), which
-    # 256-bit vectors keep within it (2.2e-4)
-    flags = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-math-errno", "-DNDEBUG"]
-    if platform.machine().lower() in ("x86_64", "amd64", "x86", "i686"):
-        flags.insert(-1, "-mprefer-vector-width=256")
-    return flags
-
-
-def _load(name: str, sources: list[str], table: tuple[FusedMap, ...], extra: tuple[str, ...] = ()) -> None:
-    """Compile (or load from torch's cache) extension ``name`` from ``sources`` for the map table ``table``:
-    the generated ``hf_map_facts_generated.h`` (maps.cpp_facts_header) and ``hf_maps_generated.h``
-    (maps.cpp_header) are written into the build directory first."""
-    from torch.utils.cpp_extension import _get_build_directory, load
-
-    build_dir = Path(_get_build_directory(name, verbose=False))
-    if not (build_dir / f"{name}.so").exists():  # a first build takes about a minute: say so
-        logger.warning("hf_attnorm: compiling the fused CPU attention kernels (first use only, about a "
-                       "minute; cached in %s)", build_dir)
-    generated = build_dir / "generated"
-    generated.mkdir(parents=True, exist_ok=True)
-    for file, text in (("hf_map_facts_generated.h", cpp_facts_header(table)),
-                       ("hf_maps_generated.h", cpp_header(table))):
-        header = generated / file
-        if not header.exists() or header.read_text() != text:
-            header.write_text(text)
-    load(
-        name=name,
-        sources=sources,
-        extra_cflags=[*_cflags(), *extra],
-        extra_ldflags=["-fopenmp"],
-        extra_include_paths=[str(_KERNELS), str(generated)],
-        is_python_module=False,
-        verbose=os.environ.get("HF_ATTNORM_VERBOSE_BUILD", "0") not in ("", "0"),
-    )
+#: the fused maps' extension (``maps.MAPS``); its C++ ops live in the namespace ``hf_attnorm_native``
+NATIVE = extension("fused", [_SOURCE], "hf_attnorm_native", "chunked", **_table_options(MAPS))
+#: builds for other map tables (``build_ops``), by table key
+_TABLE_BUILDS: dict[str, NativeExtension] = {}
 
 
 def build_ops(table: tuple[FusedMap, ...]) -> Any:
-    """The C++ kernel (``fused_cpu.cpp`` alone) built for the map table ``table`` instead of ``maps.MAPS``, as its
-    own extension with its own op namespace (returned: ``torch.ops.<namespace>``, whose ``forward`` / ``backward``
-    / ``map_facts`` take the ids of ``table``). For tests of maps declared outside ``MAPS``; raises on a build
-    error."""
-    if _compiler() is None:
+    """The C++ kernel (``fused_cpu.cpp``) built for the map table ``table`` instead of ``maps.MAPS``, as its own
+    extension with its own op namespace (returned: ``torch.ops.<namespace>``, whose ``forward`` / ``backward`` /
+    ``map_facts`` take the ids of ``table``), so that both can be loaded in one process. For tests of maps declared
+    outside ``MAPS``; raises on a build error."""
+    if compiler() is None:
         raise RuntimeError("no C++ compiler found (set CXX or install g++)")
-    tag = _cpu_fingerprint(table)
-    namespace = f"hf_attnorm_maps_{tag}"
-    with _lock:
-        if not hasattr(torch.ops, namespace) or not hasattr(getattr(torch.ops, namespace), "forward"):
-            _load(f"hf_attnorm_maps_{tag}", [str(_SOURCE)], table, (f"-DHF_ATTNORM_NATIVE_NS={namespace}",))
-    return getattr(torch.ops, namespace)
+    key = table_key(table)
+    ext = _TABLE_BUILDS.get(key)
+    if ext is None:
+        namespace = f"hf_attnorm_maps_{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+        ext = _TABLE_BUILDS[key] = NativeExtension("maps", [_SOURCE], namespace, "chunked",
+                                                   **_table_options(table))
+    if ext.build(warn=False) is None:
+        raise RuntimeError(f"the fused kernel for another map table is unavailable: {ext.error}")
+    return ext.ops
 
 
 def native_ops(warn: bool = True) -> Any | None:
-    """The compiled ops (``torch.ops.hf_attnorm_fused``), building them on first call; None when unavailable
-    (no compiler, build error, or ``HF_ATTNORM_NO_NATIVE=1``), with a one-time warning saying why."""
-    if _state["ops"] is not None:
-        return _state["ops"]
-    if torch.compiler.is_compiling():
-        # building (a lock, files, a compiler) cannot be traced; eager calls build it (see compile_ready)
-        return None
-    if os.environ.get(NO_NATIVE_ENV, "0") not in ("", "0"):
-        _fail(f"{NO_NATIVE_ENV} is set", warn)
-        return None
-    if _state["error"] is not None:
-        _fail(_state["error"], warn)  # (warns if the first failure was recorded silently)
-        return None
-    with _lock:
-        if _state["ops"] is not None:
-            return _state["ops"]
-        if _compiler() is None:
-            _fail("no C++ compiler found (set CXX or install g++)", warn)
-            return None
-        try:
-            _load(f"hf_attnorm_fused_{_cpu_fingerprint()}", [str(_SOURCE), *map(str, EXTRA_SOURCES)], MAPS)
-            if not torch.ops.hf_attnorm_native.blas_available():
-                _fail("this torch build exports no BLAS sgemm_/dgemm_ for extensions", warn)
-                return None
-            _state["ops"] = torch.ops.hf_attnorm_fused
-        except Exception as exc:  # a failed build must not break attention: the chunked path takes over
-            _fail(f"building the C++ extension failed: {build_error_summary(exc)}", warn)
-            return None
-    return _state["ops"]
-
-
-def build_error_summary(exc: BaseException, max_lines: int = 12) -> str:
-    """The compiler's error lines of a failed build (``error:`` / ``fatal error:`` / undefined references, at most
-    ``max_lines``), not just the last line (which only says that ninja failed); the message's last line otherwise."""
-    text = str(exc).strip()
-    if not text:
-        return repr(exc)
-    lines = text.splitlines()
-    errors = [ln.strip() for ln in lines if "error:" in ln or "undefined reference" in ln or "Error " in ln]
-    if errors:
-        more = f" (+{len(errors) - max_lines} more)" if len(errors) > max_lines else ""
-        return "; ".join(dict.fromkeys(errors[:max_lines])) + more
-    return lines[-1]
+    """The ops the fused kernels call (``torch.ops.hf_attnorm_fused``), building the fused maps' extension on first
+    call; None when unavailable (no compiler, build error, or ``HF_ATTNORM_NO_NATIVE=1``), with a one-time warning
+    saying why."""
+    return None if NATIVE.build(warn=warn) is None else OPS
 
 
 def _define_ops() -> None:
@@ -234,29 +107,18 @@ def _define_ops() -> None:
         dbias = q.new_empty(bias.shape) if bias_grad else q.new_empty((0,))
         return [*(x.new_empty(x.shape) for x in (q, k, v, row_value)), dbias]
 
-    define_op("forward(int map_id, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor row_value, "
+    NATIVE.define_op("forward(int map_id, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor row_value, "
               "Tensor? bias, "
               "Tensor? slopes, float cap, int block_q, int block_k, bool need_u=True) -> Tensor[]", forward_fake)
-    define_op("backward(int map_id, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor row_value, "
+    NATIVE.define_op("backward(int map_id, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor row_value, "
               "Tensor? bias, "
               "Tensor? slopes, float cap, bool bias_grad, Tensor out, Tensor r1, Tensor r2, Tensor u, Tensor dout, "
               "int block_q, int block_k) -> Tensor[]", backward_fake)
 
 
-def _fail(reason: str, warn: bool) -> None:
-    _state["error"] = reason
-    if warn and not _state["warned"]:
-        _state["warned"] = True
-        warnings.warn(f"hf_attnorm: fused CPU kernels unavailable ({reason}); using the slower pure-PyTorch "
-                      "'chunked' path instead", stacklevel=3)
-
-
 def unavailable_reason(warn: bool = False) -> str | None:
-    """Why the native kernels cannot run (None when they can); builds them if needed."""
-    if native_ops(warn=warn) is not None:
-        return None
-    return _state["error"] or ("not built yet, and torch.compile cannot build it while tracing: run one eager call "
-                               "(or native_ops()) before compiling")
+    """Why the fused maps' C++ kernels cannot run (None when they can); builds them if needed."""
+    return NATIVE.unavailable_reason(warn)
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -268,7 +130,7 @@ class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, row_value, bias, keep, slopes, cap: float, causal: bool, map_id: int,
                 blocks: tuple[int, int], need_grad: bool):
-        ops = _state["ops"]
+        ops = OPS
         lookup_id(map_id)  # an id no map declares: a ValueError here, before the kernel (which also refuses it)
         # need_grad False (inference): the threshold maps skip hv_sum, which only the backward pass reads
         out, den_or_tau, shift_or_gsum, hv_sum = ops.forward(map_id, q, k, v, keep, causal, row_value, bias, slopes,
@@ -283,7 +145,7 @@ class _FusedAttention(torch.autograd.Function):
         q, k, v, row_value, bias, keep, slopes, out, den_or_tau, shift_or_gsum, hv_sum = ctx.saved_tensors
         causal, map_id, blocks, cap = ctx.meta
         bias_grad = bias is not None and ctx.needs_input_grad[4]
-        dq, dk, dv, drow_value, dbias = _state["ops"].backward(
+        dq, dk, dv, drow_value, dbias = OPS.backward(
             map_id, q, k, v, keep, causal, row_value, bias, slopes, cap, bias_grad, out, den_or_tau, shift_or_gsum,
             hv_sum, dout.contiguous(), *blocks)
         return (dq, dk, dv, (drow_value if ctx.needs_input_grad[3] else None), (dbias if bias_grad else None),
@@ -306,17 +168,8 @@ def takes(norm: Normalizer) -> str | None:
     return fused_takes(norm, "fused")
 
 
-def cpu_call_reason(call: AttnCall) -> str | None:
-    """Why the C++ kernels of this extension cannot take the call's tensors (device, dtype), or None."""
-    if call.q.device.type != "cpu":
-        return f"device {call.q.device} (CPU only)"
-    if call.q.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
-        return f"dtype {call.q.dtype}"
-    return None
-
-
 def accepts(call: AttnCall) -> str | None:
-    """None when this path can run the call, else the reason it cannot (builds the extension on first use)."""
+    """None when this path can run the call, else the reason it cannot (builds nothing: ``NATIVE.reason()``)."""
     if call.sinks is not None:  # the chunked path applies them
         return "this path does not apply attention sinks (s_aux)"
     reason = cpu_call_reason(call)
@@ -326,7 +179,7 @@ def accepts(call: AttnCall) -> str | None:
         return "dropout > 0 (the weights are never formed)"
     if call.q.numel() == 0 or call.k.numel() == 0:
         return "empty inputs"
-    return unavailable_reason(warn=True)
+    return NATIVE.reason()
 
 
 def fused_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
@@ -360,4 +213,5 @@ _define_ops()
 
 from .. import register_path  # noqa: E402  (registration at import, like the normalizers)
 
-register_path("fused_cpu", fused_cpu_attention, takes=takes, accepts=accepts, priority=40, auto_exclude=("cuda",))
+register_path("fused_cpu", fused_cpu_attention, takes=takes, accepts=accepts, priority=40, auto_exclude=("cuda",),
+              prepare=NATIVE.build)

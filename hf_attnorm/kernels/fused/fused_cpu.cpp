@@ -240,8 +240,7 @@ inline T sgn(T x) {
 
 // ------------------------------------------------------------------------------------------------ row-major gemm
 
-// sgemm_/dgemm_ and the row-major mm_abt / mm_ab / mm_atb wrappers: cpu_common.h
-bool blas_available() { return sgemm_ != nullptr && dgemm_ != nullptr; }
+// sgemm_/dgemm_, blas_available and the row-major mm_abt / mm_ab / mm_atb wrappers: cpu_common.h
 
 // ------------------------------------------------------------------------------------------------ problem
 
@@ -1626,14 +1625,8 @@ std::vector<at::Tensor> fused_backward(int64_t map_id, const at::Tensor& q, cons
 
 }  // namespace
 
-// the ops' namespace: hf_attnorm_native, or another for a build of another map table (cpu.build_ops), so that
-// both can be loaded in one process
-#ifndef HF_ATTNORM_NATIVE_NS
-#define HF_ATTNORM_NATIVE_NS hf_attnorm_native
-#endif
-#define HF_TORCH_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
-#define HF_TORCH_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
-
+// the ops' namespace (HF_ATTNORM_NATIVE_NS): hf_attnorm_native, or another for a build of another map table
+// (cpu.build_ops), so that both can be loaded in one process
 HF_TORCH_LIBRARY(HF_ATTNORM_NATIVE_NS, m) {
   m.def("blas_available() -> bool", &blas_available);
   m.def("map_facts(int map_id) -> int[]", &map_facts);

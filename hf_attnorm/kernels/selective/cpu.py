@@ -1,7 +1,7 @@
-"""Fused CPU selective attention (path ``selective_cpu``): the C++ kernel of ``selective_cpu.cpp``, compiled into the
-fused extension (``fused_cpu.native_ops``), forward and backward. The math is that of ``normalizers/selective.py``
-(Leviathan et al., arXiv 2410.02703): every head's softmax of s - F, F_ij = sum_{k < i} relu(S_kj) over the selecting
-entries of one head's scores S.
+"""Fused CPU selective attention (path ``selective_cpu``): the C++ kernel of ``selective_cpu.cpp``, compiled as this
+family's own extension (``NATIVE``, kernels/native.py), forward and backward. The math is that of
+``normalizers/selective.py`` (Leviathan et al., arXiv 2410.02703): every head's softmax of s - F,
+F_ij = sum_{k < i} relu(S_kj) over the selecting entries of one head's scores S.
 
 Unlike the blocked ``selective`` path, the query blocks run in parallel: a first pass forms each block's column sums
 of relu(S) (one head's Q K^T) and a prefix over the blocks gives the carry entering each block; then per (batch,
@@ -17,24 +17,29 @@ query may select.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from ...normalizers.selective import document_starts
 from ..base import AttnCall, compute_dtype, dense_keep, last_dim_contiguous, unfused_call_reason
-from ..fused import cpu as fused_cpu
+from ..native import OPS, cpu_call_reason, extension
 from .blocked import takes
 
 #: (block_q, block_k): queries per parallel work item, keys per tile (the BLAS inner size)
 BLOCKS = (128, 256)
 #: tests set this to small blocks so that odd lengths cross block edges
 BLOCK_OVERRIDE: tuple[int, int] | None = None
+#: this family's extension; its C++ ops live in the namespace ``hf_attnorm_native_selective``
+NATIVE = extension("selective", [Path(__file__).with_name("selective_cpu.cpp")], "hf_attnorm_native_selective",
+                   "selective")
 
 
 class _SelFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, carry0, keep, causal: bool, head: int, scale: float, starts, selrow,
                 blocks: tuple[int, int]):
-        out, lse, colsums = fused_cpu.native_ops().sel_forward(q, k, v, keep, causal, head, scale, starts, selrow,
+        out, lse, colsums = OPS.sel_forward(q, k, v, keep, causal, head, scale, starts, selrow,
                                                                carry0, *blocks)
         ctx.save_for_backward(q, k, v, keep, starts, selrow, carry0, colsums, out, lse)
         ctx.meta = (causal, head, scale, blocks)
@@ -45,14 +50,14 @@ class _SelFn(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, keep, starts, selrow, carry0, colsums, out, lse = ctx.saved_tensors
         causal, head, scale, blocks = ctx.meta
-        dq, dk, dv, dcarry = fused_cpu.native_ops().sel_backward(q, k, v, keep, causal, head, scale, starts, selrow,
+        dq, dk, dv, dcarry = OPS.sel_backward(q, k, v, keep, causal, head, scale, starts, selrow,
                                                                  carry0, colsums, out, lse, dout.contiguous(),
                                                                  *blocks)
         return dq, dk, dv, (dcarry if ctx.needs_input_grad[3] else None), None, None, None, None, None, None, None
 
 
 def _define_ops() -> None:
-    """The two ops (``fused_cpu.define_op``) with their shape-only implementations, at import."""
+    """The two ops (``NATIVE.define_op``) with their shape-only implementations, at import."""
 
     def forward_fake(q, k, v, keep, causal, head, scale, starts, selrow, carry0, block_q, block_k):
         B, H, Lq = q.shape[:3]
@@ -63,10 +68,10 @@ def _define_ops() -> None:
                       block_k):
         return [*(x.new_empty(x.shape) for x in (q, k, v)), q.new_empty((q.shape[0], k.shape[2]))]
 
-    fused_cpu.define_op("sel_forward(Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, int head, float scale, "
+    NATIVE.define_op("sel_forward(Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, int head, float scale, "
                         "Tensor starts, Tensor selrow, Tensor? carry0, int block_q, int block_k) -> Tensor[]",
                         forward_fake)
-    fused_cpu.define_op("sel_backward(Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, int head, "
+    NATIVE.define_op("sel_backward(Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, int head, "
                         "float scale, Tensor starts, Tensor selrow, Tensor? carry0, Tensor colsums, Tensor out, "
                         "Tensor lse, Tensor dout, int block_q, int block_k) -> Tensor[]", backward_fake)
 
@@ -92,13 +97,13 @@ def accepts(call: AttnCall) -> str | None:
     reason = unfused_call_reason(call)
     if reason is not None:
         return reason
-    reason = fused_cpu.cpu_call_reason(call)
+    reason = cpu_call_reason(call)
     if reason is not None:
         return reason
     reason = carry_reason(call)
     if reason is not None:
         return reason
-    return fused_cpu.unavailable_reason(warn=True)
+    return NATIVE.reason()
 
 
 def selection_facts(call: AttnCall, head: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,4 +153,4 @@ def selective_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
 from .. import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 register_path("selective_cpu", selective_cpu_attention, takes=takes, accepts=accepts, priority=44,
-              auto_exclude=("cuda",))
+              auto_exclude=("cuda",), prepare=NATIVE.build)

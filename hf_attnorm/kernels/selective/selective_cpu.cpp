@@ -1,5 +1,5 @@
 // Fused CPU selective attention (Leviathan et al., arXiv 2410.02703; the math is ../../normalizers/selective.py, the
-// Python side cpu.py beside it). Compiled into the same extension as ../fused/fused_cpu.cpp; its ops are
+// Python side cpu.py beside it). Compiled as this family's own extension (kernels/native.py); its ops are
 // hf_attnorm_fused::sel_forward and hf_attnorm_fused::sel_backward.
 //
 // With S the selecting head's scores, R = relu(S) on the selecting entries (visible, not BOS, not the query's own
@@ -629,7 +629,9 @@ std::vector<at::Tensor> sel_backward(const at::Tensor& q, const at::Tensor& k, c
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(hf_attnorm_native, m) {
+// the ops' namespace: HF_ATTNORM_NATIVE_NS, this family's own (kernels/native.py)
+HF_TORCH_LIBRARY(HF_ATTNORM_NATIVE_NS, m) {
+  m.def("blas_available() -> bool", &blas_available);
   m.def(
       "sel_forward(Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, int head, float scale, Tensor starts, "
       "Tensor selrow, "
@@ -640,7 +642,7 @@ TORCH_LIBRARY_FRAGMENT(hf_attnorm_native, m) {
       "Tensor? carry0, Tensor colsums, Tensor out, Tensor lse, Tensor dout, int block_q, int block_k) -> Tensor[]");
 }
 
-TORCH_LIBRARY_IMPL(hf_attnorm_native, CPU, m) {
+HF_TORCH_LIBRARY_IMPL(HF_ATTNORM_NATIVE_NS, CPU, m) {
   m.impl("sel_forward", &sel_forward);
   m.impl("sel_backward", &sel_backward);
 }

@@ -1,28 +1,33 @@
 """Fused CPU stick-breaking attention (path ``stickbreaking_cpu``): the C++ kernel of ``stickbreaking_cpu.cpp``,
-compiled into the fused extension (``fused_cpu.native_ops``), forward and backward. The math and the scan order are
-those of ``stickbreaking.py``; OpenMP (torch's threads) over (batch x head, query blocks) in the forward and over kv
-heads split into parts with private dK/dV buffers in the backward (deterministic). Memory: q, k, v, out and the
-stick left at each key block's edge, e [B, H, Lq, Lk / block_k + 1] (the C++ scan runs in product form,
-e = exp(-c), one exp per score; the others in log space)."""
+compiled as this family's own extension (``NATIVE``, kernels/native.py), forward and backward. The math and the
+scan order are those of ``stickbreaking.py``; OpenMP (torch's threads) over (batch x head, query blocks) in the
+forward and over kv heads split into parts with private dK/dV buffers in the backward (deterministic). Memory: q,
+k, v, out and the stick left at each key block's edge, e [B, H, Lq, Lk / block_k + 1] (the C++ scan runs in
+product form, e = exp(-c), one exp per score; the others in log space)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
 from ..base import AttnCall, compute_dtype, dense_keep, last_dim_contiguous
-from ..fused import cpu as fused_cpu
+from ..native import OPS, cpu_call_reason, extension
 from .scan import common_reason, options, own_index, takes, with_offset
 
 #: (block_q, block_k): the query block is the vector width of the scan, the key block the BLAS inner size
 BLOCKS = (128, 256)
 #: tests set this to small blocks so that odd lengths cross block edges
 BLOCK_OVERRIDE: tuple[int, int] | None = None
+#: this family's extension; its C++ ops live in the namespace ``hf_attnorm_native_stickbreaking``
+NATIVE = extension("stick-breaking", [Path(__file__).with_name("stickbreaking_cpu.cpp")],
+                   "hf_attnorm_native_stickbreaking", "stickbreaking_scan")
 
 
 class _SBFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, keep, own, attend_current: bool, remainder: bool, blocks: tuple[int, int]):
-        out, c = fused_cpu.native_ops().sb_forward(q, k, v, keep, own, attend_current, remainder, *blocks)
+        out, c = OPS.sb_forward(q, k, v, keep, own, attend_current, remainder, *blocks)
         ctx.save_for_backward(q, k, v, keep, own, c)
         ctx.meta = (attend_current, remainder, blocks)
         return out
@@ -32,13 +37,13 @@ class _SBFn(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, keep, own, c = ctx.saved_tensors
         attend_current, remainder, blocks = ctx.meta
-        dq, dk, dv = fused_cpu.native_ops().sb_backward(q, k, v, keep, own, attend_current, remainder, c,
+        dq, dk, dv = OPS.sb_backward(q, k, v, keep, own, attend_current, remainder, c,
                                                        dout.contiguous(), *blocks)
         return dq, dk, dv, None, None, None, None, None
 
 
 def _define_ops() -> None:
-    """The two ops (``fused_cpu.define_op``) with their shape-only implementations, at import."""
+    """The two ops (``NATIVE.define_op``) with their shape-only implementations, at import."""
 
     def forward_fake(q, k, v, keep, own, attend_current, remainder, block_q, block_k):
         B, H, Lq = q.shape[:3]
@@ -47,9 +52,9 @@ def _define_ops() -> None:
     def backward_fake(q, k, v, keep, own, attend_current, remainder, c, dout, block_q, block_k):
         return [x.new_empty(x.shape) for x in (q, k, v)]
 
-    fused_cpu.define_op("sb_forward(Tensor q, Tensor k, Tensor v, Tensor? keep, Tensor own, bool attend_current, "
+    NATIVE.define_op("sb_forward(Tensor q, Tensor k, Tensor v, Tensor? keep, Tensor own, bool attend_current, "
                         "bool remainder, int block_q, int block_k) -> Tensor[]", forward_fake)
-    fused_cpu.define_op("sb_backward(Tensor q, Tensor k, Tensor v, Tensor? keep, Tensor own, bool attend_current, "
+    NATIVE.define_op("sb_backward(Tensor q, Tensor k, Tensor v, Tensor? keep, Tensor own, bool attend_current, "
                         "bool remainder, Tensor c, Tensor dout, int block_q, int block_k) -> Tensor[]", backward_fake)
 
 
@@ -60,10 +65,10 @@ def accepts(call: AttnCall) -> str | None:
     reason = common_reason(call)
     if reason is not None:
         return reason
-    reason = fused_cpu.cpu_call_reason(call)
+    reason = cpu_call_reason(call)
     if reason is not None:
         return reason
-    return fused_cpu.unavailable_reason(warn=True)
+    return NATIVE.reason()
 
 
 def stickbreaking_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
@@ -83,4 +88,4 @@ def stickbreaking_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
 from .. import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 register_path("stickbreaking_cpu", stickbreaking_cpu_attention, takes=takes, accepts=accepts, priority=43,
-              auto_exclude=("cuda",))
+              auto_exclude=("cuda",), prepare=NATIVE.build)

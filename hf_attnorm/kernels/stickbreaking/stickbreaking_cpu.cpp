@@ -1,6 +1,6 @@
 // Fused CPU stick-breaking attention (see scan.py for the math and cpu.py for the
-// Python side). Compiled into the same extension as fused_cpu.cpp; its ops are hf_attnorm_fused::sb_forward and
-// hf_attnorm_fused::sb_backward.
+// Python side). Compiled as this family's own extension (kernels/native.py); its ops are hf_attnorm_fused::sb_forward
+// and hf_attnorm_fused::sb_backward.
 //
 // Per (batch, head, query block) the key blocks are visited from the block's last own key backwards. The scores of a
 // tile are formed transposed, ZT[key][query] = K Q^T, so that the row-wise reverse scan runs over keys with the queries
@@ -358,7 +358,9 @@ std::vector<at::Tensor> sb_backward(const at::Tensor& q, const at::Tensor& k, co
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(hf_attnorm_native, m) {
+// the ops' namespace: HF_ATTNORM_NATIVE_NS, this family's own (kernels/native.py)
+HF_TORCH_LIBRARY(HF_ATTNORM_NATIVE_NS, m) {
+  m.def("blas_available() -> bool", &blas_available);
   m.def(
       "sb_forward(Tensor q, Tensor k, Tensor v, Tensor? keep, Tensor own, bool attend_current, bool remainder, "
       "int block_q, int block_k) -> Tensor[]");
@@ -367,7 +369,7 @@ TORCH_LIBRARY_FRAGMENT(hf_attnorm_native, m) {
       "Tensor c, Tensor dout, int block_q, int block_k) -> Tensor[]");
 }
 
-TORCH_LIBRARY_IMPL(hf_attnorm_native, CPU, m) {
+HF_TORCH_LIBRARY_IMPL(HF_ATTNORM_NATIVE_NS, CPU, m) {
   m.impl("sb_forward", &sb_forward);
   m.impl("sb_backward", &sb_backward);
 }

@@ -59,10 +59,10 @@ def run_finetuning(argv: list[str] | None = None) -> dict[str, Any]:
     return _run("finetune", argv)
 
 
+@offline_by_default()
 def main(kind: str, argv: list[str] | None = None) -> int:
     """The command line of ``kind`` ("pretrain" or "finetune"), offline by default: bad input ->
     ``<kind>.py: error: ...`` and exit code 2; Ctrl-C -> 130; else 0."""
-    offline_by_default()
     try:
         _run(kind, argv)
     except (TrainingError, DataError, AttnormError) as exc:
