@@ -115,27 +115,74 @@ def _conversion_results() -> dict:
     return json.loads((ROOT / "bench" / "convert" / "results.json").read_text())
 
 
+def _curve_results() -> dict | None:
+    """bench/convert/curve.json (the budget curve), or None before it is published."""
+    path = ROOT / "bench" / "convert" / "curve.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def conversion() -> str:
-    """The conversion study's table, its summary on both held-out texts, the goals and the claim, from
-    bench/convert/results.json."""
+    """The conversion study's two verdicts per normalizer (recovered, adapted) with the budget curve's answer, the
+    goals and the claim, from bench/convert/results.json and bench/convert/curve.json."""
     from hf_attnorm.lab import conversion_study as study
 
-    data = _conversion_results()
+    data, curve = _conversion_results(), _curve_results()
     s = data["settings"]
-    seconds = [r for row in data["rows"].values() for r in row["convert_seconds"].values()]
-    slowest = max(seconds) / 60 if seconds else float("nan")
-    first = str(s["eval_lengths"][0])
-    text_summaries = "".join(f"\n\n{study.summary_sentence(data, first, text)}" for text in data.get("texts", {}))
-    goals = f"\n\nGoals of the study (reported, not tested):\n\n{study.goals_markdown(data)}" \
-        if data.get("texts") else ""
-    return (f"{data['model']}, perplexity at {first} tokens on {s['eval_tokens']} held-out tokens "
-            f"({data['data']}); {s['seeds']} seeds, cells mean [min, max]. From "
-            f"[bench/convert/results.json](bench/convert/results.json) (`{data['command']}`, {data['date'][:10]}, "
-            f"{data['machine']['cpus']}-core CPU; per-run commands and timings, the tables at "
-            f"{', '.join(str(n) for n in s['eval_lengths'][1:]) or first} tokens and on the second text: "
-            f"[bench/convert/README.md](bench/convert/README.md)). The slowest conversion took {slowest:.1f} min.\n\n"
-            f"{study.summary_sentence(data)}\n\n{study.table(data)}{text_summaries}{goals}\n\n"
+    lengths = " / ".join(str(n) for n in s["eval_lengths"])
+    other = data.get("other_text", "the second text")
+    source = (f"[bench/convert/results.json](bench/convert/results.json) (`{study.published_command(data['command'])}`"
+              f", {data['date'][:10]})")
+    if curve is not None:
+        source += (f" and the budget curve, [bench/convert/curve.json](bench/convert/curve.json) "
+                   f"(`{study.published_command(curve['commands']['default'])}`)")
+    plots = "" if curve is None else "\n\n" + " ".join(
+        f"![recovered at {n} tokens](bench/convert/curve_{n}.png)" for n in s["eval_lengths"]
+        if (ROOT / "bench" / "convert" / f"curve_{n}.png").is_file())
+    return (f"{data['model']}, {s['seeds']} seeds at the default budget ({s['transfer_steps']} + "
+            f"{s['finetune_steps']} steps of {s['block_size']} tokens); cells: the mean over seeds at {lengths} "
+            "tokens, each verdict the worst seed and context. **Recovered**: stage 2 distilled from the original "
+            f"model, perplexity over the original model's on {other} (never trained on: what the conversion keeps "
+            "of the model). **Adapted**: stage 2 on the next-token loss, perplexity over the softmax model "
+            f"fine-tuned as long on held-out {data['data'].split(':')[0]} (the text trained on). From {source}; "
+            f"{data['machine']['cpus']}-core CPU, shared with other work; every run's command, time and load, the "
+            "perplexities and the curve's runs: [bench/convert/README.md](bench/convert/README.md).\n\n"
+            f"{study.verdict_table(data, curve)}{plots}\n\n"
+            f"Goals of the study (reported, not tested):\n\n{study.goals_markdown(data, curve)}\n\n"
             f"The claim beside it: {data['claim']}. Here: {study.claim_finding(data)}.")
+
+
+def conversion_curve() -> str:
+    """The budget curve (bench/convert/curve.json): its table at each context, the plots, each lever against the
+    default, and every curve run with its minutes, CPU time and the machine's load."""
+    from hf_attnorm.lab import conversion_study as study
+
+    curve = _curve_results()
+    if curve is None:
+        return "Not measured yet: no bench/convert/curve.json."
+    parts = [study.curve_markdown(curve).rstrip("\n")]
+    parts.append(" ".join(f"![recovered at {n} tokens](curve_{n}.png)" for n in curve["settings"]["eval_lengths"]))
+    lines = ["| implementation | recipe | budget | seed | minutes | CPU minutes | load average: start / mean over "
+             "the steps / end |", "|---|---|---|---|---|---|---|"]
+    wall, cpu, loads = 0.0, 0.0, []
+    for variant, rows in curve["curves"].items():
+        for impl, row in rows.items():
+            for budget, cell in sorted(row["budgets"].items(), key=lambda kv: int(kv[0])):
+                for seed, run in cell["runs"].items():
+                    load = " / ".join("—" if x is None else f"{x:g}" for x in run["load_average"])
+                    cpu_min = "—" if run["cpu_seconds"] is None else f"{run['cpu_seconds'] / 60:.0f}"
+                    lines.append(f"| `{impl}` | {variant} | {budget}x | {seed} | {run['wall_seconds'] / 60:.0f} | "
+                                 f"{cpu_min} | {load} |")
+                    wall += run["wall_seconds"]
+                    cpu += run["cpu_seconds"] or 0.0
+                    loads += [x for x in run["load_average"] if x is not None]
+    parts.append("\n".join(lines))
+    parts.append(f"{len(lines) - 2} runs, {wall / 3600:.1f} h of wall time and {cpu / 3600:.1f} h of CPU time "
+                 f"recorded (runs without a CPU time predate its recording); the machine's load average "
+                 f"{min(loads):g} to {max(loads):g} over them (2 cores, shared with other work: above 2 the runs "
+                 "waited for the cores, and their minutes are upper bounds). Commands: " +
+                 "; ".join(f"{name}: `{study.published_command(cmd)}`" for name, cmd in curve["commands"].items()) +
+                 ". Each run's own command is in its conversion.json.")
+    return "\n\n".join(parts)
 
 
 def conversion_longer() -> str:
@@ -162,17 +209,22 @@ def conversion_runs() -> str:
     conversion measured alone in a fresh process (time and peak memory per phase)."""
     lines = ["| implementation | run | seed | seconds: stage 1 / stage 2 / whole run with evaluation | peak memory "
              "(MB): stage 1 / stage 2 | load average at start → end |", "|---|---|---|---|---|---|"]
+    from hf_attnorm.lab import conversion_study as study
+
     commands, loads = [], []
     for path in sorted((ROOT / "bench" / "convert" / "runs").glob("*/*/conversion.json")):
+        parsed = study.parse_run_name(path.parent.name)
+        if parsed is None or parsed[1] is not None or parsed[2] != 1:
+            continue  # (the budget curve's runs: their own block)
         run = json.loads(path.read_text())
-        kind, seed = path.parent.name.rsplit("-seed", 1)
+        kind, seed = parsed[0], parsed[3]
         sec, peak = run["seconds"], run.get("peak_rss_mb", {})
         stage1 = f"{sec['transfer']:.0f}" if run["steps"]["transfer"] else "—"
         memory = " / ".join(f"{peak[k]:.0f}" if k in peak else "—" for k in ("transfer", "finetune"))
         lines.append(f"| `{run['implementation']}` | {kind} | {seed} | {stage1} / {sec['finetune']:.0f} / "
                      f"{run['wall_seconds']:.0f} | {memory} | {run['load_average_start']} → "
                      f"{run['load_average_end']} |")
-        commands.append(f"* `{run['command']}`")
+        commands.append(f"* `{study.published_command(run['command'])}`")
         loads += [run["load_average_start"], run["load_average_end"]]
     if loads:
         lines.append(f"\nLoad average over the runs: {min(loads)} to {max(loads)} (the study's own 2 threads give "
@@ -181,7 +233,8 @@ def conversion_runs() -> str:
     peaks = ", ".join(f"{k} {v:.0f}" for k, v in alone["peak_rss_mb"].items())
     sec = alone["seconds"]
     return ("\n".join(lines) + "\n\nCommands:\n\n" + "\n".join(commands) +
-            f"\n\n**One conversion at the default budget, alone in a fresh process** (`{alone['command']}`, load "
+            f"\n\n**One conversion at the default budget, alone in a fresh process** "
+            f"(`{study.published_command(alone['command'])}`, load "
             f"average {alone['load_average_start']} at its start; [default_run/conversion.json]"
             f"(default_run/conversion.json)): stage 1 {sec['transfer']:.0f} s, stage 2 {sec['finetune']:.0f} s, "
             f"{alone['wall_seconds'] / 60:.1f} min in all with loading and its evaluations "
@@ -225,12 +278,14 @@ def transfer_learning_rates() -> str:
     loads = [x for r in runs for x in (r["load_average_start"], r["load_average_end"])]
     seeds = sorted({r["seed"] for r in runs})
     a = runs[0]["args"]  # (the runs share their evaluation flags; the command of each is in its conversion.json)
+    from hf_attnorm.lab.conversion_study import published_command
+
     return ("\n".join(lines) + f"\n\n{len(runs)} runs, seed {', '.join(map(str, seeds))}, each "
-            f"`{runs[0]['command']}` with its implementation, rate and flags (every run's command is in its "
-            "conversion.json); the error is the mean held-out per-layer error against the original model on the "
-            f"{a['error_blocks']} error blocks, what keep-best compares (\"—\": not measured, during a continuation's "
-            f"ramp); perplexity on {a['eval_tokens']:,} held-out Shakespeare tokens at {a['eval_lengths'][0]}. Load "
-            f"average over the runs {min(loads)} to {max(loads)}.")
+            f"`{published_command(runs[0]['command'])}` with its implementation, rate and flags (every run's command "
+            "is in its conversion.json); the error is the mean held-out per-layer error against the original model "
+            f"on the {a['error_blocks']} error blocks, what keep-best compares (\"—\": not measured, during a "
+            f"continuation's ramp); perplexity on {a['eval_tokens']:,} held-out Shakespeare tokens at "
+            f"{a['eval_lengths'][0]}. Load average over the runs {min(loads)} to {max(loads)}.")
 
 
 #: the second run of the published main job, in another floating-point order (bench/compare/README.md)
@@ -817,6 +872,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "main-job": main_job,
     "conversion": conversion,
     "conversion-runs": conversion_runs,
+    "conversion-curve": conversion_curve,
     "conversion-longer": conversion_longer,
     "conversion-texts": conversion_texts,
     "transfer-learning-rates": transfer_learning_rates,
