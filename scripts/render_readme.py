@@ -143,7 +143,7 @@ def conversion() -> str:
             "tokens, each verdict the worst seed and context. **Recovered**: stage 2 distilled from the original "
             f"model, perplexity over the original model's on {other} (never trained on: what the conversion keeps "
             "of the model). **Adapted**: stage 2 on the next-token loss, perplexity over the softmax model "
-            f"fine-tuned as long on held-out {data['data'].split(':')[0]} (the text trained on). From {source}; "
+            f"fine-tuned as long, on the training text's held-out part ({data['data']}). From {source}; "
             f"{data['machine']['cpus']}-core CPU, shared with other work; every run's command, time and load, the "
             "perplexities and the curve's runs: [bench/convert/README.md](bench/convert/README.md).\n\n"
             f"{study.verdict_table(data, curve)}{plots}\n\n"
@@ -183,6 +183,30 @@ def conversion_curve() -> str:
                  "; ".join(f"{name}: `{study.published_command(cmd)}`" for name, cmd in curve["commands"].items()) +
                  ". Each run's own command is in its conversion.json.")
     return "\n\n".join(parts)
+
+
+def conversion_levers() -> str:
+    """Each lever of the budget curve against the default recipe (bench/convert/curve.json): per implementation and
+    context, the paired ratios to the original and whether the lever moved the curve left."""
+    from hf_attnorm.lab import conversion_study as study
+
+    curve = _curve_results()
+    levers = [v for v in (curve or {}).get("curves", {}) if v != "default"]
+    if not levers:
+        return "No lever measured yet."
+    lengths = [str(n) for n in curve["settings"]["eval_lengths"]]
+    lines = ["| lever | implementation | tokens | paired runs (budget, seed: the lever's ratio to the original "
+             "against the default's) | moves the curve left |", "|---|---|---|---|---|"]
+    for n in lengths:
+        for lever, impl, left, words in study.lever_findings(curve, n):
+            lines.append(f"| `{lever}` | `{impl}` | {n} | {words} | "
+                         f"{'**yes**' if left else 'no' if left is False else '—'} |")
+    described = []
+    for name in levers:
+        lever = curve["levers"][name]
+        flags = f" (`{' '.join(lever['flags'])}`)" if lever["flags"] else ""
+        described.append(f"`{name}`: {lever['description']}{flags}")
+    return f"{'; '.join(described)}.\n\n" + "\n".join(lines)
 
 
 def conversion_longer() -> str:
@@ -873,6 +897,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "conversion": conversion,
     "conversion-runs": conversion_runs,
     "conversion-curve": conversion_curve,
+    "conversion-levers": conversion_levers,
     "conversion-longer": conversion_longer,
     "conversion-texts": conversion_texts,
     "transfer-learning-rates": transfer_learning_rates,

@@ -846,7 +846,7 @@ def test_the_two_verdicts_compare_with_the_original_and_with_the_fine_tune():
     assert study.verdict_words(rec, ["512", "2048"], "the original") == "within 5% of the original"
     assert study.verdict_words(ada, ["512", "2048"], "the fine-tune") == "within 10% of the fine-tune"
     assert study.verdict_words({"512": {0: 1.5}}, ["512", "2048"], "x") == "not measured"
-    assert study.verdict_words({"512": {0: 1.5}, "2048": {0: 1.2}}, ["512", "2048"], "x") == "1.5x x at worst"
+    assert study.verdict_words({"512": {0: 1.5}, "2048": {0: 1.2}}, ["512", "2048"], "x") == "1.5× x at worst"
 
 
 def test_published_commands_name_relative_folders():
@@ -887,3 +887,49 @@ def test_the_published_curve_is_generated_from_its_runs():
                     assert run["command"].startswith("python scripts/convert.py") and run["wall_seconds"] > 0
                     if int(budget) > 1:  # (the default budget's runs predate the CPU time's recording)
                         assert run["cpu_seconds"] > 0 and run["load_average"][1] is not None
+
+
+def test_the_study_runs_each_curve_run_once_and_resumes_a_killed_one(tmp_path, monkeypatch):
+    """``convert_study._one``: a run with its conversion.json is read, not run; a curve run from 16x whose folder
+    holds a checkpoint resumes it (``--resume_from_checkpoint latest``, no overwrite); shorter ones start over; the
+    steps, keep-best points and checkpoints scale with the budget, and the recorded command names the folder
+    relative to the study's. (convert.run itself is replaced: the resumption it does is tested above on a real
+    conversion; here what the study asks of it.)"""
+    import argparse
+
+    from hf_attnorm.lab import conversion_study_cli as cli
+
+    calls = []
+
+    def fake_run(argv, shown=None):
+        calls.append((list(argv), list(shown)))
+        folder = Path(argv[argv.index("--output_dir") + 1])
+        folder.mkdir(parents=True, exist_ok=True)
+        summary = {"perplexity": {}, "wall_seconds": 1.0, "command": "python scripts/convert.py " + " ".join(shown)}
+        (folder / convert.SUMMARY_FILE).write_text(json.dumps(summary))
+        return summary
+
+    monkeypatch.setattr(cli.convert, "run", fake_run)
+    monkeypatch.chdir(tmp_path)
+    a = argparse.Namespace(aggregate_only=False, eval_tokens=4096, eval_lengths=[512, 2048])
+    out = Path("study")
+    killed = out / "runs" / "entmax15" / "distill-x16-seed0"
+    (killed / convert.CHECKPOINTS / "finetune_000080").mkdir(parents=True)
+    (killed / "conversion_args.json").write_text("{}")
+    cli._one(out, "entmax15", "distill", 0, a, (20, 20), budget=16)
+    cli._one(out, "entmax15", "distill", 1, a, (20, 20), budget=4, lever="full")
+    cli._one(out, "entmax15", "distill", 1, a, (20, 20), budget=4, lever="full")  # cached now: not run again
+    assert len(calls) == 2
+    (argv16, shown16), (argv4, _) = calls
+
+    def flag(argv, name):
+        return argv[argv.index(name) + 1]
+
+    assert flag(argv16, "--transfer_steps") == flag(argv16, "--finetune_steps") == "320"
+    assert flag(argv16, "--transfer_eval_steps") == flag(argv16, "--checkpointing_steps") == "80"
+    assert flag(argv16, "--resume_from_checkpoint") == "latest" and "--overwrite_output_dir" not in argv16
+    assert flag(shown16, "--output_dir") == "study/runs/entmax15/distill-x16-seed0" and "--distill" in argv16
+    assert flag(argv4, "--transfer_steps") == "80" and flag(argv4, "--checkpointing_steps") == "0"
+    assert flag(argv4, "--finetune_mode") == "full" and "--overwrite_output_dir" in argv4
+    assert "--resume_from_checkpoint" not in argv4
+    assert flag(argv4, "--output_dir").endswith("runs/entmax15/distill-full-x4-seed1")

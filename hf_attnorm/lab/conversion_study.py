@@ -279,7 +279,7 @@ def verdict_words(ratios: Mapping[str, Mapping[int, float]], lengths: Sequence[s
     for near in RECOVERED_NEAR:
         if worst <= near:
             return f"within {100 * (near - 1):.0f}% of {what}"
-    return f"{worst:.3g}x {what} at worst"
+    return f"{worst:.3g}× {what} at worst"
 
 
 def _ratios_cell(ratios: Mapping[str, Mapping[int, float]], lengths: Sequence[str]) -> str:
@@ -296,8 +296,8 @@ def verdict_table(results: Mapping[str, Any], curve: Mapping[str, Any] | None = 
     rows = results["rows"]
     at = " / ".join(lengths)
     curve_rows_ = (curve or {}).get("curves", {}).get("default", {})
-    head = (f"| implementation | swapped | calibrated | recovered: distilled, x the original on {OTHER_TEXT_NAME} "
-            f"({at} tokens) | recovered | adapted: next-token, x the softmax fine-tune on Shakespeare ({at}) | "
+    head = (f"| implementation | swapped | calibrated | recovered: distilled, × the original on {OTHER_TEXT_NAME} "
+            f"({at} tokens) | recovered | adapted: next-token, × the softmax fine-tune on Shakespeare ({at}) | "
             "adapted |")
     sep = "|---|---|---|---|---|---|---|"
     if curve is not None:
