@@ -182,7 +182,46 @@ def conversion_curve() -> str:
                  "waited for the cores, and their minutes are upper bounds). Commands: " +
                  "; ".join(f"{name}: `{study.published_command(cmd)}`" for name, cmd in curve["commands"].items()) +
                  ". Each run's own command is in its conversion.json.")
+    parts.append(_curve_not_measured(curve))
     return "\n\n".join(parts)
+
+
+#: the budgets a lever's curve is planned at (bench/convert/README.md's command)
+LEVER_BUDGETS = (1, 4)
+
+
+def _curve_not_measured(curve: dict) -> str:
+    """The curve's runs not measured yet, the commands that measure them (each runs only what has no
+    conversion.json) and their cost: the implementation's 1x runs' wall time times the budget, on 2 threads (an
+    upper bound: the evaluations do not grow with the budget)."""
+    from hf_attnorm.lab import conversion_study as study
+
+    missing: dict[str, list[tuple[str, int, int]]] = {}
+    planned = {"default": (study.CURVE_IMPLEMENTATIONS, study.CURVE_BUDGETS)}
+    planned.update({v: (tuple(rows), LEVER_BUDGETS) for v, rows in curve["curves"].items() if v != "default"})
+    hours = 0.0
+    for variant, (impls, budgets) in planned.items():
+        rows = curve["curves"].get(variant, {})
+        for impl in impls:
+            cells = rows.get(impl, {}).get("budgets", {})
+            base = curve["curves"].get("default", {}).get(impl, {}).get("budgets", {}).get("1", {}).get("runs", {})
+            wall = [r["wall_seconds"] for r in base.values() if r.get("wall_seconds")]
+            for b in budgets:
+                for seed in range(study.curve_seeds(b)):
+                    if str(seed) not in {str(s) for s in cells.get(str(b), {}).get("runs", {})}:
+                        missing.setdefault(variant, []).append((impl, b, seed))
+                        hours += (sum(wall) / len(wall) if wall else 0.0) * b * 2 / 3600
+    if not missing:
+        return "Every point of the curve is measured."
+    said = "; ".join(f"{variant}: " + ", ".join(f"`{i}` {b}x seed {s}" for i, b, s in runs)
+                     for variant, runs in missing.items())
+    commands = [f"`python scripts/convert_study.py --budgets {' '.join(map(str, study.CURVE_BUDGETS))}`"]
+    commands += [f"`python scripts/convert_study.py --budgets {' '.join(map(str, LEVER_BUDGETS))} --lever {v} "
+                 f"--implementations {' '.join(planned[v][0])}`" for v in missing if v != "default"]
+    return (f"**Not measured yet** ({sum(map(len, missing.values()))} runs, shown as not measured above): {said}. "
+            f"They run with {' and '.join(commands)} (after copying the published runs, above: a run with a "
+            f"conversion.json is not run again), in about {hours:.0f} CPU hours (each run: its implementation's "
+            "1x runs' wall time times the budget on 2 threads, an upper bound on idle cores).")
 
 
 def conversion_levers() -> str:

@@ -814,15 +814,24 @@ def test_the_curve_says_where_each_implementation_first_comes_within_reach():
     results = {"curves": curves, "settings": {"eval_lengths": [512, 2048], "seeds": {"1": 2, "4": 2, "16": 1}},
                "original": original, "text": "a text", "levers": {"full": {"description": "every weight"}}}
     table = study.curve_table(results, "512")
-    assert "| `entmax15` | 1.75 [1.5, 2] | 1.1 [1.05, 1.15] | 1.08 | 328k tokens |" in table, table
+    assert "| `entmax15` | 1.75 [1.5, 2] | 1.1 [1.05, 1.15] | 1.08 | not measured | 328k tokens |" in table, table
     assert "20k tokens (1x, 2 seeds)" in table and "(16x, 1 seed)" in table
+    assert "1.3M tokens (64x, ? seeds)" in table  # (a budget not run yet: a column, its tokens, not measured)
+    one_seed = {"curves": study.curve_rows({"default": {"ssmax": {4: found["default"]["entmax15"][4]}},
+                                            "full": found["full"]}, original, ["512"]),
+                "settings": {"eval_lengths": [512], "seeds": {"1": 2, "4": 2}}}
+    del one_seed["curves"]["default"]["ssmax"]["budgets"]["4"]["ratio"]["512"][1]
+    assert "| `ssmax` | not measured | 1.05 (1 of 2 seeds) | not measured | not measured | not within 82k tokens " \
+        "(16x, 64x not measured) |" in study.curve_table(one_seed, "512"), study.curve_table(one_seed, "512")
+    assert "(4x, 2 seeds)" not in study.curve_table(one_seed, "512", "full")  # a lever's table: the budgets it ran
     (lever, impl, left, words), = study.lever_findings(results, "512")
     assert (lever, impl, left) == ("full", "entmax15", False) and "1x seed 1: 1.55 against 1.5" in words
     assert study.lever_findings(results, "2048")[0][2] is True
     text = study.curve_markdown(results)
     assert "`full` on `entmax15` at 2048 tokens: moves the curve left" in text
     # nothing within reach: the largest budget measured is named
-    assert study._first_within_text(curves["full"]["entmax15"], "512") == "not within 20k tokens"
+    assert study._first_within_text(curves["full"]["entmax15"], "512") == \
+        "not within 20k tokens (4x, 16x, 64x not measured)"
 
 
 def test_the_two_verdicts_compare_with_the_original_and_with_the_fine_tune():

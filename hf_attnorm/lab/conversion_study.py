@@ -678,21 +678,33 @@ def _ratio(x: float) -> str:
 
 def curve_table(results: Mapping[str, Any], length: str, variant: str = "default") -> str:
     """The curve at one context: per implementation, the final perplexity over the original's at each budget
-    (mean [min, max] over the seeds), and the budget at which it first came within ``CURVE_NEAR``."""
+    (mean [min, max] over the seeds), and the budget at which it first came within ``CURVE_NEAR``. The default
+    recipe's table has a column for every budget of ``CURVE_BUDGETS``: a budget or seed not run yet is said to be
+    not measured."""
     rows = results["curves"].get(variant, {})
-    budgets = sorted({int(b) for r in rows.values() for b in r["budgets"]})
-    tokens = {b: next(int(r["budgets"][str(b)]["tokens"]) for r in rows.values() if str(b) in r["budgets"])
-              for b in budgets}
+    measured = {int(b) for r in rows.values() for b in r["budgets"]}
+    budgets = sorted(measured | (set(CURVE_BUDGETS) if variant == "default" else set()))
+    # (an unmeasured budget's tokens: both stages scale with the budget, so tokens per multiple are the same)
+    per_multiple = next((int(r["budgets"][b]["tokens"]) // int(b) for r in rows.values() for b in r["budgets"]), None)
+    tokens = {b: next((int(r["budgets"][str(b)]["tokens"]) for r in rows.values() if str(b) in r["budgets"]),
+                      None if per_multiple is None else per_multiple * b) for b in budgets}
     seeds = results["settings"]["seeds"]
-    head = [f"{_tokens_text(tokens[b])} tokens ({b}x, {seeds.get(str(b), '?')} seed{'s' * (seeds.get(str(b)) != 1)})"
-            for b in budgets]
+    head = [f"{'' if tokens[b] is None else _tokens_text(tokens[b]) + ' tokens '}({b}x, {seeds.get(str(b), '?')} "
+            f"seed{'s' * (seeds.get(str(b)) != 1)})" for b in budgets]
     lines = [f"| implementation | {' | '.join(head)} | first within {100 * (CURVE_NEAR - 1):.0f}% of the original |",
              "|---|" + "---|" * (len(budgets) + 1)]
     order = [i for i in CURVE_IMPLEMENTATIONS if i in rows] + [i for i in rows if i not in CURVE_IMPLEMENTATIONS]
     for impl in order:
         row = rows[impl]
-        cells = [_ratio_cell(row["budgets"][str(b)]["ratio"][length]) if str(b) in row["budgets"] else "not run"
-                 for b in budgets]
+        cells = []
+        for b in budgets:
+            cell = row["budgets"].get(str(b))
+            if cell is None:
+                cells.append("not measured")
+                continue
+            got, wanted = sum(r is not None for r in cell["ratio"][length].values()), seeds.get(str(b))
+            cells.append(_ratio_cell(cell["ratio"][length]) +
+                         (f" ({got} of {wanted} seeds)" if isinstance(wanted, int) and got < wanted else ""))
         lines.append(f"| `{impl}` | {' | '.join(cells)} | {_first_within_text(row, length)} |")
     return "\n".join(lines)
 
@@ -702,7 +714,9 @@ def _first_within_text(row: Mapping[str, Any], length: str, short: bool = False)
     if got is not None:
         return f"{_tokens_text(got)}" if short else f"{_tokens_text(got)} tokens"
     largest = max(row["budgets"], key=int)
-    return f"not within {_tokens_text(int(row['budgets'][largest]['tokens']))}" + ("" if short else " tokens")
+    above = [f"{b}x" for b in CURVE_BUDGETS if b > int(largest)]
+    return (f"not within {_tokens_text(int(row['budgets'][largest]['tokens']))}" + ("" if short else " tokens") +
+            (f" ({', '.join(above)} not measured)" if above else ""))
 
 
 def lever_findings(results: Mapping[str, Any], length: str) -> list[tuple[str, str, bool | None, str]]:
