@@ -603,11 +603,12 @@ def test_the_study_with_calibrated_starts_reports_its_goals():
                             "no consistent difference for `hedgehog`.")
     assert "| `softmax` | 36 | — | — | — | — | 30 [30, 30] |" in other
     met = {goal.split(" ")[0] + goal.split(" ")[1]: (ok, detail) for goal, ok, detail in study.goals(results)}
-    assert met["atleast"][0] is None or met["atleast"][0] is False  # 1 of 5 measured: ssmax 1.12x
-    assert "`ssmax` 1.12x" in met["atleast"][1]
-    # each recipe judged on its own: distilled, ssmax's worst seed and context is 10.9 / 10 (0.8 x both at 2048)
-    assert "stage 2 on the next-token loss: 1 (worst" in met["atleast"][1]
-    assert "stage 2 distilled: 1 (worst seed and context: `ssmax` 1.09x)" in met["atleast"][1]
+    assert met["adapted:at"][0] is None or met["adapted:at"][0] is False  # 1 of 5 measured: ssmax 1.12x
+    assert met["adapted:at"][1].startswith("1 (worst") and "`ssmax` 1.12x" in met["adapted:at"][1]
+    # recovered: the distilled runs on the second text over the original's there (36 at 512: 10.9 / 36), not
+    # decided while softmax1 has no run
+    assert met["recovered:softmax1"] == (None, "worst seed: `ssmax` 0.303x at 512, 0.303x at 2048")
+    assert met["recoveredon"][0] is None and met["everycurve"][0] is None  # (no curve given)
     # the finding cell gives the distilled recipe's paired verdict against the same control
     assert "transfer helps: 8% lower perplexity than fine-tuning alone (every seed); distilled: helps: 10% lower" \
         in main
@@ -650,7 +651,10 @@ def test_the_study_rebuilds_its_results_from_cached_runs(tmp_path):
             "control", "--aggregate_only"]
     assert conversion_study_cli.main(argv) == 0
     results = json.loads((tmp_path / "results.json").read_text())
-    assert results["command"] == "python scripts/convert_study.py " + " ".join(argv[:-1])
+    # (the output folder as published: relative, or the default folder for one outside the working directory)
+    shown = ["--output_dir", conversion_study_cli.shown_root(tmp_path), *argv[2:-1]]
+    assert shown[1] == "runs/convert_study"
+    assert results["command"] == "python scripts/convert_study.py " + " ".join(shown)
     assert results["rows"]["ssmax"]["convert"] == {"0": 11.0} and results["rows"]["ssmax"]["verdict"].startswith(
         "transfer helps")
     assert results["texts"]["kjv"]["2048"]["ssmax"]["control"] == {"0": 12.0}
