@@ -240,12 +240,18 @@ def conversion_levers() -> str:
         for lever, impl, left, words in study.lever_findings(curve, n):
             lines.append(f"| `{lever}` | `{impl}` | {n} | {words} | "
                          f"{'**yes**' if left else 'no' if left is False else '—'} |")
-    described = []
+    described, decided = [], []
     for name in levers:
         lever = curve["levers"][name]
         flags = f" (`{' '.join(lever['flags'])}`)" if lever["flags"] else ""
         described.append(f"`{name}`: {lever['description']}{flags}")
-    return f"{'; '.join(described)}.\n\n" + "\n".join(lines)
+        # kept only where it moves the curve left for every implementation it ran on, at every context
+        lefts = [left for n in lengths for lv, _, left, _ in study.lever_findings(curve, n) if lv == name]
+        budgets = sorted({int(b) for row in curve["curves"][name].values() for b in row["budgets"]})
+        decided.append(f"`{name}` {'**kept**' if lefts and all(x is True for x in lefts) else 'not kept'}: it moves "
+                       f"the curve left in {sum(x is True for x in lefts)} of {len(lefts)} implementation and "
+                       f"context pairs (measured at {', '.join(f'{b}x' for b in budgets)})")
+    return f"{'; '.join(described)}.\n\n" + "\n".join(lines) + f"\n\n{'; '.join(decided)}."
 
 
 def conversion_longer() -> str:
