@@ -239,7 +239,7 @@ def conversion_levers() -> str:
     for n in lengths:
         for lever, impl, left, words in study.lever_findings(curve, n):
             lines.append(f"| `{lever}` | `{impl}` | {n} | {words} | "
-                         f"{'**yes**' if left else 'no' if left is False else '—'} |")
+                         f"{'**yes**' if left else 'no' if left is False else 'not decided'} |")
     described, decided = [], []
     for name in levers:
         lever = curve["levers"][name]
@@ -248,7 +248,9 @@ def conversion_levers() -> str:
         # kept only where it moves the curve left for every implementation it ran on, at every context
         lefts = [left for n in lengths for lv, _, left, _ in study.lever_findings(curve, n) if lv == name]
         budgets = sorted({int(b) for row in curve["curves"][name].values() for b in row["budgets"]})
-        decided.append(f"`{name}` {'**kept**' if lefts and all(x is True for x in lefts) else 'not kept'}: it moves "
+        verdict = "**kept**" if lefts and all(x is True for x in lefts) else \
+            "not kept" if False in lefts or not lefts else "not decided yet"
+        decided.append(f"`{name}` {verdict}: it moves "
                        f"the curve left in {sum(x is True for x in lefts)} of {len(lefts)} implementation and "
                        f"context pairs (measured at {', '.join(f'{b}x' for b in budgets)})")
     return f"{'; '.join(described)}.\n\n" + "\n".join(lines) + f"\n\n{'; '.join(decided)}."

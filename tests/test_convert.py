@@ -831,6 +831,14 @@ def test_the_curve_says_where_each_implementation_first_comes_within_reach():
     (lever, impl, left, words), = study.lever_findings(results, "512")
     assert (lever, impl, left) == ("full", "entmax15", False) and "1x seed 1: 1.55 against 1.5" in words
     assert study.lever_findings(results, "2048")[0][2] is True
+    # lower on the one seed measured of two: not decided; higher on it: decided
+    partial = {**results, "curves": {**curves, "full": study.curve_rows(
+        {"full": {"entmax15": {1: {0: found["full"]["entmax15"][1][0]}}}}, original, ["512", "2048"])["full"]}}
+    (_, _, left, words), = study.lever_findings(partial, "2048")
+    assert left is None and words.endswith("(not every seed measured at 1x)"), words
+    assert study.lever_findings(partial, "512")[0][2] is None  # (39 / 20 against 40 / 20: lower)
+    partial["curves"]["full"]["entmax15"]["budgets"]["1"]["ratio"]["512"][0] = 2.5
+    assert study.lever_findings(partial, "512")[0][2] is False
     text = study.curve_markdown(results)
     assert "`full` on `entmax15` at 2048 tokens: moves the curve left" in text
     # nothing within reach: the largest budget measured is named

@@ -721,7 +721,8 @@ def _first_within_text(row: Mapping[str, Any], length: str, short: bool = False)
 
 def lever_findings(results: Mapping[str, Any], length: str) -> list[tuple[str, str, bool | None, str]]:
     """(lever, implementation, moves the curve left: every budget and seed both measured lower than the default's
-    (None: nothing to compare), the paired ratios in words) per lever and implementation, at ``length``."""
+    (None: nothing to compare, or lower on every pair but a planned seed not measured), the paired ratios in
+    words) per lever and implementation, at ``length``."""
     curves, out = results["curves"], []
     default = curves.get("default", {})
     for lever in (v for v in curves if v != "default"):
@@ -739,7 +740,12 @@ def lever_findings(results: Mapping[str, Any], length: str) -> list[tuple[str, s
                 out.append((lever, impl, None, "no default run at the same budget and seed"))
                 continue
             words = ", ".join(f"{b}x seed {s}: {_ratio(g)} against {_ratio(r)}" for b, s, g, r in pairs)
-            out.append((lever, impl, all(g < r for _, _, g, r in pairs), words))
+            # (lower on the pairs measured but a planned seed missing: not decided; higher on one: decided)
+            short = sorted({b for b, *_ in pairs if sum(p[0] == b for p in pairs) < curve_seeds(b)})
+            left = all(g < r for _, _, g, r in pairs)
+            if short:
+                words += f" (not every seed measured at {', '.join(f'{b}x' for b in short)})"
+            out.append((lever, impl, None if left and short else left, words))
     return out
 
 
@@ -756,9 +762,9 @@ def curve_markdown(results: Mapping[str, Any]) -> str:
         desc = results["levers"].get(lever, {}).get("description", lever)
         for n in lengths:
             parts.append(f"Lever `{lever}` ({desc}) at {n} tokens:\n\n{curve_table(results, n, lever)}\n")
-    findings = [f"* `{lever}` on `{impl}` at {n} tokens: "
-                f"{'moves the curve left' if left else 'does not move the curve left' if left is False else '—'} "
-                f"({words})" for n in lengths for lever, impl, left, words in lever_findings(results, n)]
+    said = {True: "moves the curve left", False: "does not move the curve left", None: "not decided"}
+    findings = [f"* `{lever}` on `{impl}` at {n} tokens: {said[left]} ({words})"
+                for n in lengths for lever, impl, left, words in lever_findings(results, n)]
     if findings:
         parts.append("Levers against the default (final perplexity over the original's, paired by budget and "
                      "seed):\n\n" + "\n".join(findings) + "\n")
