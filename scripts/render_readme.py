@@ -186,8 +186,9 @@ def conversion_curve() -> str:
     return "\n\n".join(parts)
 
 
-#: the budgets a lever's curve is planned at (bench/convert/README.md's command)
+#: the budgets and implementations a lever's curve is planned at (bench/convert/README.md's commands)
 LEVER_BUDGETS = (1, 4)
+LEVER_IMPLEMENTATIONS = ("entmax15", "stickbreaking")
 
 
 def _curve_not_measured(curve: dict) -> str:
@@ -198,7 +199,8 @@ def _curve_not_measured(curve: dict) -> str:
 
     missing: dict[str, list[tuple[str, int, int]]] = {}
     planned = {"default": (study.CURVE_IMPLEMENTATIONS, study.CURVE_BUDGETS)}
-    planned.update({v: (tuple(rows), LEVER_BUDGETS) for v, rows in curve["curves"].items() if v != "default"})
+    planned.update({v: ((*LEVER_IMPLEMENTATIONS, *(i for i in rows if i not in LEVER_IMPLEMENTATIONS)), LEVER_BUDGETS)
+                    for v, rows in curve["curves"].items() if v != "default"})
     hours = 0.0
     for variant, (impls, budgets) in planned.items():
         rows = curve["curves"].get(variant, {})

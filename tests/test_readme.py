@@ -388,12 +388,15 @@ def test_the_curve_blocks_list_what_is_missing_and_keep_a_lever_only_where_it_al
 
     monkeypatch.setattr(render, "_curve_results", lambda: curve(31.0))
     missing = render._curve_not_measured(curve(31.0))
-    # 6 implementations x (4x: 2 seeds, 16x, 64x) = 24 runs, less entmax15's 4x seed 0; full's 4x: 2 more
-    assert missing.startswith("**Not measured yet** (25 runs") and "`entmax15` 4x seed 1" in missing
+    # 6 implementations x (4x: 2 seeds, 16x, 64x) = 24 runs, less entmax15's 4x seed 0; full's: entmax15's 4x and
+    # every planned run of stickbreaking (2 seeds at 1x and 4x): 6 more
+    assert missing.startswith("**Not measured yet** (29 runs") and "`entmax15` 4x seed 1" in missing
     assert "`entmax15` 4x seed 0" not in missing.split("full:")[0] and "full: `entmax15` 4x seed 0" in missing
-    assert "`python scripts/convert_study.py --budgets 1 4 --lever full --implementations entmax15`" in missing
+    assert "`stickbreaking` 1x seed 1" in missing.split("full:")[1]
+    assert "`python scripts/convert_study.py --budgets 1 4 --lever full --implementations entmax15 stickbreaking`" \
+        in missing
     # (180 s at 1x, on 2 threads: 4x 0.4 h a run; 16x 1.6 h; 64x 6.4 h)
-    hours = (5 * (2 * 4 + 16 + 64) + (4 + 16 + 64) + 2 * 4) * 180 * 2 / 3600
+    hours = (5 * (2 * 4 + 16 + 64) + (4 + 16 + 64) + 2 * 4 + 2 * 1 + 2 * 4) * 180 * 2 / 3600
     assert f"in about {hours:.0f} CPU hours" in missing
     assert "not measured" in render.conversion_curve()
     assert render.conversion_levers().endswith("`full` **kept**: it moves the curve left in 1 of 1 implementation "
