@@ -135,9 +135,6 @@ def conversion() -> str:
     if curve is not None:
         source += (f" and the budget curve, [bench/convert/curve.json](bench/convert/curve.json) "
                    f"(`{study.published_command(curve['commands']['default'])}`)")
-    plots = "" if curve is None else "\n\n" + " ".join(
-        f"![recovered at {n} tokens](bench/convert/curve_{n}.png)" for n in s["eval_lengths"]
-        if (ROOT / "bench" / "convert" / f"curve_{n}.png").is_file())
     return (f"{data['model']}, {s['seeds']} seeds at the default budget ({s['transfer_steps']} + "
             f"{s['finetune_steps']} steps of {s['block_size']} tokens); cells: the mean over seeds at {lengths} "
             "tokens, each verdict the worst seed and context. **Recovered**: stage 2 distilled from the original "
@@ -145,8 +142,8 @@ def conversion() -> str:
             "of the model). **Adapted**: stage 2 on the next-token loss, perplexity over the softmax model "
             f"fine-tuned as long, on the training text's held-out part ({data['data']}). From {source}; "
             f"{data['machine']['cpus']}-core CPU, shared with other work; every run's command, time and load, the "
-            "perplexities and the curve's runs: [bench/convert/README.md](bench/convert/README.md).\n\n"
-            f"{study.verdict_table(data, curve)}{plots}\n\n"
+            "perplexities, the curve's runs and its plots: [bench/convert/README.md](bench/convert/README.md).\n\n"
+            f"{study.verdict_table(data, curve)}\n\n"
             f"Goals of the study (reported, not tested):\n\n{study.goals_markdown(data, curve)}\n\n"
             f"The claim beside it: {data['claim']}. Here: {study.claim_finding(data)}.")
 
