@@ -115,27 +115,144 @@ def _conversion_results() -> dict:
     return json.loads((ROOT / "bench" / "convert" / "results.json").read_text())
 
 
+def _curve_results() -> dict | None:
+    """bench/convert/curve.json (the budget curve), or None before it is published."""
+    path = ROOT / "bench" / "convert" / "curve.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def conversion() -> str:
-    """The conversion study's table, its summary on both held-out texts, the goals and the claim, from
-    bench/convert/results.json."""
+    """The conversion study's two verdicts per normalizer (recovered, adapted) with the budget curve's answer, the
+    goals and the claim, from bench/convert/results.json and bench/convert/curve.json."""
     from hf_attnorm.lab import conversion_study as study
 
-    data = _conversion_results()
+    data, curve = _conversion_results(), _curve_results()
     s = data["settings"]
-    seconds = [r for row in data["rows"].values() for r in row["convert_seconds"].values()]
-    slowest = max(seconds) / 60 if seconds else float("nan")
-    first = str(s["eval_lengths"][0])
-    text_summaries = "".join(f"\n\n{study.summary_sentence(data, first, text)}" for text in data.get("texts", {}))
-    goals = f"\n\nGoals of the study (reported, not tested):\n\n{study.goals_markdown(data)}" \
-        if data.get("texts") else ""
-    return (f"{data['model']}, perplexity at {first} tokens on {s['eval_tokens']} held-out tokens "
-            f"({data['data']}); {s['seeds']} seeds, cells mean [min, max]. From "
-            f"[bench/convert/results.json](bench/convert/results.json) (`{data['command']}`, {data['date'][:10]}, "
-            f"{data['machine']['cpus']}-core CPU; per-run commands and timings, the tables at "
-            f"{', '.join(str(n) for n in s['eval_lengths'][1:]) or first} tokens and on the second text: "
-            f"[bench/convert/README.md](bench/convert/README.md)). The slowest conversion took {slowest:.1f} min.\n\n"
-            f"{study.summary_sentence(data)}\n\n{study.table(data)}{text_summaries}{goals}\n\n"
+    lengths = " / ".join(str(n) for n in s["eval_lengths"])
+    other = data.get("other_text", "the second text")
+    source = (f"[bench/convert/results.json](bench/convert/results.json) (`{study.published_command(data['command'])}`"
+              f", {data['date'][:10]})")
+    if curve is not None:
+        source += (f" and the budget curve, [bench/convert/curve.json](bench/convert/curve.json) "
+                   f"(`{study.published_command(curve['commands']['default'])}`)")
+    return (f"{data['model']}, {s['seeds']} seeds at the default budget ({s['transfer_steps']} + "
+            f"{s['finetune_steps']} steps of {s['block_size']} tokens); cells: the mean over seeds at {lengths} "
+            "tokens, each verdict the worst seed and context. **Recovered**: stage 2 distilled from the original "
+            f"model, perplexity over the original model's on {other} (never trained on: what the conversion keeps "
+            "of the model). **Adapted**: stage 2 on the next-token loss, perplexity over the softmax model "
+            f"fine-tuned as long, on the training text's held-out part ({data['data']}). From {source}; "
+            f"{data['machine']['cpus']}-core CPU, shared with other work; every run's command, time and load, the "
+            "perplexities, the curve's runs and its plots: [bench/convert/README.md](bench/convert/README.md).\n\n"
+            f"{study.verdict_table(data, curve)}\n\n"
+            f"Goals of the study (reported, not tested):\n\n{study.goals_markdown(data, curve)}\n\n"
             f"The claim beside it: {data['claim']}. Here: {study.claim_finding(data)}.")
+
+
+def conversion_curve() -> str:
+    """The budget curve (bench/convert/curve.json): its table at each context, the plots, each lever against the
+    default, and every curve run with its minutes, CPU time and the machine's load."""
+    from hf_attnorm.lab import conversion_study as study
+
+    curve = _curve_results()
+    if curve is None:
+        return "Not measured yet: no bench/convert/curve.json."
+    parts = [study.curve_markdown(curve).rstrip("\n")]
+    parts.append(" ".join(f"![recovered at {n} tokens](curve_{n}.png)" for n in curve["settings"]["eval_lengths"]))
+    lines = ["| implementation | recipe | budget | seed | minutes | CPU minutes | load average: start / mean over "
+             "the steps / end |", "|---|---|---|---|---|---|---|"]
+    wall, cpu, loads = 0.0, 0.0, []
+    for variant, rows in curve["curves"].items():
+        for impl, row in rows.items():
+            for budget, cell in sorted(row["budgets"].items(), key=lambda kv: int(kv[0])):
+                for seed, run in cell["runs"].items():
+                    load = " / ".join("—" if x is None else f"{x:g}" for x in run["load_average"])
+                    cpu_min = "—" if run["cpu_seconds"] is None else f"{run['cpu_seconds'] / 60:.0f}"
+                    lines.append(f"| `{impl}` | {variant} | {budget}x | {seed} | {run['wall_seconds'] / 60:.0f} | "
+                                 f"{cpu_min} | {load} |")
+                    wall += run["wall_seconds"]
+                    cpu += run["cpu_seconds"] or 0.0
+                    loads += [x for x in run["load_average"] if x is not None]
+    parts.append("\n".join(lines))
+    parts.append(f"{len(lines) - 2} runs, {wall / 3600:.1f} h of wall time and {cpu / 3600:.1f} h of CPU time "
+                 f"recorded (runs without a CPU time predate its recording); the machine's load average "
+                 f"{min(loads):g} to {max(loads):g} over them (2 cores, shared with other work: above 2 the runs "
+                 "waited for the cores, and their minutes are upper bounds). Commands: " +
+                 "; ".join(f"{name}: `{study.published_command(cmd)}`" for name, cmd in curve["commands"].items()) +
+                 ". Each run's own command is in its conversion.json.")
+    parts.append(_curve_not_measured(curve))
+    return "\n\n".join(parts)
+
+
+#: the budgets and implementations a lever's curve is planned at (bench/convert/README.md's commands)
+LEVER_BUDGETS = (1, 4)
+LEVER_IMPLEMENTATIONS = ("entmax15", "stickbreaking")
+
+
+def _curve_not_measured(curve: dict) -> str:
+    """The curve's runs not measured yet, the commands that measure them (each runs only what has no
+    conversion.json) and their cost: the implementation's 1x runs' wall time times the budget, on 2 threads (an
+    upper bound: the evaluations do not grow with the budget)."""
+    from hf_attnorm.lab import conversion_study as study
+
+    missing: dict[str, list[tuple[str, int, int]]] = {}
+    planned = {"default": (study.CURVE_IMPLEMENTATIONS, study.CURVE_BUDGETS)}
+    planned.update({v: ((*LEVER_IMPLEMENTATIONS, *(i for i in rows if i not in LEVER_IMPLEMENTATIONS)), LEVER_BUDGETS)
+                    for v, rows in curve["curves"].items() if v != "default"})
+    hours = 0.0
+    for variant, (impls, budgets) in planned.items():
+        rows = curve["curves"].get(variant, {})
+        for impl in impls:
+            cells = rows.get(impl, {}).get("budgets", {})
+            base = curve["curves"].get("default", {}).get(impl, {}).get("budgets", {}).get("1", {}).get("runs", {})
+            wall = [r["wall_seconds"] for r in base.values() if r.get("wall_seconds")]
+            for b in budgets:
+                for seed in range(study.curve_seeds(b)):
+                    if str(seed) not in {str(s) for s in cells.get(str(b), {}).get("runs", {})}:
+                        missing.setdefault(variant, []).append((impl, b, seed))
+                        hours += (sum(wall) / len(wall) if wall else 0.0) * b * 2 / 3600
+    if not missing:
+        return "Every point of the curve is measured."
+    said = "; ".join(f"{variant}: " + ", ".join(f"`{i}` {b}x seed {s}" for i, b, s in runs)
+                     for variant, runs in missing.items())
+    commands = [f"`python scripts/convert_study.py --budgets {' '.join(map(str, study.CURVE_BUDGETS))}`"]
+    commands += [f"`python scripts/convert_study.py --budgets {' '.join(map(str, LEVER_BUDGETS))} --lever {v} "
+                 f"--implementations {' '.join(planned[v][0])}`" for v in missing if v != "default"]
+    return (f"**Not measured yet** ({sum(map(len, missing.values()))} runs, shown as not measured above): {said}. "
+            f"They run with {' and '.join(commands)} (after copying the published runs, above: a run with a "
+            f"conversion.json is not run again), in about {hours:.0f} CPU hours (each run: its implementation's "
+            "1x runs' wall time times the budget on 2 threads, an upper bound on idle cores).")
+
+
+def conversion_levers() -> str:
+    """Each lever of the budget curve against the default recipe (bench/convert/curve.json): per implementation and
+    context, the paired ratios to the original and whether the lever moved the curve left."""
+    from hf_attnorm.lab import conversion_study as study
+
+    curve = _curve_results()
+    levers = [v for v in (curve or {}).get("curves", {}) if v != "default"]
+    if not levers:
+        return "No lever measured yet."
+    lengths = [str(n) for n in curve["settings"]["eval_lengths"]]
+    lines = ["| lever | implementation | tokens | paired runs (budget, seed: the lever's ratio to the original "
+             "against the default's) | moves the curve left |", "|---|---|---|---|---|"]
+    for n in lengths:
+        for lever, impl, left, words in study.lever_findings(curve, n):
+            lines.append(f"| `{lever}` | `{impl}` | {n} | {words} | "
+                         f"{'**yes**' if left else 'no' if left is False else 'not decided'} |")
+    described, decided = [], []
+    for name in levers:
+        lever = curve["levers"][name]
+        flags = f" (`{' '.join(lever['flags'])}`)" if lever["flags"] else ""
+        described.append(f"`{name}`: {lever['description']}{flags}")
+        # kept only where it moves the curve left for every implementation it ran on, at every context
+        lefts = [left for n in lengths for lv, _, left, _ in study.lever_findings(curve, n) if lv == name]
+        budgets = sorted({int(b) for row in curve["curves"][name].values() for b in row["budgets"]})
+        verdict = "**kept**" if lefts and all(x is True for x in lefts) else \
+            "not kept" if False in lefts or not lefts else "not decided yet"
+        decided.append(f"`{name}` {verdict}: it moves "
+                       f"the curve left in {sum(x is True for x in lefts)} of {len(lefts)} implementation and "
+                       f"context pairs (measured at {', '.join(f'{b}x' for b in budgets)})")
+    return f"{'; '.join(described)}.\n\n" + "\n".join(lines) + f"\n\n{'; '.join(decided)}."
 
 
 def conversion_longer() -> str:
@@ -162,17 +279,22 @@ def conversion_runs() -> str:
     conversion measured alone in a fresh process (time and peak memory per phase)."""
     lines = ["| implementation | run | seed | seconds: stage 1 / stage 2 / whole run with evaluation | peak memory "
              "(MB): stage 1 / stage 2 | load average at start → end |", "|---|---|---|---|---|---|"]
+    from hf_attnorm.lab import conversion_study as study
+
     commands, loads = [], []
     for path in sorted((ROOT / "bench" / "convert" / "runs").glob("*/*/conversion.json")):
+        parsed = study.parse_run_name(path.parent.name)
+        if parsed is None or parsed[1] is not None or parsed[2] != 1:
+            continue  # (the budget curve's runs: their own block)
         run = json.loads(path.read_text())
-        kind, seed = path.parent.name.rsplit("-seed", 1)
+        kind, seed = parsed[0], parsed[3]
         sec, peak = run["seconds"], run.get("peak_rss_mb", {})
         stage1 = f"{sec['transfer']:.0f}" if run["steps"]["transfer"] else "—"
         memory = " / ".join(f"{peak[k]:.0f}" if k in peak else "—" for k in ("transfer", "finetune"))
         lines.append(f"| `{run['implementation']}` | {kind} | {seed} | {stage1} / {sec['finetune']:.0f} / "
                      f"{run['wall_seconds']:.0f} | {memory} | {run['load_average_start']} → "
                      f"{run['load_average_end']} |")
-        commands.append(f"* `{run['command']}`")
+        commands.append(f"* `{study.published_command(run['command'])}`")
         loads += [run["load_average_start"], run["load_average_end"]]
     if loads:
         lines.append(f"\nLoad average over the runs: {min(loads)} to {max(loads)} (the study's own 2 threads give "
@@ -181,7 +303,8 @@ def conversion_runs() -> str:
     peaks = ", ".join(f"{k} {v:.0f}" for k, v in alone["peak_rss_mb"].items())
     sec = alone["seconds"]
     return ("\n".join(lines) + "\n\nCommands:\n\n" + "\n".join(commands) +
-            f"\n\n**One conversion at the default budget, alone in a fresh process** (`{alone['command']}`, load "
+            f"\n\n**One conversion at the default budget, alone in a fresh process** "
+            f"(`{study.published_command(alone['command'])}`, load "
             f"average {alone['load_average_start']} at its start; [default_run/conversion.json]"
             f"(default_run/conversion.json)): stage 1 {sec['transfer']:.0f} s, stage 2 {sec['finetune']:.0f} s, "
             f"{alone['wall_seconds'] / 60:.1f} min in all with loading and its evaluations "
@@ -225,12 +348,14 @@ def transfer_learning_rates() -> str:
     loads = [x for r in runs for x in (r["load_average_start"], r["load_average_end"])]
     seeds = sorted({r["seed"] for r in runs})
     a = runs[0]["args"]  # (the runs share their evaluation flags; the command of each is in its conversion.json)
+    from hf_attnorm.lab.conversion_study import published_command
+
     return ("\n".join(lines) + f"\n\n{len(runs)} runs, seed {', '.join(map(str, seeds))}, each "
-            f"`{runs[0]['command']}` with its implementation, rate and flags (every run's command is in its "
-            "conversion.json); the error is the mean held-out per-layer error against the original model on the "
-            f"{a['error_blocks']} error blocks, what keep-best compares (\"—\": not measured, during a continuation's "
-            f"ramp); perplexity on {a['eval_tokens']:,} held-out Shakespeare tokens at {a['eval_lengths'][0]}. Load "
-            f"average over the runs {min(loads)} to {max(loads)}.")
+            f"`{published_command(runs[0]['command'])}` with its implementation, rate and flags (every run's command "
+            "is in its conversion.json); the error is the mean held-out per-layer error against the original model "
+            f"on the {a['error_blocks']} error blocks, what keep-best compares (\"—\": not measured, during a "
+            f"continuation's ramp); perplexity on {a['eval_tokens']:,} held-out Shakespeare tokens at "
+            f"{a['eval_lengths'][0]}. Load average over the runs {min(loads)} to {max(loads)}.")
 
 
 #: the second run of the published main job, in another floating-point order (bench/compare/README.md)
@@ -817,6 +942,8 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "main-job": main_job,
     "conversion": conversion,
     "conversion-runs": conversion_runs,
+    "conversion-curve": conversion_curve,
+    "conversion-levers": conversion_levers,
     "conversion-longer": conversion_longer,
     "conversion-texts": conversion_texts,
     "transfer-learning-rates": transfer_learning_rates,

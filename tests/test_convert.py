@@ -203,6 +203,11 @@ def test_both_stages_then_the_saved_model_reloads_to_identical_logits(source, tm
     assert set(s["peak_rss_mb"]) == {"load", "evaluation swapped", "transfer", "evaluation transfer", "finetune",
                                      "evaluation finetune"} and min(s["peak_rss_mb"].values()) > 0
     assert json.loads((out / "conversion.json").read_text())["perplexity"] == s["perplexity"]
+    # what each stage cost on a shared machine: CPU seconds of every thread, the load at every training step
+    cpu = s["cpu_seconds"]
+    assert cpu["transfer"] > 0 and cpu["finetune"] > 0 and cpu["run"] >= cpu["transfer"] + cpu["finetune"]
+    load = s["load_average_steps"]
+    assert load["steps"] == 12 and 0 <= load["mean"] <= load["max"]
     eta = [p for n, p in conv.model.named_parameters() if n.endswith("symax_eta")]
     assert eta and any((p - 1.0).abs().max() > 1e-4 for p in eta), "the learnable eta did not train"
     assert not any("lora" in n for n, _ in conv.model.named_parameters()), "LoRA must be merged"
@@ -252,6 +257,9 @@ def test_a_resumed_conversion_equals_an_uninterrupted_one(source, tmp_path, monk
     got = resumed.run()
     assert got["losses"] == expected["losses"]
     assert got["perplexity"] == expected["perplexity"]
+    # the resumed run's load samples and CPU time continue the checkpoint's (every step sampled once)
+    assert got["load_average_steps"]["steps"] == expected["load_average_steps"]["steps"] == 20
+    assert got["cpu_seconds"]["run"] > got["cpu_seconds"]["transfer"] > 0
     a, b = whole.model.state_dict(), resumed.model.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -442,10 +450,14 @@ BENCH = REPO / "bench" / "convert"
 
 
 def _study_runs() -> dict:
+    """The study's own runs (the default budget, no lever): implementation -> kind -> seed -> conversion.json."""
+    from hf_attnorm.lab.conversion_study import parse_run_name
+
     runs: dict = {}
     for path in sorted((BENCH / "runs").glob("*/*/conversion.json")):
-        kind, seed = path.parent.name.rsplit("-seed", 1)
-        runs.setdefault(path.parent.parent.name, {}).setdefault(kind, {})[int(seed)] = json.loads(path.read_text())
+        kind, lever, budget, seed = parse_run_name(path.parent.name)
+        if lever is None and budget == 1:
+            runs.setdefault(path.parent.parent.name, {}).setdefault(kind, {})[seed] = json.loads(path.read_text())
     return runs
 
 
@@ -591,11 +603,12 @@ def test_the_study_with_calibrated_starts_reports_its_goals():
                             "no consistent difference for `hedgehog`.")
     assert "| `softmax` | 36 | — | — | — | — | 30 [30, 30] |" in other
     met = {goal.split(" ")[0] + goal.split(" ")[1]: (ok, detail) for goal, ok, detail in study.goals(results)}
-    assert met["atleast"][0] is None or met["atleast"][0] is False  # 1 of 5 measured: ssmax 1.12x
-    assert "`ssmax` 1.12x" in met["atleast"][1]
-    # each recipe judged on its own: distilled, ssmax's worst seed and context is 10.9 / 10 (0.8 x both at 2048)
-    assert "stage 2 on the next-token loss: 1 (worst" in met["atleast"][1]
-    assert "stage 2 distilled: 1 (worst seed and context: `ssmax` 1.09x)" in met["atleast"][1]
+    assert met["adapted:at"][0] is None or met["adapted:at"][0] is False  # 1 of 5 measured: ssmax 1.12x
+    assert met["adapted:at"][1].startswith("1 (worst") and "`ssmax` 1.12x" in met["adapted:at"][1]
+    # recovered: the distilled runs on the second text over the original's there (36 at 512: 10.9 / 36), not
+    # decided while softmax1 has no run
+    assert met["recovered:softmax1"] == (None, "worst seed: `ssmax` 0.303x at 512, 0.303x at 2048")
+    assert met["recoveredon"][0] is None and met["everycurve"][0] is None  # (no curve given)
     # the finding cell gives the distilled recipe's paired verdict against the same control
     assert "transfer helps: 8% lower perplexity than fine-tuning alone (every seed); distilled: helps: 10% lower" \
         in main
@@ -638,7 +651,10 @@ def test_the_study_rebuilds_its_results_from_cached_runs(tmp_path):
             "control", "--aggregate_only"]
     assert conversion_study_cli.main(argv) == 0
     results = json.loads((tmp_path / "results.json").read_text())
-    assert results["command"] == "python scripts/convert_study.py " + " ".join(argv[:-1])
+    # (the output folder as published: relative, or the default folder for one outside the working directory)
+    shown = ["--output_dir", conversion_study_cli.shown_root(tmp_path), *argv[2:-1]]
+    assert shown[1] == "runs/convert_study"
+    assert results["command"] == "python scripts/convert_study.py " + " ".join(shown)
     assert results["rows"]["ssmax"]["convert"] == {"0": 11.0} and results["rows"]["ssmax"]["verdict"].startswith(
         "transfer helps")
     assert results["texts"]["kjv"]["2048"]["ssmax"]["control"] == {"0": 12.0}
@@ -746,3 +762,195 @@ def test_a_resumed_distillation_equals_an_uninterrupted_one(source, tmp_path, mo
     monkeypatch.setattr(Converter, "batch", original)
     got = convert.run(_args(source, tmp_path / "cut", "symax", *flags, "--resume_from_checkpoint", "latest"))
     assert got["losses"] == expected["losses"] and got["perplexity"] == expected["perplexity"]
+
+
+# --------------------------------------------------------------------------- the two verdicts and the budget curve
+
+
+def test_run_names_round_trip():
+    from hf_attnorm.lab import conversion_study as study
+
+    for kind in study.KINDS:
+        for lever in (None, *study.LEVERS):
+            for budget in study.CURVE_BUDGETS:
+                name = study.run_name(kind, 1, budget, lever)
+                assert study.parse_run_name(name) == (kind, lever, budget, 1), name
+    assert study.run_name("distill", 0) == "distill-seed0" and study.run_name("distill", 1, 4) == "distill-x4-seed1"
+    for other in ("distill", "distill-seedx", "nosuch-seed0", "distill-other-x4-seed0", "distill-xy-seed0"):
+        assert study.parse_run_name(other) is None, other
+    assert study.curve_steps((20, 20), 4) == (80, 80)
+    assert study.curve_steps((20, 20), 4, "stage1-3of4") == (120, 40)
+    assert [study.curve_seeds(b) for b in study.CURVE_BUDGETS] == [2, 2, 1, 1]
+
+
+def _fake_run(final: dict, tokens_steps: tuple[int, int], in_domain: float = 30.0) -> dict:
+    """A conversion.json of a distilled run: final perplexity on the second text per context."""
+    from hf_attnorm.lab.conversion_study import OTHER_TEXT
+
+    return {"steps": {"transfer": tokens_steps[0], "finetune": tokens_steps[1]}, "tokens_per_step": 512,
+            "perplexity": {"finetune": {n: in_domain for n in final}},
+            "eval_texts": {OTHER_TEXT: {"perplexity": {"finetune": dict(final),
+                                                       "transfer": {n: 2 * v for n, v in final.items()}}}},
+            "wall_seconds": 60.0, "cpu_seconds": {"run": 100.0}, "load_average_start": 1.0,
+            "load_average_steps": {"mean": 2.5, "max": 3.0, "steps": 40}, "load_average_end": 2.0,
+            "command": "python scripts/convert.py --output_dir /abs/study/runs/entmax15/distill-seed0"}
+
+
+def test_the_curve_says_where_each_implementation_first_comes_within_reach():
+    """Per budget the ratio to the original on every seed; "first within" is the first budget at which every seed
+    is within 10%, and a lever moves the curve left only when it is lower on every paired budget and seed."""
+    from hf_attnorm.lab import conversion_study as study
+
+    original = {"512": 20.0, "2048": 10.0}
+    found = {"default": {
+        "entmax15": {1: {0: _fake_run({"512": 40.0, "2048": 30.0}, (20, 20)),
+                         1: _fake_run({"512": 30.0, "2048": 20.0}, (20, 20))},
+                     4: {0: _fake_run({"512": 21.0, "2048": 10.8}, (80, 80)),
+                         1: _fake_run({"512": 23.0, "2048": 10.5}, (80, 80))},  # seed 1 at 512: 1.15x
+                     16: {0: _fake_run({"512": 21.6, "2048": 12.0}, (320, 320))}}},
+        "full": {"entmax15": {1: {0: _fake_run({"512": 39.0, "2048": 25.0}, (20, 20)),
+                                  1: _fake_run({"512": 31.0, "2048": 19.0}, (20, 20))}}}}
+    curves = study.curve_rows(found, original, ["512", "2048"])
+    row = curves["default"]["entmax15"]
+    assert row["budgets"]["4"]["tokens"] == 160 * 512 and row["budgets"]["1"]["ratio"]["512"] == {0: 2.0, 1: 1.5}
+    assert row["first_within"] == {"512": 320 * 2 * 512, "2048": 160 * 512}  # (2048: within at 4x, not at 16x)
+    assert row["budgets"]["1"]["runs"][0]["load_average"] == [1.0, 2.5, 2.0]
+    results = {"curves": curves, "settings": {"eval_lengths": [512, 2048], "seeds": {"1": 2, "4": 2, "16": 1}},
+               "original": original, "text": "a text", "levers": {"full": {"description": "every weight"}}}
+    table = study.curve_table(results, "512")
+    assert "| `entmax15` | 1.75 [1.5, 2] | 1.1 [1.05, 1.15] | 1.08 | not measured | 328k tokens |" in table, table
+    assert "20k tokens (1x, 2 seeds)" in table and "(16x, 1 seed)" in table
+    assert "1.3M tokens (64x, ? seeds)" in table  # (a budget not run yet: a column, its tokens, not measured)
+    one_seed = {"curves": study.curve_rows({"default": {"ssmax": {4: found["default"]["entmax15"][4]}},
+                                            "full": found["full"]}, original, ["512"]),
+                "settings": {"eval_lengths": [512], "seeds": {"1": 2, "4": 2}}}
+    del one_seed["curves"]["default"]["ssmax"]["budgets"]["4"]["ratio"]["512"][1]
+    assert "| `ssmax` | not measured | 1.05 (1 of 2 seeds) | not measured | not measured | not within 82k tokens " \
+        "(16x, 64x not measured) |" in study.curve_table(one_seed, "512"), study.curve_table(one_seed, "512")
+    assert "(4x, 2 seeds)" not in study.curve_table(one_seed, "512", "full")  # a lever's table: the budgets it ran
+    (lever, impl, left, words), = study.lever_findings(results, "512")
+    assert (lever, impl, left) == ("full", "entmax15", False) and "1x seed 1: 1.55 against 1.5" in words
+    assert study.lever_findings(results, "2048")[0][2] is True
+    # lower on the one seed measured of two: not decided; higher on it: decided
+    partial = {**results, "curves": {**curves, "full": study.curve_rows(
+        {"full": {"entmax15": {1: {0: found["full"]["entmax15"][1][0]}}}}, original, ["512", "2048"])["full"]}}
+    (_, _, left, words), = study.lever_findings(partial, "2048")
+    assert left is None and words.endswith("(not every seed measured at 1x)"), words
+    assert study.lever_findings(partial, "512")[0][2] is None  # (39 / 20 against 40 / 20: lower)
+    partial["curves"]["full"]["entmax15"]["budgets"]["1"]["ratio"]["512"][0] = 2.5
+    assert study.lever_findings(partial, "512")[0][2] is False
+    text = study.curve_markdown(results)
+    assert "`full` on `entmax15` at 2048 tokens: moves the curve left" in text
+    # nothing within reach: the largest budget measured is named
+    assert study._first_within_text(curves["full"]["entmax15"], "512") == \
+        "not within 20k tokens (4x, 16x, 64x not measured)"
+
+
+def test_the_two_verdicts_compare_with_the_original_and_with_the_fine_tune():
+    """Recovered: the distilled conversion over the original model on the second text; adapted: the next-token
+    conversion over the softmax fine-tune of the same seed on the training text; each in words by its worst seed."""
+    from hf_attnorm.lab import conversion_study as study
+
+    def rows(distill: dict, convert_: dict, control: dict) -> dict:
+        return {"softmax": {"swapped": 20.0, "convert": {}, "distill": {}, "control": control},
+                "ssmax": {"swapped": 900.0, "convert": convert_, "distill": distill, "control": {}}}
+
+    results = {"settings": {"eval_lengths": [512, 2048]},
+               "rows": rows({}, {0: 33.0, 1: 30.0}, {0: 30.0, 1: 30.0}),
+               "longer": {"2048": rows({}, {0: 20.0, 1: 21.0}, {0: 20.0, 1: 20.0})},
+               "texts": {study.OTHER_TEXT: {"512": rows({0: 20.5, 1: 21.0}, {}, {}),
+                                            "2048": {**rows({0: 10.2, 1: 10.4}, {}, {}),
+                                                     "softmax": {"swapped": 10.0, "control": {}}}}}}
+    rec, ada = study.recovered(results, "ssmax"), study.adapted(results, "ssmax")
+    assert rec["512"] == {0: 20.5 / 20, 1: 21.0 / 20} and rec["2048"] == pytest.approx({0: 1.02, 1: 1.04})
+    assert ada["512"] == {0: 1.1, 1: 1.0} and ada["2048"] == {0: 1.0, 1: 1.05}
+    assert study.verdict_words(rec, ["512", "2048"], "the original") == "within 5% of the original"
+    assert study.verdict_words(ada, ["512", "2048"], "the fine-tune") == "within 10% of the fine-tune"
+    assert study.verdict_words({"512": {0: 1.5}}, ["512", "2048"], "x") == "not measured"
+    assert study.verdict_words({"512": {0: 1.5}, "2048": {0: 1.2}}, ["512", "2048"], "x") == "1.5× x at worst"
+
+
+def test_published_commands_name_relative_folders():
+    from hf_attnorm.lab.conversion_study import published_command
+
+    assert published_command("python scripts/convert.py --seed 0 --output_dir /m/study3/runs/ssmax/distill-x4-seed0 "
+                             "--no_save_model") == ("python scripts/convert.py --seed 0 --output_dir "
+                                                    "runs/convert_study/runs/ssmax/distill-x4-seed0 --no_save_model")
+    assert published_command("python scripts/convert_study.py --output_dir /m/study3 --budgets 4") == \
+        "python scripts/convert_study.py --output_dir runs/convert_study --budgets 4"
+    assert published_command("python scripts/convert.py --output_dir=/m/lr/ssmax-5e-3") == \
+        "python scripts/convert.py --output_dir=runs/ssmax-5e-3"
+    relative = "python scripts/convert.py --output_dir runs/x --seed 1"
+    assert published_command(relative) == relative
+
+
+def test_the_published_curve_is_generated_from_its_runs():
+    """bench/convert/curve.json's curves are what the run files under bench/convert/runs aggregate to, scored
+    against the original model's perplexity of the reference run; curve.md is its rendering; each plot exists;
+    every run recorded its command, CPU time and the load it ran under."""
+    from hf_attnorm.lab import conversion_study as study
+
+    path = BENCH / "curve.json"
+    if not path.is_file():
+        pytest.skip("no budget curve published")
+    curve = json.loads(path.read_text())
+    lengths = [str(n) for n in curve["settings"]["eval_lengths"]]
+    reference = json.loads((BENCH / "runs" / study.REFERENCE / "control-seed0" / "conversion.json").read_text())
+    assert curve["original"] == {n: study._ppl(reference, "swapped", n, study.OTHER_TEXT) for n in lengths}
+    found = study.collect_curve_runs(BENCH / "runs")
+    assert json.loads(json.dumps(study.curve_rows(found, curve["original"], lengths))) == curve["curves"]
+    assert (BENCH / "curve.md").read_text() == study.curve_markdown(curve)
+    assert all((BENCH / f"curve_{n}.png").is_file() for n in lengths)
+    for rows in curve["curves"].values():
+        for row in rows.values():
+            for budget, cell in row["budgets"].items():
+                for run in cell["runs"].values():
+                    assert run["command"].startswith("python scripts/convert.py") and run["wall_seconds"] > 0
+                    if int(budget) > 1:  # (the default budget's runs predate the CPU time's recording)
+                        assert run["cpu_seconds"] > 0 and run["load_average"][1] is not None
+
+
+def test_the_study_runs_each_curve_run_once_and_resumes_a_killed_one(tmp_path, monkeypatch):
+    """``convert_study._one``: a run with its conversion.json is read, not run; a curve run from 16x whose folder
+    holds a checkpoint resumes it (``--resume_from_checkpoint latest``, no overwrite); shorter ones start over; the
+    steps, keep-best points and checkpoints scale with the budget, and the recorded command names the folder
+    relative to the study's. (convert.run itself is replaced: the resumption it does is tested above on a real
+    conversion; here what the study asks of it.)"""
+    import argparse
+
+    from hf_attnorm.lab import conversion_study_cli as cli
+
+    calls = []
+
+    def fake_run(argv, shown=None):
+        calls.append((list(argv), list(shown)))
+        folder = Path(argv[argv.index("--output_dir") + 1])
+        folder.mkdir(parents=True, exist_ok=True)
+        summary = {"perplexity": {}, "wall_seconds": 1.0, "command": "python scripts/convert.py " + " ".join(shown)}
+        (folder / convert.SUMMARY_FILE).write_text(json.dumps(summary))
+        return summary
+
+    monkeypatch.setattr(cli.convert, "run", fake_run)
+    monkeypatch.chdir(tmp_path)
+    a = argparse.Namespace(aggregate_only=False, eval_tokens=4096, eval_lengths=[512, 2048])
+    out = Path("study")
+    killed = out / "runs" / "entmax15" / "distill-x16-seed0"
+    (killed / convert.CHECKPOINTS / "finetune_000080").mkdir(parents=True)
+    (killed / "conversion_args.json").write_text("{}")
+    cli._one(out, "entmax15", "distill", 0, a, (20, 20), budget=16)
+    cli._one(out, "entmax15", "distill", 1, a, (20, 20), budget=4, lever="full")
+    cli._one(out, "entmax15", "distill", 1, a, (20, 20), budget=4, lever="full")  # cached now: not run again
+    assert len(calls) == 2
+    (argv16, shown16), (argv4, _) = calls
+
+    def flag(argv, name):
+        return argv[argv.index(name) + 1]
+
+    assert flag(argv16, "--transfer_steps") == flag(argv16, "--finetune_steps") == "320"
+    assert flag(argv16, "--transfer_eval_steps") == flag(argv16, "--checkpointing_steps") == "80"
+    assert flag(argv16, "--resume_from_checkpoint") == "latest" and "--overwrite_output_dir" not in argv16
+    assert flag(shown16, "--output_dir") == "study/runs/entmax15/distill-x16-seed0" and "--distill" in argv16
+    assert flag(argv4, "--transfer_steps") == "80" and flag(argv4, "--checkpointing_steps") == "0"
+    assert flag(argv4, "--finetune_mode") == "full" and "--overwrite_output_dir" in argv4
+    assert "--resume_from_checkpoint" not in argv4
+    assert flag(argv4, "--output_dir").endswith("runs/entmax15/distill-full-x4-seed1")

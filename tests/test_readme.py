@@ -359,3 +359,47 @@ def test_the_published_gpu_goal_table_explains_every_miss():
     assert "NO REASON RECORDED" not in table, [ln.split("|")[1] for ln in table.splitlines()
                                                if "NO REASON RECORDED" in ln]
     assert [ln.split("`")[1] for ln in table.splitlines() if ln.startswith("| `")] == list(hf_attnorm.available())
+
+
+def test_the_curve_blocks_list_what_is_missing_and_keep_a_lever_only_where_it_always_helps(monkeypatch):
+    """The budget curve's blocks: every planned run without a result is listed with the command that measures it and
+    its estimated CPU hours; a lever is kept only when it moves the curve left for every implementation and
+    context it ran on."""
+    from hf_attnorm.lab import conversion_study as study
+
+    render = _renderer()
+
+    def run(final: float, budget: int = 1, wall: float = 180.0) -> dict:
+        return {"steps": {"transfer": 20 * budget, "finetune": 20 * budget}, "tokens_per_step": 512,
+                "perplexity": {"finetune": {"512": 30.0}},
+                "eval_texts": {study.OTHER_TEXT: {"perplexity": {"finetune": {"512": final}}}},
+                "wall_seconds": wall, "cpu_seconds": {"run": 2 * wall}, "load_average_start": 1.0,
+                "load_average_end": 1.0, "command": "python scripts/convert.py --output_dir runs/x"}
+
+    def curve(full_seed1: float) -> dict:
+        found = {"default": {impl: {1: {0: run(30.0), 1: run(32.0)}} for impl in study.CURVE_IMPLEMENTATIONS},
+                 "full": {"entmax15": {1: {0: run(28.0), 1: run(full_seed1)}}}}
+        found["default"]["entmax15"][4] = {0: run(25.0, 4)}
+        return {"curves": study.curve_rows(found, {"512": 20.0}, ["512"]), "original": {"512": 20.0},
+                "settings": {"eval_lengths": [512], "seeds": {str(b): study.curve_seeds(b)
+                                                             for b in study.CURVE_BUDGETS}},
+                "levers": {"full": {"description": "every weight", "flags": ["--finetune_mode", "full"]}},
+                "text": "a text", "commands": {"default": "python scripts/convert_study.py --budgets 1 4 16 64"}}
+
+    monkeypatch.setattr(render, "_curve_results", lambda: curve(31.0))
+    missing = render._curve_not_measured(curve(31.0))
+    # 6 implementations x (4x: 2 seeds, 16x, 64x) = 24 runs, less entmax15's 4x seed 0; full's: entmax15's 4x and
+    # every planned run of stickbreaking (2 seeds at 1x and 4x): 6 more
+    assert missing.startswith("**Not measured yet** (29 runs") and "`entmax15` 4x seed 1" in missing
+    assert "`entmax15` 4x seed 0" not in missing.split("full:")[0] and "full: `entmax15` 4x seed 0" in missing
+    assert "`stickbreaking` 1x seed 1" in missing.split("full:")[1]
+    assert "`python scripts/convert_study.py --budgets 1 4 --lever full --implementations entmax15 stickbreaking`" \
+        in missing
+    # (180 s at 1x, on 2 threads: 4x 0.4 h a run; 16x 1.6 h; 64x 6.4 h)
+    hours = (5 * (2 * 4 + 16 + 64) + (4 + 16 + 64) + 2 * 4 + 2 * 1 + 2 * 4) * 180 * 2 / 3600
+    assert f"in about {hours:.0f} CPU hours" in missing
+    assert "not measured" in render.conversion_curve()
+    assert render.conversion_levers().endswith("`full` **kept**: it moves the curve left in 1 of 1 implementation "
+                                               "and context pairs (measured at 1x).")
+    monkeypatch.setattr(render, "_curve_results", lambda: curve(33.0))  # seed 1 worse than the default's 32
+    assert "`full` not kept: it moves the curve left in 0 of 1" in render.conversion_levers()

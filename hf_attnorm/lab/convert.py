@@ -112,6 +112,12 @@ class History:
     distill: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: --eval_texts: text -> evaluation point -> context -> perplexity
     perplexity_texts: dict[str, dict[str, dict[str, float]]] = dataclasses.field(default_factory=dict)
+    #: CPU seconds (every thread of the process) of each stage, as ``seconds`` holds their wall seconds
+    cpu_seconds: dict[str, float] = dataclasses.field(default_factory=lambda: {s: 0.0 for s in STAGES})
+    #: CPU seconds of the whole run spent by earlier processes (a resumed run: up to the checkpoint it resumed)
+    cpu_before: float = 0.0
+    #: the machine's 1-minute load average read at every training step: [samples, sum, max]
+    load_steps: list[float] = dataclasses.field(default_factory=lambda: [0, 0.0, 0.0])
 
 
 def _reset_peak_rss() -> None:
@@ -144,6 +150,7 @@ class Converter:
 
     def __init__(self, args: argparse.Namespace, command: str | None = None) -> None:
         self._started, self._load_start = time.perf_counter(), round(os.getloadavg()[0], 2)
+        self._cpu_started = time.process_time()
         self.command = command
         self.args = args
         self.out = Path(args.output_dir)
@@ -462,7 +469,7 @@ class Converter:
             self._save_best(params)
         self.model.train()
         _reset_peak_rss()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         with observing(self.model, Transfer() if stage == "transfer" else None) as transfer, \
                 _progress(total, h.step, f"{stage} ({a.attn_implementation})", acc.is_local_main_process) as bar:
             while h.step < total:
@@ -496,6 +503,8 @@ class Converter:
                                        f"--{stage}_learning_rate")
                 h.step += 1
                 h.losses[stage].append([h.step, round(value, 6)])
+                load = os.getloadavg()[0]  # (a shared machine: what the run competed with, step by step)
+                h.load_steps = [h.load_steps[0] + 1, h.load_steps[1] + load, max(h.load_steps[2], load)]
                 bar.update(1)
                 bar.set_postfix(loss=f"{value:.4f}")
                 # (a continuation's model is the asked normalizer only once its option reached the end)
@@ -506,7 +515,8 @@ class Converter:
                     self._check_transfer(params, transfer)
                 if a.checkpointing_steps and h.step % a.checkpointing_steps == 0 and h.step < total:
                     h.seconds[stage] += time.perf_counter() - start
-                    start = time.perf_counter()
+                    h.cpu_seconds[stage] += time.process_time() - cpu
+                    start, cpu = time.perf_counter(), time.process_time()
                     self.checkpoint(params, optimizer)
         if plan is not None:  # the asked implementation again (the continuation's end computes it)
             self._continue(None, None)
@@ -517,6 +527,7 @@ class Converter:
                       f"(mean layer error {h.transfer_check['best']:.4g}; the last step's "
                       f"{h.transfer_check['measured'][-1][1]:.4g})", file=sys.stderr)
         h.seconds[stage] += time.perf_counter() - start
+        h.cpu_seconds[stage] += time.process_time() - cpu
         h.peak_rss_mb[stage] = max(h.peak_rss_mb.get(stage, 0.0), _peak_rss_mb())
         self.checkpoint(params, optimizer, stage_done=True)
         self._unwrap()
@@ -552,6 +563,7 @@ class Converter:
             save_file(tensors, str(tmp / "trainable.safetensors"))
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
             state = dataclasses.asdict(h)
+            state["cpu_before"] = self._cpu_total()  # (a resume from here adds its own process's)
             if stage_done:  # what a resume does next: the following stage, from its first step
                 state["stage_done"] = h.stage
             write_json(tmp / "state.json", state)
@@ -560,6 +572,10 @@ class Converter:
                 if old.name not in (name, TRANSFER_DONE, TRANSFER_BEST):
                     shutil.rmtree(old, ignore_errors=True)
         acc.wait_for_everyone()
+
+    def _cpu_total(self) -> float:
+        """CPU seconds of the whole run so far: this process's since it started, plus earlier processes' (resumed)."""
+        return self.history.cpu_before + time.process_time() - self._cpu_started
 
     def _load_trainable(self, folder: Path, params: dict[str, nn.Parameter]) -> None:
         saved = load_file(str(folder / "trainable.safetensors"))
@@ -665,6 +681,11 @@ class Converter:
             "torch_threads": torch.get_num_threads(), "args": recorded_args(a),
             "wall_seconds": round(time.perf_counter() - self._started, 1), "load_average_start": self._load_start,
             "load_average_end": round(os.getloadavg()[0], 2), "command": self.command,
+            # CPU seconds of every thread: wall seconds on a shared machine say little alone
+            "cpu_seconds": {**{k: round(v, 1) for k, v in h.cpu_seconds.items()}, "run": round(self._cpu_total(), 1)},
+            "load_average_steps": ({"mean": round(h.load_steps[1] / h.load_steps[0], 2),
+                                    "max": round(h.load_steps[2], 2), "steps": int(h.load_steps[0])}
+                                   if h.load_steps[0] else None),
         }
 
 
@@ -675,13 +696,14 @@ def _progress(total: int, done: int, desc: str, enabled: bool):
                 dynamic_ncols=True)
 
 
-def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
+def run(argv: Sequence[str] | None = None, shown: Sequence[str] | None = None) -> dict[str, Any]:
     """Convert with the flags of ``scripts/convert.py`` (``--help``); returns the summary (conversion.json).
-    Raises ``ConvertError`` (a ValueError) on bad input, before training."""
+    ``shown``: the flags its recorded command names (default: ``argv``; the study records its runs' folders
+    relative to its own). Raises ``ConvertError`` (a ValueError) on bad input, before training."""
     args = parse_args(argv)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
-    shown = list(sys.argv[1:] if argv is None else argv)
+    shown = list(shown if shown is not None else sys.argv[1:] if argv is None else argv)
     return Converter(args, command="python scripts/convert.py " + shlex.join(shown)).run()
 
 

@@ -123,3 +123,30 @@ def plot_entropy_vs_n(runs: Mapping[str, tuple[Sequence[float], Sequence[float]]
     ax.set_ylabel("entropy (nats)")
     ax.set_title(title)
     return _save(fig, ax, path)
+
+
+def plot_budget_curve(curves: Mapping[str, Sequence[tuple[float, Sequence[float]]]], path: str | Path,
+                      threshold: float | None = None, title: str = "Recovered perplexity against training tokens"
+                      ) -> PlotInfo:
+    """curves: name -> [(tokens, [perplexity / original, one per seed]), ...] in increasing tokens. One line per
+    curve through the seeds' means, each seed a marker; log-log axes; ``threshold`` a dotted horizontal line."""
+    _check_runs(curves, "plot_budget_curve")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, points in curves.items():
+        if not points:
+            raise ValueError(f"plot_budget_curve: curve {name!r} has no points")
+        tokens = [p[0] for p in points]
+        means = [math.exp(sum(math.log(v) for v in p[1]) / len(p[1])) for p in points]  # geometric: a ratio
+        line, = ax.plot(tokens, means, marker="o", markersize=4, label=name,
+                        linestyle="--" if " (" in name else "-")
+        for t, seeds in points:
+            ax.plot([t] * len(seeds), seeds, linestyle="none", marker=".", color=line.get_color(), alpha=0.6,
+                    label="_seed")
+    if threshold is not None:
+        ax.axhline(threshold, color="gray", linestyle=":", linewidth=1)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("training tokens (both stages)")
+    ax.set_ylabel("perplexity / original model's")
+    ax.set_title(title, fontsize=10)
+    return _save(fig, ax, path)
