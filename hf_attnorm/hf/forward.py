@@ -207,10 +207,13 @@ def _compute(module: nn.Module, state: Any, query: torch.Tensor, key: torch.Tens
     """One resolved call: query [B, H, Lq, D], key/value [B, Hkv, Lk, D], selection None or bool
     [B, 1 | Hs, Lq, Lk] -> (out [B, H, Lq, Dv], weights or None). With a plan key, the path comes from the
     module's plan for it (made here on the key's first call)."""
+    inputs: dict[str, Any] = {}
+    for step in steps:  # (what a kept cache state hands make_call: forgetting attention's cumulative gates)
+        inputs.update(step.inputs(query, key) if hasattr(step, "inputs") else {})
     call = make_call(
         query, key, value, state.settings, state(query.device), attention_mask, causal, scaling,
         dropout if module.training else 0.0, _weights_requested(kwargs), state.module_info,
-        **_score_modifiers(kwargs), selection=selection, heads_checked=True,
+        **_score_modifiers(kwargs), selection=selection, heads_checked=True, **inputs,
     )
     for step in steps:
         step.begin(call, query, key)
