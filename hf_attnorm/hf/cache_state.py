@@ -1,7 +1,7 @@
 """Per-sequence state kept on a transformers cache across cached decoding: one protocol for every normalizer that
 needs one (linear attention's recurrent state, ``recurrent.py``; selective attention's column sums,
-``selective_cache.py``; forgetting attention's cumulative gates, ``forget_cache.py``; the next stateful variant
-registers another kind here).
+``selective_cache.py``; forgetting attention's cumulative gates, ``forget_cache.py``; cosine's normalised keys,
+``key_cache.py``; the next stateful variant registers another kind here).
 
 A state lives on a cache layer (an attribute of the ``DynamicLayer``), so it lives and dies with the cache. The
 attention function never sees the cache, so each attention module that serves a stateful normalizer gets one forward

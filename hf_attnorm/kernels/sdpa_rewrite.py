@@ -328,7 +328,11 @@ def _prepare(call: AttnCall, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Te
         if isinstance(factor, float):
             return call.q, call.k, v, factor
         return triton_rows.row_scale(call.q, factor), call.k, v, 1.0
-    if transform:
+    kept = call.k_transformed
+    if transform and kept is not None and kept.dtype == work:  # the keys' transform kept across decoding
+        # (row-wise: q's transform is the same with any keys beside it; one key is the least work)
+        q, k = norm.transform_qk(call.q.to(work), kept[:, :, :1], call.ctx())[0], kept
+    elif transform:
         q, k = norm.transform_qk(call.q.to(work), call.k.to(work), call.ctx())  # row-wise: fine on unrepeated k
     else:
         q, k = call.q.to(work), call.k
