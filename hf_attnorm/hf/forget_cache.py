@@ -38,9 +38,9 @@ STATE_ATTR = "_hf_attnorm_forget"
 
 def _parameter_marks(module: nn.Module) -> tuple:
     """(identity, version) of each learnable per-head value of the module's state: the gates read them."""
-    state = module._modules.get("attnorm")
-    params = getattr(state, "_parameters", {}) or {}
-    return tuple((name, id(p), p._version) for name, p in sorted(params.items()) if p is not None)
+    state = getattr(module, "attnorm", None)
+    params = dict(state.named_parameters(recurse=False)) if isinstance(state, nn.Module) else {}
+    return tuple((name, id(p), p._version) for name, p in sorted(params.items()))
 
 
 @dataclasses.dataclass(eq=False)
