@@ -66,12 +66,15 @@ def make_call(
     alibi_slopes: torch.Tensor | None = None,
     selection: torch.Tensor | None = None,
     heads_checked: bool = False,
+    forget_prefix: torch.Tensor | None = None,
 ) -> AttnCall:
     """Resolve one call: mask -> keep/n, scale -> multiplier, per-head factors, score modifiers. Shapes as
     ``attention``. A float mask is split into visibility (entries <= finfo.min / 2 or -inf are masked) and a
     bias (its other values), so a float mask holding a position bias acts as in eager attention. ``heads_checked``:
     the normalizer's check against the head count already ran (a model's modules, when the implementation was set),
-    so it is not repeated per call."""
+    so it is not repeated per call. ``forget_prefix``: for a normalizer with forget gates, the cumulative log gates
+    [B, H, P] of the first P keys, kept from earlier calls (hf/forget_cache.py): only the gates of the other keys
+    are computed, their sum continued from its last entry."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be 4-D [B, H, L, D]; got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
     B, H, Lq, D = q.shape
@@ -125,13 +128,20 @@ def make_call(
         q, k, v, mask, bias, drop = prepend_memory(q, k, v, mask, bias, heads["mem_k"], heads["mem_v"])
         memory, Lk = heads["mem_k"].shape[1], k.shape[2]
     ctx = Ctx(settings, heads, D, mask.n, info, Lk)
-    log_gates = norm.forget_gates(v, ctx)  # forgetting attention: [B, H, Lk], cumulated over the keys in order
+    prefix = 0 if forget_prefix is None or memory else forget_prefix.shape[-1]
+    # forgetting attention: [B, H, Lk - prefix], cumulated over the keys in order
+    log_gates = norm.forget_gates(v[:, :, prefix:] if prefix else v, ctx)
     forget = None
     if log_gates is not None:
         # in float64: the bias is a difference of two sums that grow with the length, so float32 sums would lose
         # the bias of near keys (1e-4 at 4096 keys); the bias itself is formed in float64 and then cast
         wide = torch.float32 if q.device.type == "mps" else torch.float64  # (MPS has no float64)
-        forget = torch.cumsum(log_gates.to(wide), dim=-1)
+        if prefix:  # continued from the kept sum: the same additions, in the same order, as over every key
+            assert forget_prefix is not None
+            tail = torch.cumsum(torch.cat([forget_prefix[..., -1:], log_gates.to(wide)], dim=-1), dim=-1)
+            forget = torch.cat([forget_prefix, tail[..., 1:]], dim=-1)
+        else:
+            forget = torch.cumsum(log_gates.to(wide), dim=-1)
     mult = sc.multiplier(mask.n, ctx)
     head_factor = norm.head_multiplier(ctx)
     if head_factor is not None:

@@ -1,6 +1,8 @@
 """What one attention call costs beyond its kernel, on a decode-sized call (one query, few keys) where the Python
 around the kernel matters most: microseconds per call of transformers' attention function (the module's state, the
-mask, ``make_call``, dispatch, the kernel), of ``make_call`` alone, of ``attend`` alone, and of SDPA alone.
+mask, ``make_call``, dispatch, the kernel), of ``make_call`` alone, of ``attend`` alone, of transformers' own sdpa
+attention function (what ``attn_implementation="sdpa"`` calls: the goal's reference) and of SDPA alone. The functions
+are timed interleaved (one sample of each in turn), so a change in the machine's load hits all of them alike.
 
     python scripts/bench_call_overhead.py --implementations softmax symax ssmax --output_dir bench/call_overhead
 """
@@ -21,22 +23,27 @@ import torch.nn.functional as F
 
 runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap.py"))  # offline; checkout
 
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+
 from hf_attnorm.attention import make_call  # noqa: E402
 from hf_attnorm.hf.forward import hf_attention_forward  # noqa: E402
 from hf_attnorm.kernels import attend  # noqa: E402
 from hf_attnorm.lab.model_zoo import build_model  # noqa: E402
 
 
-def per_call_us(fn, calls: int, repeats: int) -> float:
-    """Median over ``repeats`` of the mean microseconds of ``calls`` calls."""
-    fn()
-    samples = []
+def per_call_us(fns: dict, calls: int, repeats: int) -> dict[str, float]:
+    """Median over ``repeats`` of the mean microseconds of ``calls`` calls of each function, the samples of the
+    functions taken in turn (interleaved)."""
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(samples)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / calls * 1e6)
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def measure(implementation: str, keys: int, calls: int, repeats: int) -> dict[str, float]:
@@ -55,15 +62,16 @@ def measure(implementation: str, keys: int, calls: int, repeats: int) -> dict[st
     # (linear attention warns once that a call without a cache cannot keep its recurrent state: expected here)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return {
-            "attention_function_us": per_call_us(
+        row = per_call_us({
+            "attention_function_us":
                 lambda: hf_attention_forward(module, q, k, v, None, scaling, implementation=implementation),
-                calls, repeats),
-            "make_call_us": per_call_us(
-                lambda: make_call(q, k, v, state.settings, state(q.device), None, True, scaling), calls, repeats),
-            "attend_us": per_call_us(lambda: attend(call), calls, repeats),
-            "sdpa_us": per_call_us(lambda: F.scaled_dot_product_attention(q, kr, vr, scale=scaling), calls, repeats),
-        }
+            "make_call_us": lambda: make_call(q, k, v, state.settings, state(q.device), None, True, scaling),
+            "attend_us": lambda: attend(call),
+            "transformers_sdpa_function_us": lambda: sdpa_attention_forward(module, q, k, v, None, scaling=scaling),
+            "sdpa_us": lambda: F.scaled_dot_product_attention(q, kr, vr, scale=scaling),
+        }, calls, repeats)
+    row["above_transformers_sdpa_us"] = row["attention_function_us"] - row["transformers_sdpa_function_us"]
+    return row
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -96,9 +96,105 @@ def test_the_pre_hook_follows_the_normalizer(counting):
 
 
 def test_every_stateful_normalizer_is_served_by_a_registered_kind():
-    """The normalizers whose cached decoding needs state are served (linear: recurrent, selective: column sums), and
-    a kind's name is unique."""
+    """The normalizers whose cached decoding needs or keeps state are served (linear: recurrent, selective: column
+    sums, fox: cumulative forget gates), and a kind's name is unique."""
     served = {name for name in NORMALIZERS if cache_state.kinds_serving(name)}
-    assert {"linear", "selective"} <= served
+    assert {"linear", "selective", "fox"} <= served
     with pytest.raises(ValueError, match="unique name"):
         cache_state.register(cache_state.KINDS["selective"])
+
+
+def test_forgetting_attention_continues_its_kept_gates(monkeypatch):
+    """fox keeps its cumulative forget gates on the cache: each decode step computes the gates of its new key only
+    (make_call gets the kept sum), the kept sum is bit for bit the sum over every cached value, and cached generation
+    equals generation without a cache."""
+    from hf_attnorm.attention import make_call
+    from hf_attnorm.hf import forget_cache, forward
+
+    model = tiny("llama", "causal_lm", implementation="fox",
+                 attnorm={"fox_bias_init": 1.0, "fox_weight_init": 0.2}).double()
+    prefixes = []
+    real = forward.make_call
+
+    def spy(*args, **kwargs):
+        prefixes.append(kwargs.get("forget_prefix"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(forward, "make_call", spy)
+    x = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, :3] = 0
+    gen = dict(max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    layers = model.config.num_hidden_layers
+    for m in (None, mask):
+        prefixes.clear()
+        with torch.no_grad():
+            cached = model.generate(x, attention_mask=m, use_cache=True, **gen)
+        kept = [p for p in prefixes if p is not None]
+        assert len(kept) == layers * (gen["max_new_tokens"] - 1)  # every decode step continued a kept sum
+        assert [p.shape[-1] for p in kept[::layers]] == [7, 8, 9]
+        with torch.no_grad():
+            whole = model.generate(x, attention_mask=m, use_cache=False, **gen)
+        assert torch.equal(cached.sequences, whole.sequences)
+        for a, b in zip(cached.scores, whole.scores):
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+    # (without a mask no value is zeroed as padding: the kept sum is the sum over the layer's cached values)
+    with torch.no_grad():
+        out = model.generate(x, use_cache=True, **gen)
+        for i, layer in enumerate(out.past_key_values.layers):
+            state = getattr(layer, forget_cache.STATE_ATTR)
+            module = model.model.layers[i].self_attn
+            q = torch.zeros(2, model.config.num_attention_heads, 1, layer.keys.shape[-1], dtype=torch.float64)
+            call = make_call(q, layer.keys, layer.values, module.attnorm.settings, module.attnorm(q.device), None,
+                             True, module_info=module.attnorm.module_info)
+            assert state.c.shape[-1] == layer.keys.shape[2] and torch.equal(state.c, call.forget)
+
+
+def test_cosine_keeps_its_normalised_keys(monkeypatch):
+    """cosine keeps its l2-normalised keys on the cache: each decode step normalises its new key only and the SDPA
+    path takes the kept ones (bit for bit the normalisation of every cached key); cached generation equals generation
+    without a cache."""
+    import torch.nn.functional as F
+
+    from hf_attnorm.hf import forward, key_cache
+    from hf_attnorm.normalizers.cosine import NORM_EPS
+
+    model = tiny("llama", "causal_lm", implementation="cosine").double()
+    kept = []
+    real = forward.run_path
+
+    def spy(call, name):
+        if call.k_transformed is not None:
+            assert torch.equal(call.k_transformed, F.normalize(call.k, dim=-1, eps=NORM_EPS))
+        kept.append((call.q.shape[2], None if call.k_transformed is None else call.k_transformed.shape[2], name))
+        return real(call, name)
+
+    monkeypatch.setattr(forward, "run_path", spy)
+    transformed = []  # how many keys each call normalised
+    real_transform = key_cache._transform_keys
+
+    def counting(call, keys):
+        transformed.append(keys.shape[2])
+        return real_transform(call, keys)
+
+    monkeypatch.setattr(key_cache, "_transform_keys", counting)
+    x = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, :2] = 0
+    gen = dict(max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    layers = model.config.num_hidden_layers
+    for m in (None, mask):
+        kept.clear()
+        transformed.clear()
+        with torch.no_grad():
+            cached = model.generate(x, attention_mask=m, use_cache=True, **gen)
+        assert [lk for lq, lk, _ in kept if lq == 1] == [n for n in (8, 9, 10) for _ in range(layers)]
+        assert transformed == [7] * layers + [1] * (layers * 3)  # the prefill's keys, then one new key a step
+        assert {name for _, _, name in kept} == {"sdpa"}
+        with torch.no_grad():
+            whole = model.generate(x, attention_mask=m, use_cache=False, **gen)
+        assert torch.equal(cached.sequences, whole.sequences)
+        for a, b in zip(cached.scores, whole.scores):
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+    for layer in cached.past_key_values.layers:
+        assert getattr(layer, key_cache.STATE_ATTR).length == layer.keys.shape[2]

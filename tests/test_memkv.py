@@ -14,7 +14,7 @@ from conftest import LAST_CALL, tiny
 
 from hf_attnorm.attention import constant_heads, make_call
 from hf_attnorm.hf import forward, persistence
-from hf_attnorm.kernels import attend
+from hf_attnorm.kernels import attend, run_path
 from hf_attnorm.kernels.base import alibi_bias, repeat_kv
 from hf_attnorm.registry import AttnormError
 from hf_attnorm.settings import resolve_settings
@@ -169,7 +169,12 @@ def test_any_normalizer_in_a_model_trains_saves_and_reloads_exactly(tmp_path, mo
         seen.append(call.k.shape[1])
         return attend(call, path)
 
+    def recording_planned(call, name):  # (calls with a plan run their routed path)
+        seen.append(call.k.shape[1])
+        return run_path(call, name)
+
     monkeypatch.setattr(forward, "attend", recording)
+    monkeypatch.setattr(forward, "run_path", recording_planned)
     x = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(0))
     model.train()
     model(x, labels=x).loss.backward()

@@ -253,13 +253,18 @@ def test_stored_sums_equal_the_reference(model, monkeypatch):
     """After a prefill and after a decode step, each layer's C equals the reference column sums over every query so
     far (recomputed from the calls the layers received, the whole sequence at once)."""
     calls = []
-    real = hf_forward.attend
+    real, real_planned = hf_forward.attend, hf_forward.run_path
 
     def spy(call, path=None):
         calls.append(call)
         return real(call, path)
 
+    def spy_planned(call, name):  # (calls with a plan run their routed path)
+        calls.append(call)
+        return real_planned(call, name)
+
     monkeypatch.setattr(hf_forward, "attend", spy)
+    monkeypatch.setattr(hf_forward, "run_path", spy_planned)
     x, mask = _padded(seed=1)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():

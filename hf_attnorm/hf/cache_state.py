@@ -1,6 +1,7 @@
 """Per-sequence state kept on a transformers cache across cached decoding: one protocol for every normalizer that
 needs one (linear attention's recurrent state, ``recurrent.py``; selective attention's column sums,
-``selective_cache.py``; the next stateful variant registers a third kind here).
+``selective_cache.py``; forgetting attention's cumulative gates, ``forget_cache.py``; cosine's normalised keys,
+``key_cache.py``; the next stateful variant registers another kind here).
 
 A state lives on a cache layer (an attribute of the ``DynamicLayer``), so it lives and dies with the cache. The
 attention function never sees the cache, so each attention module that serves a stateful normalizer gets one forward
@@ -11,9 +12,10 @@ module's normalizer:
    the layer's state: the state only if it still describes exactly the layer's tensors (else None, and why);
 2. the attention function (``steps_for``) asks the kind for a ``CacheStep`` of this call (or None: no state is
    involved), before the call is resolved, so a call that cannot be exact is refused before any work;
-3. ``CacheStep.begin(call)`` puts the state on the resolved call (``AttnCall.recurrent``,
-   ``AttnCall.selective_carry``), and ``CacheStep.after(call, path)`` records the state for the layer's new tensors
-   (advanced, rebuilt, or dropped).
+3. ``CacheStep.inputs(query, key)`` (optional) gives ``make_call`` what the state saves it computing (forgetting
+   attention's ``forget_prefix``); ``CacheStep.begin(call)`` puts the state on the resolved call
+   (``AttnCall.recurrent``, ``AttnCall.selective_carry``), and ``CacheStep.after(call, path)`` records the state for
+   the layer's new tensors (advanced, rebuilt, or dropped).
 
 Nothing here reads a tensor's values: identity, shape and version checks on the host. Under ``torch.compile`` the
 pre-hook does nothing (nothing may persist across a graph) and each kind says what its calls do there.
@@ -64,7 +66,7 @@ class Pending:
 
 
 class CacheStep(Protocol):
-    """One attention call's use of a kind's state."""
+    """One attention call's use of a kind's state (``inputs``, optional: keywords for ``make_call``, before it)."""
 
     def begin(self, call: AttnCall, query: torch.Tensor, key: torch.Tensor) -> None:
         """Put the state on the resolved call (or raise when it cannot make the call exact)."""

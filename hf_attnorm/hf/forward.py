@@ -1,5 +1,12 @@
 """The function transformers calls for every registered name (``AttentionInterface``): it calls the module's
 ``AttnormState`` for the per-head values, resolves the call (mask, n, scale) and dispatches to a kernel.
+
+Call plans: what can be decided from the module, its settings, the tensors' dtypes, device and head shapes, the kind
+of mask and the phase (one query, as in a cached decode step, or several) is decided once per module and kept
+(``CallPlan``, by plan key): the path the rule chooses (a ``kernels.Route``), whether a cache state is involved, and
+for plain calls a path's direct entry on the raw tensors. A changed fact (settings edited, dtype or device moved, a
+new kind of mask, train/eval, a path registered or forced) is a new key, so a new plan. Plans are made only without
+autograd and outside torch.compile / torch.export; every other call is decided in full, as ``explain`` reports.
 """
 
 from __future__ import annotations
@@ -16,15 +23,16 @@ import transformers
 from torch import nn
 
 from ..attention import make_call
-from ..kernels import attend
+from ..kernels import PATHS, Route, attend, choose_routed, plan_epoch, route, run_path
 from ..kernels.reference import reference_scores
 from ..masks import additive_keep
-from ..normalizers.base import CONTINUOUS_BATCHING_MODES, ContinuousBatching
+from ..normalizers.base import CONTINUOUS_BATCHING_MODES, ContinuousBatching, Normalizer
 from ..registry import NORMALIZERS, SCALES, AttnormError
+from ..scales.standard import Standard
 from ..settings import AttnormSettings, resolve_settings
 from ..torch_compat import is_exporting
 from . import compat
-from .cache_state import PENDING_ATTR, steps_for
+from .cache_state import PENDING_ATTR, kinds_serving, steps_for
 from .families import SELECTION_KEYWORDS, key_selection, refused_keywords
 from .state import state_of
 
@@ -175,36 +183,193 @@ def _attend(module: nn.Module, state: Any, query: torch.Tensor, key: torch.Tenso
                            "transformers' mask functions (sdpa_mask).")
     # a sparse indexer's choice of keys (indices, block_indices), which eager/sdpa get folded into their mask
     selection = key_selection(module, state.module_info, kwargs, key.shape[2])
+    weights_requested = _weights_requested(kwargs)
+    plan_key = None if selection is not None else _plan_key(module, state, query, key, value, attention_mask,
+                                                             causal, scaling, dropout, weights_requested, kwargs)
+    plan = None if plan_key is None else _kept_plan(module, state, plan_key)
+    if plan is not None and plan.direct is not None:  # a plain call: the path's entry on the raw tensors
+        plan.uses += 1
+        out = plan.direct(query, key, value)
+        _record(plan.path, plan.mask)
+        return _to_model_layout(out), None
     # state kept on the cache across decoding (hf/cache_state.py): linear attention's recurrent state, selective
     # attention's column sums; a call that cannot be exact is refused here, before any work
-    steps = steps_for(module, query, key, value, state.settings, causal)
+    steps = steps_for(module, query, key, value, state.settings, causal) if plan is None or plan.kinds else []
     out, weights = _compute(module, state, query, key, value, attention_mask, causal, scaling, dropout, kwargs, steps,
-                            selection)
+                            selection, plan_key, plan)
     return _to_model_layout(out), weights
 
 
 def _compute(module: nn.Module, state: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              attention_mask: object, causal: bool, scaling: float | None, dropout: float, kwargs: Mapping[str, Any],
-             steps: list, selection: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+             steps: list, selection: torch.Tensor | None = None, plan_key: tuple | None = None,
+             plan: CallPlan | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One resolved call: query [B, H, Lq, D], key/value [B, Hkv, Lk, D], selection None or bool
-    [B, 1 | Hs, Lq, Lk] -> (out [B, H, Lq, Dv], weights or None)."""
+    [B, 1 | Hs, Lq, Lk] -> (out [B, H, Lq, Dv], weights or None). With a plan key, the path comes from the
+    module's plan for it (made here on the key's first call)."""
+    inputs: dict[str, Any] = {}
+    for step in steps:  # (what a kept cache state hands make_call: forgetting attention's cumulative gates)
+        inputs.update(step.inputs(query, key) if hasattr(step, "inputs") else {})
     call = make_call(
         query, key, value, state.settings, state(query.device), attention_mask, causal, scaling,
         dropout if module.training else 0.0, _weights_requested(kwargs), state.module_info,
-        **_score_modifiers(kwargs), selection=selection, heads_checked=True,
+        **_score_modifiers(kwargs), selection=selection, heads_checked=True, **inputs,
     )
     for step in steps:
         step.begin(call, query, key)
-    out, weights, path = attend(call)
+    if plan_key is None:
+        out, weights, path = attend(call)
+    else:
+        out, weights, path = _planned(module, state, plan_key, plan, call, attention_mask, kwargs)
     for step in steps:
         step.after(call, path)
+    _record(path, call.mask.kind)
+    return out, weights
+
+
+def _record(path: str, mask: str) -> None:
+    """Write the call's path and mask kind to the active ``record_paths`` records."""
     records = _active_records()
     if records:  # (nothing to do unless record_paths is active)
         for record in records:
-            record.path, record.mask = path, call.mask.kind
+            record.path, record.mask = path, mask
             if not torch.compiler.is_compiling():  # (a traced append guards on the list's length: a recompile a call)
                 record.paths.append(path)
-    return out, weights
+
+
+# ------------------------------------------------------------------------------------------------------ call plans
+
+#: attribute of an attention module: its call plans by plan key (``_Plans``)
+PLANS_ATTR = "_hf_attnorm_plans"
+#: at most this many plans per module (a new one beyond it starts the module's plans afresh)
+MAX_PLANS = 32
+#: whether calls are planned (``unplanned`` turns it off inside a block)
+_PLANNING = [True]
+
+
+@contextlib.contextmanager
+def unplanned() -> Iterator[None]:
+    """Inside the block every attention call is decided in full (``kernels.choose``), as without plans: the
+    reference that plans are checked against."""
+    before = _PLANNING[0]
+    _PLANNING[0] = False
+    try:
+        yield
+    finally:
+        _PLANNING[0] = before
+
+
+class _Plans(dict):
+    """A module's plans; a copied or pickled module carries none (they are rebuilt on its first calls)."""
+
+    def __reduce__(self):
+        return _Plans, ()
+
+
+@dataclasses.dataclass(eq=False)
+class CallPlan:
+    """What is decided once for a module's calls with one plan key (the module docstring): the state and settings
+    it was made for, the rule's version, whether a cache state kind serves the normalizer (``kinds``: steps are
+    asked per call), the route per set of resolved call facts (``_call_facts``), and for plain calls the direct
+    entry of the path (``direct``, ``path``, ``mask``: its path and mask kind, as ``record_paths`` reports them).
+    ``uses``: calls served from the plan after the one that made it."""
+
+    state: nn.Module
+    settings: AttnormSettings
+    epoch: int
+    kinds: bool
+    routes: dict[tuple, Route | None] = dataclasses.field(default_factory=dict)
+    direct: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    path: str = ""
+    mask: str = ""
+    uses: int = 0
+
+
+def plans_of(module: nn.Module) -> dict[tuple, CallPlan]:
+    """The plans ``module`` keeps (empty before its first planned call)."""
+    return module.__dict__.get(PLANS_ATTR) or {}
+
+
+def _plan_key(module: nn.Module, state: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: object, causal: bool, scaling: float | None, dropout: float, weights: bool,
+              kwargs: Mapping[str, Any]) -> tuple | None:
+    """The facts a plan is decided from, or None for a call decided in full: autograd on, tracing or exporting,
+    empty inputs, dropout, or a mask tensor over several queries (whose form is read per mask)."""
+    if not _PLANNING[0] or torch.is_grad_enabled() or torch.compiler.is_compiling() or is_exporting():
+        return None
+    lq = query.shape[2]
+    if attention_mask is None:
+        mask = None
+    elif isinstance(attention_mask, torch.Tensor) and lq == 1:
+        mask = (attention_mask.dtype, attention_mask.shape[:-1])
+    else:
+        return None
+    if query.numel() == 0 or key.shape[2] == 0 or (module.training and dropout > 0):
+        return None
+    return (state, query.dtype, key.dtype, value.dtype, query.device, query.shape[:2], lq == 1, key.shape[1],
+            query.shape[3], value.shape[3], mask, causal, scaling, weights, module.training,
+            kwargs.get("position_bias") is not None, kwargs.get("softcap"), kwargs.get("s_aux") is not None)
+
+
+def _kept_plan(module: nn.Module, state: Any, plan_key: tuple) -> CallPlan | None:
+    plan = plans_of(module).get(plan_key)
+    if plan is None or plan.settings is not state.settings or plan.epoch != plan_epoch():
+        return None
+    return plan
+
+
+def _call_facts(call: Any) -> tuple:
+    """What a resolved call carries beyond its plan key that a path's ``accepts`` reads."""
+    return (call.mask.kind, call.mask.selected, call.bias is not None, call.softcap is not None,
+            call.sinks is not None, call.alibi_slopes is not None, call.forget is not None,
+            call.recurrent is not None, call.selective_carry is not None, call.memory, call.need_weights,
+            call.k.shape[1])
+
+
+def _planned(module: nn.Module, state: Any, plan_key: tuple, plan: CallPlan | None, call: Any,
+             attention_mask: object, kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None, str]:
+    """Run ``call`` on the path its plan routes it to, making the plan (or the route of these call facts) first."""
+    if plan is None:
+        plans = module.__dict__.get(PLANS_ATTR)
+        if plans is None or len(plans) >= MAX_PLANS or any(p.state is not state for p in plans.values()):
+            plans = module.__dict__[PLANS_ATTR] = _Plans()
+        plan = plans[plan_key] = CallPlan(state, state.settings, plan_epoch(),
+                                          bool(kinds_serving(state.settings.normalizer)))
+    facts = _call_facts(call)
+    if facts in plan.routes:
+        kept = plan.routes[facts]
+        if kept is None:  # (a call the rule decides in full)
+            return attend(call)
+        plan.uses += 1
+        if call.split:  # a differential call: both halves on the routed path (which needs no asking again)
+            return attend(call, kept.path)
+        return run_path(call, choose_routed(call, kept))
+    kept = plan.routes[facts] = route(call)
+    if kept is None or call.split:
+        return attend(call)
+    if len(plan.routes) == 1:  # (a plain call's facts follow from its key: one route)
+        _direct_entry(plan, kept, state, call, attention_mask, kwargs)
+    return run_path(call, kept.path)
+
+
+def _direct_entry(plan: CallPlan, kept: Route, state: Any, call: Any, attention_mask: object,
+                  kwargs: Mapping[str, Any]) -> None:
+    """Give ``plan`` its path's direct entry when every call with its key resolves as plainly as ``call``: no cache
+    state, mask tensor, key selection, score keyword, weights or learnable per-head value, and a normalizer and
+    scale whose per-call factors, output gate and forget gates are absent by their class (not by this call's n)."""
+    norm, sc = call.normalizer, SCALES.get(state.settings.scale)
+    hooks = ("head_multiplier", "query_multiplier", "output_gate", "forget_gates")
+    plain = (not plan.kinds and attention_mask is None and not kept.ask and not call.need_weights
+             and not any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "s_aux"))
+             and call.memory == 0 and call.drop_queries == 0 and call.output_gate is None
+             and call.multiplier is None and call.forget is None and not call.mask.selected
+             and type(sc).multiplier is Standard.multiplier
+             and all(getattr(type(norm), h) is getattr(Normalizer, h) for h in hooks)
+             and next(state.parameters(), None) is None)
+    entry = PATHS[kept.path].direct
+    direct = entry(call) if plain and entry is not None else None
+    if direct is not None:
+        plan.direct, plan.path, plan.mask = direct, kept.path, call.mask.kind
 
 
 # ------------------------------------------------------------------------------------------------ continuous batching

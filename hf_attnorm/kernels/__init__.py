@@ -70,7 +70,16 @@ a call carrying a forget gate (``AttnCall.forget``, forgetting attention) only g
 ``forget=True`` (reference, chunked, decode, sdpa, triton_forget). A differential call (differential attention) is
 decided and run as its two halves (``AttnCall.halves``), which ``attend`` combines; with attention dropout it runs on
 the reference.
-``explain(call)`` lists every candidate with its reason, running nothing. Override: ``path=`` on
+``explain(call)`` lists every candidate with its reason, running nothing.
+
+Plans (``Route``, used by the transformers integration, hf/forward.py): what the rule decided for one call is kept
+and reused for every call with the same plan facts (device, dtypes, head counts and dims, one query or several, the
+kind of mask, which score modifiers and cache states the call carries, no autograd, no forced path). A path
+registered ``plan_stable`` (True, or a function of the call) declares that its ``accepts`` reads nothing beyond
+those facts, so a reused route asks it nothing again; every other path is asked again on each call. A path may
+offer a ``direct`` entry: given a resolved call, a function of the raw (q, k, v) computing the same output for
+every call with the same plan facts, or None (hf/forward.py uses it only for calls without per-head values, mask,
+score modifiers or cache state). Override: ``path=`` on
 ``attention()``/``attend()``, or the environment variable ``HF_ATTNORM_PATH`` (a path name or ``auto``; read when this
 package is imported and by ``set_forced_path()``), so ``attend`` reads no environment. A forced path that cannot take a
 call raises, naming the reason, instead of silently falling back.
@@ -97,6 +106,8 @@ KernelResult = "tuple[torch.Tensor, torch.Tensor | None]"
 Kernel = Callable[[AttnCall], KernelResult]
 Check = Callable[[AttnCall], "str | None"]
 NormCheck = Callable[[Normalizer], "str | None"]
+#: a path's direct entry: (q [B, H, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv]) -> out [B, H, Lq, Dv]
+Direct = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +133,15 @@ class Path:
     compiled_backward: bool = True
     #: run once before the path is first considered (``prepare_path``), e.g. building its C++ extension; None: nothing
     prepare: Callable[[], object] | None = None
+    #: ``accepts`` reads nothing beyond a plan's facts (True, or a function saying so for one call): a reused
+    #: ``Route`` does not ask it again (see the module docstring)
+    plan_stable: bool | Callable[[AttnCall], bool] = False
+    #: given a resolved call, its direct entry (``Direct``), valid for every call with the same plan facts, or None
+    direct: Callable[[AttnCall], Direct | None] | None = None
+
+    def stable_for(self, call: AttnCall) -> bool:
+        """Whether ``accepts`` gives this call's answer for every call with the same plan facts."""
+        return self.plan_stable(call) if callable(self.plan_stable) else self.plan_stable
 
     def check(self, call: AttnCall) -> str | None:
         """None when this path can run ``call``, else the reason (runs nothing)."""
@@ -139,7 +159,7 @@ def _reference_accepts(call: AttnCall) -> None:
 #: name -> path
 PATHS: dict[str, Path] = {
     "reference": Path("reference", reference_attention, _any_normalizer, _reference_accepts, 100, exportable=True,
-                      forget=True),
+                      forget=True, plan_stable=True),
 }
 #: the fast paths by priority, and per (normalizer, device type) those the automatic rule considers (filled lazily:
 #: the hot path then only runs the accepts checks)
@@ -152,6 +172,13 @@ _PREPARED: set[str] = set()
 ENV_VAR = "HF_ATTNORM_PATH"
 #: the path HF_ATTNORM_PATH forces ("auto": none); read at import and by ``set_forced_path``
 _FORCED: dict[str, str] = {"path": "auto"}
+#: bumped when what the rule decides may change (a path registered, the forced path set): routes kept before are stale
+_EPOCH = [0]
+
+
+def plan_epoch() -> int:
+    """The rule's current version (a plan made under another is stale)."""
+    return _EPOCH[0]
 
 
 def _declining_compile(name: str, accepts: Check) -> Check:
@@ -186,7 +213,9 @@ def _declining_compiled_backward(name: str, accepts: Check) -> Check:
 def register_path(name: str, kernel: Kernel, *, takes: NormCheck, accepts: Check, priority: int,
                   auto_exclude: Collection[str] = (), exportable: bool = False, traceable: bool = True,
                   forget: bool = False, compiled_backward: bool = True,
-                  prepare: Callable[[], object] | None = None) -> None:
+                  prepare: Callable[[], object] | None = None,
+                  plan_stable: bool | Callable[[AttnCall], bool] = False,
+                  direct: Callable[[AttnCall], Direct | None] | None = None) -> None:
     """Register a path with its declared capabilities (see the module docstring)."""
     if not forget:
         accepts = _declining_forget(name, accepts)
@@ -195,10 +224,11 @@ def register_path(name: str, kernel: Kernel, *, takes: NormCheck, accepts: Check
     if not traceable:
         accepts = _declining_compile(name, accepts)
     PATHS[name] = Path(name, kernel, takes, accepts, priority, frozenset(auto_exclude), exportable, traceable,
-                       forget, compiled_backward, prepare)
+                       forget, compiled_backward, prepare, plan_stable, direct)
     _PREPARED.discard(name)
     _ORDER[:] = sorted((p for p in PATHS.values() if p.name != "reference"), key=lambda p: p.priority)
     _AUTO.clear()
+    _EPOCH[0] += 1
 
 
 @torch.compiler.assume_constant_result
@@ -220,6 +250,7 @@ def set_forced_path(path: str | None = None) -> str:
         raise ValueError(f"unknown attention path {forced!r} (from {ENV_VAR if path is None else 'path='}); "
                          f"available: auto, {', '.join(PATHS)}")
     _FORCED["path"] = forced
+    _EPOCH[0] += 1
     return forced
 
 
@@ -343,11 +374,56 @@ def explain(call: AttnCall) -> list[tuple[str, str]]:
     return report
 
 
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """What the automatic rule decided for a call, to reuse for the calls with the same plan facts (module
+    docstring): ``path`` ran; ``ask`` are the paths to ask again on each call, in order (those before ``path`` whose
+    decline is not stable, then ``path`` itself when its acceptance is not)."""
+
+    path: str
+    ask: tuple[Path, ...]
+
+
+def route(call: AttnCall) -> Route | None:
+    """The reusable decision for ``call`` (runs no kernel), or None when it cannot be reused: a forced path,
+    dropout, autograd on (whether inputs need gradients is no plan fact), while tracing or exporting, or a
+    differential call whose path would have to be asked again."""
+    if (_FORCED["path"] != "auto" or call.dropout > 0 or torch.is_grad_enabled() or torch.compiler.is_compiling()
+            or is_exporting()):
+        return None
+    if call.split:  # both halves take the path decided for the first; kept only when it needs no asking again
+        kept = route(call.halves()[0])
+        return kept if kept is not None and not kept.ask else None
+    ask = []
+    for p in _auto_candidates(call):
+        stable = p.stable_for(call)
+        if p.accepts(call) is None:
+            return Route(p.name, (*ask, p) if not stable else tuple(ask))
+        if not stable:
+            ask.append(p)
+    return Route("reference", tuple(ask))
+
+
+def choose_routed(call: AttnCall, kept: Route) -> str:
+    """The path for ``call`` from a kept ``Route``: only its ``ask`` paths are asked again; should the routed path
+    itself decline, the whole rule decides (``choose``)."""
+    for p in kept.ask:
+        if p.accepts(call) is None:
+            return p.name
+        if p.name == kept.path:  # the routed path declines this call
+            return choose(call)
+    return kept.path
+
+
 def attend(call: AttnCall, path: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None, str]:
     """Run one call. Returns (out [B, H, Lq, Dv], weights or None, name of the path that ran)."""
     if call.split:
         return _attend_differential(call, path)
-    name = choose(call, path)
+    return run_path(call, choose(call, path))
+
+
+def run_path(call: AttnCall, name: str) -> tuple[torch.Tensor, torch.Tensor | None, str]:
+    """Run a whole (not differential) call on the path ``name`` (chosen by ``choose`` or ``choose_routed``)."""
     out, w = PATHS[name].kernel(call)
     if call.drop_queries or call.memory:  # learned memory key/values (kernels/memory.py): the caller's shapes
         out = out[:, :, call.drop_queries:]

@@ -71,6 +71,10 @@ class AttnCall:
     #: differential attention: which half of every head's q/k dims this call attends (0 or 1, set by ``halves``);
     #: None for a whole call
     half: int | None = None
+    #: the normalizer's (row-wise) key transform of ``k``, [B, Hkv, Lk, D] in ``compute_dtype(q.dtype)``, kept on
+    #: the cache across decoding (hf/key_cache.py: cosine's normalised keys): a path that transforms q/k may take
+    #: the keys from here and transform q only; every other path computes from ``k`` (the same values). None: not kept
+    k_transformed: torch.Tensor | None = None
 
     @property
     def modifies_scores(self) -> bool:
@@ -140,7 +144,7 @@ class AttnCall:
                 q, k = part(self.q, i), part(self.k, i)
                 width = q.shape[-1]
             calls.append(dataclasses.replace(self, q=q, k=k, heads=heads, output_gate=None, half=i,
-                                             base=self.base * (d / width) ** 0.5))
+                                             base=self.base * (d / width) ** 0.5, k_transformed=None))
         return calls[0], calls[1]
 
     @property

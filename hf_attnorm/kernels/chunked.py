@@ -199,4 +199,4 @@ from . import register_path  # noqa: E402  (registration at import, like the nor
 # its backward recomputes chunks with torch.autograd.grad, which torch.compile cannot trace: compiled training runs
 # the reference
 register_path("chunked", chunked_attention, takes=_any, accepts=accepts, priority=90, forget=True,
-              compiled_backward=False)
+              compiled_backward=False, plan_stable=True)

@@ -60,4 +60,4 @@ from . import register_path  # noqa: E402  (registration at import, like the nor
 
 # on GPUs the Triton kernels take decode steps too (not measured against this: no GPU while writing it)
 register_path("decode", decode_attention, takes=takes, accepts=accepts, priority=25, auto_exclude=("cuda",),
-              forget=True)
+              forget=True, plan_stable=True)

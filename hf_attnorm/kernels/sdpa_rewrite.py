@@ -328,7 +328,11 @@ def _prepare(call: AttnCall, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Te
         if isinstance(factor, float):
             return call.q, call.k, v, factor
         return triton_rows.row_scale(call.q, factor), call.k, v, 1.0
-    if transform:
+    kept = call.k_transformed
+    if transform and kept is not None and kept.dtype == work:  # the keys' transform kept across decoding
+        # (row-wise: q's transform is the same with any keys beside it; one key is the least work)
+        q, k = norm.transform_qk(call.q.to(work), kept[:, :, :1], call.ctx())[0], kept
+    elif transform:
         q, k = norm.transform_qk(call.q.to(work), call.k.to(work), call.ctx())  # row-wise: fine on unrepeated k
     else:
         q, k = call.q.to(work), call.k
@@ -622,9 +626,29 @@ def sdpa_sinkcol_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     return out.to(call.q.dtype), None
 
 
+def direct(call: AttnCall) -> Any:
+    """The direct entry of a plain call (no sink, score modifier, mask tensor, per-query factor, q/k transform or
+    dropout; q, k and v of one dtype that is computed as is): SDPA on the raw (q, k, v) with the call's causality,
+    scale and GQA, exactly what ``sdpa_attention`` runs for such a call. None for every other call."""
+    q = call.q
+    if (_has_sink(call) or call.modifies_scores or call.mask.keep is not None or call.multiplier is not None
+            or call.dropout > 0 or type(call.normalizer).transform_qk is not Normalizer.transform_qk
+            or compute_dtype(q.dtype) != q.dtype or call.k.dtype != q.dtype or call.v.dtype != q.dtype
+            or not q.dtype.is_floating_point or is_exporting()):
+        return None
+    causal, scale, gqa = call.mask.causal, float(call.base), q.shape[1] != call.k.shape[1]
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+
+    return run
+
+
 from . import register_path  # noqa: E402  (registration at import, like the normalizers)
 
-register_path("sdpa", sdpa_attention, takes=takes, accepts=accepts, priority=10, exportable=True, forget=True)
+# (its accepts reads the call's length only for a forget gate: how large the decay bias would be)
+register_path("sdpa", sdpa_attention, takes=takes, accepts=accepts, priority=10, exportable=True, forget=True,
+              plan_stable=lambda call: call.forget is None, direct=direct)
 # exact on any device, but on CPU D+1 falls off SDPA's fast kernel: the automatic rule uses it elsewhere only
 register_path("sdpa_sinkcol", sdpa_sinkcol_attention, takes=takes_sink, accepts=_sinkcol_accepts, priority=20,
-              auto_exclude=("cpu",), exportable=True)
+              auto_exclude=("cpu",), exportable=True, plan_stable=True)

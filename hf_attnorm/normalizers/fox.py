@@ -10,9 +10,10 @@ w_h [Dv] (``fox_w``) and b_h (``fox_b``) learnable per query head (a GQA head re
 
 Initial values: w = 0 and b = ``fox_bias_init`` (default 0, the paper's zero bias: f = 1/2 at first, a strong
 decay that training adjusts). Starting a converted pretrained model at plain softmax: a large bias (f = sigmoid(b)
--> 1; b = 10 leaves a decay of 4.5e-5 per token). The decay needs no state across cached decoding: the gates come
-from the cached values, so each step recomputes c from them. Outside causal rows (a bidirectional mask) the decay is
--|c_i - c_j|, the gates between the two positions; the paper defines the causal case only.
+-> 1; b = 10 leaves a decay of 4.5e-5 per token). The gates come from the cached values; cached decoding keeps their
+cumulative sum c on the cache (hf/forget_cache.py), so a step computes its new key's gate only. Outside causal rows
+(a bidirectional mask) the decay is -|c_i - c_j|, the gates between the two positions; the paper defines the causal
+case only.
 
 Kernels: every path that declares ``forget=True`` (``hf_attnorm.kernels``): triton_forget (on a GPU: the fused
 Triton kernels' softmax with the decay formed per block from the cumulative gates, O(n) memory, forward and backward

@@ -111,4 +111,6 @@ def causal_linear_attention_batched(fq: torch.Tensor, fk: torch.Tensor, v: torch
 
 from .. import register_path  # noqa: E402  (registration at import, like normalizers)
 
-register_path("linear_chunked", linear_chunked_attention, takes=takes, accepts=accepts, priority=50)
+# (a mask tensor over several queries is analysed per mask: MaskInfo.padding reads its values)
+register_path("linear_chunked", linear_chunked_attention, takes=takes, accepts=accepts, priority=50,
+              plan_stable=lambda call: call.mask.keep is None or call.q.shape[2] == 1)

@@ -211,4 +211,5 @@ def selective_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
 from .. import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 # the blocked backward is not traced (the reference's is): compiled training runs the reference
-register_path("selective", selective_attention, takes=takes, accepts=accepts, priority=85, compiled_backward=False)
+register_path("selective", selective_attention, takes=takes, accepts=accepts, priority=85, compiled_backward=False,
+              plan_stable=True)

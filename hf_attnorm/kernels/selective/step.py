@@ -69,4 +69,4 @@ def step_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
 from .. import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 # before ``decode`` (25), which takes the same calls through the normalizer's reference
-register_path("selective_step", step_attention, takes=takes, accepts=accepts, priority=24)
+register_path("selective_step", step_attention, takes=takes, accepts=accepts, priority=24, plan_stable=True)
