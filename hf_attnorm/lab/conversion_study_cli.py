@@ -31,6 +31,7 @@ from . import conversion_study as study
 from . import convert, convert_args
 from . import data as data_lib
 from .cli import nonnegative_int, offline_by_default, positive_int
+from .plots import plot_budget_curve
 
 #: the study's default output folder (also how its published commands name a folder outside the working directory)
 DEFAULT_OUTPUT = "runs/convert_study"
@@ -260,8 +261,6 @@ def _curve(a: argparse.Namespace, out: Path, steps: tuple[int, int], command: st
 
 def _plot_curve(results: dict[str, Any], length: str, path: Path) -> None:
     """curve_<length>.png: every implementation's curve (a lever's dashed, named "<implementation> (<lever>)")."""
-    from .plots import plot_budget_curve
-
     series = {}
     for variant, rows in results["curves"].items():
         for impl, row in rows.items():
