@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .kernels import attend
-from .kernels.base import AttnCall, alibi_bias, repeat_kv
+from .kernels.base import AttnCall, alibi_bias, query_factor, repeat_kv
 from .kernels.fused.maps import fused_takes
 from .kernels.memory import memory_specs, prepend_memory
 from .masks import MaskError, build_mask_info, select_keys, split_float_mask
@@ -81,7 +81,7 @@ def make_call(
     Hkv, Lk = k.shape[1], k.shape[2]
     if H % Hkv != 0 or v.shape[1] != Hkv or v.shape[2] != Lk or k.shape[-1] != D:
         raise ValueError(f"incompatible shapes q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
-    norm, sc = NORMALIZERS.get(settings.normalizer), SCALES.get(settings.scale)
+    norm = NORMALIZERS.get(settings.normalizer)
     if not heads_checked:  # (a model's modules were checked when the implementation was set: hf/state.py)
         norm.check_heads(settings, H)
     if norm.differential and D < 2:
@@ -142,14 +142,7 @@ def make_call(
             forget = torch.cat([forget_prefix, tail[..., 1:]], dim=-1)
         else:
             forget = torch.cumsum(log_gates.to(wide), dim=-1)
-    mult = sc.multiplier(mask.n, ctx)
-    head_factor = norm.head_multiplier(ctx)
-    if head_factor is not None:
-        hf = head_factor.view(1, -1, 1)
-        mult = hf if mult is None else mult * hf
-    query_factor = norm.query_multiplier(q, ctx)  # [B, H, Lq] from the raw query (ASEntmax)
-    if query_factor is not None:
-        mult = query_factor if mult is None else mult * query_factor
+    mult = query_factor(settings, q, ctx)
     if scaling is None:
         scaling = D**-0.5
     base = float(scaling) if norm.uses_base_scaling else 1.0

@@ -12,7 +12,7 @@ from hf_attnorm.attention import make_call
 from hf_attnorm.hf import forward
 from hf_attnorm.hf.forward import hf_attention_forward, plans_of, record_paths, unplanned
 from hf_attnorm.kernels import explain, set_forced_path
-from hf_attnorm.registry import PRESETS
+from hf_attnorm.registry import NORMALIZERS, PRESETS
 
 GEN = dict(max_new_tokens=3, do_sample=False, output_scores=True, return_dict_in_generate=True)
 
@@ -131,21 +131,52 @@ def test_a_plan_is_reused_and_remade_when_what_it_depends_on_changes(implementat
     assert torch.equal(edited, want) and not torch.equal(edited, first)
 
 
-def test_the_plain_softmax_step_runs_sdpa_directly(monkeypatch):
-    """softmax with the standard scale: a planned decode step runs the direct entry, with no AttnCall built."""
-    model = tiny("llama", "causal_lm", implementation="softmax")
+#: implementations whose plain decode step (no mask tensor) must have a direct entry on the CPU, with its path:
+#: softmax and the length-aware scales (their factor from the per-head values and n = Lk) on SDPA; the fused maps,
+#: learned per-head values included (power's exponent), on their C++ kernel (skipped where it cannot be built)
+DIRECT = {"softmax": "sdpa", "ssmax": "sdpa", "log_n": "sdpa", "yarn": "sdpa", "llama4_pos": "sdpa",
+          "max_gradient": "sdpa",
+          **{name: "fused_cpu" for name in ("symax", "sigmoid", "squared", "stablemax", "softpick", "softplus",
+                                            "relu_len", "power", "lssa", "sparsemax", "entmax15", "entmax_alpha")}}
+
+
+@pytest.mark.parametrize("implementation", list(PRESETS))
+def test_a_planned_plain_decode_step_runs_its_direct_entry_exactly(implementation, monkeypatch):
+    """A planned plain decode step with a direct entry runs it, with no AttnCall built, and gives exactly what the
+    full rule's call gives, at two key counts (the row value and the per-query factor follow n); the implementations
+    of ``DIRECT`` have one."""
+    if DIRECT.get(implementation) == "fused_cpu":
+        from hf_attnorm.kernels.fused import cpu
+
+        if cpu.unavailable_reason() is not None:
+            pytest.skip(f"the fused C++ kernels are unavailable: {cpu.unavailable_reason()}")
+    if NORMALIZERS.get(PRESETS.get(implementation).settings["normalizer"]).query_coupled:
+        pytest.skip("a query-coupled normalizer's decode step needs the earlier queries' state on a cache")
+    model = tiny("llama", "causal_lm", implementation=implementation)
+    with torch.no_grad():  # per-head values away from their (often equal) initial values, so head indexing counts
+        for p in model.parameters():
+            p.add_(torch.rand_like(p) * 0.1)
     module, q, k, v, _ = _call_args(model)
+    later = _call_args(model, lk=15)[1:]
     with torch.no_grad():
-        want, _ = _run(module, q, k, v, None, "softmax")
+        with unplanned():
+            want, _ = _run(module, q, k, v, None, implementation)
+            want_later, _ = _run(module, *later, implementation)
+        planned, _ = _run(module, q, k, v, None, implementation)
         (plan,) = plans_of(module).values()
-        assert plan.direct is not None and plan.path == "sdpa"
+        if implementation in DIRECT:
+            assert plan.direct is not None and plan.path == DIRECT[implementation]
+        if plan.direct is None:
+            return
 
         def no_call(*args, **kwargs):
             raise AssertionError("a planned plain call built an AttnCall")
 
         monkeypatch.setattr(forward, "make_call", no_call)
-        got, rec = _run(module, q, k, v, None, "softmax")
-    assert torch.equal(got, want) and rec.path == "sdpa" and rec.mask == "none" and plan.uses == 1
+        got, rec = _run(module, q, k, v, None, implementation)
+        got_later, _ = _run(module, *later, implementation)
+    assert torch.equal(planned, want) and torch.equal(got, want) and torch.equal(got_later, want_later)
+    assert rec.path == plan.path and rec.mask == "none" and plan.uses == 2
 
 
 def test_a_copied_model_carries_no_plans():

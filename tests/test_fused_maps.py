@@ -64,7 +64,10 @@ def _inputs(dtype: torch.dtype, seed: int = 0):
 
 
 def _declared(fmap: maps.FusedMap, q, k, v, keep, r):
-    """out [B, H, Lq, Dv] in float64 from the declaration (autograd-connected to q, k, v, r)."""
+    """out [B, H, Lq, Dv] in float64 from the declaration (autograd-connected to q, k, v, r; query head h uses
+    kv head h // (H / Hkv))."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     s = q.double() @ k.double().transpose(-1, -2)
     return maps.declared_weights(fmap, s, r.double(), keep) @ v.double()
 
@@ -321,6 +324,39 @@ def test_cpp_kernel_computes_the_declared_map(name):
     _compare(fmap, got, q, k, v, keep, r, atol=1e-9)
     if not fmap.row_value_has_gradient:
         assert dr.abs().max().item() == 0.0, name
+
+
+@pytest.mark.parametrize("name", CPP_IDS)
+@pytest.mark.parametrize("lq", [1, 3])
+def test_cpp_kernel_computes_the_declared_map_on_few_queries_with_gqa(name, lq):
+    """Calls with few queries (a decode step) and several query heads per kv head (GQA 6/2, per-head masks and
+    rows): one thread takes the grouped form (a kv head's query heads as one block of rows) and as many threads as
+    kv heads plus one the per-head form; both equal the declaration, forward and every gradient."""
+    _ops()
+    fmap = maps.BY_NAME[name]
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 6, lq, 5, generator=g, dtype=torch.float64)
+    k, v = torch.randn(1, 2, 41, 5, generator=g, dtype=torch.float64), torch.randn(1, 2, 41, 3, generator=g,
+                                                                                   dtype=torch.float64)
+    keep = torch.rand(1, 6, lq, 41, generator=g) < 0.8
+    keep[0, 1, 0] = False  # a head whose row sees nothing
+    keep[0, 2, 0] = False
+    keep[0, 2, 0, 7] = True  # and one that sees one key
+    r = fmap.row_value_for(keep.sum(-1).clamp(min=1)).to(torch.float64)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            leaves = [x.clone().requires_grad_(True) for x in (q, k, v, r)]
+            out = fused_cpu._FusedAttention.apply(*leaves[:3], leaves[3], None, keep, None, 0.0, False,
+                                                  fmap.kernel_id, (128, 16), True)
+            w = torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out)
+            dq, dk, dv, dr = torch.autograd.grad((out * w).sum(), leaves)
+            got = {"out": out.detach(), "dq": dq, "dk": dk, "dv": dv,
+                   "dr": dr if fmap.row_value_has_gradient else None}
+            _compare(fmap, got, q, k, v, keep, r, atol=1e-9)
+    finally:
+        torch.set_num_threads(before)
 
 
 def _run_new_map_cpp(ops, q, k, v, keep, r, w):

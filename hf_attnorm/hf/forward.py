@@ -28,7 +28,6 @@ from ..kernels.reference import reference_scores
 from ..masks import additive_keep
 from ..normalizers.base import CONTINUOUS_BATCHING_MODES, ContinuousBatching, Normalizer
 from ..registry import NORMALIZERS, SCALES, AttnormError
-from ..scales.standard import Standard
 from ..settings import AttnormSettings, resolve_settings
 from ..torch_compat import is_exporting
 from . import compat
@@ -189,7 +188,7 @@ def _attend(module: nn.Module, state: Any, query: torch.Tensor, key: torch.Tenso
     plan = None if plan_key is None else _kept_plan(module, state, plan_key)
     if plan is not None and plan.direct is not None:  # a plain call: the path's entry on the raw tensors
         plan.uses += 1
-        out = plan.direct(query, key, value)
+        out = plan.direct(query, key, value, state(query.device) if plan.heads else {})
         _record(plan.path, plan.mask)
         return _to_model_layout(out), None
     # state kept on the cache across decoding (hf/cache_state.py): linear attention's recurrent state, selective
@@ -279,7 +278,9 @@ class CallPlan:
     epoch: int
     kinds: bool
     routes: dict[tuple, Route | None] = dataclasses.field(default_factory=dict)
-    direct: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    direct: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, dict], torch.Tensor] | None = None
+    #: whether the direct entry reads per-head values (the module's state is then called for each call)
+    heads: bool = False
     path: str = ""
     mask: str = ""
     uses: int = 0
@@ -355,21 +356,20 @@ def _planned(module: nn.Module, state: Any, plan_key: tuple, plan: CallPlan | No
 def _direct_entry(plan: CallPlan, kept: Route, state: Any, call: Any, attention_mask: object,
                   kwargs: Mapping[str, Any]) -> None:
     """Give ``plan`` its path's direct entry when every call with its key resolves as plainly as ``call``: no cache
-    state, mask tensor, key selection, score keyword, weights or learnable per-head value, and a normalizer and
-    scale whose per-call factors, output gate and forget gates are absent by their class (not by this call's n)."""
-    norm, sc = call.normalizer, SCALES.get(state.settings.scale)
-    hooks = ("head_multiplier", "query_multiplier", "output_gate", "forget_gates")
+    state, mask tensor, key selection, score keyword, weights or learned memory, and a normalizer whose output gate
+    and forget gates are absent by its class (not by this call's n). Per-head values and per-query factors (a
+    length-aware scale) are the entry's to resolve per call, from the values the module's state gives."""
+    norm = call.normalizer
+    hooks = ("output_gate", "forget_gates")
     plain = (not plan.kinds and attention_mask is None and not kept.ask and not call.need_weights
              and not any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "s_aux"))
              and call.memory == 0 and call.drop_queries == 0 and call.output_gate is None
-             and call.multiplier is None and call.forget is None and not call.mask.selected
-             and type(sc).multiplier is Standard.multiplier
-             and all(getattr(type(norm), h) is getattr(Normalizer, h) for h in hooks)
-             and next(state.parameters(), None) is None)
+             and call.forget is None and not call.mask.selected
+             and all(getattr(type(norm), h) is getattr(Normalizer, h) for h in hooks))
     entry = PATHS[kept.path].direct
     direct = entry(call) if plain and entry is not None else None
     if direct is not None:
-        plan.direct, plan.path, plan.mask = direct, kept.path, call.mask.kind
+        plan.direct, plan.heads, plan.path, plan.mask = direct, bool(call.heads), kept.path, call.mask.kind
 
 
 # ------------------------------------------------------------------------------------------------ continuous batching

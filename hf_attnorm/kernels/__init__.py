@@ -77,12 +77,13 @@ and reused for every call with the same plan facts (device, dtypes, head counts 
 kind of mask, which score modifiers and cache states the call carries, no autograd, no forced path). A path
 registered ``plan_stable`` (True, or a function of the call) declares that its ``accepts`` reads nothing beyond
 those facts, so a reused route asks it nothing again; every other path is asked again on each call. A path may
-offer a ``direct`` entry: given a resolved call, a function of the raw (q, k, v) computing the same output for
-every call with the same plan facts, or None (hf/forward.py uses it only for calls without per-head values, mask,
-score modifiers or cache state). Override: ``path=`` on
-``attention()``/``attend()``, or the environment variable ``HF_ATTNORM_PATH`` (a path name or ``auto``; read when this
-package is imported and by ``set_forced_path()``), so ``attend`` reads no environment. A forced path that cannot take a
-call raises, naming the reason, instead of silently falling back.
+offer a ``direct`` entry: given a resolved call, a function of the raw (q, k, v) and the call's per-head values
+computing the same output for every call with the same plan facts, or None (hf/forward.py uses it only for calls
+without a mask tensor, score modifiers, output gate, forget gates, learned memory or cache state).
+
+Override: ``path=`` on ``attention()``/``attend()``, or the environment variable ``HF_ATTNORM_PATH`` (a path name or
+``auto``; read when this package is imported and by ``set_forced_path()``), so ``attend`` reads no environment. A
+forced path that cannot take a call raises, naming the reason, instead of silently falling back.
 """
 
 from __future__ import annotations
@@ -106,8 +107,9 @@ KernelResult = "tuple[torch.Tensor, torch.Tensor | None]"
 Kernel = Callable[[AttnCall], KernelResult]
 Check = Callable[[AttnCall], "str | None"]
 NormCheck = Callable[[Normalizer], "str | None"]
-#: a path's direct entry: (q [B, H, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv]) -> out [B, H, Lq, Dv]
-Direct = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+#: a path's direct entry: (q [B, H, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv], the call's per-head values
+#: (name -> [H] or [H, ...], as the module's state gives them for the call)) -> out [B, H, Lq, Dv]
+Direct = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, dict], torch.Tensor]
 
 
 @dataclasses.dataclass(frozen=True)

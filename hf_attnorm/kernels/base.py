@@ -6,9 +6,9 @@ import dataclasses
 
 import torch
 
-from ..masks import MaskInfo
+from ..masks import MaskInfo, build_mask_info
 from ..normalizers.base import Ctx, Normalizer
-from ..registry import NORMALIZERS
+from ..registry import NORMALIZERS, SCALES
 from ..settings import AttnormSettings
 
 
@@ -175,6 +175,41 @@ class AttnCall:
         relu_len 1/n) on q's device, broadcastable to [B, H, Lq]; None for maps without one."""
         r = self.normalizer.row_value(self.ctx(), dtype)
         return None if r is None else r.to(self.q.device)
+
+
+def query_factor(settings: AttnormSettings, q: torch.Tensor, ctx: Ctx) -> torch.Tensor | None:
+    """The per-query multiplier of a call, [B|1, H|1, Lq] or None (``AttnCall.multiplier``): the scale's multiplier
+    of n = ``ctx.n``, times the normalizer's per-head multiplier and its per-query multiplier from the raw queries
+    q [B, H, Lq, D]."""
+    norm, sc = NORMALIZERS.get(settings.normalizer), SCALES.get(settings.scale)
+    mult = sc.multiplier(ctx.n, ctx)
+    head_factor = norm.head_multiplier(ctx)
+    if head_factor is not None:
+        hf = head_factor.view(1, -1, 1)
+        mult = hf if mult is None else mult * hf
+    per_query = norm.query_multiplier(q, ctx)  # [B, H, Lq] from the raw query (ASEntmax)
+    if per_query is not None:
+        mult = per_query if mult is None else mult * per_query
+    return mult
+
+
+def one_query_ctx(settings: AttnormSettings, heads: dict[str, torch.Tensor], q: torch.Tensor, lk: int,
+                  module_info: dict) -> Ctx:
+    """The ``Ctx`` that ``make_call`` resolves for a call of one query per head, q [B, H, 1, D], against ``lk``
+    keys without a mask or learned memory: every row sees the ``lk`` keys (n = lk, the mask facts' own tensor). For
+    the direct entries of planned decode steps (``kernels.Direct``)."""
+    mask = build_mask_info(None, q.shape[0], q.shape[1], 1, lk, False, q.device)
+    return Ctx(settings, heads, q.shape[-1], mask.n, module_info, lk)
+
+
+def has_query_factor(settings: AttnormSettings) -> bool:
+    """Whether calls of ``settings`` may carry a per-query multiplier: a scale other than the standard one, or a
+    normalizer with a per-head or per-query multiplier (by their classes, not by any call's n)."""
+    norm, sc = NORMALIZERS.get(settings.normalizer), SCALES.get(settings.scale)
+    standard = type(SCALES.get("standard")).multiplier
+    return (type(sc).multiplier is not standard
+            or type(norm).head_multiplier is not Normalizer.head_multiplier
+            or type(norm).query_multiplier is not Normalizer.query_multiplier)
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:

@@ -1,10 +1,10 @@
-"""One-query calls (a cached decode step) for the normalizers without an SDPA rewrite, on CPU.
+"""One-query calls (a cached decode step) for the normalizers without a kernel of their own, on CPU.
 
 With Lq = 1 the scores of a call are one row per head, [B, H, 1, Lk]: O(Lk) memory, like the fused kernels, so
 they are simply formed, with the query heads of a kv head as one matrix (no GQA copy of k or v), and passed through
-the normalizer's own ``reference``. Measured on a loaded 1-thread CPU (Lk = 1024, GQA 8/2) this is 5-15% cheaper per
-step than the blocked fused kernels, whose blocks are sized for many queries; not for the sparse maps, whose
-reference sorts each row (4-6x slower than the fused threshold search), so those keep the fused kernels.
+the normalizer's own ``reference``. The fused maps decode on their fused kernel instead (``fused_cpu``, whose
+blocked kernel groups a kv head's query heads into one block of rows for such calls): one op where this path runs
+the scores, the map, the sum and the weighted values as separate PyTorch ops.
 
 Query-coupled normalizers (selective attention) run here too: a one-query call has no other query in it, and what
 the earlier queries of a cache accumulated arrives as ``AttnCall.selective_carry``, which ``call.ctx()`` hands to the
@@ -20,12 +20,11 @@ from .base import AttnCall, compute_dtype, modify_scores, normalize
 
 
 def takes(norm: Normalizer) -> str | None:
-    if norm.kernel_family not in ("fused", "generic"):
+    if norm.kernel_family != "generic":
+        # (the fused maps decode on their fused kernels, whose one-query form groups a kv head's query heads)
         return f"normalizer {norm.name!r} has a faster {norm.kernel_family} path for one query"
     if type(norm).feature_map is not Normalizer.feature_map:
         return f"normalizer {norm.name!r} has a feature map"
-    if norm.sparse:
-        return f"normalizer {norm.name!r} is sparse: its reference sorts each row, slower than the fused kernel"
     return None
 
 

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from ..normalizers.base import Normalizer
 from ..torch_compat import FLASH_CPU_GQA, FLASH_CPU_GQA_FEATURE, is_exporting, warn_fallback
 from . import triton_rows
-from .base import AttnCall, compute_dtype, repeat_kv
+from .base import AttnCall, compute_dtype, has_query_factor, one_query_ctx, query_factor, repeat_kv
 
 
 def takes(norm: Normalizer) -> str | None:
@@ -627,21 +627,35 @@ def sdpa_sinkcol_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
 
 
 def direct(call: AttnCall) -> Any:
-    """The direct entry of a plain call (no sink, score modifier, mask tensor, per-query factor, q/k transform or
-    dropout; q, k and v of one dtype that is computed as is): SDPA on the raw (q, k, v) with the call's causality,
-    scale and GQA, exactly what ``sdpa_attention`` runs for such a call. None for every other call."""
+    """The direct entry of a plain call (no sink, score modifier, mask tensor, q/k transform or dropout; q, k and v
+    of one dtype that is computed as is): SDPA on the raw (q, k, v) with the call's causality, scale and GQA,
+    exactly what ``sdpa_attention`` runs for such a call. With a per-query factor (a length-aware scale, a per-head
+    multiplier), on CPU and for one query per head: the factor from the call's per-head values and n = Lk, as
+    ``make_call`` resolves it, multiplied into q as ``sdpa_attention`` does. None for every other call."""
     q = call.q
-    if (_has_sink(call) or call.modifies_scores or call.mask.keep is not None or call.multiplier is not None
+    if (_has_sink(call) or call.modifies_scores or call.mask.keep is not None
             or call.dropout > 0 or type(call.normalizer).transform_qk is not Normalizer.transform_qk
             or compute_dtype(q.dtype) != q.dtype or call.k.dtype != q.dtype or call.v.dtype != q.dtype
             or not q.dtype.is_floating_point or is_exporting()):
         return None
     causal, scale, gqa = call.mask.causal, float(call.base), q.shape[1] != call.k.shape[1]
+    if not has_query_factor(call.settings):
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: dict) -> torch.Tensor:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
 
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+        return run
+    if q.shape[2] != 1 or q.device.type != "cpu":  # (on a GPU the factor goes through triton_rows)
+        return None
+    settings, info = call.settings, call.module_info
 
-    return run
+    def run_factored(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: dict) -> torch.Tensor:
+        mult = query_factor(settings, q, one_query_ctx(settings, heads, q, k.shape[2], info))
+        if mult is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+        factor = (mult.to(q.dtype) * scale).unsqueeze(-1)
+        return F.scaled_dot_product_attention(q * factor, k, v, is_causal=causal, scale=1.0, enable_gqa=gqa)
+
+    return run_factored
 
 
 from . import register_path  # noqa: E402  (registration at import, like the normalizers)

@@ -23,7 +23,16 @@ from typing import Any
 import torch
 
 from ...normalizers.base import Normalizer
-from ..base import AttnCall, compact_bias, compute_dtype, dense_keep, last_dim_contiguous
+from ..base import (
+    AttnCall,
+    compact_bias,
+    compute_dtype,
+    dense_keep,
+    has_query_factor,
+    last_dim_contiguous,
+    one_query_ctx,
+    query_factor,
+)
 from ..native import NO_NATIVE_ENV as NO_NATIVE_ENV  # (re-exported: read where the fused kernels are tested)
 from ..native import OPS, NativeExtension, compiler, extension
 from ..native import build_error_summary as build_error_summary
@@ -182,6 +191,17 @@ def accepts(call: AttnCall) -> str | None:
     return NATIVE.reason()
 
 
+def _blocks(name: str, lq: int) -> tuple[int, int]:
+    """(block_q, block_k) for map ``name`` and ``lq`` queries."""
+    if BLOCK_OVERRIDE is not None:
+        return BLOCK_OVERRIDE
+    if name in THRESHOLD:
+        # few queries (decode): a query block no larger than needed, since the threshold maps keep a [block_q, Lk]
+        # row buffer per thread (128 rows for one query made a 4096-key decode step about 2x slower)
+        return min(BLOCKS["block_q_threshold"], max(8, lq)), BLOCKS["block_k"]
+    return BLOCKS["block_q"], BLOCKS["block_k"]
+
+
 def fused_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     """out [B, H, Lq, Dv] in the input dtype (fp16/bf16 computed in fp32), for calls ``accepts`` takes."""
     name = call.normalizer.fused_map
@@ -192,14 +212,7 @@ def fused_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     B, H, Lq, _ = q.shape
     keep = dense_keep(call, B, H, Lq, k.shape[2])
     causal = keep is None and call.mask.causal
-    if BLOCK_OVERRIDE is not None:
-        blocks = BLOCK_OVERRIDE
-    elif name in THRESHOLD:
-        # few queries (decode): a query block no larger than needed, since the threshold maps keep a [block_q, Lk]
-        # row buffer per thread (128 rows for one query made a 4096-key decode step about 2x slower)
-        blocks = (min(BLOCKS["block_q_threshold"], max(8, Lq)), BLOCKS["block_k"])
-    else:
-        blocks = (BLOCKS["block_q"], BLOCKS["block_k"])
+    blocks = _blocks(name, Lq)
     rv = row_value(call, dt)
     bias = None if call.bias is None else compact_bias(call.bias, dt)
     slopes = None if call.alibi_slopes is None else call.alibi_slopes.detach().to(dt).contiguous()
@@ -209,9 +222,40 @@ def fused_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     return out.to(call.q.dtype), None
 
 
+def direct(call: AttnCall) -> Any:
+    """The direct entry of a plain one-query call (a cached decode step without a mask tensor, score modifier,
+    sink or dropout; q, k and v of one dtype computed as is), for the plan to reuse: the fused kernel's one-output
+    ``decode`` op on the raw (q, k, v), without autograd, its row value and per-query factor resolved from the
+    call's per-head values and n = Lk (every row sees every key) as ``make_call`` resolves them. Exactly what
+    ``fused_cpu_attention`` computes for such a call. None for every other call."""
+    q = call.q
+    if (q.shape[2] != 1 or call.modifies_scores or call.mask.keep is not None or call.mask.causal
+            or call.dropout > 0 or compute_dtype(q.dtype) != q.dtype or call.k.dtype != q.dtype
+            or call.v.dtype != q.dtype or BLOCK_OVERRIDE is not None or NATIVE.reason() is not None):
+        return None
+    norm, settings, info = call.normalizer, call.settings, call.module_info
+    B, H = q.shape[:2]
+    dt, base, kernel = q.dtype, float(call.base), map_id(norm.fused_map)
+    blocks, factored = _blocks(norm.fused_map, 1), has_query_factor(settings)
+    native = NATIVE.ops  # (the compiled op itself: plans are made only in eager calls, never traced)
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: dict) -> torch.Tensor:
+        ctx = one_query_ctx(settings, heads, q, k.shape[2], info)
+        r = norm.row_value(ctx, dt)
+        rv = (ctx.n.to(device=q.device, dtype=dt) if r is None else r.to(q.device)).expand(B, H, 1).contiguous()
+        mult = query_factor(settings, q, ctx) if factored else None
+        if mult is not None:  # (as fused_cpu_attention: q times base x multiplier, then the kernel)
+            q, scale = q * (mult.to(dt) * base).unsqueeze(-1), 1.0
+        else:
+            scale = base
+        return native.decode(kernel, q, last_dim_contiguous(k), last_dim_contiguous(v), rv, scale, *blocks)
+
+    return run
+
+
 _define_ops()
 
 from .. import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 register_path("fused_cpu", fused_cpu_attention, takes=takes, accepts=accepts, priority=40, auto_exclude=("cuda",),
-              prepare=NATIVE.build)
+              prepare=NATIVE.build, plan_stable=True, direct=direct)

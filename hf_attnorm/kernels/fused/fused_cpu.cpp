@@ -659,54 +659,78 @@ constexpr int64_t MAX_BQ = 512;
 // instead of with dense matmuls (entmax/sparsemax rows typically keep a few dozen keys out of thousands)
 constexpr int64_t SPARSE_RATIO = 16;
 
+// Few queries (a decode step: Lq rows per head in one query block): the G query heads of a kv head are one block of
+// G * Lq rows, so Q K^T and A V are one matrix product per kv head and key block instead of G thin ones (q and out
+// are contiguous [B, H, Lq, *], so those rows are consecutive). Only where there are at least as many kv heads as
+// threads, so that grouping costs no parallelism.
+template <typename T>
+inline bool group_heads(const Problem<T>& p, int64_t nthreads) {
+  return p.G > 1 && p.Lq <= p.BQ && p.G * p.Lq <= MAX_BQ && (p.Lq == 1 || p.qsh == p.Lq * p.qsl) &&
+         p.B * p.Hkv >= nthreads;
+}
+
 template <typename T, int64_t MAP>
 void forward_tiles(const Problem<T>& p, T* out, T* r1, T* r2) {
-  const int64_t nqb = (p.Lq + p.BQ - 1) / p.BQ;
   const int64_t nthreads = at::get_num_threads();
-  const int64_t BH = p.B * p.H;
+  const bool grouped = group_heads(p, nthreads);
+  const int64_t hg = grouped ? p.G : 1;  // query heads per work item
+  const int64_t bq = std::min(p.BQ, p.Lq), nqb = (p.Lq + bq - 1) / bq;
+  const int64_t BHg = p.B * (p.H / hg);
+  // grouped rows of q are consecutive: at stride qsh for one query, qsl for a whole [Lq, D] head
+  const int64_t lda = grouped && p.Lq == 1 ? p.qsh : p.qsl;
   std::vector<std::vector<T>> sbuf(nthreads), obuf(nthreads);
-  dynamic_for(BH * nqb, nthreads, [&](int64_t item, int64_t t) {
-    const int64_t qb = nqb - 1 - item / BH, bh = item % BH, b = bh / p.H, h = bh % p.H, g = h / p.G;
-    const int64_t i0 = qb * p.BQ, m = std::min(p.BQ, p.Lq - i0);
+  dynamic_for(BHg * nqb, nthreads, [&](int64_t item, int64_t t) {
+    const int64_t qb = nqb - 1 - item / BHg, bhg = item % BHg, b = bhg / (p.H / hg), h0 = (bhg % (p.H / hg)) * hg;
+    const int64_t g = h0 / p.G;
+    const int64_t i0 = qb * bq, m = std::min(bq, p.Lq - i0), rows = hg * m;
     auto& S = sbuf[t];
     auto& O = obuf[t];
     if (S.empty()) {
-      S.resize(p.BQ * p.BK);
-      O.resize(p.BQ * p.Dv);
+      S.resize(hg * bq * p.BK);
+      O.resize(hg * bq * p.Dv);
     }
     T den[MAX_BQ], mrow[MAX_BQ];
-    const T* row_values = p.row_value + bh * p.Lq + i0;
-    for (int64_t r = 0; r < m; ++r) {
+    // row r is head h0 + r / m, query i0 + r % m; grouped (m = Lq, i0 = 0) or not (hg = 1), its per-row values sit
+    // at base + r
+    const int64_t base = (b * p.H + h0) * p.Lq + i0;
+    const T* row_values = p.row_value + base;
+    for (int64_t r = 0; r < rows; ++r) {
       den[r] = (map_row_value_use(MAP) == ROW_VALUE_USE_DEN_OFFSET) ? row_values[r] : T(0);
       mrow[r] = map_running_shift(MAP) == RUNNING_SHIFT_LOG_ABS_MAX ||
                         map_running_shift(MAP) == RUNNING_SHIFT_MAX_SCORE_BELOW_ZERO
                     ? POW_NEG<T>
                     : T(0);
     }
-    std::fill(O.begin(), O.begin() + m * p.Dv, T(0));
+    std::fill(O.begin(), O.begin() + rows * p.Dv, T(0));
     const int64_t jend = p.causal ? std::min(p.Lk, i0 + m) : p.Lk;
-    const T* qi = p.qrow(b, h, i0);
+    const T* qi = p.qrow(b, h0, i0);
     for (int64_t j0 = 0; j0 < jend; j0 += p.BK) {
       const int64_t nb = std::min(p.BK, jend - j0);
-      const int st = p.tile(b, h, i0, m, j0, nb);
+      int st = p.tile(b, h0, i0, m, j0, nb);
+      for (int64_t hh = 1; hh < hg && p.keep != nullptr; ++hh) {  // (without a mask every head's tile is alike)
+        const int sh = p.tile(b, h0 + hh, i0, m, j0, nb);
+        st = st == sh ? st : 2;
+      }
       if (st == 0) continue;
-      mm_abt<T>(m, nb, p.D, qi, p.qsl, p.krow(b, g, j0), p.ksl, T(0), S.data(), nb);
-      if (p.mods()) modify_tile(p, S.data(), nb, b, h, i0, m, j0, nb, static_cast<T*>(nullptr));
-      for (int64_t r = 0; r < m; ++r) {
-        const bool* kr = st == 2 && p.keep ? p.mrow(b, h, i0 + r) + j0 : nullptr;
-        fwd_tile_row<T, MAP>(kr, st == 1 ? nb : p.key_end(i0 + r) - j0, S.data() + r * nb, nb, row_values[r], den[r],
+      mm_abt<T>(rows, nb, p.D, qi, lda, p.krow(b, g, j0), p.ksl, T(0), S.data(), nb);
+      for (int64_t hh = 0; hh < hg && p.mods(); ++hh)
+        modify_tile(p, S.data() + hh * m * nb, nb, b, h0 + hh, i0, m, j0, nb, static_cast<T*>(nullptr));
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t h = h0 + r / m, i = i0 + r % m;
+        const bool* kr = st == 2 && p.keep ? p.mrow(b, h, i) + j0 : nullptr;
+        fwd_tile_row<T, MAP>(kr, st == 1 ? nb : p.key_end(i) - j0, S.data() + r * nb, nb, row_values[r], den[r],
                               mrow[r], O.data() + r * p.Dv, p.Dv);
       }
-      mm_ab<T>(m, p.Dv, nb, S.data(), nb, p.vrow(b, g, j0), p.vsl, T(1), O.data(), p.Dv);
+      mm_ab<T>(rows, p.Dv, nb, S.data(), nb, p.vrow(b, g, j0), p.vsl, T(1), O.data(), p.Dv);
     }
-    T* orow = out + (bh * p.Lq + i0) * p.Dv;
-    for (int64_t r = 0; r < m; ++r) {
+    T* orow = out + base * p.Dv;
+    for (int64_t r = 0; r < rows; ++r) {
       T scale = T(1);
       if (map_normalised(MAP)) scale = den[r] != T(0) ? T(1) / den[r] : T(0);
       if (map_row_value_use(MAP) == ROW_VALUE_USE_WEIGHT_FACTOR) scale = row_values[r];
       for (int64_t d = 0; d < p.Dv; ++d) orow[r * p.Dv + d] = O[r * p.Dv + d] * scale;
-      r1[bh * p.Lq + i0 + r] = den[r];
-      r2[bh * p.Lq + i0 + r] = mrow[r];
+      r1[base + r] = den[r];
+      r2[base + r] = mrow[r];
     }
   });
 }
@@ -803,11 +827,12 @@ void forward_threshold(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
     }
     Buffers& buf = bufs[t];
     if (buf.S.empty()) {
-      buf.S.resize(p.BQ * p.Lk);
-      if (want_u) buf.Hb.resize(p.BQ * p.Lk);
+      const int64_t rows = std::min(p.BQ, p.Lq);  // (a decode step: one row, not a block's)
+      buf.S.resize(rows * p.Lk);
+      if (want_u) buf.Hb.resize(rows * p.Lk);
       buf.cand.resize(p.Lk);
       buf.cidx.resize(p.Lk);
-      const size_t cap = p.BQ * p.Lk / SPARSE_RATIO + 1;
+      const size_t cap = rows * p.Lk / SPARSE_RATIO + 1;
       buf.pv.resize(cap);
       buf.hv.resize(cap);
       buf.ix.resize(cap);
@@ -1032,7 +1057,7 @@ void forward_alpha(const Problem<T>& p, T* out, T* r1, T* r2, T* uout) {
     if (L == 0) return;
     Buffers& buf = bufs[t];
     if (buf.S.empty()) {
-      buf.S.resize(p.BQ * p.Lk);
+      buf.S.resize(std::min(p.BQ, p.Lq) * p.Lk);  // (a decode step: one row, not a block's)
       buf.cand.resize(p.Lk);
       buf.w.resize(p.Lk);
       buf.g.resize(p.Lk);
@@ -1583,6 +1608,16 @@ std::vector<at::Tensor> fused_forward(int64_t map_id, const at::Tensor& q, const
   return {out, den_or_tau, shift_or_gsum, hv_sum};
 }
 
+// decode -> out: a call without autograd, mask, causality or score modifier (a cached decode step), with q's score
+// scale ``scale`` applied here (q is multiplied into a copy, as the callers of forward do before it): one op call
+// and one output, for the direct entry of a plain decode step (cpu.py's ``direct``). Same kernels as forward.
+at::Tensor fused_decode(int64_t map_id, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& row_value, double scale, int64_t block_q, int64_t block_k) {
+  const at::Tensor qs = (q * scale).contiguous();
+  return fused_forward(map_id, qs, k, v, std::nullopt, false, row_value, std::nullopt, std::nullopt, 0.0, block_q,
+                       block_k, false)[0];
+}
+
 std::vector<at::Tensor> fused_backward(int64_t map_id, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                        const std::optional<at::Tensor>& keep, bool causal, const at::Tensor& row_value,
                                        const std::optional<at::Tensor>& bias,
@@ -1633,6 +1668,8 @@ HF_TORCH_LIBRARY(HF_ATTNORM_NATIVE_NS, m) {
   m.def(
       "forward(int map_id, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor row_value, Tensor? bias, "
       "Tensor? slopes, float cap, int block_q, int block_k, bool need_u=True) -> Tensor[]");
+  m.def("decode(int map_id, Tensor q, Tensor k, Tensor v, Tensor row_value, float scale, int block_q, "
+        "int block_k) -> Tensor");
   m.def(
       "backward(int map_id, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor row_value, Tensor? bias, "
       "Tensor? slopes, float cap, bool bias_grad, Tensor out, Tensor den_or_tau, Tensor shift_or_gsum, "
@@ -1642,5 +1679,6 @@ HF_TORCH_LIBRARY(HF_ATTNORM_NATIVE_NS, m) {
 
 HF_TORCH_LIBRARY_IMPL(HF_ATTNORM_NATIVE_NS, CPU, m) {
   m.impl("forward", &fused_forward);
+  m.impl("decode", &fused_decode);
   m.impl("backward", &fused_backward);
 }
