@@ -1,8 +1,10 @@
 """What one attention call costs beyond its kernel, on a decode-sized call (one query, few keys) where the Python
 around the kernel matters most: microseconds per call of transformers' attention function (the module's state, the
-mask, ``make_call``, dispatch, the kernel), of ``make_call`` alone, of ``attend`` alone, of transformers' own sdpa
-attention function (what ``attn_implementation="sdpa"`` calls: the goal's reference) and of SDPA alone. The functions
-are timed interleaved (one sample of each in turn), so a change in the machine's load hits all of them alike.
+mask, ``make_call``, dispatch, the kernel), of the same call with its plan's direct entry set aside (the planned
+route: ``make_call``, the routed path; only where the plan has a direct entry), of ``make_call`` alone, of ``attend``
+alone, of transformers' own sdpa attention function (what ``attn_implementation="sdpa"`` calls: the goal's
+reference) and of SDPA alone. The functions are timed interleaved (one sample of each in turn), so a change in the
+machine's load hits all of them alike.
 
     python scripts/bench_call_overhead.py --implementations softmax symax ssmax --output_dir bench/call_overhead
 """
@@ -26,7 +28,7 @@ runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootst
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
 from hf_attnorm.attention import make_call  # noqa: E402
-from hf_attnorm.hf.forward import hf_attention_forward  # noqa: E402
+from hf_attnorm.hf.forward import hf_attention_forward, plans_of  # noqa: E402
 from hf_attnorm.kernels import attend  # noqa: E402
 from hf_attnorm.lab.model_zoo import build_model  # noqa: E402
 
@@ -59,18 +61,33 @@ def measure(implementation: str, keys: int, calls: int, repeats: int) -> dict[st
     scaling = dim ** -0.5
     call = make_call(q, k, v, state.settings, state(q.device), None, True, scaling)
     kr, vr = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+    with torch.no_grad(), warnings.catch_warnings():  # the call's plan (made by its first call)
+        warnings.simplefilter("ignore")
+        hf_attention_forward(module, q, k, v, None, scaling, implementation=implementation)
+    plans = list(plans_of(module).values())
+    direct = plans[0].direct if len(plans) == 1 else None
+
+    def routed():  # the same call with the plan's direct entry set aside: its route, make_call and the path
+        plans[0].direct = None
+        try:
+            return hf_attention_forward(module, q, k, v, None, scaling, implementation=implementation)
+        finally:
+            plans[0].direct = direct
+
     # (linear attention warns once that a call without a cache cannot keep its recurrent state: expected here)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         row = per_call_us({
             "attention_function_us":
                 lambda: hf_attention_forward(module, q, k, v, None, scaling, implementation=implementation),
+            **({"planned_route_us": routed} if direct is not None else {}),
             "make_call_us": lambda: make_call(q, k, v, state.settings, state(q.device), None, True, scaling),
             "attend_us": lambda: attend(call),
             "transformers_sdpa_function_us": lambda: sdpa_attention_forward(module, q, k, v, None, scaling=scaling),
             "sdpa_us": lambda: F.scaled_dot_product_attention(q, kr, vr, scale=scaling),
         }, calls, repeats)
     row["above_transformers_sdpa_us"] = row["attention_function_us"] - row["transformers_sdpa_function_us"]
+    row["path"], row["direct"] = (plans[0].path or "", direct is not None) if plans else ("", False)
     return row
 
 
@@ -94,7 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = {}
     for implementation in args.implementations:
         rows[implementation] = measure(implementation, args.keys, args.calls, args.repeats)
-        print(implementation, " ".join(f"{k} {v:.1f}" for k, v in rows[implementation].items()), flush=True)
+        print(implementation, " ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                                        for k, v in rows[implementation].items()), flush=True)
     result = {"rows": rows, "keys": args.keys, "calls": args.calls, "repeats": args.repeats,
               "threads": args.threads, "torch": torch.__version__, "load_average": os.getloadavg()}
     if args.output_dir is not None:

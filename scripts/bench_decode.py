@@ -17,9 +17,11 @@ test.
 
 ``--curve``: instead, the time of one decode step (a forward of one token on a dynamic cache holding L keys) against
 the context length L, for sdpa and each of ``--curve_implementations`` (``linear_exact``: linear forced onto its
-exact O(Lk) one-query path, i.e. without the recurrent state): each implementation prefills its own cache, then
-``--steps`` single-token forwards are timed one by one (median), interleaved by repeat. Writes curve.json, curve.md
-and curve.png (when matplotlib is installed).
+exact O(Lk) one-query path, i.e. without the recurrent state): each implementation prefills its own cache, and so
+does a twin of the model with the same weights on transformers' sdpa; then ``--steps`` single-token forwards of the
+two are timed one by one, alternating (twin, implementation, twin, ...), so that the ratio of their medians is
+paired step by step; implementations are interleaved by repeat and the ratio is the median over repeats. Writes
+curve.json, curve.md and curve.png (when matplotlib is installed).
 """
 
 from __future__ import annotations
@@ -115,29 +117,43 @@ def measure(model, impl: str, ids: torch.Tensor, new_tokens: int) -> dict[str, f
             "path": prefill_rec.path or "sdpa", "decode_path": gen_rec.path or "sdpa"}
 
 
-def decode_steps(model, impl: str, ids: torch.Tensor, steps: int) -> tuple[float, str]:
-    """Median seconds of one cached decode step after a prefill of ``ids`` [1, L], and the path it took."""
+def _prefilled(model, ids: torch.Tensor):
+    """A dynamic cache holding ``ids`` [1, L] and the greedy next token [1, 1]."""
     from transformers import DynamicCache
 
+    cache = DynamicCache(config=model.config)
+    out = model(ids, **compat.cache_kwargs(model, cache), use_cache=True)
+    return cache, out.logits[:, -1:].argmax(-1)
+
+
+def decode_steps(model, impl: str, ids: torch.Tensor, steps: int, twin=None) -> tuple[float, str, float | None]:
+    """Median seconds of one cached decode step after a prefill of ``ids`` [1, L] and the path it took; with
+    ``twin`` (the same weights on transformers' sdpa), the twin's steps alternate with these one by one on a cache
+    of its own, and its median comes third (so machine drift hits both alike: the ratio is paired step by step)."""
     from hf_attnorm.hf.forward import record_paths
     from hf_attnorm.kernels import set_forced_path
 
     switch(model, impl)
     try:
-        cache = DynamicCache(config=model.config)
         with torch.no_grad():
-            out = model(ids, **compat.cache_kwargs(model, cache), use_cache=True)
-            tok = out.logits[:, -1:].argmax(-1)
-            times = []
+            cache, tok = _prefilled(model, ids)
+            if twin is not None:
+                twin_cache, twin_tok = _prefilled(twin, ids)
+            times, twin_times = [], []
             with record_paths() as rec:
                 for _ in range(steps):
+                    if twin is not None:
+                        t0 = time.perf_counter()
+                        out = twin(twin_tok, **compat.cache_kwargs(twin, twin_cache), use_cache=True)
+                        twin_times.append(time.perf_counter() - t0)
+                        twin_tok = out.logits[:, -1:].argmax(-1)
                     t0 = time.perf_counter()
                     out = model(tok, **compat.cache_kwargs(model, cache), use_cache=True)
                     times.append(time.perf_counter() - t0)
                     tok = out.logits[:, -1:].argmax(-1)
     finally:
         set_forced_path("auto")
-    return statistics.median(times), rec.path or "sdpa"
+    return statistics.median(times), rec.path or "sdpa", statistics.median(twin_times) if twin_times else None
 
 
 def curve_implementations(names: list[str]) -> list[str]:
@@ -152,22 +168,27 @@ def curve(args: argparse.Namespace) -> None:
     impls = ["sdpa", *curve_implementations(args.curve_implementations)]
     load_at_start, started = os.getloadavg()[0], time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     model = build(args, max(args.curve) + args.steps + 8)
+    twin = build(args, max(args.curve) + args.steps + 8)  # transformers' sdpa, the same weights
+    twin.load_state_dict(model.state_dict())
     rows = []
     for n in args.curve:
         ids = torch.randint(1, 1000, (1, n), generator=torch.Generator().manual_seed(n))
         for impl in impls:  # warm-up
-            decode_steps(model, impl, ids[:, :64], 2)
+            decode_steps(model, impl, ids[:, :64], 2, twin)
         runs: dict[str, list[float]] = {i: [] for i in impls}
+        # each implementation's own sdpa baseline: the twin's steps, alternating with its steps
+        base: dict[str, list[float]] = {i: [] for i in impls}
         paths = {}
         for _ in range(args.repeats):
             for impl in impls:
-                t, paths[impl] = decode_steps(model, impl, ids, args.steps)
+                t, paths[impl], b = decode_steps(model, impl, ids, args.steps, twin)
                 runs[impl].append(t)
-        sdpa = runs["sdpa"]
+                base[impl].append(b)
         for impl in impls:
-            ratio = statistics.median(t / b for t, b in zip(runs[impl], sdpa))
+            ratio = statistics.median(t / b for t, b in zip(runs[impl], base[impl]))
             rows.append({"implementation": impl, "path": paths[impl], "context": n,
-                         "step_ms": 1000 * statistics.median(runs[impl]), "ratio_to_sdpa": ratio})
+                         "step_ms": 1000 * statistics.median(runs[impl]),
+                         "sdpa_step_ms": 1000 * statistics.median(base[impl]), "ratio_to_sdpa": ratio})
             print(f"L={n} {impl} [{paths[impl]}]: {rows[-1]['step_ms']:.2f} ms/step ({ratio:.2f}x sdpa)", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"threads": args.threads, "repeats": args.repeats, "steps": args.steps, "torch": torch.__version__,

@@ -783,8 +783,10 @@ def speed_goals() -> str:
             f"load average at the start {load}; SDPA softmax forward / forward+backward {base}; "
             f"[{SPEED_RUNS['kernels']}](../{SPEED_RUNS['kernels']})). Decode: `{dm['command']}` (one cached step of a "
             f"tiny Llama, {dm['model']['layers']} layers, hidden {dm['model']['hidden']}, "
-            f"{dm['model']['heads']}/{dm['model']['kv_heads']} heads, against transformers' sdpa on the same model, "
-            f"median of {dm['repeats']} interleaved repeats of {dm['steps']} steps, {dm['threads']} threads, load "
+            f"{dm['model']['heads']}/{dm['model']['kv_heads']} heads, against transformers' sdpa on "
+            + ("a twin of the model (the same weights), their steps alternating one by one, median ratio of "
+               if any("sdpa_step_ms" in r for r in dec["rows"]) else "the same model, median of ")
+            + f"{dm['repeats']} interleaved repeats of {dm['steps']} steps, {dm['threads']} threads, load "
             f"average at the start {dm['load_average_at_start']:.1f}; [{SPEED_RUNS['decode']}]"
             f"(../{SPEED_RUNS['decode']})).{recheck}")
 
