@@ -74,39 +74,57 @@ PREFILL_REASONS: dict[str, str] = {
     **{name: _SCALE_ROW for name in ("max_gradient", "empirical_max_gradient", "llama4", "qwen_logn", "llama4_pos",
                                      "log_n", "log_train_n", "sparse_target", "ssmax", "yarn")},
 }
+#: what a fused map's decode step adds on its direct entry (the fused kernel's one-output op, the row value resolved
+#: per step)
+_FUSED_STEP = ("the map's pass over the cached scores in the fused kernel's grouped one-query form, and per step "
+               "the row value (and any per-query factor) resolved in Python before the kernel's op;")
 #: implementation -> what costs a decode step beyond the shared per-step overhead (``DECODE_SHARED``)
 DECODE_REASONS: dict[str, str] = {
     "entmax_alpha": "the threshold search per query over every cached key (Newton steps with an exp and a log per "
                     "candidate);",
     "asentmax": "the threshold search per query over every cached key (Newton steps with an exp and a log per "
-                "candidate);",
+                "candidate), and its per-query factor from the raw query;",
     "sparsemax": "the threshold search per query over every cached key;",
     "entmax15": "the threshold search per query over every cached key;",
     "diff": "two SDPA calls and the combination per step;",
-    "fox": "every step recomputes the cumulative forget gates from all cached values (O(Lk Dv) per head, in "
-           "float64) and materialises the decay;",
+    "fox": "the decay -|c_i - c_j| of the kept cumulative gates (hf/forget_cache.py) materialised per step as SDPA's "
+           "float mask, on the planned route (make_call: a cache state is involved, so no direct entry);",
     "selective": "the carried column sums of earlier queries are updated per step;",
     "linear": "the recurrent state's update (the feature map of the new key, two outer products) runs as separate "
               "PyTorch ops, a fixed cost that only falls below softmax's growing step beyond 8k keys;",
-    "cosine": "every step l2-normalises all cached keys again (O(Lk d));",
-    "sink": "the sink logit goes through the CPU flash kernel's log-sum-exp rewrite (the flash op, then a rescale);",
-    "softmax_n": "the extra denominator term goes through the CPU flash kernel's log-sum-exp rewrite;",
-    "softmax1": "the extra denominator term goes through the CPU flash kernel's log-sum-exp rewrite;",
-    "memkv": "every step prepends the memory keys and values to the cached ones (copies of O(Lk d));",
-    "gated": "the gate sigmoid(q W + b) of the new query;",
+    "hedgehog": "the recurrent state's update with its learned feature maps (separate PyTorch ops), a fixed cost "
+                "below softmax's growing step only at 8k keys;",
+    "cosine": "q l2-normalised and the kept normalised keys extended per step (hf/key_cache.py), the max_gradient "
+              "scale's alpha*(n) per step, on the planned route (make_call: a cache state is involved, so no direct "
+              "entry);",
+    "sink": "the sink logit goes through the CPU flash kernel's log-sum-exp rewrite (the flash op, then a rescale) on "
+            "the planned route (no direct entry);",
+    "softmax_n": "the extra denominator term goes through the CPU flash kernel's log-sum-exp rewrite on the planned "
+                 "route (no direct entry);",
+    "softmax1": "the extra denominator term goes through the CPU flash kernel's log-sum-exp rewrite on the planned "
+                "route (no direct entry);",
+    "memkv": "every step prepends the memory keys and values to the cached ones (copies of O(Lk d)), on the planned "
+             "route (no direct entry);",
+    "gated": "the gate sigmoid(q W + b) of the new query, on the planned route (no direct entry);",
     "stickbreaking": "a log-sigmoid and a reverse cumulative sum over every cached key per step;",
-    **{name: "the map runs as a few PyTorch ops over the cached keys (scores, map, sum, weighted values) where "
-             "SDPA is one kernel;" for name in ("cog", "power", "relu_len", "sigmoid", "softpick", "softplus",
-                                              "lssa", "squared", "stablemax", "symax")},
+    "cog": "the map runs as a few PyTorch ops over the cached keys (scores, map, sum, weighted values) where "
+           "SDPA is one kernel (no fused kernel);",
+    **{name: _FUSED_STEP for name in ("power", "relu_len", "sigmoid", "softpick", "softplus", "lssa", "squared",
+                                      "stablemax", "symax")},
+    **{name: "the scale's factor of n computed per step on the direct entry and multiplied into q (one more pass "
+             "over q before SDPA);" for name in ("max_gradient", "empirical_max_gradient", "llama4", "qwen_logn",
+                                               "llama4_pos", "log_n", "log_train_n", "sparse_target", "ssmax",
+                                               "yarn")},
 }
 #: how a row's reason refers to ``DECODE_SHARED`` (printed once under the table)
 DECODE_SHARED_SHORT = "decode: the per-step overhead shared by every row (under the table)"
 #: why every decode row, the softmax row included, can miss the decode goal
-DECODE_SHARED = ("at decode sizes hf_attnorm's Python around the kernel (the module's state, the mask, make_call, "
-                 "the dispatch: 40-130 us per layer call, bench/call_overhead) costs as much as SDPA's whole call, "
-                 "10-15% of a step of this 4-layer tiny model even for softmax's unchanged SDPA call; a larger "
-                 "model's step spends a larger share in its matmuls. Decode ratios on this machine vary by about "
-                 "+-15% between rows that run the same code (the scale rows)")
+DECODE_SHARED = ("a planned call costs 4-28 us above transformers' sdpa attention function per layer call on its "
+                 "direct entry (bench/call_overhead, 1 thread, 32 keys), and 16-52 us more on the planned route "
+                 "(make_call and the routed path: the rows without a direct entry); a step of this 4-layer tiny "
+                 "model is 2-5 ms, so a larger model's step spends a larger share in its matmuls. Each row's steps "
+                 "alternate with an sdpa twin's (sdpa against its own twin: 0.98-1.01x); between two runs of the "
+                 "same code rows moved by 0.03 (median) and up to 0.3 (bench/decode/README.md)")
 
 
 def prefill_goal(implementation: str) -> float:
