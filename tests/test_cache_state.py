@@ -5,6 +5,7 @@ kind is served by the pre-hook and forgotten by drop_states."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from transformers import DynamicCache
 
 from hf_attnorm.hf import cache_state, compat
 from hf_attnorm.hf.families import attention_modules
-from hf_attnorm.registry import NORMALIZERS
+from hf_attnorm.registry import NORMALIZERS, PRESETS
 
 
 @dataclasses.dataclass
@@ -198,3 +199,29 @@ def test_cosine_keeps_its_normalised_keys(monkeypatch):
             torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
     for layer in cached.past_key_values.layers:
         assert getattr(layer, key_cache.STATE_ATTR).length == layer.keys.shape[2]
+
+
+@pytest.mark.parametrize("implementation", list(PRESETS))
+def test_generation_under_inference_mode_equals_no_grad(implementation):
+    """torch.inference_mode makes tensors without version counters: every implementation still generates (greedy,
+    padded batch) exactly what it generates under no_grad, and a kind that serves it keeps its state on the cache
+    there too (checked by the tensors' identity alone, ``cache_state.versions``)."""
+    model = tiny("llama", "causal_lm", implementation=implementation)
+    x = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, :2] = 0
+    gen = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, output_scores=True,
+               return_dict_in_generate=True)
+    with torch.no_grad():
+        want = model.generate(x, **gen)
+    with torch.inference_mode():
+        got = model.generate(x, **gen)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.scores, want.scores):
+        assert torch.equal(a, b)
+    settings = model.model.layers[0].self_attn.attnorm.settings
+    attrs = {kind.name: getattr(importlib.import_module(type(kind).__module__), "STATE_ATTR", None)
+             for kind in cache_state.kinds_serving(settings.normalizer)}
+    for name, attr in attrs.items():
+        kept = [getattr(layer, attr, None) for layer in got.past_key_values.layers]
+        assert attr is not None and all(s is not None for s in kept), (name, kept)

@@ -17,7 +17,8 @@ module's normalizer:
    (``AttnCall.recurrent``, ``AttnCall.selective_carry``), and ``CacheStep.after(call, path)`` records the state for
    the layer's new tensors (advanced, rebuilt, or dropped).
 
-Nothing here reads a tensor's values: identity, shape and version checks on the host. Under ``torch.compile`` the
+Nothing here reads a tensor's values: identity, shape and version checks on the host (``versions``: by identity
+alone for tensors made under ``torch.inference_mode``, which keep no version counter). Under ``torch.compile`` the
 pre-hook does nothing (nothing may persist across a graph) and each kind says what its calls do there.
 """
 
@@ -43,6 +44,14 @@ PENDING_ATTR = "_hf_attnorm_cache_pending"
 
 def _none() -> None:
     return None
+
+
+def versions(*tensors: torch.Tensor) -> tuple[int | None, ...]:
+    """The tensors' version counters (an in-place write bumps one), the check that a kept state still describes a
+    cache layer's tensors. An inference tensor (made under ``torch.inference_mode``) keeps no counter: None there,
+    so such a state is checked by the tensors' identity alone (transformers' DynamicLayer replaces its tensors on
+    every update, crop, reorder and batch change instead of writing into them)."""
+    return tuple(None if t.is_inference() else t._version for t in tensors)
 
 
 @dataclasses.dataclass(eq=False)

@@ -40,7 +40,7 @@ def _parameter_marks(module: nn.Module) -> tuple:
     """(identity, version) of each learnable per-head value of the module's state: the gates read them."""
     state = getattr(module, "attnorm", None)
     params = dict(state.named_parameters(recurse=False)) if isinstance(state, nn.Module) else {}
-    return tuple((name, id(p), p._version) for name, p in sorted(params.items()))
+    return tuple((name, id(p), *cache_state.versions(p)) for name, p in sorted(params.items()))
 
 
 @dataclasses.dataclass(eq=False)
@@ -52,7 +52,7 @@ class ForgetState:
     c: torch.Tensor
     keys: weakref.ref
     values: weakref.ref
-    versions: tuple[int, int]
+    versions: tuple[int | None, ...]
     module: weakref.ref
     settings: AttnormSettings
     marks: tuple
@@ -63,7 +63,7 @@ class ForgetState:
     def matches(self, layer: DynamicLayer, module: nn.Module) -> bool:
         k, v = compat.layer_tensors(layer)
         return (k is not None and self.keys() is k and self.values() is v and self.module() is module
-                and (k._version, v._version) == self.versions and _parameter_marks(module) == self.marks)
+                and cache_state.versions(k, v) == self.versions and _parameter_marks(module) == self.marks)
 
 
 @dataclasses.dataclass(eq=False)
@@ -93,7 +93,7 @@ class ForgetStep:
                 delattr(layer, STATE_ATTR)
             return
         k, v = compat.layer_tensors(layer)
-        setattr(layer, STATE_ATTR, ForgetState(call.forget, weakref.ref(k), weakref.ref(v), (k._version, v._version),
+        setattr(layer, STATE_ATTR, ForgetState(call.forget, weakref.ref(k), weakref.ref(v), cache_state.versions(k, v),
                                                weakref.ref(self.module), self.settings,
                                                _parameter_marks(self.module)))
 

@@ -44,7 +44,7 @@ class KeyState:
     length: int
     keys: weakref.ref
     values: weakref.ref
-    versions: tuple[int, int]
+    versions: tuple[int | None, ...]
     module: weakref.ref
     settings: AttnormSettings
 
@@ -54,7 +54,7 @@ class KeyState:
     def matches(self, layer: DynamicLayer, module: nn.Module) -> bool:
         k, v = compat.layer_tensors(layer)
         return (k is not None and self.keys() is k and self.values() is v and self.module() is module
-                and (k._version, v._version) == self.versions)
+                and cache_state.versions(k, v) == self.versions)
 
 
 def _transform_keys(call: AttnCall, keys: torch.Tensor) -> torch.Tensor:
@@ -98,7 +98,7 @@ class KeyStep:
                 delattr(layer, STATE_ATTR)
             return
         k, v = compat.layer_tensors(layer)
-        st.keys, st.values, st.versions = weakref.ref(k), weakref.ref(v), (k._version, v._version)
+        st.keys, st.values, st.versions = weakref.ref(k), weakref.ref(v), cache_state.versions(k, v)
         setattr(layer, STATE_ATTR, st)
 
 

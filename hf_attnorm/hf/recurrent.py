@@ -9,7 +9,8 @@ used only when it corresponds to exactly the cached keys:
 
 * the attention module's forward pre-hook (hf/cache_state.py, the protocol every cache-kept state follows; the
   attention function never sees the cache) looks at the layer BEFORE the module appends its new keys: the state is
-  armed only if the layer still holds the very tensors the state was made from, unchanged in place (``_version``).
+  armed only if the layer still holds the very tensors the state was made from, unchanged in place
+  (``cache_state.versions``).
   Anything transformers does to a cache between steps (``reorder_cache`` for beam search, ``crop``,
   ``batch_select_indices``, ``batch_repeat_interleave``, ``reset``, offloading) replaces those tensors or changes them
   in place, so it disarms (and drops) the state;
@@ -60,7 +61,7 @@ class _Owned:
     state: LinearState
     keys: weakref.ref
     values: weakref.ref
-    versions: tuple[int, int]
+    versions: tuple[int | None, ...]
     module: weakref.ref
 
     def __reduce__(self):
@@ -72,7 +73,7 @@ class _Owned:
     def matches(self, layer: DynamicLayer, module: nn.Module) -> bool:
         k, v = compat.layer_tensors(layer)
         return (k is not None and self.keys() is k and self.values() is v and self.module() is module
-                and (k._version, v._version) == self.versions)
+                and cache_state.versions(k, v) == self.versions)
 
 
 @dataclasses.dataclass(eq=False)
@@ -104,7 +105,7 @@ class StepHandle:
                 delattr(layer, STATE_ATTR)
             return
         k, v = compat.layer_tensors(layer)
-        setattr(layer, STATE_ATTR, _Owned(state, weakref.ref(k), weakref.ref(v), (k._version, v._version),
+        setattr(layer, STATE_ATTR, _Owned(state, weakref.ref(k), weakref.ref(v), cache_state.versions(k, v),
                                           weakref.ref(self.module)))
 
 

@@ -77,7 +77,7 @@ class SelectiveState:
     settings: AttnormSettings
     keys: weakref.ref | None = None
     values: weakref.ref | None = None
-    versions: tuple[int, int] = (-1, -1)
+    versions: tuple[int | None, ...] = (-1, -1)
     module: weakref.ref | None = None
 
     @classmethod
@@ -132,12 +132,12 @@ class SelectiveState:
 
     def record(self, layer: DynamicLayer) -> None:
         k, v = compat.layer_tensors(layer)
-        self.keys, self.values, self.versions = weakref.ref(k), weakref.ref(v), (k._version, v._version)
+        self.keys, self.values, self.versions = weakref.ref(k), weakref.ref(v), cache_state.versions(k, v)
 
     def matches(self, layer: DynamicLayer) -> bool:
         k, v = compat.layer_tensors(layer)
         return (k is not None and v is not None and self.keys is not None and self.keys() is k
-                and self.values() is v and (k._version, v._version) == self.versions)
+                and self.values() is v and cache_state.versions(k, v) == self.versions)
 
     def map_batch(self, fn) -> None:
         self.cbuf, self.qbuf, self.kbuf, self.lbuf = fn(self.cbuf), fn(self.qbuf), fn(self.kbuf), fn(self.lbuf)
