@@ -133,9 +133,10 @@ def test_a_plan_is_reused_and_remade_when_what_it_depends_on_changes(implementat
 
 #: implementations whose plain decode step (no mask tensor) must have a direct entry on the CPU, with its path:
 #: softmax and the length-aware scales (their factor from the per-head values and n = Lk) on SDPA; the fused maps,
-#: learned per-head values included (power's exponent), on their C++ kernel (skipped where it cannot be built)
+#: learned per-head values included (power's exponent), on their C++ kernel (skipped where it cannot be built); a
+#: sink logit (learned per head for sink) through the lse rewrite; gated attention's output gate after SDPA
 DIRECT = {"softmax": "sdpa", "ssmax": "sdpa", "log_n": "sdpa", "yarn": "sdpa", "llama4_pos": "sdpa",
-          "max_gradient": "sdpa",
+          "max_gradient": "sdpa", "sink": "sdpa", "softmax_n": "sdpa", "softmax1": "sdpa", "gated": "sdpa",
           **{name: "fused_cpu" for name in ("symax", "sigmoid", "squared", "stablemax", "softpick", "softplus",
                                             "relu_len", "power", "lssa", "sparsemax", "entmax15", "entmax_alpha")}}
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..attention import make_call
 from ..kernels import PATHS, Route, attend, choose_routed, plan_epoch, route, run_path
+from ..kernels.base import one_query_ctx
 from ..kernels.reference import reference_scores
 from ..masks import additive_keep
 from ..normalizers.base import CONTINUOUS_BATCHING_MODES, ContinuousBatching, Normalizer
@@ -356,20 +357,39 @@ def _planned(module: nn.Module, state: Any, plan_key: tuple, plan: CallPlan | No
 def _direct_entry(plan: CallPlan, kept: Route, state: Any, call: Any, attention_mask: object,
                   kwargs: Mapping[str, Any]) -> None:
     """Give ``plan`` its path's direct entry when every call with its key resolves as plainly as ``call``: no cache
-    state, mask tensor, key selection, score keyword, weights or learned memory, and a normalizer whose output gate
-    and forget gates are absent by its class (not by this call's n). Per-head values and per-query factors (a
-    length-aware scale) are the entry's to resolve per call, from the values the module's state gives."""
+    state, mask tensor, key selection, score keyword, weights or learned memory, and a normalizer whose forget gates
+    are absent by its class (not by this call's n), whose output gate too unless the call has one query per head
+    (the gate of the raw query is then multiplied in after the entry, as ``run_path`` does). Per-head values and
+    per-query factors (a length-aware scale) are the entry's to resolve per call, from the values the module's state
+    gives."""
     norm = call.normalizer
-    hooks = ("output_gate", "forget_gates")
+    gated = type(norm).output_gate is not Normalizer.output_gate
     plain = (not plan.kinds and attention_mask is None and not kept.ask and not call.need_weights
              and not any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "s_aux"))
-             and call.memory == 0 and call.drop_queries == 0 and call.output_gate is None
+             and call.memory == 0 and call.drop_queries == 0 and (call.q.shape[2] == 1 or not gated)
              and call.forget is None and not call.mask.selected
-             and all(getattr(type(norm), h) is getattr(Normalizer, h) for h in hooks))
+             and type(norm).forget_gates is Normalizer.forget_gates)
     entry = PATHS[kept.path].direct
     direct = entry(call) if plain and entry is not None else None
+    if direct is not None and gated:
+        direct = _gated_entry(direct, norm, call.settings, call.module_info)
     if direct is not None:
         plan.direct, plan.heads, plan.path, plan.mask = direct, bool(call.heads), kept.path, call.mask.kind
+
+
+def _gated_entry(direct: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, dict], torch.Tensor], norm: Normalizer,
+                 settings: AttnormSettings, info: dict) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, dict],
+                                                                    torch.Tensor]:
+    """``direct`` followed by the normalizer's output gate of the raw query q [B, H, 1, D], with the ``Ctx`` that
+    ``make_call`` resolves for one query against every key, multiplied in as ``run_path`` does (in the gate's
+    dtype, then back)."""
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: dict) -> torch.Tensor:
+        gate = norm.output_gate(q, one_query_ctx(settings, heads, q, k.shape[2], info))
+        out = direct(q, k, v, heads)
+        return out if gate is None else (out.to(gate.dtype) * gate).to(out.dtype)
+
+    return run
 
 
 # ------------------------------------------------------------------------------------------------ continuous batching

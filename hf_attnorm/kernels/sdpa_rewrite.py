@@ -631,9 +631,12 @@ def direct(call: AttnCall) -> Any:
     of one dtype that is computed as is): SDPA on the raw (q, k, v) with the call's causality, scale and GQA,
     exactly what ``sdpa_attention`` runs for such a call. With a per-query factor (a length-aware scale, a per-head
     multiplier), on CPU and for one query per head: the factor from the call's per-head values and n = Lk, as
-    ``make_call`` resolves it, multiplied into q as ``sdpa_attention`` does. None for every other call."""
+    ``make_call`` resolves it, multiplied into q as ``sdpa_attention`` does. A sink logit (softmax_n, sink) on CPU
+    for one query per head: the lse rewrite (``_sink_direct``). None for every other call."""
     q = call.q
-    if (_has_sink(call) or call.modifies_scores or call.mask.keep is not None
+    if _has_sink(call):
+        return _sink_direct(call)
+    if (call.modifies_scores or call.mask.keep is not None
             or call.dropout > 0 or type(call.normalizer).transform_qk is not Normalizer.transform_qk
             or compute_dtype(q.dtype) != q.dtype or call.k.dtype != q.dtype or call.v.dtype != q.dtype
             or not q.dtype.is_floating_point or is_exporting()):
@@ -656,6 +659,43 @@ def direct(call: AttnCall) -> Any:
         return F.scaled_dot_product_attention(q * factor, k, v, is_causal=causal, scale=1.0, enable_gqa=gqa)
 
     return run_factored
+
+
+def _sink_direct(call: AttnCall) -> Any:
+    """The direct entry of a plain one-query CPU call with the normalizer's sink logit lambda (no s_aux, mask
+    tensor, score modifier or dropout; fp32/fp64 q, k and v of one dtype, D == Dv): what ``_FlashCPU`` computes
+    without autograd, out * exp(L - logaddexp(L, lambda)) from the CPU flash op's output and log-sum-exp L, with
+    lambda and any per-query factor resolved from the call's per-head values and n = Lk as ``make_call`` resolves
+    them. None for every other call."""
+    q = call.q
+    if (call.sinks is not None or q.shape[2] != 1 or q.device.type != "cpu" or not _uses_flash_cpu(call)
+            or call.bias is not None or call.softcap is not None or call.alibi_slopes is not None
+            or call.forget is not None or call.mask.keep is not None
+            or type(call.normalizer).transform_qk is not Normalizer.transform_qk
+            or compute_dtype(q.dtype) != q.dtype or call.k.dtype != q.dtype or call.v.dtype != q.dtype):
+        return None
+    norm, settings, info = call.normalizer, call.settings, call.module_info
+    causal, base, factored = call.mask.causal, float(call.base), has_query_factor(settings)
+    repeat = not FLASH_CPU_GQA and q.shape[1] != call.k.shape[1]
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: dict) -> torch.Tensor:
+        ctx = one_query_ctx(settings, heads, q, k.shape[2], info)
+        lam = norm.sink_logit(ctx, q.dtype)
+        mult = query_factor(settings, q, ctx) if factored else None
+        scale = base
+        if mult is not None:  # (as _prepare: q times base x multiplier, SDPA's scale 1)
+            q, scale = q * (mult.to(q.dtype) * base).unsqueeze(-1), 1.0
+        if repeat:
+            k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])
+        if lam is None:  # (a normalizer whose sink logit is absent for these values: plain SDPA, as the path)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                                  enable_gqa=q.shape[1] != k.shape[1])
+        out, lse = _FLASH(q, k, v, 0.0, causal, attn_mask=None, scale=scale)
+        lam = lam.to(q.device)
+        lam_b = lam.view(1, -1, 1) if lam.dim() == 1 else lam
+        return out * torch.exp(lse - torch.logaddexp(lse, lam_b)).unsqueeze(-1)
+
+    return run
 
 
 from . import register_path  # noqa: E402  (registration at import, like the normalizers)
