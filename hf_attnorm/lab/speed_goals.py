@@ -97,15 +97,12 @@ DECODE_REASONS: dict[str, str] = {
     "cosine": "q l2-normalised and the kept normalised keys extended per step (hf/key_cache.py), the max_gradient "
               "scale's alpha*(n) per step, on the planned route (make_call: a cache state is involved, so no direct "
               "entry);",
-    "sink": "the sink logit goes through the CPU flash kernel's log-sum-exp rewrite (the flash op, then a rescale) on "
-            "the planned route (no direct entry);",
-    "softmax_n": "the extra denominator term goes through the CPU flash kernel's log-sum-exp rewrite on the planned "
-                 "route (no direct entry);",
-    "softmax1": "the extra denominator term goes through the CPU flash kernel's log-sum-exp rewrite on the planned "
-                "route (no direct entry);",
+    **{name: "the extra denominator term through the CPU flash op's log-sum-exp, then a rescale of the output (four "
+             "small elementwise ops per layer, on the direct entry);" for name in ("sink", "softmax_n", "softmax1")},
     "memkv": "every step prepends the memory keys and values to the cached ones (copies of O(Lk d)), on the planned "
              "route (no direct entry);",
-    "gated": "the gate sigmoid(q W + b) of the new query, on the planned route (no direct entry);",
+    "gated": "the gate sigmoid(q W + b) of the new query (a [B, H, 1, D] x [H, D, Dv] product, a sigmoid and a "
+             "multiply after SDPA, on the direct entry);",
     "stickbreaking": "a log-sigmoid and a reverse cumulative sum over every cached key per step;",
     "cog": "the map runs as a few PyTorch ops over the cached keys (scores, map, sum, weighted values) where "
            "SDPA is one kernel (no fused kernel);",
