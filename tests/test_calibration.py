@@ -18,7 +18,15 @@ from conftest import first_implementations, has_memory
 import hf_attnorm  # noqa: F401
 from hf_attnorm.lab import calibration as cal
 from hf_attnorm.lab import convert
-from hf_attnorm.normalizers.base import TeacherStats
+from hf_attnorm.lab.recipes import (
+    OFFSET_DELTAS,
+    Calibration,
+    Recipe,
+    TeacherStats,
+    normalizer_recipe,
+    recipes_of,
+    scale_recipe,
+)
 from hf_attnorm.registry import PRESETS, SCALES, is_ours
 from hf_attnorm.settings import resolve_settings
 
@@ -87,9 +95,9 @@ def test_every_implementation_calibrates_per_head_values_or_says_why_not(impl):
     assert found, impl
     for label, result in found.items():
         if result is None:
-            owner = cal.NORMALIZERS.get(settings.normalizer) if label.startswith("normalizer") else \
-                SCALES.get(settings.scale)
-            assert owner.calibration_note.strip(), label
+            recipe = normalizer_recipe(settings.normalizer) if label.startswith("normalizer") else \
+                scale_recipe(settings.scale)
+            assert recipe.calibration_note.strip(), label
             continue
         assert result.note.strip(), label
         for name, value in result.values.items():
@@ -97,10 +105,10 @@ def test_every_implementation_calibrates_per_head_values_or_says_why_not(impl):
 
 
 def test_a_formula_returning_a_value_its_owner_does_not_have_is_refused(monkeypatch):
-    from hf_attnorm.normalizers.base import Calibration
-    from hf_attnorm.normalizers.sink import Sink
+    from hf_attnorm.lab import recipes
 
-    monkeypatch.setattr(Sink, "calibrate", lambda self, stats, settings: Calibration({"nosuch": torch.zeros(4)}, "x"))
+    wrong = Recipe(calibrate=lambda stats, settings: Calibration({"nosuch": torch.zeros(4)}, "x"))
+    monkeypatch.setitem(recipes.NORMALIZER_RECIPES, "sink", wrong)
     with pytest.raises(ValueError,
                        match=r"normalizer sink: calibrate returned \['nosuch'\].*allowed: \['sink_logit'\]"):
         cal.formulas(_settings("sink"), _random_stats())
@@ -244,13 +252,11 @@ def test_stickbreaking_calibration_end_to_end_is_the_nearest_searched_offset():
     (stick-breaking written out in float64 here, on every 4th row as the search reads them, each block's candidates
     centred on that block's mean LSE) are the nearest the teacher's softmax outputs among OFFSET_DELTAS (up to
     rounding: the chosen candidate's error is within 1e-6 of the least)."""
-    from hf_attnorm.normalizers.stickbreaking import OFFSET_DELTAS, StickBreaking
-
     model = _tiny("stickbreaking")
     ids = _ids(3)
     captured = _captured(model, ids)
     assert cal.calibrate(model, ids)["calibrated"]
-    stride = StickBreaking.offset_search.row_stride
+    stride = normalizer_recipe("stickbreaking").offset_search.row_stride
     positions = list(range(0, L, stride))
     deltas = torch.tensor(OFFSET_DELTAS, dtype=torch.float64)
     moved = False
@@ -347,7 +353,7 @@ def test_calibration_moves_the_swapped_outputs_toward_the_teacher_or_says_why_no
     after = _layer_error(model, held_out)
     # the teacher pass runs (and reads every token) exactly when the normalizer or scale declares a formula
     settings = resolve_settings(impl)
-    declares = any(cal._has_formula(owner) for _, owner in cal._owners(settings))
+    declares = any(recipe.calibrate is not None for recipe in recipes_of(settings))
     assert report["notes"] and report["tokens"] == (2 * L if declares else 0) and bool(report["teacher"]) == declares
     if not report["calibrated"]:
         assert after == pytest.approx(before, rel=1e-6, abs=1e-9)
@@ -370,7 +376,7 @@ def test_the_offset_search_keeps_per_head_the_candidate_nearest_the_teacher():
     head by head, the candidate whose outputs (computed here through the public attention call) are nearest the
     teacher's softmax outputs on the searched rows."""
     from hf_attnorm.attention import attention
-    from hf_attnorm.normalizers.stickbreaking import OFFSET_DELTAS, StickBreaking
+    from hf_attnorm.normalizers.stickbreaking import StickBreaking
 
     g = torch.Generator().manual_seed(4)
     H, Lq, D = 3, 40, 8
@@ -383,10 +389,11 @@ def test_the_offset_search_keeps_per_head_the_candidate_nearest_the_teacher():
     settings = _settings("stickbreaking")
     acc = cal._Accumulator(H, torch.device("cpu"))
     acc.add(lse, (z > -math.inf).sum(-1).float(), z)
-    acc.add_offset_search(z, lse, v, StickBreaking(), settings, D)
-    chosen = StickBreaking().calibrate(acc.stats(), settings).values["stickbreaking_offset"]
+    recipe = normalizer_recipe("stickbreaking")
+    acc.add_offset_search(z, lse, v, StickBreaking(), settings, D, recipe.offset_search)
+    chosen = recipe.calibrate(acc.stats(), settings).values["stickbreaking_offset"]
 
-    rows = slice(None, None, StickBreaking.offset_search.row_stride)
+    rows = slice(None, None, recipe.offset_search.row_stride)
     teacher = torch.softmax(z, -1)[:, :, rows] @ v
     center = lse[:, :, rows].mean((0, 2))
     errors = []

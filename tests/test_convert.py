@@ -313,12 +313,12 @@ def test_stage_1_learning_rate_is_the_measured_one_unless_given(impl, capsys):
     """Without --transfer_learning_rate stage 1 runs the rate measured for the normalizer (else its scale's), which
     convert.py names; with it, the given rate."""
     from hf_attnorm.lab.convert_args import TRANSFER_LR
-    from hf_attnorm.registry import NORMALIZERS
+    from hf_attnorm.lab.recipes import normalizer_recipe, scale_recipe
     from hf_attnorm.settings import resolve_settings
 
     settings = resolve_settings(impl)
-    declared = NORMALIZERS.get(settings.normalizer).transfer_learning_rate
-    declared = SCALES.get(settings.scale).transfer_learning_rate if declared is None else declared
+    declared = normalizer_recipe(settings.normalizer).transfer_learning_rate
+    declared = scale_recipe(settings.scale).transfer_learning_rate if declared is None else declared
     a = parse_args(["--attn_implementation", impl, "--output_dir", "x"])
     assert a.transfer_learning_rate == (TRANSFER_LR if declared is None else declared)
     assert ("stage-1 learning rate" in capsys.readouterr().err) == (declared is not None)

@@ -232,3 +232,16 @@ def test_every_private_name_the_package_reads_is_documented() -> None:
     assert {"_global_mapping", "_forward_pre_hooks_with_kwargs", "_get_build_directory", "_thread"} <= set(read)
     missing = {name: where[:3] for name, where in sorted(read.items()) if name not in documented}
     assert not missing, f"private names read but not listed in docs/internals.md: {missing}"
+
+
+#: what a conversion recipe talks about (lab/recipes.py), which a normalizer's or scale's own file does not
+CONVERSION_WORDS = re.compile(r"conver(t|sion|ted)|calibrat|teacher|stage[- ]1|recipe|transfer_learning_rate",
+                              re.IGNORECASE)
+
+
+@pytest.mark.parametrize("path", sorted([*(PKG / "normalizers").glob("*.py"), *(PKG / "scales").glob("*.py")]),
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_normalizer_and_scale_files_say_what_attention_computes_not_how_a_model_is_converted(path: Path) -> None:
+    found = [(i, line.strip()) for i, line in enumerate(path.read_text().splitlines(), 1)
+             if CONVERSION_WORDS.search(line)]
+    assert not found, f"{path.name} speaks of conversion (it belongs in hf_attnorm/lab/recipes.py): {found[:3]}"

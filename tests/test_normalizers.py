@@ -9,6 +9,7 @@ import torch
 
 from hf_attnorm.attention import attention, constant_heads, make_call
 from hf_attnorm.kernels.reference import reference_weights
+from hf_attnorm.lab.recipes import normalizer_recipe
 from hf_attnorm.registry import NORMALIZERS
 from hf_attnorm.settings import resolve_settings
 
@@ -194,14 +195,15 @@ def test_order_dependent_normalizers_say_what_happens_without_causality(name):
     assert NORMALIZERS.get(name).key_order_note.strip()
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if NORMALIZERS.get(n).conversion_start])
+@pytest.mark.parametrize("name", [n for n in NAMES if normalizer_recipe(n).conversion_start])
 def test_conversion_start_computes_softmax_attention(name):
-    """The declared conversion start reproduces softmax attention (to 1e-3 here, 64 keys, causal), so a converted
-    pretrained model starts at its own outputs; without it, the default start differs (the declaration matters)."""
+    """The conversion start its recipe declares (lab/recipes.py) reproduces softmax attention (to 1e-3 here, 64
+    keys, causal), so a converted pretrained model starts at its own outputs; without it, the default start differs
+    (the declaration matters)."""
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(2, 3, 64, 8, generator=g) for _ in range(3))
     softmax, _ = attention(q, k, v, "softmax", causal=True)
-    start, _ = attention(q, k, v, name, causal=True, **NORMALIZERS.get(name).conversion_start)
+    start, _ = attention(q, k, v, name, causal=True, **normalizer_recipe(name).conversion_start)
     default, _ = attention(q, k, v, name, causal=True)
     torch.testing.assert_close(start, softmax, atol=1e-3, rtol=0)
     assert (default - softmax).abs().max() > 1e-2

@@ -3,9 +3,10 @@
 The original (softmax) model runs over a few blocks of training text with every attention layer observed: each call
 records, per head, statistics of its rows' logsumexp (``TeacherStats``: mean and spread of LSE - ln n, mean and
 minimum of LSE, the share a phantom zero logit would take, the longest row) and passes the softmax output on, so
-every layer sees the original model's inputs. Then the normalizer and the scale each turn one layer's statistics into
-per-head values with their own ``calibrate`` (declared in their files; docs/convert.md lists the formulas), which are
-copied into the model's learnable values. A normalizer without a formula is reported as not calibrated, with why.
+every layer sees the original model's inputs. Then the recipes of the normalizer and the scale (lab/recipes.py) each
+turn one layer's statistics into per-head values with their ``calibrate`` (docs/convert.md lists the formulas), which
+are copied into the model's learnable values. A normalizer without a formula is reported as not calibrated, with
+why.
 
 >>> report = calibrate(model, blocks)   # blocks: token ids [N, L]; the model's attention is an hf_attnorm one
 >>> report["calibrated"], report["notes"]
@@ -26,10 +27,10 @@ from ..attention import param_specs
 from ..hf.families import attention_modules
 from ..hf.forward import softmax_attention, softmax_row_statistics
 from ..kernels.base import repeat_kv
-from ..normalizers.base import Calibration, Ctx, Normalizer, TeacherStats
+from ..normalizers.base import Ctx, Normalizer
 from ..registry import NORMALIZERS, SCALES, AttnormError
-from ..scales.base import Scale
 from ..settings import AttnormSettings
+from .recipes import Calibration, OffsetSearch, Recipe, TeacherStats, normalizer_recipe, scale_recipe
 
 #: bisection steps of ``unit_sigmoid_bias`` over a bracket 24 wide: 24 / 2^30, far below fp32 rounding of the scores
 UNIT_BIAS_STEPS = 30
@@ -92,12 +93,11 @@ class _Accumulator:
         self.max_n = max(self.max_n, int(n.max()))
 
     def add_offset_search(self, z: torch.Tensor, lse: torch.Tensor, value: torch.Tensor, norm: Normalizer,
-                          settings: AttnormSettings, head_dim: int) -> None:
-        """The normalizer's ``OffsetSearch`` on this call's rows: z [B, H, Lq, Lk] (-inf where masked), lse
-        [B, H, Lq], value [B, H, Lk, Dv] (repeated to the query heads). Adds, per head and candidate, the squared
-        error of the attention outputs with value_h = (the head's mean LSE over these rows) + delta against the
-        teacher's softmax outputs."""
-        search = norm.offset_search
+                          settings: AttnormSettings, head_dim: int, search: OffsetSearch) -> None:
+        """The recipe's ``search`` with the normalizer ``norm`` on this call's rows: z [B, H, Lq, Lk] (-inf where
+        masked), lse [B, H, Lq], value [B, H, Lk, Dv] (repeated to the query heads). Adds, per head and candidate,
+        the squared error of the attention outputs with value_h = (the head's mean LSE over these rows) + delta
+        against the teacher's softmax outputs."""
         z, lse = z[:, :, ::search.row_stride], lse[:, :, ::search.row_stride]
         keep = torch.isfinite(z)
         valid = keep.any(-1)
@@ -147,11 +147,12 @@ class TeacherObserver:
                 self.layers[module] = _Accumulator(lse.shape[1], lse.device)
             self.layers[module].add(lse, n, z)
             settings = module.attnorm.settings
-            norm = NORMALIZERS.get(settings.normalizer)
+            search = normalizer_recipe(settings.normalizer).offset_search
             # (a teacher with sink logits has an extra column no student key matches: the search is left out)
-            if norm.offset_search is not None and z.shape[-1] == key.shape[2]:
+            if search is not None and z.shape[-1] == key.shape[2]:
                 values = repeat_kv(value, query.shape[1] // value.shape[1]).float()
-                self.layers[module].add_offset_search(z, lse, values, norm, settings, query.shape[-1])
+                self.layers[module].add_offset_search(z, lse, values, NORMALIZERS.get(settings.normalizer),
+                                                      settings, query.shape[-1], search)
             return softmax_attention(module, query, key, value, attention_mask, scaling, kwargs), None
 
 
@@ -191,24 +192,20 @@ def teacher_statistics(model: nn.Module, blocks: torch.Tensor) -> dict[nn.Module
 
 
 def calibration_options(settings: AttnormSettings) -> dict[str, Any]:
-    """The option values the calibration of ``settings``' normalizer and scale needs (``calibration_options``)."""
-    return {**NORMALIZERS.get(settings.normalizer).calibration_options,
-            **SCALES.get(settings.scale).calibration_options}
+    """The option values the calibration of ``settings``' normalizer and scale needs (their recipes'
+    ``calibration_options``)."""
+    return {**normalizer_recipe(settings.normalizer).calibration_options,
+            **scale_recipe(settings.scale).calibration_options}
 
 
-def _owners(settings: AttnormSettings) -> list[tuple[str, Any]]:
-    """(label, normalizer or scale) whose calibration is asked: each that has per-head values or a formula; the
-    normalizer when neither has (so that its note says why nothing is calibrated)."""
+def _owners(settings: AttnormSettings) -> list[tuple[str, Any, Recipe]]:
+    """(label, normalizer or scale, its recipe) whose calibration is asked: each that has per-head values or a
+    formula; the normalizer when neither has (so that its note says why nothing is calibrated)."""
     norm, scale = NORMALIZERS.get(settings.normalizer), SCALES.get(settings.scale)
-    owners = [(f"normalizer {settings.normalizer}", norm), (f"scale {settings.scale}", scale)]
-    asked = [(label, owner) for label, owner in owners if owner.params or _has_formula(owner)]
-    return asked or [(f"normalizer {settings.normalizer}", norm)]
-
-
-def _has_formula(owner: Any) -> bool:
-    """Whether a normalizer or scale declares a calibration formula (overrides ``calibrate``)."""
-    base = Normalizer if isinstance(owner, Normalizer) else Scale
-    return type(owner).calibrate is not base.calibrate
+    owners = [(f"normalizer {settings.normalizer}", norm, normalizer_recipe(settings.normalizer)),
+              (f"scale {settings.scale}", scale, scale_recipe(settings.scale))]
+    asked = [owner for owner in owners if owner[1].params or owner[2].calibrate is not None]
+    return asked or owners[:1]
 
 
 def formulas(settings: AttnormSettings, stats: TeacherStats) -> dict[str, Calibration | None]:
@@ -216,8 +213,8 @@ def formulas(settings: AttnormSettings, stats: TeacherStats) -> dict[str, Calibr
     its ``Calibration``, or None where it has no formula. ValueError naming the values when an owner returns a
     value that is not one of its per-head values."""
     out: dict[str, Calibration | None] = {}
-    for label, owner in _owners(settings):
-        cal = owner.calibrate(stats, settings)
+    for label, owner, recipe in _owners(settings):
+        cal = None if recipe.calibrate is None else recipe.calibrate(stats, settings)
         if cal is not None:
             allowed = {spec.name for spec in owner.params}
             unknown = sorted(set(cal.values) - allowed)
@@ -237,9 +234,9 @@ def calibrate(model: nn.Module, blocks: torch.Tensor) -> dict[str, Any]:
     ``seconds``."""
     start = time.perf_counter()
     settings = next((m.attnorm.settings for _, m in attention_modules(model) if hasattr(m, "attnorm")), None)
-    if settings is not None and not any(_has_formula(owner) for _, owner in _owners(settings)):
+    if settings is not None and not any(recipe.calibrate is not None for _, _, recipe in _owners(settings)):
         # nothing to set: the teacher pass (tens of seconds on a real model) is skipped
-        notes = {label: f"not calibrated: {owner.calibration_note}" for label, owner in _owners(settings)}
+        notes = {label: f"not calibrated: {recipe.calibration_note}" for label, _, recipe in _owners(settings)}
         return {"calibrated": False, "notes": notes, "values": {}, "not_set": {}, "teacher": {},
                 "blocks": int(blocks.shape[0]), "tokens": 0, "seconds": round(time.perf_counter() - start, 2)}
     stats = teacher_statistics(model, blocks)
@@ -250,11 +247,10 @@ def calibrate(model: nn.Module, blocks: torch.Tensor) -> dict[str, Any]:
         for module, layer_stats in stats.items():
             state = module.attnorm
             specs = {spec.name: spec for spec in param_specs(state.settings)}
+            recipes = {label: recipe for label, _, recipe in _owners(state.settings)}
             for label, cal in formulas(state.settings, layer_stats).items():
-                owner = NORMALIZERS.get(state.settings.normalizer) if label.startswith("normalizer") else \
-                    SCALES.get(state.settings.scale)
                 if cal is None:
-                    notes.setdefault(label, f"not calibrated: {owner.calibration_note}")
+                    notes.setdefault(label, f"not calibrated: {recipes[label].calibration_note}")
                     continue
                 notes.setdefault(label, cal.note if cal.values else f"nothing set: {cal.note}")
                 for name, value in cal.values.items():

@@ -1,6 +1,6 @@
 """Continuation schedules of a conversion's stage 1: for a normalizer or scale reachable from softmax along one
-option (``Normalizer.continuation``: alpha of entmax from 1.001 to 1.5, a constant sink logit from -30 to its value,
-softmax_n's n_extra from 0; ``Scale.continuation``: ssmax's anchor released from 1 to 0), stage 1 starts at the
+option (a recipe's ``continuation``, lab/recipes.py: alpha of entmax from 1.001 to 1.5, a constant sink logit from -30
+to its value, softmax_n's n_extra from 0; for a scale, ssmax's anchor released from 1 to 0), stage 1 starts at the
 teacher and ends at the asked normalizer. The option moves linearly over the first ``fraction`` of the stage's steps
 and then stays at its end, so the last steps (and every held-out measurement that stage 1's keep-best compares) train
 and measure the asked normalizer itself.
@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..attention import param_specs
-from ..registry import NORMALIZERS, SCALES
 from ..settings import AttnormSettings, resolve_settings
+from .recipes import normalizer_recipe, scale_recipe
 
 
 class ContinuationError(ValueError):
@@ -62,11 +62,11 @@ class ContinuationPlan:
 
 def plan_continuation(implementation: str, options: Mapping[str, Any], fraction: float,
                       asked: bool = False) -> tuple[ContinuationPlan | None, str]:
-    """The continuation of ``implementation`` with ``options`` (its settings' normalizer's declaration, else its
+    """The continuation of ``implementation`` with ``options`` (its settings' normalizer's recipe, else its
     scale's), or None and why not. ``asked``: plan one declared off by default too (``--continuation`` given).
     ContinuationError when the declaration cannot run (a bad ``via``)."""
     target = resolve_settings(implementation, dict(options))
-    norm, scale = NORMALIZERS.get(target.normalizer), SCALES.get(target.scale)
+    norm, scale = normalizer_recipe(target.normalizer), scale_recipe(target.scale)
     cont = norm.continuation or scale.continuation
     if cont is None:
         return None, (f"{target.normalizer} declares no continuation from softmax" if target.scale == "standard" else

@@ -9,12 +9,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..registry import NORMALIZERS, PRESETS, SCALES, AttnormError, canonical, is_ours
+from ..registry import PRESETS, AttnormError, canonical, is_ours
 from ..settings import AttnormSettings, resolve_settings
 from . import calibration as calibration_lib
 from . import data as data_lib
 from .cli import comma_names, int_at_least, non_negative_float, positive_float, token_counts
 from .continuation import ContinuationError, plan_continuation
+from .recipes import normalizer_recipe, scale_recipe
 from .training.args import TrainingError, parse_attnorm_options
 
 ARGS_FILE = "conversion_args.json"
@@ -174,7 +175,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.options = parse_attnorm_options(args.attnorm)
         # start at the pretrained model's softmax outputs where the normalizer has such a setting (forget gates
         # open, output gates open); options given on the command line win
-        start = NORMALIZERS.get(resolve_settings(impl, args.options).normalizer).conversion_start
+        start = normalizer_recipe(resolve_settings(impl, args.options).normalizer).conversion_start
         for key, value in start.items():
             if key not in args.options:
                 args.options[key] = value
@@ -216,10 +217,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def transfer_learning_rate(settings: AttnormSettings) -> tuple[float, str]:
     """Stage 1's default peak learning rate for ``settings`` and where it comes from ("" for ``TRANSFER_LR``): the
-    normalizer's measured ``transfer_learning_rate``, else its scale's, else ``TRANSFER_LR``."""
-    for kind, owner in (("normalizer", NORMALIZERS.get(settings.normalizer)), ("scale", SCALES.get(settings.scale))):
-        if owner.transfer_learning_rate is not None:
-            return float(owner.transfer_learning_rate), f"measured for {kind} {owner.name}"
+    recipe's measured ``transfer_learning_rate`` for the normalizer, else the scale's, else ``TRANSFER_LR``."""
+    for kind, name, recipe in (("normalizer", settings.normalizer, normalizer_recipe(settings.normalizer)),
+                               ("scale", settings.scale, scale_recipe(settings.scale))):
+        if recipe.transfer_learning_rate is not None:
+            return float(recipe.transfer_learning_rate), f"measured for {kind} {name}"
     return TRANSFER_LR, ""
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from .base import Continuation, Ctx, Normalizer, ParamSpec
+from .base import Ctx, Normalizer, ParamSpec
 
 # softmax first: the reference is listed (CLI help, README tables, ``available()``) before the others, which follow
 # in file order (a file importing another, asentmax -> entmax_alpha, registers that one first)
@@ -14,4 +14,4 @@ for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
     if _info.name != "base":
         importlib.import_module(f"{__name__}.{_info.name}")
 
-__all__ = ["Continuation", "Ctx", "Normalizer", "ParamSpec"]
+__all__ = ["Ctx", "Normalizer", "ParamSpec"]

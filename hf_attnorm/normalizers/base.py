@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import warnings
 import zlib
-from collections.abc import Mapping
 from typing import Any, ClassVar, Literal, get_args
 
 import torch
@@ -113,89 +112,6 @@ class ParamSpec:
         return (torch.randn(shape, generator=gen, dtype=torch.float32) * value).to(device)
 
 
-@dataclasses.dataclass(frozen=True)
-class TeacherStats:
-    """What one pass of the original (softmax) model over a few calibration blocks says about one attention layer,
-    per query head, over every row with a visible key. z = the row's scaled scores (the teacher's mask, soft-cap,
-    bias and sink included), LSE_i = logsumexp_j z_ij, n_i = keys row i sees.
-
-    lse_minus_log_n: mean_i (LSE_i - ln n_i), [H]; lse_minus_log_n_std: its standard deviation over the rows,
-    [H]; log_mean_exp_d, log_mean_exp_2d: ln mean_i e^(d_i), ln mean_i e^(2 d_i) with d_i = LSE_i - ln n_i, [H];
-    unit_sigmoid_bias: mean_i c_i over rows of >= 2 keys, where c_i gives the row's sigmoid weights unit mass
-    (sum_j sigmoid(z_ij + c_i) = 1; c_i > -LSE_i), [H]; unit_sigmoid_bias_plus_log_n: mean_i (c_i + ln n_i), [H];
-    weighted_ln_n, weighted_ln2_n: sum_i V_i ln n_i / sum_i V_i and sum_i V_i (ln n_i)^2 / sum_i V_i, V_i =
-    Var_{p_i}(z_i) the variance of row i's scores under its softmax weights p_i (its sensitivity to a temperature:
-    KL(p_i || softmax(beta z_i)) ~ (beta - 1)^2 V_i / 2), [H] (0 where every row is flat);
-    lse_mean: mean_i LSE_i, [H]; lse_min: min_i LSE_i, [H]; zero_logit_mass: mean_i sigmoid(-LSE_i), the share a
-    phantom key of logit 0 would take, [H]; rows: rows measured per head; max_n: the longest row (the calibration
-    blocks' length L)."""
-
-    lse_minus_log_n: torch.Tensor
-    lse_minus_log_n_std: torch.Tensor
-    log_mean_exp_d: torch.Tensor
-    log_mean_exp_2d: torch.Tensor
-    unit_sigmoid_bias: torch.Tensor
-    unit_sigmoid_bias_plus_log_n: torch.Tensor
-    weighted_ln_n: torch.Tensor
-    weighted_ln2_n: torch.Tensor
-    lse_mean: torch.Tensor
-    lse_min: torch.Tensor
-    zero_logit_mass: torch.Tensor
-    rows: int
-    max_n: int
-    #: with the normalizer's ``offset_search``: [H, G] the summed squared error of the layer's attention outputs
-    #: against the teacher's for each of the G candidate offsets (``OffsetSearch.deltas``); None: no search ran
-    offset_errors: torch.Tensor | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Calibration:
-    """A calibrated start for one layer: per-head values to set (name -> fp32 [H]; names of the owner's
-    ``params``), and a note: the formula and the error it leaves (empty values with a note: nothing to set, e.g. a
-    start that is already exact)."""
-
-    values: dict[str, torch.Tensor]
-    note: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Continuation:
-    """A path from softmax to a normalizer along one option (a conversion's stage 1 walks it, so that the stage starts
-    at the teacher and ends at the asked normalizer): implementation ``via`` (None: the normalizer's own) with
-    ``via_options`` added, and ``option`` moved from ``start`` (where it computes softmax, or nearly) to ``end`` (None:
-    the value the conversion asks for). At ``end`` the ``via`` implementation computes the asked normalizer (entmax15
-    is alpha-entmax at alpha = 1.5)."""
-
-    option: str
-    start: float
-    end: float | None = None
-    via: str | None = None
-    via_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    #: the source of the path (a paper that anneals the parameter, or the limit it follows)
-    note: str = ""
-    #: whether a conversion walks it unless told not to; False for a path measured to do worse than starting at the
-    #: asked normalizer (then ``--continuation`` asks for it, and ``off_note`` says what was measured)
-    by_default: bool = True
-    off_note: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class OffsetSearch:
-    """A per-head value with no closed-form calibration, fitted on the teacher's rows instead: the teacher pass tries
-    value_h = m_h + delta for every delta in ``deltas`` (m_h the head's mean LSE_i over the call's rows) with the
-    normalizer's own ``reference``, and accumulates per head the squared error of the attention outputs sum_j w_ij
-    v_j against the teacher's softmax outputs (``TeacherStats.offset_errors``); ``calibrate`` keeps the best delta
-    per head. Every ``row_stride``-th query row is measured (rows are independent: a sample is enough)."""
-
-    value: str
-    deltas: tuple[float, ...]
-    row_stride: int = 4
-
-
-#: what a normalizer or scale without a calibration formula says when asked for one
-NO_CALIBRATION = "declares no calibration formula (its per-head values, if any, start at their options' values)"
-
-
 @dataclasses.dataclass
 class Ctx:
     """What a normalizer or scale may read during one attention call.
@@ -262,22 +178,6 @@ class Normalizer:
     #: ``attend`` forms ``normalize_output(halves_difference(first, second))``; the weights are
     #: ``halves_difference`` of the halves' weights (head dim at least 2)
     differential: ClassVar[bool] = False
-    #: option values under which this normalizer computes (to within 1e-4) softmax attention, so that a converted
-    #: pretrained model starts at its own outputs (``scripts/convert.py`` uses them unless given others); empty
-    #: where softmax needs no option or no setting reproduces it
-    conversion_start: ClassVar[Mapping[str, Any]] = {}
-    #: a path from softmax to this normalizer along one option (``Continuation``), or None where none is declared
-    continuation: ClassVar[Continuation | None] = None
-    #: option values a calibrated conversion start needs (e.g. a per-head value made learnable, so that each head
-    #: can hold its own); ``scripts/convert.py --calibrate`` sets them unless given others
-    calibration_options: ClassVar[Mapping[str, Any]] = {}
-    #: the peak learning rate of a conversion's stage 1 (attention transfer) to this normalizer, where one was
-    #: measured to do better than convert.py's default (docs/convert.md, "Stage-1 learning rates"); None: the default
-    transfer_learning_rate: ClassVar[float | None] = None
-    #: a per-head value fitted by trying candidates on the teacher's rows (``OffsetSearch``), or None
-    offset_search: ClassVar[OffsetSearch | None] = None
-    #: why ``calibrate`` gives nothing for this normalizer (reported, never silent)
-    calibration_note: ClassVar[str] = NO_CALIBRATION
 
     # ---- what the kernels need to know (hf_attnorm.kernels reads these; no kernel switches on a name) ----
     #: "softmax": exp(s) over the visible keys plus at most one always-visible sink logit (``sink_logit``), exact
@@ -304,12 +204,6 @@ class Normalizer:
 
     def sink_logit(self, ctx: Ctx, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
         """softmax family: the always-visible extra logit lambda (value 0), 0-d or [H] in ``dtype``; None if none."""
-        return None
-
-    def calibrate(self, stats: TeacherStats, settings: AttnormSettings) -> Calibration | None:
-        """A start close to the teacher's softmax attention for one layer, from the teacher's statistics on it
-        (``TeacherStats``, per head [H]), or None when there is no formula (``calibration_note`` says why).
-        docs/convert.md has each formula, its source and the error it leaves."""
         return None
 
     def validate(self, settings: AttnormSettings) -> None:

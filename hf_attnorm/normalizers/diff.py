@@ -25,8 +25,8 @@ the paper's code (the products, not the vector length, enter lambda) and the RMS
 (1 at the start; eps 1e-5). ``diff_lambda_init`` fixes lambda_init; unset, it follows the layer depth (a call
 without a layer index is layer 0: 0.2).
 
-No setting of differential attention equals plain softmax (half-width scores, the subtraction, the normalisation),
-so a converted pretrained model does not start at its softmax outputs; the paper trains from scratch.
+No setting of differential attention equals plain softmax (half-width scores, the subtraction, the normalisation);
+the paper trains from scratch.
 The weights (``output_attentions``) are A1 - lambda A2: rows sum to 1 - lambda, entries may be negative.
 """
 

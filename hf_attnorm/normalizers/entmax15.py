@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..registry import register_normalizer
-from .base import Continuation, Ctx, Normalizer, masked_fill_zero, masked_max, safe_divide
+from .base import Ctx, Normalizer, masked_fill_zero, masked_max, safe_divide
 from .sparsemax import _sorted_visible
 
 
@@ -60,13 +60,6 @@ class Entmax15(Normalizer):
     description = "entmax-1.5: [s_i/2 - tau]_+^2, sparse (exact zeros)"
     row_sum = "one"
     sparse = True
-    calibration_note = "no per-head temperature exists (alpha is fixed at 1.5): not calibrated"
-    # alpha-entmax tends to softmax as alpha -> 1 (Peters et al. 2019): anneal alpha from there to 1.5
-    continuation = Continuation("entmax_alpha", 1.001, 1.5, via="entmax_alpha",
-                                via_options={"entmax_alpha_learnable": False},
-                                note="alpha-entmax is softmax in the limit alpha -> 1 and entmax15 at alpha = 1.5")
-    #: stage 1 (with the continuation) on SmolLM2 ended nearest the teacher at 1e-2 (5e-3 to 2e-2 measured)
-    transfer_learning_rate = 1e-2
 
     def reference(self, scores: torch.Tensor, keep: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         return entmax15(scores, keep)

@@ -23,7 +23,7 @@ import torch
 
 from ..registry import register_normalizer
 from ..settings import declare_option
-from .base import Continuation, Ctx, Normalizer, ParamSpec, masked_fill_zero, safe_divide
+from .base import Ctx, Normalizer, ParamSpec, masked_fill_zero, safe_divide
 
 #: smallest alpha in use: below it 1 / (alpha - 1) > 1000 and the powers underflow in fp32 (use softmax for 1)
 ALPHA_MIN = 1.001
@@ -117,10 +117,6 @@ class EntmaxAlpha(Normalizer):
     options = (ENTMAX_ALPHA, ENTMAX_ALPHA_LEARNABLE)
     params = (ParamSpec("entmax_alpha", ENTMAX_ALPHA, ENTMAX_ALPHA_LEARNABLE,
                         "per-head alpha of alpha-entmax (used clamped to >= 1.001)"),)
-    # softmax in the limit alpha -> 1: with a fixed alpha (entmax_alpha_learnable false) a conversion anneals it
-    continuation = Continuation("entmax_alpha", 1.001, note="alpha-entmax is softmax in the limit alpha -> 1")
-    calibration_note = ("no per-head temperature; alpha -> 1 is softmax, a start chosen with --attnorm "
-                        "entmax_alpha=1.001 rather than from the teacher: not calibrated")
 
     def alpha(self, ctx: Ctx, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """alpha_h [H] in ``dtype``, clamped to >= ALPHA_MIN (a learned value may drift below 1)."""

@@ -9,8 +9,8 @@ embedding, unlike k; a linear function of x_l restricted to W_v's row space): f_
 w_h [Dv] (``fox_w``) and b_h (``fox_b``) learnable per query head (a GQA head reads its key/value head's v).
 
 Initial values: w = 0 and b = ``fox_bias_init`` (default 0, the paper's zero bias: f = 1/2 at first, a strong
-decay that training adjusts). Starting a converted pretrained model at plain softmax: a large bias (f = sigmoid(b)
--> 1; b = 10 leaves a decay of 4.5e-5 per token). The gates come from the cached values; cached decoding keeps their
+decay that training adjusts). A large bias makes it nearly plain softmax (f = sigmoid(b) -> 1; b = 10 leaves a
+decay of 4.5e-5 per token). The gates come from the cached values; cached decoding keeps their
 cumulative sum c on the cache (hf/forget_cache.py), so a step computes its new key's gate only. Outside causal rows
 (a bidirectional mask) the decay is -|c_i - c_j|, the gates between the two positions; the paper defines the causal
 case only.
@@ -46,7 +46,6 @@ class Fox(Softmax):
     description = "forgetting attention: softmax(s_ij + sum_{l=j+1..i} log f_l), f_l = sigmoid(w . v_l + b) per head"
     options = (FOX_BIAS_INIT, FOX_WEIGHT_INIT, FOX_LEARNABLE)
     # f = sigmoid(10) = 1 - 4.5e-5: a decay of 4.5e-5 per key, 0.02 over 512 keys (the gate learns from there)
-    conversion_start = {"fox_bias_init": 10.0}
     key_order = True  # the decay follows the keys' positions
     # the decay reads the query's key position as Lk - Lq + i, which holds per sequence, not in the packed layout
     continuous_batching = "per_sequence"

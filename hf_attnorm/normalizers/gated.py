@@ -12,8 +12,8 @@ rotary models, as ``asentmax``'s temperature does): gate_h(q_i) = sigmoid(q_i W_
 every path runs it (the gate is applied after the path, ``AttnCall.output_gate``).
 
 Initial values: W = 0 and b = ``gated_bias_init`` (default 0: every gate 1/2, which the output projection absorbs;
-the paper initialises W_theta randomly, so its gates start near 1/2 too). Starting a converted pretrained model near
-plain softmax: a large bias (b = 10 gives 0.99995).
+the paper initialises W_theta randomly, so its gates start near 1/2 too). A large bias makes it nearly plain softmax
+(b = 10 gives gates of 0.99995).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ class Gated(Softmax):
     paper = "Qiu et al. 2025, Gated Attention for Large Language Models, https://arxiv.org/abs/2505.06708"
     description = "gated attention: softmax attention's output times sigmoid(q W + b), elementwise per head"
     options = (GATED_BIAS_INIT, GATED_WEIGHT_INIT, GATED_LEARNABLE)
-    conversion_start = {"gated_bias_init": 10.0}  # every gate sigmoid(10) = 1 - 4.5e-5
     params = (
         ParamSpec("gated_w", GATED_WEIGHT_INIT, GATED_LEARNABLE, "per-head gate weights W_h [head_dim, Dv] on q",
                   shape=("head_dim", "value_dim")),

@@ -1,12 +1,12 @@
 """hedgehog: linear attention with a learned feature map that mimics softmax (Zhang et al. 2024, "The Hedgehog &
-the Porcupine: Expressive Linear Attentions with Softmax Mimicry", arXiv 2402.04347; the feature map LoLCATs,
-arXiv 2410.10254, converts Llama models with):
+the Porcupine: Expressive Linear Attentions with Softmax Mimicry", arXiv 2402.04347; the feature map of LoLCATs,
+arXiv 2410.10254):
 
     phi(x) = [softmax(x W), softmax(-x W)]   (each softmax over the feature dim; 2 D features),
     w_ij = phi(q_i) . phi(k_j) / sum_l phi(q_i) . phi(k_l)
 
 with a learned W_h [D, D] per head, started at the identity (LoLCATs' start) and trained so that the weights
-match softmax's (attention transfer, ``scripts/convert.py`` stage 1). The queries have their own map per query
+match softmax's (the papers' attention distillation). The queries have their own map per query
 head (``hedgehog_q`` [H, D, D]); the keys one per key/value head (``hedgehog_k`` [Hkv, D, D]), so that the O(n)
 paths and the recurrent decode state compute the key features once per key/value head of a GQA model, as for
 ``linear``. As in ``linear``, no 1/sqrt(d) (the paper's map reads the raw q and k) and the length-aware scale
@@ -67,11 +67,6 @@ class Hedgehog(Linear):
                   "feature map W_h [head_dim, head_dim] of the keys, per key/value head",
                   shape=("head_dim", "head_dim"), init="eye", heads="kv"),
     )
-    #: not linear's 5e-2: with its feature maps to train, stage 1 on SmolLM2 ended nearest the teacher at the
-    #: default 2e-2 (5e-3 to 5e-2 measured)
-    transfer_learning_rate = None
-    calibration_note = ("no closed-form start: the feature maps start at the identity and attention transfer "
-                        "(scripts/convert.py stage 1) trains them to mimic softmax; not calibrated")
 
     def feature_map(self, q: torch.Tensor, k: torch.Tensor, ctx: Ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """q [B, H, Lq, D], k [B, H or Hkv, Lk, D] -> phi(q) [B, H, Lq, 2D], phi(k) [B, H or Hkv, Lk, 2D]."""

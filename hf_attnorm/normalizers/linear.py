@@ -37,11 +37,6 @@ class Linear(Normalizer):
     scoreless = True
     kernel_family = "linear"
     continuous_batching = "packed"
-    calibration_note = ("no exact start: elu+1 features give weights phi(q).phi(k) / sum phi(q).phi(k), no function "
-                        "of e^(q.k) (a learned feature map does better: Hedgehog, arXiv 2402.04347): not calibrated")
-    #: stage 1 on SmolLM2 (LoRA on q/k only: nothing else to train) ended nearest the teacher at 5e-2 (5e-3 to 1e-1
-    #: measured)
-    transfer_learning_rate = 5e-2
     continuous_batching_note = (
         "runs without its recurrent decode state (kept on a transformers Cache, which the paged cache is not): "
         "every step recomputes over the gathered keys, exactly, at O(keys) per token instead of O(1)")

@@ -5,20 +5,15 @@ sigma_h is an ``nn.Parameter`` named ``attnorm.sink_logit`` on every attention m
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..registry import register_normalizer
-from ..settings import AttnormSettings, declare_option
-from .base import Calibration, Continuation, Ctx, Normalizer, ParamSpec, TeacherStats, masked_max, safe_divide
+from ..settings import declare_option
+from .base import Ctx, Normalizer, ParamSpec, masked_max, safe_divide
 from .softmax import masked_exp
 
 SINK_INIT = declare_option("sink_init", float, 0.0, "sink: initial sink logit sigma_h of every head")
 SINK_LEARNABLE = declare_option("sink_learnable", bool, True, "sink: learn sigma_h per head (else a constant)")
-#: the largest share of a calibration row the calibrated sink may take: 1e-4, softmax to within 1e-4 (the bound of
-#: ``conversion_start``) while the sink keeps a gradient (Adam rescales a small one)
-CALIBRATION_SINK_MASS = 1e-4
 
 
 @register_normalizer
@@ -31,18 +26,6 @@ class Sink(Normalizer):
     options = (SINK_INIT, SINK_LEARNABLE)
     kernel_family = "softmax"
     params = (ParamSpec("sink_logit", SINK_INIT, SINK_LEARNABLE, "per-head sink logit sigma_h"),)
-    # a constant sink (sink_learnable false) walked from where it takes no mass (e^-30 of a row) to its value
-    continuation = Continuation("sink_init", -30.0, note="a sink logit sigma -> -inf is softmax")
-
-    def calibrate(self, stats: TeacherStats, settings: AttnormSettings) -> Calibration:
-        """The sink takes sigmoid(sigma_h - LSE_i) of row i; sigma_h -> -inf is softmax. sigma_h = min_i LSE_i -
-        ln((1 - eps) / eps), eps = ``CALIBRATION_SINK_MASS``: the sink takes at most eps of every calibration row."""
-        eps = CALIBRATION_SINK_MASS
-        sigma = stats.lse_min.float() - math.log((1 - eps) / eps)
-        return Calibration({"sink_logit": sigma},
-                           f"sigma_h = min LSE - ln((1-eps)/eps), eps = {eps:g}: the sink takes at most {eps:g} of a "
-                           "calibration row (more only on a held-out row whose LSE is below that minimum)")
-
     def sink_logit(self, ctx: Ctx, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
         return ctx.heads["sink_logit"].to(device=ctx.n.device, dtype=dtype)
 

@@ -22,7 +22,6 @@ class Softmax(Normalizer):
     description = "softmax exp(s_i)/sum exp(s_j) (the reference)"
     row_sum = "one"
     kernel_family = "softmax"
-    calibration_note = "softmax is the teacher itself: nothing to calibrate"
 
     def reference(self, scores: torch.Tensor, keep: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         e = masked_exp(scores, keep, masked_max(scores, keep))

@@ -11,7 +11,7 @@ import torch
 
 from ..registry import register_normalizer
 from ..settings import declare_option, nonnegative
-from .base import Continuation, Ctx, Normalizer, masked_max, safe_divide
+from .base import Ctx, Normalizer, masked_max, safe_divide
 from .softmax import masked_exp
 
 N_EXTRA = declare_option(
@@ -29,10 +29,6 @@ class SoftmaxN(Normalizer):
     options = (N_EXTRA,)
     kernel_family = "softmax"
     presets = {"softmax1": ("softmax_1, 'attention is off by one': exp(s_i)/(1 + sum exp(s_j))", {"n_extra": 1.0})}
-    continuation = Continuation("n_extra", 0.0, note="softmax_n is softmax at n_extra = 0")
-    calibration_note = ("no per-head value to set: the swap is the start, off softmax by the share n_extra / "
-                        "(n_extra + e^LSE) the phantom key takes (for softmax1 the teacher's statistics give its "
-                        "mean, zero_logit_mass)")
 
     def sink_logit(self, ctx: Ctx, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
         n_extra = ctx.settings.n_extra

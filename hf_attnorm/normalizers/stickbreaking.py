@@ -19,10 +19,10 @@ Choices (all options, validated at load/set time):
   test of the reference code do (``o = o + rem[..., None] * v``); its kernels return ``rem`` separately. With it
   rows sum to exactly 1; without it, to at most 1.
 * ``stickbreaking_offset`` (default 0, the paper's) and ``stickbreaking_offset_learnable`` (default False): a
-  per-head offset c_h subtracted from the scores before the stick breaks, beta_ij = sigmoid(z_ij - c_h). A converted
-  softmax model needs it: softmax written as a stick broken from the nearest key has break logits z_ij - ln sum_{m<j}
-  e^{z_im}, about z_ij - z_i0 when an early "sink" key holds most of the row, so one offset per head near the row's
-  logsumexp brings the swapped model close to the teacher (the calibration searches it: ``calibrate``).
+  per-head offset c_h subtracted from the scores before the stick breaks, beta_ij = sigmoid(z_ij - c_h). Softmax
+  written as a stick broken from the nearest key has break logits z_ij - ln sum_{m<j} e^{z_im}, about z_ij - z_i0
+  when an early "sink" key holds most of the row, so one offset per head near the row's logsumexp brings the
+  weights close to softmax's.
 * The paper keeps the model's 1/sqrt(d) (the reference passes ``inv_temp = 1/sqrt(d)``): ``uses_base_scaling`` stays
   True. Its models use no position embeddings; hf_attnorm does not remove a model's RoPE.
 
@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from ..registry import register_normalizer
 from ..settings import AttnormSettings, declare_option
-from .base import Calibration, Ctx, Normalizer, OffsetSearch, ParamSpec, TeacherStats, masked_fill_zero
+from .base import Ctx, Normalizer, ParamSpec, masked_fill_zero
 
 SB_ATTEND_CURRENT = declare_option(
     "stickbreaking_attend_current", bool, False,
@@ -61,10 +61,6 @@ SB_OFFSET_LEARNABLE = declare_option(
     "stickbreaking_offset_learnable", bool, False,
     "stickbreaking: learn the offset c_h per head (initialised at stickbreaking_offset; else a constant)",
 )
-#: candidate offsets of the calibration, relative to the head's mean row logsumexp (``OffsetSearch``), in half steps
-#: from 8 below the sink limit (delta 0) to 2 above it: a lower offset lets the first (sink) key break more of what is
-#: left, at the price of larger shares for the keys nearer the query
-OFFSET_DELTAS = tuple(d / 2 for d in range(-16, 5))
 
 
 def uses_offset(settings: AttnormSettings) -> bool:
@@ -118,29 +114,6 @@ class StickBreaking(Normalizer):
     key_order = True
     key_order_note = ("here every query breaks the stick from the last visible key of the sequence backwards (right "
                       "to left), which is not position-invariant")
-    #: one offset per head needs the learnable (per-head) value
-    calibration_options = {"stickbreaking_offset_learnable": True}
-    offset_search = OffsetSearch("stickbreaking_offset", OFFSET_DELTAS)
-    #: from the calibrated offset, stage 1 on SmolLM2 ended nearest the teacher at 1e-2 (2e-3 to 2e-2 measured)
-    transfer_learning_rate = 1e-2
-
-    def calibrate(self, stats: TeacherStats, settings: AttnormSettings) -> Calibration:
-        """Softmax as a stick broken from the nearest key has break logits z_ij - ln sum_{m<j} e^{z_im}: no offset
-        is exact (the subtracted term depends on the row and the key). When an early sink key holds most of a row,
-        ln sum_{m<j} e^{z_im} ~ z_i0 ~ LSE_i, so c_h ~ mean_i LSE_i; but then the sink itself breaks only half the
-        stick (sigmoid(z_i0 - c_h) ~ 1/2) and leaves the rest to the query's own key. The teacher pass therefore
-        tries c_h = mean LSE + delta (``OFFSET_DELTAS``) and keeps, per head, the one whose attention outputs are
-        nearest the teacher's; without that search (no teacher rows), the sink limit delta = 0."""
-        if stats.offset_errors is None:
-            return Calibration({"stickbreaking_offset": stats.lse_mean.float()},
-                               "c_h = mean LSE (the sink limit; no search over the teacher's rows ran)")
-        best = stats.offset_errors.argmin(dim=1)
-        delta = torch.tensor(OFFSET_DELTAS, dtype=torch.float32)[best]
-        return Calibration({"stickbreaking_offset": stats.lse_mean.float() + delta},
-                           f"c_h = mean LSE + delta_h, delta_h in [{OFFSET_DELTAS[0]}, {OFFSET_DELTAS[-1]}] the one "
-                           "whose outputs are nearest the teacher's on its rows: no offset is exact, the stick "
-                           "still breaks from the nearest key where softmax weighs keys by score alone")
-
     def reference(self, scores: torch.Tensor, keep: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         s = ctx.settings
         if uses_offset(s):  # (a constant 0, the paper's, is skipped here as in the kernels)

@@ -25,8 +25,6 @@ class Symax(Normalizer):
     kernel_family = "fused"
     fused_map = "symax"
     params = (ParamSpec("symax_eta", ETA, ETA_LEARNABLE, "per-head eta (used as |eta|)"),)
-    calibration_note = ("no exact start: |s_i| / (eta + sum |s_j|) is not a function of softmax's e^s_i for any eta; "
-                        "not calibrated (attention transfer trains eta)")
 
     def row_value(self, ctx: Ctx, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """|eta_h| [1, H, 1], added to the denominator."""

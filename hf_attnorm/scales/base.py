@@ -11,15 +11,7 @@ from typing import ClassVar
 
 import torch
 
-from ..normalizers.base import (
-    NO_CALIBRATION,
-    Calibration,
-    Continuation,
-    ContinuousBatching,
-    Ctx,
-    ParamSpec,
-    TeacherStats,
-)
+from ..normalizers.base import ContinuousBatching, Ctx, ParamSpec
 from ..settings import AttnormSettings
 
 
@@ -37,22 +29,6 @@ class Scale:
     continuous_batching: ClassVar[ContinuousBatching] = "packed"
     #: why it is refused there, or what differs there
     continuous_batching_note: ClassVar[str] = ""
-
-    #: option values a calibrated conversion start needs (see ``Normalizer.calibration_options``)
-    calibration_options: ClassVar[dict] = {}
-    #: a path from softmax to this scale along one option (``Continuation``; the normalizer's wins where both declare
-    #: one), or None
-    continuation: ClassVar[Continuation | None] = None
-    #: stage 1's peak learning rate for a conversion to this scale (see ``Normalizer.transfer_learning_rate``; the
-    #: normalizer's wins where both declare one)
-    transfer_learning_rate: ClassVar[float | None] = None
-    #: why ``calibrate`` gives nothing for this scale (reported when the scale has per-head values)
-    calibration_note: ClassVar[str] = NO_CALIBRATION
-
-    def calibrate(self, stats: TeacherStats, settings: AttnormSettings) -> Calibration | None:
-        """Per-head values of this scale for one layer from the teacher's statistics, or None (see
-        ``Normalizer.calibrate``)."""
-        return None
 
     def validate(self, settings: AttnormSettings) -> None:
         """Cross-option checks."""
