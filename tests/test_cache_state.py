@@ -96,6 +96,47 @@ def test_the_pre_hook_follows_the_normalizer(counting):
     assert all(cache_state.hooked(m) for m in mods)
 
 
+def test_one_pre_hook_and_one_note_serve_the_cache_state_and_continuous_batching(counting, monkeypatch):
+    """A module whose normalizer keeps state and that continuous batching runs carries one pre-hook, which leaves one
+    note per call (``NOTE_ATTR``); the attention function takes it (nothing is left for the next call), and the
+    continuous-batching mark keeps the hook through a switch to a normalizer that keeps none (the packed calls
+    themselves: tests/test_continuous_batching.py)."""
+    import hf_attnorm
+
+    model = tiny("llama", "causal_lm", "symax")
+    mods = [m for _, m in attention_modules(model)]
+    cache_state.mark_packed(mods)
+    cache_state.mark_packed(mods)  # (once per module, however often it is marked)
+    assert all(list(m._forward_pre_hooks.values()).count(cache_state._pre_hook) == 1 for m in mods)
+    assert all(len(m._forward_pre_hooks) == 1 for m in mods)
+    seen = []
+    real_take = cache_state.take_note
+
+    def take(module):
+        note = real_take(module)
+        seen.append(note)
+        return note
+
+    from hf_attnorm.hf import forward
+
+    monkeypatch.setattr(forward, "take_note", take)
+    ids = torch.randint(1, 97, (1, 5), generator=torch.Generator().manual_seed(1))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, **compat.cache_kwargs(model, cache), use_cache=True)
+    monkeypatch.undo()
+    assert len(seen) == len(mods) and all(n is not None and not n.packed for n in seen)
+    assert all(set(n.pending) == {counting.name} for n in seen)
+    assert all(getattr(m, cache_state.NOTE_ATTR) is None for m in mods)  # taken: nothing stale for the next call
+    hf_attnorm.apply(model, "softmax")  # no kind serves softmax; the mark keeps the hook
+    assert all(cache_state.hooked(m) for m in mods)
+    with torch.no_grad():
+        model(ids)
+    assert all(getattr(m, cache_state.NOTE_ATTR, None) is None for m in mods)
+    cache_state.detach(mods[0])
+    assert not cache_state.hooked(mods[0]) and not getattr(mods[0], cache_state.PACKED_MARK, False)
+
+
 def test_every_stateful_normalizer_is_served_by_a_registered_kind():
     """The normalizers whose cached decoding needs or keeps state are served (linear: recurrent, selective: column
     sums, fox: cumulative forget gates), and a kind's name is unique."""

@@ -18,8 +18,9 @@ from conftest import first_implementations, needs_compile, needs_compile_inducto
 from transformers import GenerationConfig
 
 from hf_attnorm.hf import forward, integration
+from hf_attnorm.hf.cache_state import NOTE_ATTR, CallNote
 from hf_attnorm.hf.families import attention_modules
-from hf_attnorm.hf.forward import PACKED_ATTR, continuous_batching_support, record_paths
+from hf_attnorm.hf.forward import continuous_batching_support, record_paths
 from hf_attnorm.masks import additive_keep, build_mask_info
 from hf_attnorm.registry import NORMALIZERS, PRESETS, AttnormError
 from hf_attnorm.settings import resolve_settings
@@ -255,7 +256,7 @@ def test_a_block_table_is_refused():
     _, mod = next(iter(attention_modules(model)))
     q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
     mask = torch.zeros(1, 1, 3, 3)
-    mod.__dict__[PACKED_ATTR] = True
+    mod.__dict__[NOTE_ATTR] = CallNote(packed=True)  # (what the pre-hook notes for a call given the paged cache)
     with pytest.raises(AttnormError, match="^LlamaAttention: continuous batching's packed call carries a block table"):
         forward.forward_for("symax")(mod, q, k, k, mask, scaling=0.35, block_table=torch.zeros(1, 2))
 

@@ -14,7 +14,7 @@ import torch
 from conftest import first_implementations
 
 from hf_attnorm.attention import attention, constant_heads, make_call
-from hf_attnorm.hf import forward
+from hf_attnorm.hf import cache_state, forward
 from hf_attnorm.hf.families import SELECTION_KEYWORDS
 from hf_attnorm.kernels import PATHS, choose, paths_for, prepare_path
 from hf_attnorm.kernels.linear.recurrent import accepts as recurrent_accepts
@@ -243,7 +243,7 @@ def test_continuous_batchings_packed_route_refuses_a_selection():
     model = tiny("llama", "causal_lm", implementation="softmax")
     module = model.model.layers[0].self_attn
     q = torch.randn(1, 4, 3, 8)
-    module.__dict__[forward.PACKED_ATTR] = True
+    module.__dict__[cache_state.NOTE_ATTR] = cache_state.CallNote(packed=True)
     with pytest.raises(AttnormError, match=r"packed call carries 'indices' .* use generate"):
         forward.forward_for("softmax")(module, q, q, q, torch.ones(1, 1, 3, 3, dtype=torch.bool),
                                        indices=torch.zeros(1, 3, 1, dtype=torch.int32))

@@ -5,8 +5,10 @@ needs one (linear attention's recurrent state, ``recurrent.py``; selective atten
 
 A state lives on a cache layer (an attribute of the ``DynamicLayer``), so it lives and dies with the cache. The
 attention function never sees the cache, so each attention module that serves a stateful normalizer gets one forward
-pre-hook (``sync`` installs or removes it as the module's normalizer changes). For every kind that serves the
-module's normalizer:
+pre-hook (``sync`` installs or removes it as the module's normalizer changes). The hook leaves the attention function
+one note per call (``CallNote`` under ``NOTE_ATTR``), which also says whether the call came packed from continuous
+batching (``mark_packed``: the module received the paged cache): one side channel for both. For every kind that
+serves the module's normalizer:
 
 1. the pre-hook, BEFORE the module appends its new keys, finds the cache and the layer and asks the kind to ``arm``
    the layer's state: the state only if it still describes exactly the layer's tensors (else None, and why);
@@ -26,7 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Any, Protocol
+from collections.abc import Iterable
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -37,9 +40,12 @@ from ..registry import NORMALIZERS
 from ..settings import AttnormSettings
 from . import compat
 
-#: attribute of an attention module: the pre-hook's notes for the call in progress (kind name -> Pending; None when
-#: no cache reached the module)
-PENDING_ATTR = "_hf_attnorm_cache_pending"
+#: attribute of an attention module: the pre-hook's note for the call in progress (``CallNote``), read and cleared by
+#: the attention function; None when there is nothing to say
+NOTE_ATTR = "_hf_attnorm_call"
+#: attribute of an attention module: True once continuous batching runs it (``mark_packed``), so its pre-hook also
+#: notes whether a call received the paged cache
+PACKED_MARK = "_hf_attnorm_packed_calls"
 
 
 def _none() -> None:
@@ -72,6 +78,15 @@ class Pending:
         """The cache layer (None when the cache is gone or has no such layer)."""
         cache = self.cache()
         return None if cache is None else compat.cache_layer(cache, self.layer_idx)
+
+
+class CallNote(NamedTuple):
+    """What the pre-hook saw for one call of an attention module: whether it came packed from continuous batching
+    (the module received the paged cache) and, per kind serving the module's normalizer, its ``Pending`` (None: no
+    cache reached the module, a packed call, or none serves it)."""
+
+    packed: bool = False
+    pending: dict[str, Pending] | None = None
 
 
 class CacheStep(Protocol):
@@ -132,20 +147,35 @@ def _module_kinds(module: nn.Module) -> list[CacheStateKind]:
 
 
 def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    if torch.compiler.is_compiling():
+    # (getattr, not __dict__.get: what Dynamo traces when a compiled model runs continuous batching)
+    if getattr(module, PACKED_MARK, False) and compat.paged_cache_in_call(args, kwargs):
+        module.__dict__[NOTE_ATTR] = CallNote(True)  # (no transformers Cache: no state kept across calls)
         return None
-    cache = compat.cache_of_call(args, kwargs)
+    if torch.compiler.is_compiling():  # (nothing may persist across a graph)
+        return None
+    kinds = _module_kinds(module)
+    cache = compat.cache_of_call(args, kwargs) if kinds else None
     idx = getattr(module, "layer_idx", None)
-    if cache is None or not isinstance(idx, int):  # no cache reached the module: no notes
-        module.__dict__[PENDING_ATTR] = None
+    if cache is None or not isinstance(idx, int):  # no cache reached the module: nothing to say
+        module.__dict__[NOTE_ATTR] = None
         return None
     layer = compat.cache_layer(cache, idx)
     notes: dict[str, Pending] = {}
-    for kind in _module_kinds(module):
+    for kind in kinds:
         armed, why = (None, "the cache has no layer for this module") if layer is None else kind.arm(layer, module)
         notes[kind.name] = Pending(weakref.ref(cache), idx, armed, why)
-    module.__dict__[PENDING_ATTR] = notes
+    module.__dict__[NOTE_ATTR] = CallNote(False, notes)
     return None
+
+
+def take_note(module: nn.Module) -> CallNote | None:
+    """The pre-hook's note for the call in progress, cleared (each note serves one call). Under torch.compile only a
+    packed call's note is read (the hook writes no other there) and nothing is cleared but it."""
+    note = getattr(module, NOTE_ATTR, None)  # (getattr, not __dict__.pop: Dynamo of torch 2.11 cannot trace a pop)
+    if note is None or (torch.compiler.is_compiling() and not note.packed):
+        return None
+    module.__dict__[NOTE_ATTR] = None
+    return note
 
 
 def hooked(module: nn.Module) -> bool:
@@ -154,21 +184,31 @@ def hooked(module: nn.Module) -> bool:
 
 
 def sync(module: nn.Module) -> None:
-    """Install the pre-hook when the module's normalizer keeps a state, remove it otherwise (once; a module-level
-    function, so models still deepcopy and pickle)."""
-    if not _module_kinds(module):
+    """Install the pre-hook when the module's normalizer keeps a state or continuous batching runs it
+    (``mark_packed``), remove it otherwise (once; a module-level function, so models still deepcopy and pickle)."""
+    if not _module_kinds(module) and not getattr(module, PACKED_MARK, False):
         detach(module)
     elif not hooked(module):
         module.register_forward_pre_hook(_pre_hook, with_kwargs=True)
 
 
+def mark_packed(modules: Iterable[nn.Module]) -> None:
+    """Continuous batching runs these attention modules: their pre-hook (installed here, once per module) also notes
+    whether a call comes packed from it (the module received the paged cache), so that only such calls may carry
+    the manager's keywords."""
+    for module in modules:
+        module.__dict__[PACKED_MARK] = True
+        sync(module)
+
+
 def detach(module: nn.Module) -> None:
-    """Remove the pre-hook and the note it keeps on the module."""
+    """Remove the pre-hook, its note and the continuous-batching mark from the module."""
     for key, fn in list(module._forward_pre_hooks.items()):
         if fn is _pre_hook:
             del module._forward_pre_hooks[key]
             module._forward_pre_hooks_with_kwargs.pop(key, None)
-    module.__dict__.pop(PENDING_ATTR, None)
+    module.__dict__.pop(NOTE_ATTR, None)
+    module.__dict__.pop(PACKED_MARK, None)
 
 
 def drop_states(cache: Any, kinds: list[str] | None = None) -> None:
@@ -179,15 +219,14 @@ def drop_states(cache: Any, kinds: list[str] | None = None) -> None:
             kind.drop(layer)
 
 
-def steps_for(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def steps_for(module: nn.Module, note: CallNote | None, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               settings: AttnormSettings, causal: bool) -> list[CacheStep]:
     """The steps of this attention call, one per kind serving its normalizer that keeps state for it (usually
-    none or one). Takes the pre-hook's notes off the module (not under torch.compile: Dynamo of torch 2.11 cannot
-    trace the pop)."""
+    none or one), from the pre-hook's ``note`` for the call (``take_note``)."""
     kinds = kinds_serving(settings.normalizer)
     if not kinds:
         return []
-    notes = None if torch.compiler.is_compiling() else module.__dict__.pop(PENDING_ATTR, None)
+    notes = None if note is None else note.pending
     steps = []
     for kind in kinds:
         pending = notes.get(kind.name) if notes else None

@@ -32,7 +32,7 @@ from ..registry import NORMALIZERS, SCALES, AttnormError
 from ..settings import AttnormSettings, resolve_settings
 from ..torch_compat import is_exporting
 from . import compat
-from .cache_state import PENDING_ATTR, kinds_serving, steps_for
+from .cache_state import kinds_serving, steps_for, take_note
 from .families import SELECTION_KEYWORDS, key_selection, refused_keywords
 from .state import state_of
 
@@ -164,10 +164,10 @@ def _score_modifiers(kwargs: Mapping[str, Any]) -> dict[str, Any]:
 def _attend(module: nn.Module, state: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             attention_mask: object, scaling: float | None, dropout: float,
             kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    # getattr, not __dict__.pop: Dynamo (torch 2.11) cannot trace a pop on a module's __dict__; the flag exists only
-    # on modules given the pre-hook, which rewrites it before every call
-    if getattr(module, PACKED_ATTR, False):
-        module.__dict__[PACKED_ATTR] = False
+    # the module's pre-hook note for this call (hf/cache_state.py): a packed call from continuous batching, or what
+    # a state kept on the cache found there
+    note = take_note(module)
+    if note is not None and note.packed:
         return _attend_packed(module, state, query, key, value, attention_mask, scaling, dropout, kwargs)
     causal = _causal(module, kwargs)
     refused = refused_keywords(kwargs)
@@ -194,7 +194,7 @@ def _attend(module: nn.Module, state: Any, query: torch.Tensor, key: torch.Tenso
         return _to_model_layout(out), None
     # state kept on the cache across decoding (hf/cache_state.py): linear attention's recurrent state, selective
     # attention's column sums; a call that cannot be exact is refused here, before any work
-    steps = steps_for(module, query, key, value, state.settings, causal) if plan is None or plan.kinds else []
+    steps = steps_for(module, note, query, key, value, state.settings, causal) if plan is None or plan.kinds else []
     out, weights = _compute(module, state, query, key, value, attention_mask, causal, scaling, dropout, kwargs, steps,
                             selection, plan_key, plan)
     return _to_model_layout(out), weights
@@ -394,11 +394,6 @@ def _gated_entry(direct: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, dic
 
 # ------------------------------------------------------------------------------------------------ continuous batching
 
-#: attribute of an attention module: whether its call in progress received continuous batching's paged cache
-#: (written by ``_packed_pre_hook``, cleared by the attention function)
-PACKED_ATTR = "_hf_attnorm_packed"
-
-
 def continuous_batching_support(settings: AttnormSettings) -> tuple[ContinuousBatching, str]:
     """How transformers' continuous batching runs ``settings`` (``normalizers.base.ContinuousBatching``), from the
     declarations of its normalizer and scale (``continuous_batching``, ``continuous_batching_note``): "refused" when
@@ -419,19 +414,6 @@ def continuous_batching_support(settings: AttnormSettings) -> tuple[ContinuousBa
         if notes:
             return wanted, "; ".join(n for n in notes if n)  # type: ignore[return-value]
     raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _packed_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    module.__dict__[PACKED_ATTR] = compat.paged_cache_in_call(args, kwargs)
-
-
-def mark_packed_calls(modules: Iterator[nn.Module]) -> None:
-    """Give each attention module the forward pre-hook that tells its attention function whether a call comes
-    packed from continuous batching (its module received the paged cache): only such calls may carry the
-    manager's keywords. Once per module; a module-level function, so models still deepcopy and pickle."""
-    for module in modules:
-        if _packed_pre_hook not in module._forward_pre_hooks.values():
-            module.register_forward_pre_hook(_packed_pre_hook, with_kwargs=True)
 
 
 def _packed_error(module: nn.Module, what: str) -> AttnormError:
@@ -468,7 +450,6 @@ def _attend_packed(module: nn.Module, state: Any, query: torch.Tensor, key: torc
         raise _packed_error(module, f"has queries {list(query.shape)} and a mask of type "
                                     f"{type(attention_mask).__name__}; expected [1, H, Q_total, D] and the "
                                     "block-diagonal mask tensor [1, 1, Q_total, K_total] of the sdpa route")
-    module.__dict__.pop(PENDING_ATTR, None)  # (no transformers Cache: no state kept across calls)
     # the manager's mask is additive (0 / finfo.min): as a keep-mask it carries no score bias, which a scoreless
     # normalizer would refuse
     attention_mask = additive_keep(attention_mask) if attention_mask.is_floating_point() else attention_mask

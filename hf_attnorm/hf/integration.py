@@ -27,10 +27,10 @@ from torch import nn
 
 from ..registry import CONFIG_PREFIX, PRESETS, AttnormError, UnknownNameError, canonical, is_ours
 from ..settings import AttnormSettings, resolve_settings
-from . import compat
+from . import cache_state, compat
 from .distributed import materialize_meta_states
 from .families import attention_modules, family_of, refusal_reason
-from .forward import continuous_batching_support, forward_for, mark_packed_calls
+from .forward import continuous_batching_support, forward_for
 from .persistence import MARKER_PATTERN, finalize_saved, verify_before_load, verify_loaded
 from .state import _PENDING, AttnormState, check_config_unchanged, install, settings_for, uninstall
 
@@ -337,7 +337,7 @@ def _prepare_continuous_batching(model: nn.Module) -> bool:
     """The manager's name check, whenever a manager is built or reused for ``model`` (``compat
     .hook_continuous_batching``): False for a model that does not run ours (transformers' own check follows). For
     ours: refused where not exact; a declared difference is warned about; the attention modules get the pre-hook
-    that marks the manager's packed calls (``forward.mark_packed_calls``); True (the model keeps its name)."""
+    that marks the manager's packed calls (``cache_state.mark_packed``); True (the model keeps its name)."""
     impl = canonical(getattr(getattr(model, "config", None), "_attn_implementation", None))
     if not is_ours(impl):
         return False
@@ -346,7 +346,7 @@ def _prepare_continuous_batching(model: nn.Module) -> bool:
              for mode, note in [continuous_batching_support(mod.settings)] if note}
     for note in sorted(notes):
         warnings.warn(f"hf_attnorm: under continuous batching, {impl!r} {note}", stacklevel=3)
-    mark_packed_calls(mod for _, mod in attention_modules(model))
+    cache_state.mark_packed(mod for _, mod in attention_modules(model))
     return True
 
 
