@@ -193,6 +193,15 @@ def query_factor(settings: AttnormSettings, q: torch.Tensor, ctx: Ctx) -> torch.
     return mult
 
 
+def factored_query(q: torch.Tensor, mult: torch.Tensor | None, base: float) -> tuple[torch.Tensor, float]:
+    """(q, scale) for a kernel that scales its scores by ``scale``: q [B, H, Lq, D] times base x multiplier
+    ([B|1, H|1, Lq], ``query_factor``) with scale 1, or q as it is with scale ``base`` when there is no multiplier
+    (what the paths do with ``AttnCall.q_factor``; the direct entries of planned calls share it)."""
+    if mult is None:
+        return q, base
+    return q * (mult.to(q.dtype) * base).unsqueeze(-1), 1.0
+
+
 def one_query_ctx(settings: AttnormSettings, heads: dict[str, torch.Tensor], q: torch.Tensor, lk: int,
                   module_info: dict) -> Ctx:
     """The ``Ctx`` that ``make_call`` resolves for a call of one query per head, q [B, H, 1, D], against ``lk``

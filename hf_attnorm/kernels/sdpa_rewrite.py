@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from ..normalizers.base import Normalizer
 from ..torch_compat import FLASH_CPU_GQA, FLASH_CPU_GQA_FEATURE, is_exporting, warn_fallback
 from . import triton_rows
-from .base import AttnCall, compute_dtype, has_query_factor, one_query_ctx, query_factor, repeat_kv
+from .base import AttnCall, compute_dtype, factored_query, has_query_factor, one_query_ctx, query_factor, repeat_kv
 
 
 def takes(norm: Normalizer) -> str | None:
@@ -366,6 +366,18 @@ _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
+def _with_sink(out: torch.Tensor, lse: torch.Tensor, lam: torch.Tensor,
+               mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flash op's out [B, H, Lq, Dv] and log-sum-exp L [B, H, Lq] with the sink logit lambda (0-d or [H]) among
+    the keys: (out e^(L - L'), L'), L' = logaddexp(L, lambda); with the float ``mask``, rows that see no key (out 0,
+    L 0 from the kernel) get L' = lambda."""
+    lam_b = lam.view(1, -1, 1) if lam.dim() == 1 else lam
+    lse_all = torch.logaddexp(lse, lam_b)
+    if mask is not None:
+        lse_all = torch.where(torch.isinf(mask).all(-1), lam_b.expand_as(lse_all), lse_all)
+    return out * torch.exp(lse - lse_all).unsqueeze(-1), lse_all
+
+
 class _FlashCPU(torch.autograd.Function):
     """SDPA's CPU flash kernel with an optional sink logit lambda (0-d or [H]); see the module docstring."""
 
@@ -376,13 +388,7 @@ class _FlashCPU(torch.autograd.Function):
             k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])
         out, lse = _FLASH(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
         if lam is not None:
-            lam_b = lam.view(1, -1, 1) if lam.dim() == 1 else lam
-            lse_all = torch.logaddexp(lse, lam_b)
-            # rows without visible keys: the kernel gives out 0 and lse 0; with the sink their lse is lambda
-            if mask is not None:
-                lse_all = torch.where(torch.isinf(mask).all(-1), lam_b.expand_as(lse_all), lse_all)
-            out = out * torch.exp(lse - lse_all).unsqueeze(-1)
-            lse = lse_all
+            out, lse = _with_sink(out, lse, lam, mask)
         ctx.save_for_backward(q, k, v, out, lse, mask, lam)
         ctx.causal, ctx.scale = causal, scale
         return out
@@ -653,10 +659,8 @@ def direct(call: AttnCall) -> Any:
 
     def run_factored(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: dict) -> torch.Tensor:
         mult = query_factor(settings, q, one_query_ctx(settings, heads, q, k.shape[2], info))
-        if mult is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
-        factor = (mult.to(q.dtype) * scale).unsqueeze(-1)
-        return F.scaled_dot_product_attention(q * factor, k, v, is_causal=causal, scale=1.0, enable_gqa=gqa)
+        q, factor_scale = factored_query(q, mult, scale)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=factor_scale, enable_gqa=gqa)
 
     return run_factored
 
@@ -668,10 +672,8 @@ def _sink_direct(call: AttnCall) -> Any:
     lambda and any per-query factor resolved from the call's per-head values and n = Lk as ``make_call`` resolves
     them. None for every other call."""
     q = call.q
-    if (call.sinks is not None or q.shape[2] != 1 or q.device.type != "cpu" or not _uses_flash_cpu(call)
-            or call.bias is not None or call.softcap is not None or call.alibi_slopes is not None
-            or call.forget is not None or call.mask.keep is not None
-            or type(call.normalizer).transform_qk is not Normalizer.transform_qk
+    if (q.shape[2] != 1 or q.device.type != "cpu" or not _uses_flash_cpu(call) or call.modifies_scores
+            or call.mask.keep is not None or type(call.normalizer).transform_qk is not Normalizer.transform_qk
             or compute_dtype(q.dtype) != q.dtype or call.k.dtype != q.dtype or call.v.dtype != q.dtype):
         return None
     norm, settings, info = call.normalizer, call.settings, call.module_info
@@ -681,19 +683,14 @@ def _sink_direct(call: AttnCall) -> Any:
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: dict) -> torch.Tensor:
         ctx = one_query_ctx(settings, heads, q, k.shape[2], info)
         lam = norm.sink_logit(ctx, q.dtype)
-        mult = query_factor(settings, q, ctx) if factored else None
-        scale = base
-        if mult is not None:  # (as _prepare: q times base x multiplier, SDPA's scale 1)
-            q, scale = q * (mult.to(q.dtype) * base).unsqueeze(-1), 1.0
+        q, scale = factored_query(q, query_factor(settings, q, ctx) if factored else None, base)
         if repeat:
             k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])
         if lam is None:  # (a normalizer whose sink logit is absent for these values: plain SDPA, as the path)
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
                                                   enable_gqa=q.shape[1] != k.shape[1])
         out, lse = _FLASH(q, k, v, 0.0, causal, attn_mask=None, scale=scale)
-        lam = lam.to(q.device)
-        lam_b = lam.view(1, -1, 1) if lam.dim() == 1 else lam
-        return out * torch.exp(lse - torch.logaddexp(lse, lam_b)).unsqueeze(-1)
+        return _with_sink(out, lse, lam.to(q.device))[0]
 
     return run
 

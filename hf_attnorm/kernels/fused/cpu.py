@@ -28,6 +28,7 @@ from ..base import (
     compact_bias,
     compute_dtype,
     dense_keep,
+    factored_query,
     has_query_factor,
     last_dim_contiguous,
     one_query_ctx,
@@ -243,11 +244,8 @@ def direct(call: AttnCall) -> Any:
         ctx = one_query_ctx(settings, heads, q, k.shape[2], info)
         r = norm.row_value(ctx, dt)
         rv = (ctx.n.to(device=q.device, dtype=dt) if r is None else r.to(q.device)).expand(B, H, 1).contiguous()
-        mult = query_factor(settings, q, ctx) if factored else None
-        if mult is not None:  # (as fused_cpu_attention: q times base x multiplier, then the kernel)
-            q, scale = q * (mult.to(dt) * base).unsqueeze(-1), 1.0
-        else:
-            scale = base
+        # (as fused_cpu_attention: q times base x multiplier, then the kernel)
+        q, scale = factored_query(q, query_factor(settings, q, ctx) if factored else None, base)
         return native.decode(kernel, q, last_dim_contiguous(k), last_dim_contiguous(v), rv, scale, *blocks)
 
     return run
