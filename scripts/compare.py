@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The main job: which attention normalizers keep working beyond the training length, with error bars.
 
-The job is ``hf_attnorm.lab.compare_job`` (its docstring says what it trains, measures and writes); installed, the
+The job is ``hf_attnorm.lab.compare.job`` (its docstring says what it trains, measures and writes); installed, the
 same command is ``hf-attnorm-compare``. Every flag: `python scripts/compare.py --help`.
 """
 
@@ -13,7 +13,7 @@ import sys
 
 runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap.py"))  # offline; checkout
 
-from hf_attnorm.lab.compare_job import main  # noqa: E402
+from hf_attnorm.lab.compare.job import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

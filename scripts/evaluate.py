@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Swap attention normalizers / scales into a pretrained model without training and measure perplexity.
 
-The evaluation is ``hf_attnorm.lab.swap_evaluation`` (its docstring gives the default variants and why); installed,
+The evaluation is ``hf_attnorm.lab.evaluation.swap`` (its docstring gives the default variants and why); installed,
 the same command is ``hf-attnorm-evaluate``. Example: ``python scripts/evaluate.py --max_tokens 4096``; every flag:
 ``python scripts/evaluate.py --help``.
 """
@@ -14,7 +14,7 @@ import sys
 
 runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap.py"))  # offline; checkout
 
-from hf_attnorm.lab.swap_evaluation import main  # noqa: E402
+from hf_attnorm.lab.evaluation.swap import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

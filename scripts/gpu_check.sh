@@ -20,7 +20,7 @@ export PIP_NO_INDEX=1
 RECORD="$(mktemp "${TMPDIR:-/tmp}/hf_attnorm_gpu_setup.XXXXXX")"
 trap 'rm -f "$RECORD"' EXIT
 case " $* " in
-  *" --help "*|*" -h "*) "$PY" scripts/gpu_setup.py --help; exec "$PY" -m hf_attnorm.lab.gpu_check --help ;;
+  *" --help "*|*" -h "*) "$PY" scripts/gpu_setup.py --help; exec "$PY" -m hf_attnorm.lab.speed.gpu_check --help ;;
 esac
 "$PY" scripts/gpu_setup.py --record "$RECORD" "$@"
-"$PY" -m hf_attnorm.lab.gpu_check --setup-record "$RECORD" "$@"
+"$PY" -m hf_attnorm.lab.speed.gpu_check --setup-record "$RECORD" "$@"

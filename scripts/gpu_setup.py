@@ -19,7 +19,7 @@ hf_attnorm), prints its plan, then:
   the package from the checkout (gpu_check.sh puts it first on PYTHONPATH either way, so the checkout is what runs).
 
 ``--dry-run`` plans and prints, running nothing. ``--record`` writes the plan, the checks and each step's seconds,
-exit code and output tail as JSON (hf_attnorm.lab.gpu_check merges it into its results).
+exit code and output tail as JSON (hf_attnorm.lab.speed.gpu_check merges it into its results).
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--flash-attn", action="store_true",
                    help="note whether FlashAttention-2 is installed for the baseline row (it is never installed "
                         "from a network: bring its wheel with --wheels)")
-    args, _ = p.parse_known_args(argv)  # the other flags of gpu_check.sh belong to hf_attnorm.lab.gpu_check
+    args, _ = p.parse_known_args(argv)  # the other flags of gpu_check.sh belong to hf_attnorm.lab.speed.gpu_check
     if args.wheels is not None and not args.wheels.is_dir():
         p.error(f"--wheels {args.wheels}: not a folder (give the folder holding the .whl files)")
     return args

@@ -8,20 +8,20 @@ two markers is replaced by the output of generator NAME:
   ``hf_attnorm.hf.compat``);
 * families: ``tests/family_zoo.py`` (the families the family matrix runs) and ``hf_attnorm.hf.families``
   (the refused ones);
-* main-job: ``bench/compare/results.json`` re-rendered by ``hf_attnorm.lab.report`` (the code that writes
+* main-job: ``bench/compare/results.json`` re-rendered by ``hf_attnorm.lab.compare.report`` (the code that writes
   results.md);
 * compare-mqar, compare-passkey, compare-lm: the main job's full table of one task, from the same records;
 * compare-claims, compare-rerun, compare-second-run: the claims table with its rerun estimate, and the published run
   beside its second run in another floating-point order (``bench/compare/second-run/results.json``);
-* claims-list: the published claims the main job tests (``hf_attnorm.lab.report.CLAIMS``);
+* claims-list: the published claims the main job tests (``hf_attnorm.lab.compare.report.CLAIMS``);
 * kernels-run1, kernels-run3, kernels-run4: the tables of three earlier ``scripts/bench_kernels.py`` runs
   (bench/kernels/history/2026-11-22-first-run, 2026-11-23-added-kernels, 2026-11-27-attention-variants);
 * performance: the published kernel benchmark run, ``bench/kernels/bench_kernels.json`` (``PERFORMANCE_RUN``);
-* speed-goals: every implementation's prefill and decode ratios against its goal (``hf_attnorm.lab.speed_goals``),
+* speed-goals: every implementation's prefill and decode ratios against its goal (``hf_attnorm.lab.speed.goals``),
   from the published kernel run and decode curve (``SPEED_RUNS``);
 * serving: continuous batching's throughput per implementation, ``bench/serving/results.json``
   (``scripts/bench_serving.py``, whose results.md is written by the same functions);
-* gpu-goals: every implementation's GPU goal (``hf_attnorm.lab.speed_goals.gpu_goal``) against the newest GPU check
+* gpu-goals: every implementation's GPU goal (``hf_attnorm.lab.speed.goals.gpu_goal``) against the newest GPU check
   run that timed the anchors (``bench/gpu/<device>/results.json``, ``scripts/gpu_check.sh``), with the anchors' own
   rows;
 * serve-endpoints: the routes of transformers serve's app as the installed transformers builds it
@@ -83,7 +83,7 @@ def families() -> str:
 
 def main_job() -> str:
     """The main job's headline table, claim verdicts and plots, from bench/compare/results.json."""
-    from hf_attnorm.lab import report
+    from hf_attnorm.lab.compare import report
 
     data = json.loads((ROOT / "bench" / "compare" / "results.json").read_text())
     res = _compare_results()
@@ -103,7 +103,7 @@ def main_job() -> str:
 
 
 def _second_run_sentence() -> str:
-    from hf_attnorm.lab import report
+    from hf_attnorm.lab.compare import report
 
     n = report.second_run_summary(_compare_results(), _second_run_results())
     return (f"A second run in another floating-point order kept {n['same']} of the {n['checks']} verdicts, "
@@ -124,7 +124,7 @@ def _curve_results() -> dict | None:
 def conversion() -> str:
     """The conversion study's two verdicts per normalizer (recovered, adapted) with the budget curve's answer, the
     goals and the claim, from bench/convert/results.json and bench/convert/curve.json."""
-    from hf_attnorm.lab import conversion_study as study
+    from hf_attnorm.lab.convert import study
 
     data, curve = _conversion_results(), _curve_results()
     s = data["settings"]
@@ -151,7 +151,7 @@ def conversion() -> str:
 def conversion_curve() -> str:
     """The budget curve (bench/convert/curve.json): its table at each context, the plots, each lever against the
     default, and every curve run with its minutes, CPU time and the machine's load."""
-    from hf_attnorm.lab import conversion_study as study
+    from hf_attnorm.lab.convert import study
 
     curve = _curve_results()
     if curve is None:
@@ -192,7 +192,7 @@ def _curve_not_measured(curve: dict) -> str:
     """The curve's runs not measured yet, the commands that measure them (each runs only what has no
     conversion.json) and their cost: the implementation's 1x runs' wall time times the budget, on 2 threads (an
     upper bound: the evaluations do not grow with the budget)."""
-    from hf_attnorm.lab import conversion_study as study
+    from hf_attnorm.lab.convert import study
 
     missing: dict[str, list[tuple[str, int, int]]] = {}
     planned = {"default": (study.CURVE_IMPLEMENTATIONS, study.CURVE_BUDGETS)}
@@ -226,7 +226,7 @@ def _curve_not_measured(curve: dict) -> str:
 def conversion_levers() -> str:
     """Each lever of the budget curve against the default recipe (bench/convert/curve.json): per implementation and
     context, the paired ratios to the original and whether the lever moved the curve left."""
-    from hf_attnorm.lab import conversion_study as study
+    from hf_attnorm.lab.convert import study
 
     curve = _curve_results()
     levers = [v for v in (curve or {}).get("curves", {}) if v != "default"]
@@ -257,7 +257,7 @@ def conversion_levers() -> str:
 
 def conversion_longer() -> str:
     """The conversion study at each context longer than the training blocks, from bench/convert/results.json."""
-    from hf_attnorm.lab import conversion_study as study
+    from hf_attnorm.lab.convert import study
 
     data = _conversion_results()
     longer = data.get("longer", {})
@@ -268,7 +268,7 @@ def conversion_longer() -> str:
 
 def conversion_texts() -> str:
     """The conversion study on its second held-out text, at each context, from bench/convert/results.json."""
-    from hf_attnorm.lab import conversion_study as study
+    from hf_attnorm.lab.convert import study
 
     tables = study.text_tables(_conversion_results())
     return "\n\n".join(tables) if tables else "Not measured: the study scored the held-out Shakespeare only."
@@ -279,7 +279,7 @@ def conversion_runs() -> str:
     conversion measured alone in a fresh process (time and peak memory per phase)."""
     lines = ["| implementation | run | seed | seconds: stage 1 / stage 2 / whole run with evaluation | peak memory "
              "(MB): stage 1 / stage 2 | load average at start → end |", "|---|---|---|---|---|---|"]
-    from hf_attnorm.lab import conversion_study as study
+    from hf_attnorm.lab.convert import study
 
     commands, loads = [], []
     for path in sorted((ROOT / "bench" / "convert" / "runs").glob("*/*/conversion.json")):
@@ -315,9 +315,9 @@ def conversion_runs() -> str:
 def transfer_learning_rates() -> str:
     """Stage 1 alone at several peak learning rates (bench/convert/learning_rates/*/conversion.json): per
     implementation and rate, the held-out layer error at the start and every 5 steps, the best, and which rate
-    convert.py now uses by default (``convert_args.transfer_learning_rate``)."""
-    from hf_attnorm.lab.continuation import plan_continuation
-    from hf_attnorm.lab.convert_args import transfer_learning_rate
+    convert.py now uses by default (``hf_attnorm.lab.convert.args.transfer_learning_rate``)."""
+    from hf_attnorm.lab.convert.args import transfer_learning_rate
+    from hf_attnorm.lab.convert.continuation import plan_continuation
     from hf_attnorm.settings import AttnormSettings
 
     runs = [json.loads(p.read_text()) for p in sorted((ROOT / "bench" / "convert" / "learning_rates").glob(
@@ -348,7 +348,7 @@ def transfer_learning_rates() -> str:
     loads = [x for r in runs for x in (r["load_average_start"], r["load_average_end"])]
     seeds = sorted({r["seed"] for r in runs})
     a = runs[0]["args"]  # (the runs share their evaluation flags; the command of each is in its conversion.json)
-    from hf_attnorm.lab.conversion_study import published_command
+    from hf_attnorm.lab.convert.study import published_command
 
     return ("\n".join(lines) + f"\n\n{len(runs)} runs, seed {', '.join(map(str, seeds))}, each "
             f"`{published_command(runs[0]['command'])}` with its implementation, rate and flags (every run's command "
@@ -364,14 +364,14 @@ SECOND_RUN = ROOT / "bench" / "compare" / "second-run"
 
 @functools.cache
 def _compare_results():
-    from hf_attnorm.lab import report
+    from hf_attnorm.lab.compare import report
 
     return report.results_from_json(json.loads((ROOT / "bench" / "compare" / "results.json").read_text()))
 
 
 @functools.cache
 def _second_run_results():
-    from hf_attnorm.lab import report
+    from hf_attnorm.lab.compare import report
 
     return report.results_from_json(json.loads((SECOND_RUN / "results.json").read_text()))
 
@@ -380,7 +380,7 @@ def task_table(task: str) -> Callable[[], str]:
     """The main job's full table of one task (every length), rendered as results.md renders it."""
 
     def render() -> str:
-        from hf_attnorm.lab import report
+        from hf_attnorm.lab.compare import report
 
         res = _compare_results()
         rec = res.first_ok(task)
@@ -393,14 +393,14 @@ def task_table(task: str) -> Callable[[], str]:
 def claims() -> str:
     """The main job's full published-claims table (claim text, both means, paired difference per seed set, verdict,
     rerun estimate) and the rerun estimate over the table."""
-    from hf_attnorm.lab import report
+    from hf_attnorm.lab.compare import report
 
     res = _compare_results()
     return report.claims_table(res)[0] + "\n\n" + report.rerun_summary(res)
 
 
 def _second_run_words() -> str:
-    from hf_attnorm.lab import report
+    from hf_attnorm.lab.compare import report
 
     first, second = _compare_results(), _second_run_results()
     data = json.loads((SECOND_RUN / "results.json").read_text())
@@ -424,7 +424,7 @@ def _published() -> dict:
 
 def second_run() -> str:
     """The published run and its second run side by side, claim check by claim check (bench/compare/second-run)."""
-    from hf_attnorm.lab import report
+    from hf_attnorm.lab.compare import report
 
     return _second_run_words() + "\n\n" + report.second_run_table(_compare_results(), _second_run_results())
 
@@ -479,7 +479,7 @@ def budget_curves() -> str:
 
 def budget_change() -> str:
     """The same seeds at the earlier and the current default budget: each implementation's claim measurements."""
-    from hf_attnorm.lab import report
+    from hf_attnorm.lab.compare import report
 
     old, new = report.results_from_json(json.loads((EARLIER_RUN / "results.json").read_text())), _compare_results()
     seeds = [s for s in range(len(next(iter(next(iter(old.ids.values())).values()))))]
@@ -506,7 +506,7 @@ def budget_change() -> str:
 
 def earlier_verdicts() -> str:
     """The earlier run's verdicts (3 seeds, one t-test at 5%) beside the current ones, claim check by claim check."""
-    from hf_attnorm.lab import report
+    from hf_attnorm.lab.compare import report
 
     old = json.loads((EARLIER_RUN / "results.json").read_text())["claims"]
     rows, _ = report.claim_rows(_compare_results())
@@ -525,15 +525,15 @@ def earlier_verdicts() -> str:
 
 def rerun_estimate() -> str:
     """How stable the published verdicts are: the estimate from the published runs and the second run's outcome."""
-    from hf_attnorm.lab import report
+    from hf_attnorm.lab.compare import report
 
     return (f"{report.rerun_summary(_compare_results())}\n\nChecked by a second run "
             f"([bench/compare/second-run](../bench/compare/second-run/results.md)): {_second_run_words()}")
 
 
 def claims_list() -> str:
-    """The published claims the main job tests, from ``hf_attnorm.lab.report.CLAIMS``."""
-    from hf_attnorm.lab import report
+    """The published claims the main job tests, from ``hf_attnorm.lab.compare.report.CLAIMS``."""
+    from hf_attnorm.lab.compare import report
 
     return report.claims_list()
 
@@ -718,9 +718,9 @@ def _rechecked_rows(kern: dict) -> tuple[dict[tuple[str, int], dict], dict | Non
 def speed_goals() -> str:
     """Every implementation (``hf_attnorm.available()``) with its forward and forward+backward ratios to SDPA softmax
     at each length, its decode-step ratio to sdpa at each context, its goal and whether it meets it, and the reason
-    (``hf_attnorm.lab.speed_goals.why``) where it does not."""
+    (``hf_attnorm.lab.speed.goals.why``) where it does not."""
     import hf_attnorm
-    from hf_attnorm.lab import speed_goals as goals
+    from hf_attnorm.lab.speed import goals as goals
 
     kern = json.loads((ROOT / SPEED_RUNS["kernels"]).read_text())
     dec = json.loads((ROOT / SPEED_RUNS["decode"]).read_text())
@@ -808,8 +808,8 @@ def gpu_goals() -> str:
     """Every implementation's GPU goal and, from the newest GPU run with the anchors, its ratios at n >= the goal's
     length, whether it meets the goal and the reason where not; then the anchors' own rows."""
     import hf_attnorm
-    from hf_attnorm.lab import gpu_anchors
-    from hf_attnorm.lab import speed_goals as goals
+    from hf_attnorm.lab.speed import goals as goals
+    from hf_attnorm.lab.speed import gpu_anchors
 
     found = _gpu_run()
     if found is None:

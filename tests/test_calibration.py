@@ -1,4 +1,4 @@
-"""The calibrated conversion start (hf_attnorm.lab.calibration, ``scripts/convert.py --calibrate``).
+"""The calibrated conversion start (hf_attnorm.lab.convert.calibration, ``scripts/convert.py --calibrate``).
 
 Generic over the registry: every implementation either calibrates (its per-head values move the swapped model's
 attention outputs toward the original model's, on a tiny random Llama) or says why not. The teacher's statistics
@@ -16,9 +16,10 @@ import torch
 from conftest import first_implementations, has_memory
 
 import hf_attnorm  # noqa: F401
-from hf_attnorm.lab import calibration as cal
-from hf_attnorm.lab import convert
-from hf_attnorm.lab.recipes import (
+from hf_attnorm.hf.families import attention_modules
+from hf_attnorm.lab.convert import calibration as cal
+from hf_attnorm.lab.convert import converter as convert
+from hf_attnorm.lab.convert.recipes import (
     OFFSET_DELTAS,
     Calibration,
     Recipe,
@@ -105,7 +106,7 @@ def test_every_implementation_calibrates_per_head_values_or_says_why_not(impl):
 
 
 def test_a_formula_returning_a_value_its_owner_does_not_have_is_refused(monkeypatch):
-    from hf_attnorm.lab import recipes
+    from hf_attnorm.lab.convert import recipes
 
     wrong = Recipe(calibrate=lambda stats, settings: Calibration({"nosuch": torch.zeros(4)}, "x"))
     monkeypatch.setitem(recipes.NORMALIZER_RECIPES, "sink", wrong)
@@ -128,7 +129,7 @@ def _captured(model: torch.nn.Module, ids: torch.Tensor) -> list[list[tuple[torc
         calls.append((query.detach(), key.detach(), value.detach(), scaling))
         return softmax_attention(module, query, key, value, attention_mask, scaling, kwargs), None
 
-    modules = [m for _, m in convert.attention_modules(model)]
+    modules = [m for _, m in attention_modules(model)]
     with torch.no_grad():
         for mod in modules:
             mod.attnorm.observer = capture
@@ -206,7 +207,7 @@ def _unit_bias_by_newton(z: torch.Tensor) -> torch.Tensor:
 
 def _set_values(model: torch.nn.Module, name: str) -> list[torch.Tensor]:
     """Per layer, the per-head value ``name`` the model holds [H]."""
-    return [m.attnorm._parameters[name].detach().flatten() for _, m in convert.attention_modules(model)]
+    return [m.attnorm._parameters[name].detach().flatten() for _, m in attention_modules(model)]
 
 
 def test_ssmax_calibration_end_to_end_is_the_variance_weighted_fit():
@@ -509,7 +510,7 @@ def test_smollm2_sigmoid_needs_a_bias_per_row_not_per_head(smollm2):
         values = repeat_kv(value, query.shape[1] // value.shape[1]).float()
         return (weights @ values).transpose(1, 2).to(query.dtype), None
 
-    for _, mod in convert.attention_modules(model):
+    for _, mod in attention_modules(model):
         mod.attnorm.observer = per_row
     with torch.no_grad():
         oracle = causal_lm_perplexity(model, input_ids=[held_out], max_length=512).perplexity

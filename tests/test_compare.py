@@ -1,6 +1,6 @@
-"""The main job (scripts/compare.py: hf_attnorm.lab.compare_job) end to end on the micro budget: every artifact and
+"""The main job (scripts/compare.py: hf_attnorm.lab.compare.job) end to end on the micro budget: every artifact and
 its content, the cache (a second call trains nothing; a lost result re-runs alone), a failing run reported without
-stopping the others, sharding, and bad input. Plus scripts/evaluate.py (hf_attnorm.lab.swap_evaluation) on a saved
+stopping the others, sharding, and bad input. Plus scripts/evaluate.py (hf_attnorm.lab.evaluation.swap) on a saved
 model."""
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from hf_attnorm.lab import compare_job, report, swap_evaluation
+from hf_attnorm.lab.compare import job as compare_job
+from hf_attnorm.lab.compare import report
+from hf_attnorm.lab.evaluation import swap as swap_evaluation
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -136,7 +138,7 @@ def test_seed_plans_all_and_claims(compare, tmp_path, capsys):
 
 
 def test_failed_run_is_reported_and_the_others_finish(compare, tmp_path, monkeypatch):
-    from hf_attnorm.lab import probes
+    from hf_attnorm.lab.evaluation import probes
 
     real = probes.run_probe
 
@@ -245,7 +247,7 @@ def test_evaluate_script_swaps_on_a_saved_model(tmp_path):
 def test_every_claim_is_a_measurement_the_main_job_makes(compare):
     """Each published claim names a registered implementation and checks that the main job measures (a task it runs,
     a measurement of that task, a direction the verdict knows)."""
-    from hf_attnorm.lab.report import CLAIMS, PHENOMENA
+    from hf_attnorm.lab.compare.report import CLAIMS, PHENOMENA
     from hf_attnorm.registry import PRESETS
 
     measurements = {"mqar": {"first", "longest"}, "passkey": {"first", "longest"},

@@ -18,8 +18,8 @@ from family_zoo import FAMILIES, build, inputs
 from transformers import AutoModelForCausalLM
 
 import hf_attnorm  # noqa: F401
-from hf_attnorm.lab import convert
 from hf_attnorm.lab.convert import Converter, ConvertError, Transfer, install_observer, parse_args
+from hf_attnorm.lab.convert import converter as convert
 from hf_attnorm.registry import PRESETS, SCALES, is_ours
 
 REPO = Path(__file__).resolve().parents[1]
@@ -312,8 +312,8 @@ def test_ssmax_releases_its_anchor_from_softmax(source, tmp_path):
 def test_stage_1_learning_rate_is_the_measured_one_unless_given(impl, capsys):
     """Without --transfer_learning_rate stage 1 runs the rate measured for the normalizer (else its scale's), which
     convert.py names; with it, the given rate."""
-    from hf_attnorm.lab.convert_args import TRANSFER_LR
-    from hf_attnorm.lab.recipes import normalizer_recipe, scale_recipe
+    from hf_attnorm.lab.convert.args import TRANSFER_LR
+    from hf_attnorm.lab.convert.recipes import normalizer_recipe, scale_recipe
     from hf_attnorm.settings import resolve_settings
 
     settings = resolve_settings(impl)
@@ -327,7 +327,7 @@ def test_stage_1_learning_rate_is_the_measured_one_unless_given(impl, capsys):
 
 
 def test_continuations_are_planned_where_they_change_nothing_saved():
-    from hf_attnorm.lab.continuation import plan_continuation
+    from hf_attnorm.lab.convert.continuation import plan_continuation
 
     plan, _ = plan_continuation("sink", {"sink_learnable": False, "sink_init": 0.5}, 0.5)
     assert plan.implementation == "sink" and [plan.value_at(s, 4) for s in range(5)] == [-30.0, -14.75, 0.5, 0.5, 0.5]
@@ -451,7 +451,7 @@ BENCH = REPO / "bench" / "convert"
 
 def _study_runs() -> dict:
     """The study's own runs (the default budget, no lever): implementation -> kind -> seed -> conversion.json."""
-    from hf_attnorm.lab.conversion_study import parse_run_name
+    from hf_attnorm.lab.convert.study import parse_run_name
 
     runs: dict = {}
     for path in sorted((BENCH / "runs").glob("*/*/conversion.json")):
@@ -464,7 +464,7 @@ def _study_runs() -> dict:
 def test_the_published_study_is_generated_from_its_runs():
     """bench/convert/results.json's rows are what its run files aggregate to; results.md is its rendering; every
     implementation of the plan ran with every seed, both kinds, and recorded its command."""
-    from hf_attnorm.lab import conversion_study as study
+    from hf_attnorm.lab.convert import study
 
     results = json.loads((BENCH / "results.json").read_text())
     runs = _study_runs()
@@ -487,7 +487,7 @@ def test_the_published_study_is_generated_from_its_runs():
 
 
 def test_the_study_verdict_is_paired_by_seed():
-    from hf_attnorm.lab.conversion_study import verdict
+    from hf_attnorm.lab.convert.study import verdict
 
     row = {"convert": {0: 10.0, 1: 20.0}, "control": {0: 20.0, 1: 40.0}}
     assert verdict(row).startswith("transfer helps: 50% lower")
@@ -530,7 +530,7 @@ def test_two_processes_match_one_process(source, tmp_path):
 
 
 def test_the_claim_finding_compares_the_linearised_model_with_the_softmax_fine_tune():
-    from hf_attnorm.lab.conversion_study import CLAIM_SUBJECT, claim_finding
+    from hf_attnorm.lab.convert.study import CLAIM_SUBJECT, claim_finding
 
     rows = {"softmax": {"convert": {}, "control": {0: 10.0, 1: 10.0}},
             CLAIM_SUBJECT: {"convert": {0: 15.0, 1: 25.0}, "control": {0: 30.0, 1: 40.0},
@@ -545,7 +545,7 @@ def test_the_claim_finding_compares_the_linearised_model_with_the_softmax_fine_t
 def test_the_study_renders_each_evaluated_context():
     """Runs scored at 512 and 2048 tokens: rows at 512, ``longer["2048"]`` from the 2048 perplexities, a table and
     a summary for each; a context that was not evaluated is a clear error."""
-    from hf_attnorm.lab import conversion_study as study
+    from hf_attnorm.lab.convert import study
 
     def run(ppl_512: float, ppl_2048: float, kind: str) -> dict:
         points = {"finetune": {"512": ppl_512, "2048": ppl_2048}}
@@ -573,7 +573,7 @@ def test_the_study_renders_each_evaluated_context():
 def test_the_study_with_calibrated_starts_reports_its_goals():
     """A study with calibrated starts, distillation and a second text: the full table's columns, the other text's
     table from each run's --eval_texts, and each goal met, not met, or not measured from the numbers."""
-    from hf_attnorm.lab import conversion_study as study
+    from hf_attnorm.lab.convert import study
 
     def run(final: float, *, swapped=None, calibrated=None, transfer=None, scale=1.0) -> dict:
         points = {"finetune": final}
@@ -633,8 +633,8 @@ def test_the_study_with_calibrated_starts_reports_its_goals():
 def test_the_study_rebuilds_its_results_from_cached_runs(tmp_path):
     """``--aggregate_only`` runs nothing: results.json and results.md come from the cached conversion.json files,
     a run that never ran is left out, and the command recorded is the study's own (without the flag)."""
-    from hf_attnorm.lab import conversion_study as study
-    from hf_attnorm.lab import conversion_study_cli
+    from hf_attnorm.lab.convert import study
+    from hf_attnorm.lab.convert import study_cli as conversion_study_cli
 
     def write(impl: str, kind: str, seed: int, final: float) -> None:
         folder = tmp_path / "runs" / impl / f"{kind}-seed{seed}"
@@ -669,7 +669,7 @@ def test_the_top_k_kl_is_the_kl_of_the_coarsened_distributions():
     """Against an independent computation: with k = V the full KL(p || q) = sum p (log p - log q); with k < V the
     KL between p and q merged into the teacher's top-k tokens and one outcome for the rest, which is at most the full
     KL; 0 for equal logits; float32 inside for bf16 logits."""
-    from hf_attnorm.lab.distill import teacher_top_k, top_k_kl
+    from hf_attnorm.lab.convert.distill import teacher_top_k, top_k_kl
 
     g = torch.Generator().manual_seed(0)
     t, s = torch.randn(2, 5, 40, generator=g) * 3, torch.randn(2, 5, 40, generator=g) * 3
@@ -716,7 +716,7 @@ def test_the_teacher_is_the_original_model_and_softmax_starts_at_zero(sharp_sour
     cache (3 steps x 1 block x 32 positions x 16 tokens)."""
     from transformers import AutoModelForCausalLM
 
-    from hf_attnorm.lab.distill import teacher_top_k, top_k_kl
+    from hf_attnorm.lab.convert.distill import teacher_top_k, top_k_kl
 
     flags = ("--transfer_steps", "0", "--finetune_steps", "3", "--no_save_model", "--distill", "--distill_top_k",
              "16")
@@ -768,7 +768,7 @@ def test_a_resumed_distillation_equals_an_uninterrupted_one(source, tmp_path, mo
 
 
 def test_run_names_round_trip():
-    from hf_attnorm.lab import conversion_study as study
+    from hf_attnorm.lab.convert import study
 
     for kind in study.KINDS:
         for lever in (None, *study.LEVERS):
@@ -785,7 +785,7 @@ def test_run_names_round_trip():
 
 def _fake_run(final: dict, tokens_steps: tuple[int, int], in_domain: float = 30.0) -> dict:
     """A conversion.json of a distilled run: final perplexity on the second text per context."""
-    from hf_attnorm.lab.conversion_study import OTHER_TEXT
+    from hf_attnorm.lab.convert.study import OTHER_TEXT
 
     return {"steps": {"transfer": tokens_steps[0], "finetune": tokens_steps[1]}, "tokens_per_step": 512,
             "perplexity": {"finetune": {n: in_domain for n in final}},
@@ -799,7 +799,7 @@ def _fake_run(final: dict, tokens_steps: tuple[int, int], in_domain: float = 30.
 def test_the_curve_says_where_each_implementation_first_comes_within_reach():
     """Per budget the ratio to the original on every seed; "first within" is the first budget at which every seed
     is within 10%, and a lever moves the curve left only when it is lower on every paired budget and seed."""
-    from hf_attnorm.lab import conversion_study as study
+    from hf_attnorm.lab.convert import study
 
     original = {"512": 20.0, "2048": 10.0}
     found = {"default": {
@@ -849,7 +849,7 @@ def test_the_curve_says_where_each_implementation_first_comes_within_reach():
 def test_the_two_verdicts_compare_with_the_original_and_with_the_fine_tune():
     """Recovered: the distilled conversion over the original model on the second text; adapted: the next-token
     conversion over the softmax fine-tune of the same seed on the training text; each in words by its worst seed."""
-    from hf_attnorm.lab import conversion_study as study
+    from hf_attnorm.lab.convert import study
 
     def rows(distill: dict, convert_: dict, control: dict) -> dict:
         return {"softmax": {"swapped": 20.0, "convert": {}, "distill": {}, "control": control},
@@ -871,7 +871,7 @@ def test_the_two_verdicts_compare_with_the_original_and_with_the_fine_tune():
 
 
 def test_published_commands_name_relative_folders():
-    from hf_attnorm.lab.conversion_study import published_command
+    from hf_attnorm.lab.convert.study import published_command
 
     assert published_command("python scripts/convert.py --seed 0 --output_dir /m/study3/runs/ssmax/distill-x4-seed0 "
                              "--no_save_model") == ("python scripts/convert.py --seed 0 --output_dir "
@@ -888,7 +888,7 @@ def test_the_published_curve_is_generated_from_its_runs():
     """bench/convert/curve.json's curves are what the run files under bench/convert/runs aggregate to, scored
     against the original model's perplexity of the reference run; curve.md is its rendering; each plot exists;
     every run recorded its command, CPU time and the load it ran under."""
-    from hf_attnorm.lab import conversion_study as study
+    from hf_attnorm.lab.convert import study
 
     path = BENCH / "curve.json"
     if not path.is_file():
@@ -918,7 +918,7 @@ def test_the_study_runs_each_curve_run_once_and_resumes_a_killed_one(tmp_path, m
     conversion; here what the study asks of it.)"""
     import argparse
 
-    from hf_attnorm.lab import conversion_study_cli as cli
+    from hf_attnorm.lab.convert import study_cli as cli
 
     calls = []
 

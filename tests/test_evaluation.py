@@ -17,7 +17,7 @@ from hf_attnorm.lab.diagnostics import (
     log2_bins,
     row_statistics,
 )
-from hf_attnorm.lab.evaluation import (
+from hf_attnorm.lab.evaluation.perplexity import (
     EvaluationError,
     causal_lm_perplexity,
     extrapolation_contexts,
@@ -135,7 +135,7 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(EvaluationError, match="batch_size"):
         causal_lm_perplexity(model, input_ids=seqs, max_length=8, batch_size=0)
     with pytest.raises(EvaluationError, match="single string"):
-        from hf_attnorm.lab.evaluation import tokenize_texts
+        from hf_attnorm.lab.evaluation.perplexity import tokenize_texts
 
         tokenize_texts(None, "a string")
     gpt2 = tiny("gpt2", "causal_lm")  # 64 learned positions
@@ -218,7 +218,7 @@ def test_pseudo_perplexity_equals_hand_loop(bert_setup):
 def test_evaluate_module_object_and_checkpoint(tmp_path, monkeypatch):
     import evaluate
 
-    from hf_attnorm.lab.metrics import perplexity_module_path
+    from hf_attnorm.lab.evaluation.metrics import perplexity_module_path
 
     monkeypatch.setattr(evaluate.config, "HF_MODULES_CACHE", tmp_path / "modules")  # nothing in ~/.cache
     from transformers import AutoTokenizer
@@ -284,7 +284,7 @@ def test_extrapolation_learned_positions_are_skipped():
 
 
 def test_spread_chunks_cover_the_stream():
-    from hf_attnorm.lab.evaluation import spread_chunks
+    from hf_attnorm.lab.evaluation.perplexity import spread_chunks
 
     ids = torch.arange(1000)
     out = spread_chunks(ids, 64, 256)
@@ -454,7 +454,7 @@ def test_plots_are_png_with_expected_series(tmp_path):
 
 def test_load_model_is_the_one_loader(tmp_path):
     """LM head from the config (hf.families.lm_task), or the base model for attention analyses."""
-    from hf_attnorm.lab.evaluation import EvaluationError, load_model
+    from hf_attnorm.lab.evaluation.perplexity import EvaluationError, load_model
     from hf_attnorm.lab.model_zoo import build_model
 
     fixture = Path(__file__).resolve().parent / "fixtures" / "written_by_e546e6f" / "gpt2_ssmax"

@@ -1,6 +1,6 @@
 """The messages a user meets first: loading a saved model without ``import hf_attnorm`` (AutoModel, pipeline, the
 lm-eval command line), a misspelt implementation name, and the supported lm-eval route
-(``python -m hf_attnorm.lab.lm_eval``). Loading without the import runs in a fresh process, where hf_attnorm
+(``python -m hf_attnorm.lab.evaluation.lm_eval``). Loading without the import runs in a fresh process, where hf_attnorm
 is not imported by anything."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _exception_line(stderr: str) -> str:
 def _chars_tokenizer(text: str):
     from transformers import PreTrainedTokenizerFast
 
-    from hf_attnorm.lab.charlm import UNK, train_tokenizer
+    from hf_attnorm.lab.compare.charlm import UNK, train_tokenizer
 
     return PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(text), unk_token=UNK, eos_token=UNK)
 
@@ -175,8 +175,8 @@ def _word_perplexity(model, tok) -> float:
 @pytest.mark.slow
 @needs_lm_eval
 def test_lm_eval_command_line_through_the_wrapper(saved, tmp_path):
-    """``python -m hf_attnorm.lab.lm_eval`` runs lm-eval's CLI on a saved symax model and reports the perplexity
-    the model computes in this process; the plain ``python -m lm_eval`` fails saying what to do."""
+    """``python -m hf_attnorm.lab.evaluation.lm_eval`` runs lm-eval's CLI on a saved symax model and reports the
+    perplexity the model computes in this process; the plain ``python -m lm_eval`` fails saying what to do."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tasks = _local_task(tmp_path)
@@ -184,8 +184,8 @@ def test_lm_eval_command_line_through_the_wrapper(saved, tmp_path):
             "--include_path", str(tasks), "--device", "cpu", "--batch_size", "1", "--output_path",
             str(tmp_path / "out")]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")}
-    res = subprocess.run([sys.executable, "-m", "hf_attnorm.lab.lm_eval", *args], capture_output=True, text=True,
-                         cwd=ROOT, env=env, timeout=600)
+    res = subprocess.run([sys.executable, "-m", "hf_attnorm.lab.evaluation.lm_eval", *args], capture_output=True,
+                         text=True, cwd=ROOT, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     results = [json.loads(p.read_text()) for p in (tmp_path / "out").rglob("results*.json")]
     assert len(results) == 1, list((tmp_path / "out").rglob("*"))

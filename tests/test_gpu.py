@@ -1,6 +1,6 @@
 """Every registered implementation on a CUDA GPU against the float64 reference on the same GPU (marker ``gpu``;
 skipped with the reason where torch sees no CUDA device, see conftest.py). Run by ``scripts/gpu_check.sh``
-(``python -m hf_attnorm.lab.gpu_check``): the quick run takes ``-m "gpu and not slow"``, the full run ``-m gpu``.
+(``python -m hf_attnorm.lab.speed.gpu_check``): the quick run takes ``-m "gpu and not slow"``, the full run ``-m gpu``.
 
 Per implementation (generic over the registries) and scenario: the automatic path and, where the normalizer has a
 Triton path that takes the call, that path forced; forward and the gradients of q, k, v, a learned score bias and

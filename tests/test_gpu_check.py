@@ -1,4 +1,4 @@
-"""The GPU check's machinery on a CPU (scripts/gpu_check.sh, scripts/gpu_setup.py, hf_attnorm.lab.gpu_check): the
+"""The GPU check's machinery on a CPU (scripts/gpu_check.sh, scripts/gpu_setup.py, hf_attnorm.lab.speed.gpu_check): the
 install plan against the torch installed here, the benchmark's dry run at a toy size, the suite's result parsing
 and, slow, the whole dry run (setup plan, the gpu suite collected with its skip reasons, benchmark, files)."""
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hf_attnorm.kernels import declared_normalizers
-from hf_attnorm.lab import gpu_anchors, gpu_check
+from hf_attnorm.lab.speed import gpu_anchors, gpu_check
 from hf_attnorm.registry import NORMALIZERS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,8 +160,8 @@ def test_every_anchor_names_implementations_that_exist():
 
 
 def test_the_quick_grid_holds_the_goal_shapes():
-    """The GPU goals hold from n = 2048 (speed_goals.GPU_GOAL_FROM): the quick grid measures there, at d 64 and 128."""
-    from hf_attnorm.lab import speed_goals
+    """The GPU goals hold from n = 2048 (goals.GPU_GOAL_FROM): the quick grid measures there, at d 64 and 128."""
+    from hf_attnorm.lab.speed import goals as speed_goals
 
     quick = gpu_check.grid("quick")
     at_goal = [s for s in quick if s.n >= speed_goals.GPU_GOAL_FROM]

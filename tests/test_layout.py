@@ -234,7 +234,7 @@ def test_every_private_name_the_package_reads_is_documented() -> None:
     assert not missing, f"private names read but not listed in docs/internals.md: {missing}"
 
 
-#: what a conversion recipe talks about (lab/recipes.py), which a normalizer's or scale's own file does not
+#: what a conversion recipe talks about (lab/convert/recipes.py), which a normalizer's or scale's own file does not
 CONVERSION_WORDS = re.compile(r"conver(t|sion|ted)|calibrat|teacher|stage[- ]1|recipe|transfer_learning_rate",
                               re.IGNORECASE)
 
@@ -244,4 +244,46 @@ CONVERSION_WORDS = re.compile(r"conver(t|sion|ted)|calibrat|teacher|stage[- ]1|r
 def test_normalizer_and_scale_files_say_what_attention_computes_not_how_a_model_is_converted(path: Path) -> None:
     found = [(i, line.strip()) for i, line in enumerate(path.read_text().splitlines(), 1)
              if CONVERSION_WORDS.search(line)]
-    assert not found, f"{path.name} speaks of conversion (it belongs in hf_attnorm/lab/recipes.py): {found[:3]}"
+    assert not found, f"{path.name} speaks of conversion (it belongs in lab/convert/recipes.py): {found[:3]}"
+
+
+#: the lab's sub-packages by purpose, and the modules they share (nothing else sits at the lab's top)
+LAB_PACKAGES = {"convert", "training", "evaluation", "compare", "analysis", "speed"}
+LAB_SHARED = {"assets", "data", "cli", "tiny", "model_zoo", "cards", "plots", "diagnostics", "distributed"}
+
+
+def test_the_lab_is_grouped_by_purpose() -> None:
+    lab = PKG / "lab"
+    packages = {d.name for d in lab.iterdir() if d.is_dir() and d.name != "__pycache__"}
+    modules = {p.stem for p in lab.glob("*.py")} - {"__init__"}
+    assert packages == LAB_PACKAGES and modules == LAB_SHARED, (packages ^ LAB_PACKAGES, modules ^ LAB_SHARED)
+    for d in packages:
+        assert (lab / d / "__init__.py").exists(), d
+
+
+def test_the_labs_earlier_module_names_import_the_moved_module_with_a_warning() -> None:
+    # a fresh process: nothing imported under an old name yet
+    code = """
+import importlib, json, warnings
+from hf_attnorm import lab
+out = {}
+for old, new in lab.MOVED.items():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mod = importlib.import_module("hf_attnorm.lab." + old)
+    out[old] = [mod is importlib.import_module("hf_attnorm.lab." + new),
+                [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]]
+print(json.dumps(out))
+"""
+    import json
+
+    from hf_attnorm import lab
+
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert set(out) == set(lab.MOVED) and len(out) >= 20
+    for old, (same, messages) in out.items():
+        assert not (PKG / "lab" / f"{old}.py").exists() and not (PKG / "lab" / old).is_dir(), old
+        assert same, f"hf_attnorm.lab.{old} is not the module hf_attnorm.lab.{lab.MOVED[old]}"
+        assert any(f"hf_attnorm.lab.{old} moved to hf_attnorm.lab.{lab.MOVED[old]}" in m for m in messages), messages

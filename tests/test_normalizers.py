@@ -9,7 +9,7 @@ import torch
 
 from hf_attnorm.attention import attention, constant_heads, make_call
 from hf_attnorm.kernels.reference import reference_weights
-from hf_attnorm.lab.recipes import normalizer_recipe
+from hf_attnorm.lab.convert.recipes import normalizer_recipe
 from hf_attnorm.registry import NORMALIZERS
 from hf_attnorm.settings import resolve_settings
 
@@ -197,7 +197,7 @@ def test_order_dependent_normalizers_say_what_happens_without_causality(name):
 
 @pytest.mark.parametrize("name", [n for n in NAMES if normalizer_recipe(n).conversion_start])
 def test_conversion_start_computes_softmax_attention(name):
-    """The conversion start its recipe declares (lab/recipes.py) reproduces softmax attention (to 1e-3 here, 64
+    """The conversion start its recipe declares (lab/convert/recipes.py) reproduces softmax attention (to 1e-3 here, 64
     keys, causal), so a converted pretrained model starts at its own outputs; without it, the default start differs
     (the declaration matters)."""
     g = torch.Generator().manual_seed(4)

@@ -8,8 +8,9 @@ import json
 import pytest
 import torch
 
-from hf_attnorm.lab import charlm, probes
-from hf_attnorm.lab.probes import IGNORE, MQAR, TEST_SEED_BASE, Passkey, make_test_set, train_seed
+from hf_attnorm.lab.compare import charlm
+from hf_attnorm.lab.evaluation import probes
+from hf_attnorm.lab.evaluation.probes import IGNORE, MQAR, TEST_SEED_BASE, Passkey, make_test_set, train_seed
 
 
 def brute_force_mqar_answers(spec: MQAR, x: torch.Tensor) -> list[list[int]]:

@@ -189,7 +189,7 @@ def test_published_evidence_is_not_git_ignored():
 
 def test_docs_list_the_main_jobs_default_implementations():
     """docs/evaluation.md names the default implementations of scripts/compare.py by hand: they must agree."""
-    from hf_attnorm.lab.compare_job import DEFAULT_IMPLEMENTATIONS
+    from hf_attnorm.lab.compare.job import DEFAULT_IMPLEMENTATIONS
 
     text = (ROOT / "docs" / "evaluation.md").read_text()
     listed = re.search(r"\(default (`.*?); any", text, re.S)
@@ -249,7 +249,7 @@ def test_license_and_citation():
 
 def test_the_speed_goal_table_measures_every_implementation_and_explains_every_miss():
     """The published benchmark covers every registered implementation, and every row that misses its goal says why
-    (``hf_attnorm.lab.speed_goals.why``): a new implementation, or a slower row, fails here until the benchmark is
+    (``hf_attnorm.lab.speed.goals.why``): a new implementation, or a slower row, fails here until the benchmark is
     re-run and the miss explained."""
     table = _renderer().speed_goals()
     assert "not measured in this run" not in table, [ln for ln in table.splitlines() if "not measured" in ln]
@@ -262,7 +262,7 @@ def test_the_speed_goal_table_measures_every_implementation_and_explains_every_m
 def test_speed_goals_mark_misses_by_class():
     """The goal classes: the softmax family within 1.05x, other maps within 1.0x, decode within 1.10x, linear below 1
     from 2,048 keys only."""
-    from hf_attnorm.lab import speed_goals as goals
+    from hf_attnorm.lab.speed import goals as goals
 
     assert goals.prefill_goal("ssmax") == 1.05 and goals.prefill_goal("symax") == 1.0
     assert goals.misses("ssmax", {("fwd", 1024): 1.04}, {512: 1.09}) == []
@@ -321,8 +321,8 @@ def test_the_gpu_goal_table_judges_a_run_with_anchors(monkeypatch):
     """The GPU goal table from a run with the anchors (here a made-up one): each implementation's ratios at the
     goal lengths, over its anchor where it has one, a miss without a recorded reason shown as such; without such a
     run, the goals alone and where the table will come from."""
-    from hf_attnorm.lab import gpu_anchors
-    from hf_attnorm.lab import speed_goals as goals
+    from hf_attnorm.lab.speed import goals as goals
+    from hf_attnorm.lab.speed import gpu_anchors
 
     render = _renderer()
     monkeypatch.setattr(render, "_gpu_run", lambda: None)
@@ -354,7 +354,7 @@ def test_the_gpu_goal_table_judges_a_run_with_anchors(monkeypatch):
 
 def test_the_published_gpu_goal_table_explains_every_miss():
     """Every implementation that misses its GPU goal in the newest GPU run with the anchors has its measured reason
-    (``hf_attnorm.lab.speed_goals.GPU_REASONS``); the table lists every implementation."""
+    (``hf_attnorm.lab.speed.goals.GPU_REASONS``); the table lists every implementation."""
     table = _renderer().gpu_goals()
     assert "NO REASON RECORDED" not in table, [ln.split("|")[1] for ln in table.splitlines()
                                                if "NO REASON RECORDED" in ln]
@@ -365,7 +365,7 @@ def test_the_curve_blocks_list_what_is_missing_and_keep_a_lever_only_where_it_al
     """The budget curve's blocks: every planned run without a result is listed with the command that measures it and
     its estimated CPU hours; a lever is kept only when it moves the curve left for every implementation and
     context it ran on."""
-    from hf_attnorm.lab import conversion_study as study
+    from hf_attnorm.lab.convert import study
 
     render = _renderer()
 

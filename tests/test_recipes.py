@@ -1,11 +1,11 @@
-"""The conversion recipes (hf_attnorm/lab/recipes.py) against the registries: each names a registered normalizer or
-scale, and every option or per-head value it sets is one that normalizer or scale declares."""
+"""The conversion recipes (lab/convert/recipes.py) against the registries: each names a registered normalizer
+or scale, and every option or per-head value it sets is one that normalizer or scale declares."""
 
 from __future__ import annotations
 
 import pytest
 
-from hf_attnorm.lab import recipes
+from hf_attnorm.lab.convert import recipes
 from hf_attnorm.registry import NORMALIZERS, SCALES
 from hf_attnorm.settings import resolve_settings
 

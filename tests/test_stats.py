@@ -1,5 +1,5 @@
-"""hf_attnorm.lab.stats against hand-computed values, and the claims verdicts of hf_attnorm.lab.report on one seed set
-(the seed-set protocol itself: tests/test_verdicts.py)."""
+"""hf_attnorm.lab.compare.stats against hand-computed values, and the claims verdicts of hf_attnorm.lab.compare.report
+on one seed set (the seed-set protocol itself: tests/test_verdicts.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from hf_attnorm.lab import report
-from hf_attnorm.lab.stats import betainc, mean_ci, paired, significance_mark, t_cdf, t_ppf
+from hf_attnorm.lab.compare import report
+from hf_attnorm.lab.compare.stats import betainc, mean_ci, paired, significance_mark, t_cdf, t_ppf
 
 
 def test_t_distribution_against_tables():

@@ -1,5 +1,5 @@
 """The fused Triton kernels compiled ahead of time for an H100/H200 (sm_90) with the installed triton and its
-bundled ptxas, no GPU needed (hf_attnorm/lab/triton_ptx.py): every product of every kernel runs on tensor cores
+bundled ptxas, no GPU needed (hf_attnorm/lab/speed/triton_ptx.py): every product of every kernel runs on tensor cores
 (``wgmma``), no dot falls back to a loop of fp32 FMAs, for one map per kernel form, bf16 inputs. The registers and
 spills ptxas reports come out as a warning (the CI log's warnings summary), so a change that makes a kernel spill is
 seen. CI runs this with the main environment's triton and the GPU image's (triton 3.6.0)."""
@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("triton")
 
 from hf_attnorm.kernels.fused import triton as ta  # noqa: E402
-from hf_attnorm.lab import triton_ptx  # noqa: E402
+from hf_attnorm.lab.speed import triton_ptx  # noqa: E402
 
 #: the oldest triton whose ahead-of-time compile API (``ASTSource(..., constexprs=...)``) the check uses: the GPU
 #: image's (3.6.0) and newer; older ones (the floor environment's 3.2.0) compile the kernels on a GPU only

@@ -1,13 +1,13 @@
-"""The claim-verdict protocol of the main job (hf_attnorm.lab.verdicts): each seed set's outcome against the margin,
-verdicts only where the sets agree, which configurations the later sets need, and the rerun estimate; and the claims
-table built on it (hf_attnorm.lab.report) from constructed records."""
+"""The claim-verdict protocol of the main job (hf_attnorm.lab.compare.verdicts): each seed set's outcome against the
+margin, verdicts only where the sets agree, which configurations the later sets need, and the rerun estimate; and the
+claims table built on it (hf_attnorm.lab.compare.report) from constructed records."""
 
 from __future__ import annotations
 
 import pytest
 
-from hf_attnorm.lab import report, verdicts
-from hf_attnorm.lab.verdicts import INCONCLUSIVE, check_verdict, set_outcome, verdict
+from hf_attnorm.lab.compare import report, verdicts
+from hf_attnorm.lab.compare.verdicts import INCONCLUSIVE, check_verdict, set_outcome, verdict
 
 SETS = [[0, 1, 2], [3, 4, 5]]
 

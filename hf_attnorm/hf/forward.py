@@ -528,7 +528,7 @@ def softmax_row_statistics(module: nn.Module, query: torch.Tensor, key: torch.Te
     ``softmax_attention``): query [B, H, Lq, D], key/value [B, Hkv, Lk, D] -> (LSE [B, H, Lq], the logsumexp of each
     row's visible scaled scores, the family's sink logit included; n [B, H, Lq], the keys each row sees, float;
     z: the scaled scores, -inf where masked, with the sink as a last column [B, H, Lq, Lk (+1)]). Rows that see no
-    key have n = 0 (and LSE -inf). What calibration (``hf_attnorm.lab.calibration``) measures."""
+    key have n = 0 (and LSE -inf). What calibration (``hf_attnorm.lab.convert.calibration``) measures."""
     state = module._modules.get("attnorm")
     info = getattr(state, "module_info", None) or {}
     call = make_call(query, key, value, _softmax_settings(), {}, attention_mask, _causal(module, kwargs), scaling,

@@ -29,7 +29,7 @@ from torch import nn
 
 from ..hf.families import is_causal
 from ..registry import canonical, is_ours
-from .evaluation import eval_mode
+from .evaluation.perplexity import eval_mode
 
 __all__ = [
     "AttentionCurves",

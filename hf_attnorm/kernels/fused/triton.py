@@ -75,8 +75,8 @@ INTERPRETED_BLOCKS = (32, 32)
 #: (BLOCK_M, BLOCK_N, num_warps, num_stages) (the dk/dv kernel: BLOCK_N keys per program, BLOCK_M queries per
 #: step); the first is the default (HF_ATTNORM_TRITON_AUTOTUNE=0; a masked call keeps the warps and stages of every
 #: config). Chosen from FlashAttention-2's and the Triton tutorial's Hopper settings by the registers and spills
-#: that ptxas reports for sm_90 (docs/triton.md: ``python -m hf_attnorm.lab.triton_ptx``): with a map's elementwise
-#: work beside the products, the backward kernels keep smaller tiles than softmax's.
+#: that ptxas reports for sm_90 (docs/triton.md: ``python -m hf_attnorm.lab.speed.triton_ptx``): with a map's
+#: elementwise work beside the products, the backward kernels keep smaller tiles than softmax's.
 CONFIGS: dict[str, dict[str, tuple[tuple[int, int, int, int], ...]]] = {
     "_fwd_kernel": {"small": ((128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 32, 4, 4)),
                     "large": ((128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3))},

@@ -9,14 +9,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..registry import PRESETS, AttnormError, canonical, is_ours
-from ..settings import AttnormSettings, resolve_settings
+from ...registry import PRESETS, AttnormError, canonical, is_ours
+from ...settings import AttnormSettings, resolve_settings
+from .. import data as data_lib
+from ..cli import comma_names, int_at_least, non_negative_float, positive_float, token_counts
+from ..training.args import TrainingError, parse_attnorm_options
 from . import calibration as calibration_lib
-from . import data as data_lib
-from .cli import comma_names, int_at_least, non_negative_float, positive_float, token_counts
 from .continuation import ContinuationError, plan_continuation
 from .recipes import normalizer_recipe, scale_recipe
-from .training.args import TrainingError, parse_attnorm_options
 
 ARGS_FILE = "conversion_args.json"
 STAGES = ("transfer", "finetune")

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .tiny import ModelShape, TrainConfig, tiny_llama, train
+from ..tiny import ModelShape, TrainConfig, tiny_llama, train
 
 #: test sets are drawn from seeds at or above this; training streams stay below it
 TEST_SEED_BASE = 1_000_003

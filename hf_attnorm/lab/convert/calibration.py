@@ -3,9 +3,9 @@
 The original (softmax) model runs over a few blocks of training text with every attention layer observed: each call
 records, per head, statistics of its rows' logsumexp (``TeacherStats``: mean and spread of LSE - ln n, mean and
 minimum of LSE, the share a phantom zero logit would take, the longest row) and passes the softmax output on, so
-every layer sees the original model's inputs. Then the recipes of the normalizer and the scale (lab/recipes.py) each
-turn one layer's statistics into per-head values with their ``calibrate`` (docs/convert.md lists the formulas), which
-are copied into the model's learnable values. A normalizer without a formula is reported as not calibrated, with
+every layer sees the original model's inputs. Then the recipes of the normalizer and the scale (``recipes.py``)
+each turn one layer's statistics into per-head values with their ``calibrate`` (docs/convert.md lists the formulas),
+which are copied into the model's learnable values. A normalizer without a formula is reported as not calibrated, with
 why.
 
 >>> report = calibrate(model, blocks)   # blocks: token ids [N, L]; the model's attention is an hf_attnorm one
@@ -23,13 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..attention import param_specs
-from ..hf.families import attention_modules
-from ..hf.forward import softmax_attention, softmax_row_statistics
-from ..kernels.base import repeat_kv
-from ..normalizers.base import Ctx, Normalizer
-from ..registry import NORMALIZERS, SCALES, AttnormError
-from ..settings import AttnormSettings
+from ...attention import param_specs
+from ...hf.families import attention_modules
+from ...hf.forward import softmax_attention, softmax_row_statistics
+from ...kernels.base import repeat_kv
+from ...normalizers.base import Ctx, Normalizer
+from ...registry import NORMALIZERS, SCALES, AttnormError
+from ...settings import AttnormSettings
 from .recipes import Calibration, OffsetSearch, Recipe, TeacherStats, normalizer_recipe, scale_recipe
 
 #: bisection steps of ``unit_sigmoid_bias`` over a bracket 24 wide: 24 / 2^30, far below fp32 rounding of the scores

@@ -1,7 +1,7 @@
 """``evaluate`` modules shipped with hf_attnorm (loadable offline from their folder).
 
-    import evaluate, hf_attnorm.lab.metrics
-    ppl = evaluate.load(hf_attnorm.lab.metrics.perplexity_module_path())
+    import evaluate, hf_attnorm.lab.evaluation.metrics
+    ppl = evaluate.load(hf_attnorm.lab.evaluation.metrics.perplexity_module_path())
     ppl.compute(predictions=texts, model=model, tokenizer=tok, max_length=512, stride=256)
 
 ``evaluate.load`` copies the module into ``$HF_MODULES_CACHE`` (default under ``$HF_HOME``): that folder must be

@@ -47,10 +47,10 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
 
-from .. import available
-from ..hf.families import CAUSAL_LM, lm_task, model_task
-from ..registry import is_ours
-from ..settings import OptionError, parse_option_pairs, resolve_settings
+from ... import available
+from ...hf.families import CAUSAL_LM, lm_task, model_task
+from ...registry import is_ours
+from ...settings import OptionError, parse_option_pairs, resolve_settings
 
 __all__ = [
     "ContextResult",

@@ -46,7 +46,7 @@ Returns:
     perplexities: per text; mean_nll: nats per token; total_tokens: tokens scored; text_tokens: per text;
     windows: sequences run; mode: "causal", "masked" or "pseudo".
 Examples:
-    >>> ppl = evaluate.load(hf_attnorm.lab.metrics.perplexity_module_path())
+    >>> ppl = evaluate.load(hf_attnorm.lab.evaluation.metrics.perplexity_module_path())
     >>> ppl.compute(predictions=texts, model=model, tokenizer=tok, max_length=256, stride=128)["perplexity"]
 """
 

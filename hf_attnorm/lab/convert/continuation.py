@@ -1,5 +1,5 @@
 """Continuation schedules of a conversion's stage 1: for a normalizer or scale reachable from softmax along one
-option (a recipe's ``continuation``, lab/recipes.py: alpha of entmax from 1.001 to 1.5, a constant sink logit from -30
+option (a recipe's ``continuation``, ``recipes.py``: alpha of entmax from 1.001 to 1.5, a constant sink logit from -30
 to its value, softmax_n's n_extra from 0; for a scale, ssmax's anchor released from 1 to 0), stage 1 starts at the
 teacher and ends at the asked normalizer. The option moves linearly over the first ``fraction`` of the stage's steps
 and then stays at its end, so the last steps (and every held-out measurement that stage 1's keep-best compares) train
@@ -16,8 +16,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from ..attention import param_specs
-from ..settings import AttnormSettings, resolve_settings
+from ...attention import param_specs
+from ...settings import AttnormSettings, resolve_settings
 from .recipes import normalizer_recipe, scale_recipe
 
 

@@ -1,12 +1,14 @@
-"""``python -m hf_attnorm.lab.lm_eval ...``: lm-evaluation-harness's command line with hf_attnorm registered.
+"""``python -m hf_attnorm.lab.evaluation.lm_eval ...``: lm-evaluation-harness's command line with hf_attnorm
+registered.
 
 The ``lm_eval`` / ``lm-eval`` command never imports hf_attnorm, so a model saved with one of its implementations
 fails to load there ("attn_implementation=... is not supported"). This module imports hf_attnorm, then hands every
 argument unchanged to lm-eval's own command line (``lm_eval.__main__.cli_evaluate``), so the flags, ``--help``
 and the output files are lm-eval's::
 
-    python -m hf_attnorm.lab.lm_eval run --model hf --model_args pretrained=DIR --tasks wikitext
-    python -m hf_attnorm.lab.lm_eval --model hf --model_args pretrained=DIR,attn_implementation=symax --tasks ...
+    python -m hf_attnorm.lab.evaluation.lm_eval run --model hf --model_args pretrained=DIR --tasks wikitext
+    python -m hf_attnorm.lab.evaluation.lm_eval --model hf \
+        --model_args pretrained=DIR,attn_implementation=symax --tasks ...
 
 A folder saved by hf_attnorm names its implementation in config.json, so ``pretrained=DIR`` alone loads it; an
 ``attn_implementation=`` in ``--model_args`` picks one for a plain checkpoint. In Python, ``import hf_attnorm``
@@ -29,10 +31,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         from lm_eval.__main__ import cli_evaluate
     except ImportError as e:
-        raise SystemExit(f"python -m hf_attnorm.lab.lm_eval needs lm-evaluation-harness, which is not installed "
-                         f"({e}); install it with: pip install '{LM_EVAL_REQUIREMENT}'") from None
+        raise SystemExit(f"python -m hf_attnorm.lab.evaluation.lm_eval needs lm-evaluation-harness, which is not "
+                         f"installed ({e}); install it with: pip install '{LM_EVAL_REQUIREMENT}'") from None
     # lm-eval's parser reads sys.argv (and inserts "run" when no subcommand is given)
-    sys.argv = ["python -m hf_attnorm.lab.lm_eval", *(sys.argv[1:] if argv is None else argv)]
+    sys.argv = ["python -m hf_attnorm.lab.evaluation.lm_eval", *(sys.argv[1:] if argv is None else argv)]
     cli_evaluate()
 
 

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from .data import shakespeare_text
-from .diagnostics import diagnose
-from .probes import train_seed
-from .tiny import ModelShape, TrainConfig, tiny_llama, train
+from ..data import shakespeare_text
+from ..diagnostics import diagnose
+from ..evaluation.probes import train_seed
+from ..tiny import ModelShape, TrainConfig, tiny_llama, train
 
 UNK = "<unk>"
 DATA_VERSION = 1

@@ -33,11 +33,11 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from .. import AttnormError, apply
-from .assets import smollm2_path
-from .cli import offline_by_default
-from .data import shakespeare_text
-from .evaluation import (
+from ... import AttnormError, apply
+from ..assets import smollm2_path
+from ..cli import offline_by_default
+from ..data import shakespeare_text
+from .perplexity import (
     NATIVE_IMPLEMENTATIONS,
     EvaluationError,
     length_extrapolation,

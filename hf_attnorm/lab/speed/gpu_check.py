@@ -1,7 +1,7 @@
 """One GPU check: the ``gpu`` test suite, a benchmark against SDPA (flash backend) with the field's own kernels
 timed beside (the anchors: ``gpu_anchors.py``), and the results under ``bench/gpu/<device name>/`` (results.json,
 results.md, command.txt). Entry point: ``scripts/gpu_check.sh`` (which first runs scripts/gpu_setup.py) or
-``python -m hf_attnorm.lab.gpu_check``.
+``python -m hf_attnorm.lab.speed.gpu_check``.
 
 Modes: ``--quick`` (default: the suite's ``gpu and not slow`` subset, then the benchmark of every implementation
 and anchor at bf16 causal B8 H32 n1024/2048 d64 and B4 H16 n4096 d128), ``--full`` (every gpu test and the grid
@@ -41,15 +41,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..attention import constant_heads, make_call
-from ..kernels import attend
-from ..kernels.fused import triton as fused_triton
-from ..registry import NORMALIZERS
-from ..settings import resolve_settings
-from ..version import __version__
+from ...attention import constant_heads, make_call
+from ...kernels import attend
+from ...kernels.fused import triton as fused_triton
+from ...registry import NORMALIZERS
+from ...settings import resolve_settings
+from ...version import __version__
 from . import gpu_anchors
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SUITE = "tests/test_gpu.py"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: paths that mean no fast path took the call (flagged in the table)

@@ -8,8 +8,8 @@ A dot that falls back to FMAs unrolls into about M x N x K / (32 x warps) ``fma.
 elementwise code: the check fails a kernel with more FMAs than half of its smallest dot's fallback would need, or
 with fewer tensor-core instructions than dots.
 
-    python -m hf_attnorm.lab.triton_ptx                  # the kernel forms, bf16, sm_90: a table
-    python -m hf_attnorm.lab.triton_ptx --json out.json  # also the records
+    python -m hf_attnorm.lab.speed.triton_ptx                  # the kernel forms, bf16, sm_90: a table
+    python -m hf_attnorm.lab.speed.triton_ptx --json out.json  # also the records
 
 tests/test_triton_ptx.py runs it (CI, in the main environment and on the GPU image's triton).
 """
@@ -28,8 +28,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ..kernels.fused import maps, triton_device
-from ..kernels.fused import triton as ta
+from ...kernels.fused import maps, triton_device
+from ...kernels.fused import triton as ta
 
 #: one map per kernel form: non-normalised (sigmoid, its fast tanh), normalised with delta from its own pass (symax),
 #: normalised with delta from dO . O and a running shift (softplus), a threshold search (entmax15), alpha-entmax,

@@ -2,7 +2,7 @@
 start, attention transfer, then fine-tuning) against fine-tuning alone at the same number of steps, on held-out
 Shakespeare and on a held-out text of another kind (the King James Bible's Luke and Acts).
 
-For each implementation of ``hf_attnorm.lab.conversion_study.PLAN`` and each seed, at convert.py's default budget
+For each implementation of ``hf_attnorm.lab.convert.study.PLAN`` and each seed, at convert.py's default budget
 and settings: one conversion (perplexity swapped / calibrated / after stage 1 / after stage 1 + 2), the same with
 stage 2 distilled from the original model (--distill), and the control (stage 2 alone from the calibrated start,
 as many steps as both stages); ``softmax`` (the original model) gets the control only. Runs are cached in
@@ -27,11 +27,12 @@ from typing import Any
 import torch
 import transformers
 
-from . import conversion_study as study
-from . import convert, convert_args
-from . import data as data_lib
-from .cli import nonnegative_int, offline_by_default, positive_int
-from .plots import plot_budget_curve
+from .. import data as data_lib
+from ..cli import nonnegative_int, offline_by_default, positive_int
+from ..plots import plot_budget_curve
+from . import args as convert_args
+from . import converter as convert
+from . import study
 
 #: the study's default output folder (also how its published commands name a folder outside the working directory)
 DEFAULT_OUTPUT = "runs/convert_study"
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--output_dir", default=DEFAULT_OUTPUT, help="where runs/, results.json and results.md go")
     p.add_argument("--implementations", nargs="+", default=None,
-                   help="implementations to convert to (options from conversion_study.PLAN where listed; default: "
+                   help="implementations to convert to (options from study.PLAN where listed; default: "
                         f"the study's {', '.join(study.PLAN)}; with --budgets "
                         f"{', '.join(study.CURVE_IMPLEMENTATIONS)})")
     p.add_argument("--seeds", type=positive_int, default=2, help="seeds per implementation (data order and LoRA init)")

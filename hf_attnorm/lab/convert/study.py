@@ -6,7 +6,7 @@ stage 2 alone with as many steps as both stages together. Perplexity on held-out
 training, after stage 1, after stages 1 + 2, and the control. ``softmax`` is the reference: the original model
 (swapped = unchanged) and its own fine-tune with the control's steps (what the text alone does to perplexity).
 This module holds the plan and turns the runs' ``conversion.json`` files into ``results.json`` and its table;
-``conversion_study_cli`` runs the study.
+``study_cli`` runs the study.
 """
 
 from __future__ import annotations

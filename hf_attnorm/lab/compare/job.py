@@ -15,9 +15,9 @@ tables give mean ± 95% CI (Student t) and mark differences from softmax that ar
 comparison by seed. A table sets published claims (SSMax, softmax1, softpick, sigmoid, ...) beside our numbers,
 with verdicts that a rerun does not overturn: the seeds form disjoint sets (default 0-2 and 3-5), each set is
 compared on its own against a stated margin, and a verdict stands only where every set agrees
-(``hf_attnorm.lab.verdicts``), with the estimated share of reruns that would keep it. Every implementation runs the
-first set; the later sets run for the reference and the claimed implementations whose checks can still end in a
-verdict (``--seed_plan``).
+(``hf_attnorm.lab.compare.verdicts``), with the estimated share of reruns that would keep it. Every implementation
+runs the first set; the later sets run for the reference and the claimed implementations whose checks can still end in
+a verdict (``--seed_plan``).
 
 Runs are cached in --output_dir/runs (one folder per task/implementation/seed): a killed sweep continues where it
 stopped; a failed run is reported and the others go on. --shard i/n and --only split the sweep over processes or
@@ -39,12 +39,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import resolve_settings
-from ..kernels import paths_for
-from ..kernels.native import build_all
-from . import charlm, probes, report, verdicts
-from .cards import write_model_card
-from .cli import nonnegative_int, offline_by_default, positive_float, positive_int
+from ... import resolve_settings
+from ...kernels import paths_for
+from ...kernels.native import build_all
+from ..cards import write_model_card
+from ..cli import nonnegative_int, offline_by_default, positive_float, positive_int
+from ..evaluation import probes
+from . import charlm, report, verdicts
 from .sweep import Run, label_of, parse_implementation, select, sweep
 
 DEFAULT_IMPLEMENTATIONS = ["softmax", "softmax1", "softpick", "ssmax", "sigmoid", "symax", "stickbreaking", "lssa",

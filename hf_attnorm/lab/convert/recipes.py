@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..settings import AttnormSettings
+from ...settings import AttnormSettings
 
 
 @dataclasses.dataclass(frozen=True)

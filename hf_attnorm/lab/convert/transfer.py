@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..hf.families import attention_modules
-from ..hf.forward import softmax_attention
+from ...hf.families import attention_modules
+from ...hf.forward import softmax_attention
 
 
 class TransferError(ValueError):

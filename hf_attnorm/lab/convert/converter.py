@@ -25,13 +25,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import math
 import os
-import resource
 import shlex
-import shutil
 import statistics
 import sys
 import time
@@ -42,24 +39,20 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from ..fileio import atomic_write
-from ..hf.families import CAUSAL_LM, attention_modules, lm_task
-from ..hf.integration import apply as apply_implementation
-from ..registry import AttnormError
+from ...fileio import atomic_write
+from ...hf.integration import apply as apply_implementation
+from ...registry import AttnormError
+from .. import data as data_lib
+from ..cli import offline_by_default
+from ..evaluation.perplexity import EvaluationError, causal_lm_perplexity, spread_chunks
 from . import calibration as calibration_lib
-from . import data as data_lib
 from . import distill as distill_lib
-from .cli import offline_by_default
-from .continuation import ContinuationPlan
-from .convert_args import (  # noqa: F401  (build_parser, parse_token_counts: the study's flags read them here)
-    ARGS_FILE,
+from . import loading
+from .args import (  # noqa: F401  (build_parser, parse_token_counts: the study's flags read them here)
     EVAL_POINTS,
     FINETUNE_LR,
-    RESUME_MAY_DIFFER,
     STAGES,
     ConvertError,
     build_parser,
@@ -67,10 +60,20 @@ from .convert_args import (  # noqa: F401  (build_parser, parse_token_counts: th
     parse_token_counts,
     recorded_args,
 )
-from .evaluation import EvaluationError, causal_lm_perplexity, spread_chunks
-from .training.args import TrainingError
-from .training.checkpoints import TMP_PREFIX, publish_folder, write_json
-from .training.setup import resolve_model_path
+from .checkpoints import (
+    CHECKPOINTS,
+    SUMMARY_FILE,
+    TRANSFER_BEST,
+    TRANSFER_DONE,
+    History,
+    load_trainable,
+    peak_rss_mb,
+    reset_peak_rss,
+    resume_point,
+    save_checkpoint,
+    save_trainable,
+)
+from .continuation import ContinuationPlan
 from .transfer import (  # noqa: F401  (Transfer, install_observer: part of this module's interface)
     Transfer,
     TransferError,
@@ -79,65 +82,6 @@ from .transfer import (  # noqa: F401  (Transfer, install_observer: part of this
     observing,
     transfer_errors,
 )
-
-SUMMARY_FILE = "conversion.json"
-CHECKPOINTS = "checkpoints"
-#: the stage-1 result kept for a resume inside stage 2 (never rotated)
-TRANSFER_DONE = "transfer_done"
-#: stage 1's trained tensors at its best held-out point so far (never rotated; --transfer_keep_best)
-TRANSFER_BEST = "transfer_best"
-
-# ---------------------------------------------------------------------------------------------------- the run
-
-
-@dataclasses.dataclass
-class History:
-    """What conversion.json records; saved in every checkpoint, so a resumed run continues it."""
-
-    stage: str = "transfer"
-    step: int = 0
-    losses: dict[str, list[list[float]]] = dataclasses.field(default_factory=lambda: {s: [] for s in STAGES})
-    seconds: dict[str, float] = dataclasses.field(default_factory=lambda: {s: 0.0 for s in STAGES})
-    perplexity: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
-    layer_errors: dict[str, list[float]] = dataclasses.field(default_factory=dict)
-    #: the process's peak resident memory (MB) during each phase: loading, each evaluation, each stage
-    peak_rss_mb: dict[str, float] = dataclasses.field(default_factory=dict)
-    trained: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    #: what the calibrated start set (``hf_attnorm.lab.calibration.calibrate``'s report), or why nothing
-    calibration: dict[str, Any] = dataclasses.field(default_factory=dict)
-    #: stage 1's held-out mean layer error: at its start ("start"), at each measured step ("measured": [[step,
-    #: error]]), the best ("best_step", "best"), and why the stage was skipped ("skipped"), when it was
-    transfer_check: dict[str, Any] = dataclasses.field(default_factory=dict)
-    #: --distill: top-k, weight, the teacher's cache size (MB) and the seconds its pass took
-    distill: dict[str, Any] = dataclasses.field(default_factory=dict)
-    #: --eval_texts: text -> evaluation point -> context -> perplexity
-    perplexity_texts: dict[str, dict[str, dict[str, float]]] = dataclasses.field(default_factory=dict)
-    #: CPU seconds (every thread of the process) of each stage, as ``seconds`` holds their wall seconds
-    cpu_seconds: dict[str, float] = dataclasses.field(default_factory=lambda: {s: 0.0 for s in STAGES})
-    #: CPU seconds of the whole run spent by earlier processes (a resumed run: up to the checkpoint it resumed)
-    cpu_before: float = 0.0
-    #: the machine's 1-minute load average read at every training step: [samples, sum, max]
-    load_steps: list[float] = dataclasses.field(default_factory=lambda: [0, 0.0, 0.0])
-
-
-def _reset_peak_rss() -> None:
-    """Start a new peak-memory window (Linux: writing 5 to clear_refs resets VmHWM; elsewhere the peak stays the
-    process's since its start)."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-
-
-def _peak_rss_mb() -> float:
-    """The process's peak resident memory since the last ``_reset_peak_rss`` (MB)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return round(int(line.split()[1]) / 1024.0, 1)
-    except (OSError, ValueError, IndexError):
-        pass
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1)  # Linux: KiB
 
 
 def _lr(peak: float, step: int, total: int) -> float:
@@ -153,115 +97,20 @@ class Converter:
         self._cpu_started = time.process_time()
         self.command = command
         self.args = args
-        self.out = Path(args.output_dir)
         self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
         self.main = self.accelerator.is_main_process
         self.history = History()
-        self._prepare_output()
-        self.model, self.tokenizer = self._load_model()
-        self.train_blocks, self.validation_stream = self._load_data()
+        self.out = loading.prepare_output(args, self.accelerator)
+        self.model, self.tokenizer = loading.load_model(args, self.accelerator.device)
+        self.train_blocks, self.validation_stream = loading.load_data(args, self.tokenizer, self.accelerator)
         #: --eval_texts: name -> (description, token ids [N])
-        self.eval_texts = self._load_eval_texts()
-        self.error_ids = self._error_blocks()
+        self.eval_texts = loading.load_eval_texts(args, self.tokenizer)
+        self.error_ids = loading.error_blocks(args, self.validation_stream)
         #: the original model's attention outputs on the error blocks, recorded before anything is trained
         self._reference = self._record_reference()
         self._teacher: list[distill_lib.TeacherTopK] | None = None  # (--distill: set by run)
         #: (implementation, options) a continuation last set (None: the asked ones, as loaded)
         self._continuation_at: tuple[str, dict[str, Any]] | None = None
-
-    # ---------------------------------------------------------------- setup
-    def _prepare_output(self) -> None:
-        a = self.args
-        args_file = self.out / ARGS_FILE
-        if a.resume_from_checkpoint is None and self.out.exists() and any(self.out.iterdir()):
-            if not a.overwrite_output_dir:
-                raise ConvertError(f"--output_dir {self.out} is not empty; pass --overwrite_output_dir to replace it "
-                                   "or --resume_from_checkpoint latest to continue it")
-            if not (args_file.is_file() or (self.out / SUMMARY_FILE).is_file()):
-                raise ConvertError(f"--output_dir {self.out} holds files that are not a conversion; "
-                                   "--overwrite_output_dir only replaces a previous conversion")
-            if self.main:
-                shutil.rmtree(self.out)
-        self.accelerator.wait_for_everyone()
-        if a.resume_from_checkpoint is not None and args_file.is_file():
-            before = json.loads(args_file.read_text())
-            now = recorded_args(a)
-            changed = sorted(k for k in set(before) | set(now)
-                             if k not in RESUME_MAY_DIFFER and before.get(k) != now.get(k))
-            if changed:
-                raise ConvertError(f"--resume_from_checkpoint: the run in {self.out} was started with other values "
-                                   f"of {', '.join('--' + k for k in changed)}; resume with the same flags")
-        if self.main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            atomic_write(args_file, json.dumps(recorded_args(a), indent=1))
-
-    def _load_model(self) -> tuple[nn.Module, Any]:
-        a = self.args
-        try:
-            path = resolve_model_path(a.model_name_or_path)
-        except TrainingError as exc:
-            raise ConvertError(str(exc)) from exc
-        config = AutoConfig.from_pretrained(path)
-        if lm_task(config) != CAUSAL_LM:
-            raise ConvertError(f"{path} is a {config.model_type} model without a causal-LM head; convert.py converts "
-                               "causal LMs (the teacher is the model's own causal softmax attention)")
-        try:
-            model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=a.attn_implementation,
-                                                         attnorm=dict(a.options), dtype=torch.float32)
-        except AttnormError as exc:
-            raise ConvertError(str(exc)) from exc
-        n_layers = sum(1 for _ in attention_modules(model))
-        if install_observer(model, None) != n_layers or n_layers == 0:
-            raise ConvertError(f"{config.model_type}: {n_layers} attention modules, not all run by hf_attnorm")
-        positions = getattr(config, "max_position_embeddings", None)
-        longest = max([a.block_size, *a.eval_lengths])
-        if isinstance(positions, int) and longest > positions:
-            raise ConvertError(f"--block_size/--eval_lengths up to {longest} tokens, but the model has "
-                               f"{positions} positions")
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        if len(tokenizer) > config.vocab_size:
-            raise ConvertError(f"{path}: the tokenizer has {len(tokenizer)} tokens but the model only "
-                               f"{config.vocab_size} embeddings")
-        return model.to(self.accelerator.device), tokenizer
-
-    def _load_data(self) -> tuple[torch.Tensor, torch.Tensor]:
-        a = self.args
-        with self.accelerator.main_process_first():
-            try:
-                train, val, column, _ = data_lib.load_text_datasets(
-                    train_file=a.train_file, validation_file=a.validation_file)
-                train_ds, val_ds = data_lib.build_lm_datasets(train, val, column, self.tokenizer,
-                                                              block_size=a.block_size, masked_lm=False)
-            except data_lib.DataError as exc:
-                raise ConvertError(str(exc)) from exc
-        blocks = train_ds.with_format("torch")["input_ids"][:].long()  # [N, block_size]
-        stream = val_ds.with_format("torch")["input_ids"][:].long().reshape(-1)
-        if len(blocks) == 0:
-            raise ConvertError(f"the training text has fewer than --block_size {a.block_size} tokens")
-        for length in a.eval_lengths:
-            if len(stream) < length:
-                raise ConvertError(f"the validation text has {len(stream)} tokens, fewer than --eval_lengths {length}")
-        return blocks, stream
-
-    def _load_eval_texts(self) -> dict[str, tuple[str, torch.Tensor]]:
-        out = {}
-        for name in self.args.eval_texts:
-            try:
-                description, text = data_lib.held_out_text(name)
-            except data_lib.DataError as exc:
-                raise ConvertError(f"--eval_texts: {exc}") from exc
-            ids = torch.tensor(self.tokenizer(text)["input_ids"], dtype=torch.long)
-            short = [n for n in self.args.eval_lengths if len(ids) < n]
-            if short:
-                raise ConvertError(f"--eval_texts {name}: {len(ids)} tokens, fewer than --eval_lengths {short[0]}")
-            out[name] = (description, ids)
-        return out
-
-    def _error_blocks(self) -> torch.Tensor:
-        n = min(self.args.error_blocks, len(self.validation_stream) // self.args.block_size)
-        if n < 1:
-            raise ConvertError(f"the validation text has fewer than --block_size {self.args.block_size} tokens")
-        return spread_chunks(self.validation_stream, self.args.block_size, n * self.args.block_size).view(n, -1)
 
     # ---------------------------------------------------------------- data order
     def batch(self, stage: str, step: int) -> torch.Tensor:
@@ -285,13 +134,13 @@ class Converter:
             return  # done before a resume, or not asked for
         model = self.model
         if self.main:
-            _reset_peak_rss()
+            reset_peak_rss()
             ppl = self._perplexities(model, self.validation_stream)
             for text, (_, ids) in self.eval_texts.items():
                 self.history.perplexity_texts.setdefault(text, {})[name] = self._perplexities(model, ids)
             self.history.perplexity[name] = ppl
             self.history.layer_errors[name] = self.layer_errors()
-            self.history.peak_rss_mb[f"evaluation {name}"] = _peak_rss_mb()
+            self.history.peak_rss_mb[f"evaluation {name}"] = peak_rss_mb()
             mean_error = {k: statistics.fmean(v) for k, v in self.history.layer_errors.items()}
             start = next((k for k in ("calibrated", "swapped") if k in mean_error), None)  # where stage 1 began
             if name == "transfer" and start is not None and mean_error["transfer"] > mean_error[start]:
@@ -336,10 +185,7 @@ class Converter:
 
     def _save_best(self, params: dict[str, nn.Parameter]) -> None:
         if self.main:
-            folder = self.out / CHECKPOINTS / TRANSFER_BEST
-            folder.mkdir(parents=True, exist_ok=True)
-            save_file({n: p.detach().cpu().contiguous() for n, p in params.items()}, str(folder / ".tmp"))
-            os.replace(folder / ".tmp", folder / "trainable.safetensors")
+            save_trainable(self.out / CHECKPOINTS / TRANSFER_BEST, params)
         self.accelerator.wait_for_everyone()
 
     def _check_transfer(self, params: dict[str, nn.Parameter], transfer: Transfer) -> None:
@@ -439,7 +285,7 @@ class Converter:
             raise ConvertError(f"cannot resume: the trained tensors of the finished {stage} stage are missing "
                                f"({folder})")
         self._wrap(stage)
-        self._load_trainable(folder, self._trainable())
+        load_trainable(folder, self._trainable())
         self._unwrap()
 
     def _trainable(self) -> dict[str, nn.Parameter]:
@@ -460,7 +306,7 @@ class Converter:
                                       else a.finetune_learning_rate, weight_decay=a.weight_decay)
         peak = optimizer.param_groups[0]["lr"]
         if resume is not None:
-            self._load_trainable(resume, params)
+            load_trainable(resume, params)
             optimizer.load_state_dict(torch.load(resume / "optimizer.pt", map_location=acc.device))
         keep_best = stage == "transfer" and a.transfer_keep_best
         plan: ContinuationPlan | None = a.continuation_plan if stage == "transfer" else None
@@ -468,7 +314,7 @@ class Converter:
             h.transfer_check.update(measured=[], best=h.transfer_check["start"], best_step=0)
             self._save_best(params)
         self.model.train()
-        _reset_peak_rss()
+        reset_peak_rss()
         start, cpu = time.perf_counter(), time.process_time()
         with observing(self.model, Transfer() if stage == "transfer" else None) as transfer, \
                 _progress(total, h.step, f"{stage} ({a.attn_implementation})", acc.is_local_main_process) as bar:
@@ -521,14 +367,14 @@ class Converter:
         if plan is not None:  # the asked implementation again (the continuation's end computes it)
             self._continue(None, None)
         if keep_best and h.transfer_check["best_step"] != h.step:  # end at the best state seen
-            self._load_trainable(self.out / CHECKPOINTS / TRANSFER_BEST, params)
+            load_trainable(self.out / CHECKPOINTS / TRANSFER_BEST, params)
             if self.main:
                 print(f"[convert] stage 1 ends at its best held-out state, step {h.transfer_check['best_step']} "
                       f"(mean layer error {h.transfer_check['best']:.4g}; the last step's "
                       f"{h.transfer_check['measured'][-1][1]:.4g})", file=sys.stderr)
         h.seconds[stage] += time.perf_counter() - start
         h.cpu_seconds[stage] += time.process_time() - cpu
-        h.peak_rss_mb[stage] = max(h.peak_rss_mb.get(stage, 0.0), _peak_rss_mb())
+        h.peak_rss_mb[stage] = max(h.peak_rss_mb.get(stage, 0.0), peak_rss_mb())
         self.checkpoint(params, optimizer, stage_done=True)
         self._unwrap()
 
@@ -549,63 +395,17 @@ class Converter:
     # ---------------------------------------------------------------- checkpoints
     def checkpoint(self, params: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer,
                    stage_done: bool = False) -> None:
-        """The newest resumable state (trained tensors, optimizer, history) in checkpoints/step_<stage>_<N>; the
-        end of stage 1 also in checkpoints/transfer_done (what a resume inside stage 2 rebuilds from)."""
-        acc, h = self.accelerator, self.history
-        acc.wait_for_everyone()
-        if self.main:
-            root = self.out / CHECKPOINTS
-            name = TRANSFER_DONE if stage_done and h.stage == "transfer" else f"{h.stage}_{h.step:06d}"
-            tmp = root / f"{TMP_PREFIX}{name}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            tensors = {n: p.detach().cpu().contiguous() for n, p in params.items()}
-            save_file(tensors, str(tmp / "trainable.safetensors"))
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-            state = dataclasses.asdict(h)
-            state["cpu_before"] = self._cpu_total()  # (a resume from here adds its own process's)
-            if stage_done:  # what a resume does next: the following stage, from its first step
-                state["stage_done"] = h.stage
-            write_json(tmp / "state.json", state)
-            publish_folder(tmp, root / name)  # the training scripts' checkpoints: complete, or not there
-            for old in root.iterdir():  # only the newest is kept (and the stage-1 result)
-                if old.name not in (name, TRANSFER_DONE, TRANSFER_BEST):
-                    shutil.rmtree(old, ignore_errors=True)
-        acc.wait_for_everyone()
+        """The newest resumable state of the run (``checkpoints.save_checkpoint``)."""
+        save_checkpoint(self.out, self.history, params, optimizer, self.accelerator, self._cpu_total(), stage_done)
 
     def _cpu_total(self) -> float:
         """CPU seconds of the whole run so far: this process's since it started, plus earlier processes' (resumed)."""
         return self.history.cpu_before + time.process_time() - self._cpu_started
 
-    def _load_trainable(self, folder: Path, params: dict[str, nn.Parameter]) -> None:
-        saved = load_file(str(folder / "trainable.safetensors"))
-        if set(saved) != set(params):
-            raise ConvertError(f"checkpoint {folder} holds other trained tensors than this run trains "
-                               f"({len(saved)} vs {len(params)}); resume with the flags it was made with")
-        with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(saved[n].to(p.device, p.dtype))
-
-    def _resume_point(self) -> Path | None:
-        a = self.args
-        if a.resume_from_checkpoint is None:
-            return None
-        root = self.out / CHECKPOINTS
-        if a.resume_from_checkpoint == "latest":
-            found = [p for p in root.iterdir() if not p.name.startswith(".")] if root.is_dir() else []
-            if not found:
-                print(f"[convert] no checkpoint in {root}: starting from the beginning", file=sys.stderr)
-                return None
-            return max(found, key=lambda p: p.stat().st_mtime_ns)
-        folder = Path(a.resume_from_checkpoint)
-        if not (folder / "state.json").is_file():
-            raise ConvertError(f"--resume_from_checkpoint {folder}: not a conversion checkpoint (no state.json)")
-        return folder
-
     # ---------------------------------------------------------------- the whole run
     def run(self) -> dict[str, Any]:
         a = self.args
-        resume = self._resume_point()
+        resume = resume_point(self.args, self.out)
         resume_stage = None  # the stage whose steps the checkpoint is inside
         if resume is not None:
             state = json.loads((resume / "state.json").read_text())
@@ -618,7 +418,7 @@ class Converter:
             print(f"[convert] resuming from {resume} ({self.history.stage}, step {self.history.step})",
                   file=sys.stderr)
         h = self.history
-        h.peak_rss_mb.setdefault("load", _peak_rss_mb())
+        h.peak_rss_mb.setdefault("load", peak_rss_mb())
         self.evaluate("swapped")
         # a resume repeats the calibration (deterministic); the trained values loaded below then replace it
         self.calibrate()

@@ -26,8 +26,8 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
-from .. import AttnormError, available, resolve_settings
-from ..settings import parse_option_pairs
+from ... import AttnormError, available, resolve_settings
+from ...settings import parse_option_pairs
 
 #: bump when a change to the probes, the LM or the loop changes what a cached result means
 CODE_VERSION = 1

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..normalizers.base import Normalizer
-from ..registry import NORMALIZERS
-from ..settings import resolve_settings
+from ...normalizers.base import Normalizer
+from ...registry import NORMALIZERS
+from ...settings import resolve_settings
 from .gpu_anchors import anchors_for
 
 SOFTMAX_FAMILY_GOAL = 1.05
