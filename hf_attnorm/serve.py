@@ -50,8 +50,9 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
-from .hf import compat, integration
-from .hf.forward import PathRecord, continuous_batching_support, record_paths
+from .hf import compat, continuous_batching
+from .hf.continuous_batching import continuous_batching_support
+from .hf.forward import PathRecord, record_paths
 from .hf.persistence import verify_checkpoint
 from .registry import AttnormError, canonical
 from .serve_guard import Guardian, log, warm_up
@@ -191,7 +192,7 @@ def plan(argv: Sequence[str]) -> tuple[list[str], AttnormSettings, str]:
             "was saved (another one would not compute what the model was trained with)")
     route = "sequential"
     if continuous_batching_requested(rest):
-        reason = integration.settings_continuous_batching_refusal([settings])
+        reason = continuous_batching.settings_refusal([settings])
         if reason is None:
             route = continuous_batching_support(settings)[0]
         else:

@@ -43,7 +43,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import hf_attnorm  # noqa: E402
-from hf_attnorm.hf.forward import continuous_batching_support, record_paths  # noqa: E402
+from hf_attnorm.hf.continuous_batching import continuous_batching_support  # noqa: E402
+from hf_attnorm.hf.forward import record_paths  # noqa: E402
 from hf_attnorm.settings import resolve_settings  # noqa: E402
 
 DEFAULT_IMPLEMENTATIONS = ["symax", "sigmoid", "ssmax", "entmax15", "stickbreaking"]

@@ -28,6 +28,7 @@ from hf_attnorm.lab.convert.recipes import (
     recipes_of,
     scale_recipe,
 )
+from hf_attnorm.lab.observe import observing
 from hf_attnorm.registry import PRESETS, SCALES, is_ours
 from hf_attnorm.settings import resolve_settings
 
@@ -130,15 +131,9 @@ def _captured(model: torch.nn.Module, ids: torch.Tensor) -> list[list[tuple[torc
         return softmax_attention(module, query, key, value, attention_mask, scaling, kwargs), None
 
     modules = [m for _, m in attention_modules(model)]
-    with torch.no_grad():
-        for mod in modules:
-            mod.attnorm.observer = capture
-        try:
-            for row in ids:
-                model.model(input_ids=row[None], use_cache=False)
-        finally:
-            for mod in modules:
-                mod.attnorm.observer = None
+    with torch.no_grad(), observing(model, capture):
+        for row in ids:
+            model.model(input_ids=row[None], use_cache=False)
     layers = len(modules)
     assert len(calls) == layers * len(ids)
     return [calls[layer::layers] for layer in range(layers)]
@@ -510,9 +505,7 @@ def test_smollm2_sigmoid_needs_a_bias_per_row_not_per_head(smollm2):
         values = repeat_kv(value, query.shape[1] // value.shape[1]).float()
         return (weights @ values).transpose(1, 2).to(query.dtype), None
 
-    for _, mod in attention_modules(model):
-        mod.attnorm.observer = per_row
-    with torch.no_grad():
+    with torch.no_grad(), observing(model, per_row):
         oracle = causal_lm_perplexity(model, input_ids=[held_out], max_length=512).perplexity
     assert spread, "the per-row bias never ran"
     spread_h, log_mass = torch.cat(spread), torch.cat(log_mass)

@@ -17,18 +17,21 @@ import transformers
 from conftest import first_implementations, needs_compile, needs_compile_inductor
 from transformers import GenerationConfig
 
-from hf_attnorm.hf import forward, integration
+from hf_attnorm.hf import continuous_batching, forward
 from hf_attnorm.hf.cache_state import NOTE_ATTR, CallNote
+from hf_attnorm.hf.continuous_batching import continuous_batching_support
 from hf_attnorm.hf.families import attention_modules
-from hf_attnorm.hf.forward import continuous_batching_support, record_paths
+from hf_attnorm.hf.forward import record_paths
+from hf_attnorm.lab.observe import observing
 from hf_attnorm.masks import additive_keep, build_mask_info
 from hf_attnorm.registry import NORMALIZERS, PRESETS, AttnormError
 from hf_attnorm.settings import resolve_settings
 
 pytestmark = pytest.mark.skipif(
-    bool(integration.CONTINUOUS_BATCHING_MISSING),
+    bool(continuous_batching.CONTINUOUS_BATCHING_MISSING),
     reason=f"continuous batching is refused for hf_attnorm implementations on transformers {transformers.__version__}"
-           f": it lacks {', '.join(integration.CONTINUOUS_BATCHING_MISSING)} (tests/test_transformers_contract.py)")
+           f": it lacks {', '.join(continuous_batching.CONTINUOUS_BATCHING_MISSING)} "
+           "(tests/test_transformers_contract.py)")
 
 #: prompts of mixed lengths, one longer than a batch (chunked prefill), more of them than batch slots
 PROMPTS = [[5, 6, 7, 8, 9], [3], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [7, 8, 9]]
@@ -224,9 +227,8 @@ def test_prefix_sharing_and_chunked_prefill(impl, attnorm):
             runs.extend((q1 - q0, k1 - k0) for q0, q1, k0, k1 in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]))
         return student()
 
-    for _, mod in attention_modules(model):
-        mod.attnorm.observer = observe
-    check_exact(model, prompts, max_batch_tokens=16, max_requests_per_batch=1)
+    with observing(model, observe):
+        check_exact(model, prompts, max_batch_tokens=16, max_requests_per_batch=1)
     # a prompt of 12 tokens whose first 8 are shared: 4 queries over 12 keys
     assert (len(prompts[1]) - 8, len(prompts[1])) in runs, runs
 
@@ -240,12 +242,9 @@ def test_the_packed_call_carries_the_managers_keywords_and_they_are_refused_else
         assert query.shape[0] == 1 and isinstance(mask, torch.Tensor) and mask.shape[:2] == (1, 1)
         return student()
 
-    for _, mod in attention_modules(model):
-        mod.attnorm.observer = observe
-    generate_batch(model)
+    with observing(model, observe):
+        generate_batch(model)
     assert {"read_index", "write_index", "logits_indices", "cu_seq_lens_q", "cu_seq_lens_k"} <= set.union(*seen)
-    for _, mod in attention_modules(model):
-        mod.attnorm.observer = None
     with torch.no_grad(), pytest.raises(AttnormError, match=r"passed 'read_index' \(transformers .* declares no"):
         model(torch.tensor([[1, 2, 3]]), read_index=[torch.zeros(3, dtype=torch.long)])
 
@@ -292,7 +291,7 @@ def test_declarations_are_read_from_the_normalizer_and_the_scale(monkeypatch):
 
 
 def test_without_the_names_relied_on_it_is_refused_as_before(monkeypatch):
-    monkeypatch.setattr(integration, "CONTINUOUS_BATCHING_MISSING",
+    monkeypatch.setattr(continuous_batching, "CONTINUOUS_BATCHING_MISSING",
                         ["transformers.generation.continuous_batching.utils.attn_mask_is_needed"])
     model = build("symax")
     with pytest.raises(AttnormError, match=r"^continuous batching .* cannot run hf_attnorm's 'symax': transformers "

@@ -82,18 +82,21 @@ def test_the_teacher_is_the_original_model_and_every_layer_sees_its_inputs(famil
     ids = feed["input_ids"]
     transfer = Transfer()
     layers = install_observer(student, transfer)
-    assert layers == student.config.num_hidden_layers if hasattr(student.config, "num_hidden_layers") else layers
-    transfer.reset("student")
-    with torch.no_grad():
-        expected = convert.decoder_of(original)(input_ids=ids, use_cache=False).last_hidden_state
-    got = convert.decoder_of(student)(input_ids=ids, use_cache=False).last_hidden_state
-    assert len(transfer.errors) == layers > 0
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    loss = torch.stack(transfer.errors).mean()
-    assert torch.isfinite(loss) and loss > 0
-    loss.backward()
-    grads = [p.grad for n, p in student.named_parameters() if n.endswith("symax_eta")]
-    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
+    try:
+        assert layers == student.config.num_hidden_layers if hasattr(student.config, "num_hidden_layers") else layers
+        transfer.reset("student")
+        with torch.no_grad():
+            expected = convert.decoder_of(original)(input_ids=ids, use_cache=False).last_hidden_state
+        got = convert.decoder_of(student)(input_ids=ids, use_cache=False).last_hidden_state
+        assert len(transfer.errors) == layers > 0
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        loss = torch.stack(transfer.errors).mean()
+        assert torch.isfinite(loss) and loss > 0
+        loss.backward()
+        grads = [p.grad for n, p in student.named_parameters() if n.endswith("symax_eta")]
+        assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
+    finally:
+        install_observer(student, None)
 
 
 def test_a_softmax_target_has_zero_error(source, tmp_path):

@@ -249,7 +249,8 @@ def test_normalizer_and_scale_files_say_what_attention_computes_not_how_a_model_
 
 #: the lab's sub-packages by purpose, and the modules they share (nothing else sits at the lab's top)
 LAB_PACKAGES = {"convert", "training", "evaluation", "compare", "analysis", "speed"}
-LAB_SHARED = {"assets", "data", "cli", "tiny", "model_zoo", "cards", "plots", "diagnostics", "distributed"}
+LAB_SHARED = {"assets", "data", "cli", "tiny", "model_zoo", "cards", "plots", "diagnostics", "distributed",
+              "observe"}
 
 
 def test_the_lab_is_grouped_by_purpose() -> None:

@@ -27,8 +27,8 @@ import torch
 import transformers
 
 from hf_attnorm import serve
-from hf_attnorm.hf import compat, integration
-from hf_attnorm.hf.forward import continuous_batching_support
+from hf_attnorm.hf import compat, continuous_batching
+from hf_attnorm.hf.continuous_batching import continuous_batching_support
 from hf_attnorm.hf.persistence import marker_key
 from hf_attnorm.registry import PRESETS
 from hf_attnorm.settings import resolve_settings
@@ -40,7 +40,7 @@ needs_serving = pytest.mark.skipif(
     if compat.serve_missing() else "the serving extra is not installed (pip install 'hf_attnorm[serve]': fastapi, "
                                    "uvicorn, pydantic, openai, rich)")
 needs_continuous_batching = pytest.mark.skipif(
-    bool(integration.CONTINUOUS_BATCHING_MISSING),
+    bool(continuous_batching.CONTINUOUS_BATCHING_MISSING),
     reason=f"continuous batching is refused for hf_attnorm on transformers {transformers.__version__}")
 
 #: the tokenizer's words (Metaspace: "▁" marks a word's start, so that a streamed answer joins into the decoded one):
@@ -129,7 +129,7 @@ def test_the_plan_keeps_the_checkpoints_implementation_and_its_continuous_batchi
     assert args == [str(path), "--port", "9"] and settings.implementation == "symax" and route == "sequential"
     args, _, route = serve.plan([str(path), *CB_OPTIONS])
     assert args == [str(path), *CB_OPTIONS]
-    assert route == ("packed" if not integration.CONTINUOUS_BATCHING_MISSING else "sequential")
+    assert route == ("packed" if not continuous_batching.CONTINUOUS_BATCHING_MISSING else "sequential")
     _, _, route = serve.plan([str(path), "--continuous-batching", "--no-continuous-batching"])
     assert route == "sequential"
 

@@ -14,7 +14,7 @@ import pytest
 import transformers
 
 from hf_attnorm import serve
-from hf_attnorm.hf import compat, integration
+from hf_attnorm.hf import compat, continuous_batching
 from hf_attnorm.serve_guard import (
     CHAT,
     COMPLETIONS,
@@ -234,7 +234,7 @@ def test_continuous_batching_on_a_cpu_gets_a_bounded_cache_unless_told_otherwise
 
 needs_serving_cb = pytest.mark.skipif(
     bool(compat.serve_missing()) or not compat.serve_extra_installed()
-    or bool(integration.CONTINUOUS_BATCHING_MISSING),
+    or bool(continuous_batching.CONTINUOUS_BATCHING_MISSING),
     reason="needs transformers serve (5.17 or later, its serving extra) and continuous batching for hf_attnorm")
 
 

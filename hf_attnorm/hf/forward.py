@@ -19,21 +19,19 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-import transformers
 from torch import nn
 
 from ..attention import make_call
 from ..kernels import PATHS, Route, attend, choose_routed, plan_epoch, route, run_path
 from ..kernels.base import one_query_ctx
 from ..kernels.reference import reference_scores
-from ..masks import additive_keep
-from ..normalizers.base import CONTINUOUS_BATCHING_MODES, ContinuousBatching, Normalizer
-from ..registry import NORMALIZERS, SCALES, AttnormError
+from ..normalizers.base import Normalizer
+from ..registry import AttnormError
 from ..settings import AttnormSettings, resolve_settings
 from ..torch_compat import is_exporting
-from . import compat
+from . import continuous_batching
 from .cache_state import kinds_serving, steps_for, take_note
-from .families import SELECTION_KEYWORDS, key_selection, refused_keywords
+from .families import key_selection, refused_keywords
 from .state import state_of
 
 try:  # transformers' collector of requested outputs (private; looked up once, not per call)
@@ -118,10 +116,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-#: the signature of an attention observer (see ``hf_attention_forward``)
-AttentionObserver = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
-
-
 def hf_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -135,19 +129,9 @@ def hf_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The AttentionInterface function. query [B, H, Lq, D], key/value [B, Hkv, Lk, D] -> (out [B, Lq, H, Dv],
-    weights [B, H, Lq, Lk] when output_attentions is requested, else None).
-
-    An observer set on the module's state (``module.attnorm.observer``, e.g. attention transfer in
-    ``hf_attnorm.lab.convert``) is called instead, as ``observer(module, query, key, value, attention_mask, scaling,
-    kwargs, student)`` where ``student()`` computes this function's own result; it returns what the layer gets."""
-    state = state_of(module, implementation)
-    observer = state.observer
-    if observer is not None:
-        def student() -> tuple[torch.Tensor, torch.Tensor | None]:
-            return _attend(module, state, query, key, value, attention_mask, scaling, dropout, kwargs)
-
-        return observer(module, query, key, value, attention_mask, scaling, kwargs, student)
-    return _attend(module, state, query, key, value, attention_mask, scaling, dropout, kwargs)
+    weights [B, H, Lq, Lk] when output_attentions is requested, else None)."""
+    return _attend(module, state_of(module, implementation), query, key, value, attention_mask, scaling, dropout,
+                   kwargs)
 
 
 def _causal(module: nn.Module, kwargs: Mapping[str, Any]) -> bool:
@@ -167,9 +151,14 @@ def _attend(module: nn.Module, state: Any, query: torch.Tensor, key: torch.Tenso
     # the module's pre-hook note for this call (hf/cache_state.py): a packed call from continuous batching, or what
     # a state kept on the cache found there
     note = take_note(module)
-    if note is not None and note.packed:
-        return _attend_packed(module, state, query, key, value, attention_mask, scaling, dropout, kwargs)
     causal = _causal(module, kwargs)
+    if note is not None and note.packed:
+        out = continuous_batching.attend_packed(module, state, query, key, value, attention_mask, causal, scaling,
+                                                dropout, kwargs, _compute)
+        if not torch.compiler.is_compiling():  # (traced, the count guards on its value: a recompile a call)
+            for record in _active_records():
+                record.packed += 1
+        return _to_model_layout(out), None
     refused = refused_keywords(kwargs)
     if refused:  # a backstop: modules are checked at load/set time, but **kwargs can carry anything
         raise AttnormError(f"{type(module).__name__} passed {', '.join(refused)} to the attention function, which "
@@ -390,108 +379,6 @@ def _gated_entry(direct: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, dic
         return out if gate is None else (out.to(gate.dtype) * gate).to(out.dtype)
 
     return run
-
-
-# ------------------------------------------------------------------------------------------------ continuous batching
-
-def continuous_batching_support(settings: AttnormSettings) -> tuple[ContinuousBatching, str]:
-    """How transformers' continuous batching runs ``settings`` (``normalizers.base.ContinuousBatching``), from the
-    declarations of its normalizer and scale (``continuous_batching``, ``continuous_batching_note``): "refused" when
-    either refuses, "per_sequence" when either needs it, else "packed"; with the notes of the declarations that
-    decide it (why it is refused, or what differs)."""
-    norm, scale = NORMALIZERS.get(settings.normalizer), SCALES.get(settings.scale)
-    modes = []
-    for owner in (norm, scale):
-        mode = owner.continuous_batching
-        if mode is None:  # (a normalizer's default: its declared coupling of queries decides)
-            mode = "refused" if owner.query_coupled else "packed"
-        if mode not in CONTINUOUS_BATCHING_MODES:
-            raise AttnormError(f"{type(owner).__name__}.continuous_batching is {mode!r}; allowed: "
-                               f"{', '.join(CONTINUOUS_BATCHING_MODES)} (or None on a normalizer: derived)")
-        modes.append((mode, owner.continuous_batching_note))
-    for wanted in ("refused", "per_sequence", "packed"):
-        notes = [note for mode, note in modes if mode == wanted]
-        if notes:
-            return wanted, "; ".join(n for n in notes if n)  # type: ignore[return-value]
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _packed_error(module: nn.Module, what: str) -> AttnormError:
-    return AttnormError(f"{type(module).__name__}: continuous batching's packed call {what}")
-
-
-def _attend_packed(module: nn.Module, state: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   attention_mask: object, scaling: float | None, dropout: float,
-                   kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A call from continuous batching's sdpa route: query [1, H, Q_total, D] (the scheduled sequences' new tokens,
-    packed), key/value [1, Hkv, K_total, D] (each sequence's keys gathered from the paged cache, sequence after
-    sequence), attention_mask [1, 1, Q_total, K_total] (additive, block-diagonal causal, with the sliding window
-    where the layer has one) -> (out [1, Q_total, H, Dv], None). Run as one call, or split per sequence, as the
-    settings declare (``continuous_batching_support``)."""
-    accepted = compat.packed_keywords()
-    refused = refused_keywords([k for k in kwargs if k not in accepted])
-    if refused:
-        raise _packed_error(module, f"passed {', '.join(refused)}, which hf_attnorm does not implement; it could "
-                                    "change what attention computes, so it is not ignored")
-    if any(name in kwargs for name in compat.CACHE_ARGUMENTS):
-        raise _packed_error(module, "hands the paged cache to the attention function, so the keys were not gathered "
-                                    f"(the module did not call its update; transformers {transformers.__version__})")
-    selections = [k for k in SELECTION_KEYWORDS if kwargs.get(k) is not None]
-    if selections:  # (the families passing one keep their indexer keys in caches of their own, not the paged one)
-        raise _packed_error(module, f"carries {', '.join(map(repr, selections))} (a sparse indexer's choice of "
-                                    "keys), which hf_attnorm does not apply on the packed route; use generate")
-    if kwargs.get("block_table") is not None:
-        raise _packed_error(module, "carries a block table (paged decoding, whose keys stay in the cache); "
-                                    "hf_attnorm needs them gathered, as on the sdpa route")
-    mode, note = continuous_batching_support(state.settings)
-    if mode == "refused":
-        raise _packed_error(module, f"cannot run {state.settings.implementation!r}: {note}")
-    if query.shape[0] != 1 or not isinstance(attention_mask, torch.Tensor):
-        raise _packed_error(module, f"has queries {list(query.shape)} and a mask of type "
-                                    f"{type(attention_mask).__name__}; expected [1, H, Q_total, D] and the "
-                                    "block-diagonal mask tensor [1, 1, Q_total, K_total] of the sdpa route")
-    # the manager's mask is additive (0 / finfo.min): as a keep-mask it carries no score bias, which a scoreless
-    # normalizer would refuse
-    attention_mask = additive_keep(attention_mask) if attention_mask.is_floating_point() else attention_mask
-    causal = _causal(module, kwargs)
-    if mode == "packed":
-        out, _ = _compute(module, state, query, key, value, attention_mask, causal, scaling, dropout, kwargs, [])
-    else:
-        out = _per_sequence(module, state, query, key, value, attention_mask, causal, scaling, dropout, kwargs)
-    if not torch.compiler.is_compiling():  # (traced, the count guards on its value: a recompile a call)
-        for record in _active_records():
-            record.packed += 1
-    return _to_model_layout(out), None
-
-
-def _per_sequence(module: nn.Module, state: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  attention_mask: torch.Tensor, causal: bool, scaling: float | None, dropout: float,
-                  kwargs: Mapping[str, Any]) -> torch.Tensor:
-    """The packed call split at ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (this layer's, as ``PagedAttentionCache.update``
-    leaves them): sequence s gets query rows cu_q[s]:cu_q[s+1], keys cu_k[s]:cu_k[s+1] and its mask block, the layout
-    of a cached ``generate`` step. query [1, H, Q_total, D] -> out [1, H, Q_total, Dv] (0 on padding rows)."""
-    bounds = [kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")]
-    if not all(isinstance(b, torch.Tensor) and b.dim() == 1 for b in bounds):
-        raise _packed_error(module, "has no per-layer cu_seq_lens_q / cu_seq_lens_k tensors (the module must let "
-                                    "PagedAttentionCache.update select its layer's), which the per-sequence split of "
-                                    f"{state.settings.implementation!r} reads")
-    cu_q, cu_k = (b.tolist() for b in bounds)  # (host values: the boundaries of the slices)
-    lq, lk = query.shape[2], key.shape[2]
-    if len(cu_q) != len(cu_k) or cu_q[-1] > lq or cu_k[-1] > lk:
-        raise _packed_error(module, f"has sequence boundaries cu_seq_lens_q={cu_q}, cu_seq_lens_k={cu_k} that do "
-                                    f"not fit {lq} queries and {lk} keys")
-    parts, done = [], 0
-    for q0, q1, k0, k1 in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]):
-        if q1 == q0:
-            continue  # (a padding sequence)
-        out, _ = _compute(module, state, query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1],
-                          attention_mask[..., q0:q1, k0:k1], causal, scaling, dropout, kwargs, [])
-        parts.append(out)
-        done = q1
-    if done < lq:  # padding rows past the last sequence see no key
-        dtype = parts[0].dtype if parts else query.dtype
-        parts.append(query.new_zeros(1, query.shape[1], lq - done, value.shape[-1], dtype=dtype))
-    return torch.cat(parts, dim=2)
 
 
 def _to_model_layout(out: torch.Tensor) -> torch.Tensor:

@@ -20,17 +20,17 @@ from __future__ import annotations
 import difflib
 import logging
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 
 from ..registry import CONFIG_PREFIX, PRESETS, AttnormError, UnknownNameError, canonical, is_ours
-from ..settings import AttnormSettings, resolve_settings
-from . import cache_state, compat
+from ..settings import resolve_settings
+from . import compat, continuous_batching
 from .distributed import materialize_meta_states
 from .families import attention_modules, family_of, refusal_reason
-from .forward import continuous_batching_support, forward_for
+from .forward import forward_for
 from .persistence import MARKER_PATTERN, finalize_saved, verify_before_load, verify_loaded
 from .state import _PENDING, AttnormState, check_config_unchanged, install, settings_for, uninstall
 
@@ -38,11 +38,8 @@ logger = logging.getLogger("hf_attnorm")
 
 _REGISTERED = False
 #: the PreTrainedModel methods hooked by ``register()`` (all six on a supported transformers), and continuous
-#: batching's entry point and the manager's two name checks (``compat.hook_continuous_batching``)
+#: batching's entry point and the manager's checks (``continuous_batching.install``)
 HOOKED: set[str] = set()
-#: the transformers names continuous batching relies on that the installed version lacks (then it is refused for
-#: our implementations)
-CONTINUOUS_BATCHING_MISSING: list[str] = []
 
 
 def sync_model(model: nn.Module, explicit: bool = False) -> None:
@@ -147,18 +144,7 @@ def register() -> None:
             warnings.warn(f"hf_attnorm: this transformers ({compat.transformers_version_string()}) has no "
                           f"PreTrainedModel.{attr}: {lost}. Supported: transformers >= {compat.MIN_TRANSFORMERS}, "
                           f"tested up to {compat.TESTED_NEWEST}.", stacklevel=2)
-    # continuous batching runs only transformers' own implementations by name: its entry point checks ours (the
-    # manager would raise deep inside, or switch the model to flash attention with a log line, i.e. run softmax)
-    # and lets the manager run those that are exact on its sdpa route
-    owner = compat.continuous_batching_owner()
-    entry = compat.CONTINUOUS_BATCHING_ENTRY[1]
-    if owner is not None and compat.hook(owner, entry, _continuous_batching_hook):
-        HOOKED.add(entry)
-        hooked = compat.hook_continuous_batching(_prepare_continuous_batching, _runs_packed)
-        HOOKED.update(hooked)
-        if hooked and compat.hook_manager_thread_context(lambda model: _runs_packed(getattr(model, "config", None))):
-            HOOKED.add(compat.CONTINUOUS_BATCHING_THREAD[1])
-        CONTINUOUS_BATCHING_MISSING[:] = [] if hooked else compat.continuous_batching_missing()
+    HOOKED.update(continuous_batching.install())
 
 
 def _refusing_post_init(orig, reason: str):
@@ -290,79 +276,6 @@ def _from_pretrained_hook(orig):
         return model
 
     return from_pretrained
-
-
-def _runs_packed(config: Any) -> bool:
-    """Whether the continuous-batching manager builds masks for a model of ``config``, which it then runs on its
-    sdpa route under the model's own implementation name: ours (the manager's name check has refused those that
-    are not exact there, ``_prepare_continuous_batching``)."""
-    return is_ours(canonical(getattr(config, "_attn_implementation", None)))
-
-
-def continuous_batching_refusal(model: nn.Module) -> str | None:
-    """Why continuous batching cannot run ``model``'s hf_attnorm implementation exactly (None when it can): the
-    installed transformers lacks a name the integration relies on, or a normalizer or scale declares it refused
-    (``Normalizer.continuous_batching``)."""
-    return settings_continuous_batching_refusal(mod.settings for mod in model.modules()
-                                                if isinstance(mod, AttnormState))
-
-
-def settings_continuous_batching_refusal(settings: Iterable[AttnormSettings]) -> str | None:
-    """``continuous_batching_refusal`` for the settings a model will run with (before it is built: ``hf_attnorm
-    serve`` decides from a checkpoint's config.json)."""
-    if CONTINUOUS_BATCHING_MISSING or compat.CONTINUOUS_BATCHING_SWITCH[1] not in HOOKED:
-        missing = ", ".join(CONTINUOUS_BATCHING_MISSING) or "the manager's name checks"
-        return (f"transformers {compat.transformers_version_string()} lacks {missing}, through which hf_attnorm "
-                "runs its implementations on continuous batching's sdpa route; transformers runs it only with its own "
-                "attention (sdpa, paged|eager or flash attention) and would either refuse this implementation or "
-                "switch the model to flash attention, i.e. compute softmax instead")
-    for s in settings:
-        mode, note = continuous_batching_support(s)
-        if mode == "refused":
-            return note or f"{s.implementation!r} declares it is not exact there"
-    return None
-
-
-def _refuse_continuous_batching(model: nn.Module, implementation: str) -> None:
-    reason = continuous_batching_refusal(model)
-    if reason is not None:
-        raise AttnormError(
-            f"continuous batching (generate_batch, init_continuous_batching) cannot run hf_attnorm's "
-            f"{implementation!r}: {reason}. Use model.generate(...) with a padded batch, which runs the model's own "
-            "normalizer."
-        )
-
-
-def _prepare_continuous_batching(model: nn.Module) -> bool:
-    """The manager's name check, whenever a manager is built or reused for ``model`` (``compat
-    .hook_continuous_batching``): False for a model that does not run ours (transformers' own check follows). For
-    ours: refused where not exact; a declared difference is warned about; the attention modules get the pre-hook
-    that marks the manager's packed calls (``cache_state.mark_packed``); True (the model keeps its name)."""
-    impl = canonical(getattr(getattr(model, "config", None), "_attn_implementation", None))
-    if not is_ours(impl):
-        return False
-    _refuse_continuous_batching(model, impl)
-    notes = {note for mod in model.modules() if isinstance(mod, AttnormState)
-             for mode, note in [continuous_batching_support(mod.settings)] if note}
-    for note in sorted(notes):
-        warnings.warn(f"hf_attnorm: under continuous batching, {impl!r} {note}", stacklevel=3)
-    cache_state.mark_packed(mod for _, mod in attention_modules(model))
-    return True
-
-
-def _continuous_batching_hook(orig):
-    """``init_continuous_batching`` (the one entry of ``generate_batch`` and its context manager): refused, before
-    the manager allocates anything, for a model running an hf_attnorm implementation that continuous batching
-    cannot run exactly (``continuous_batching_refusal``: every implementation, on a transformers lacking a name the
-    integration relies on). The manager then prepares the others (``_prepare_continuous_batching``)."""
-
-    def init_continuous_batching(self, *args, **kwargs):
-        impl = canonical(getattr(getattr(self, "config", None), "_attn_implementation", None))
-        if is_ours(impl):
-            _refuse_continuous_batching(self, impl)
-        return orig(self, *args, **kwargs)
-
-    return init_continuous_batching
 
 
 def _save_hook(orig):

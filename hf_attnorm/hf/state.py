@@ -8,7 +8,7 @@ import contextvars
 import logging
 import reprlib
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -42,8 +42,6 @@ class AttnormState(nn.Module):
         SCALES.get(settings.scale).prepare(settings, self.module_info)
         NORMALIZERS.get(settings.normalizer).check_heads(settings, num_heads)  # refused at load/set time
         self._specs = param_specs(settings)
-        #: when set, the attention function calls it instead of computing attention (``hf/forward.py``)
-        self.observer: Callable[..., Any] | None = None
         #: device -> the non-learnable per-head values [H] (fp32), built once per device rather than every call
         self._constants: dict[torch.device, dict[str, torch.Tensor]] = {}
         try:

@@ -10,7 +10,7 @@ Not needed to use an attention implementation; these modules need the ``[train]`
 * ``analysis/``: what the learned scales and attention maps look like;
 * ``speed/``: the speed goals, the GPU check and its anchors, the ahead-of-time PTX checks;
 * shared by them: ``assets`` (the packaged model and texts), ``data``, ``cli``, ``tiny``, ``model_zoo``, ``cards``,
-  ``plots``, ``diagnostics``, ``distributed``.
+  ``plots``, ``diagnostics``, ``distributed``, ``observe`` (watching a model's attention calls).
 
 The modules' earlier flat names (``hf_attnorm.lab.calibration``, ``hf_attnorm.lab.gpu_check`` ...) still import, with
 a DeprecationWarning naming the new one, until the next minor release.

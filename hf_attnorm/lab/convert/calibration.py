@@ -14,10 +14,9 @@ why.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -30,6 +29,7 @@ from ...kernels.base import repeat_kv
 from ...normalizers.base import Ctx, Normalizer
 from ...registry import NORMALIZERS, SCALES, AttnormError
 from ...settings import AttnormSettings
+from ..observe import observing
 from .recipes import Calibration, OffsetSearch, Recipe, TeacherStats, normalizer_recipe, scale_recipe
 
 #: bisection steps of ``unit_sigmoid_bias`` over a bracket 24 wide: 24 / 2^30, far below fp32 rounding of the scores
@@ -131,7 +131,7 @@ class _Accumulator:
 
 
 class TeacherObserver:
-    """The observer put on every attention module (``module.attnorm.observer``) while the teacher's statistics are
+    """The observer (``lab/observe.py``) put on every attention module while the teacher's statistics are
     gathered: records the call's softmax rows per head and returns the softmax output (the original model's)."""
 
     def __init__(self) -> None:
@@ -156,20 +156,6 @@ class TeacherObserver:
             return softmax_attention(module, query, key, value, attention_mask, scaling, kwargs), None
 
 
-@contextlib.contextmanager
-def _observed(model: nn.Module, observer: TeacherObserver) -> Iterator[int]:
-    """``observer`` on every hf_attnorm attention module of ``model`` for the block (taken off after it); yields how
-    many modules carry it."""
-    states = [mod.attnorm for _, mod in attention_modules(model) if hasattr(getattr(mod, "attnorm", None), "observer")]
-    for state in states:
-        state.observer = observer
-    try:
-        yield len(states)
-    finally:
-        for state in states:
-            state.observer = None
-
-
 def teacher_statistics(model: nn.Module, blocks: torch.Tensor) -> dict[nn.Module, TeacherStats]:
     """One pass of the original (softmax) attention of ``model`` over ``blocks`` (token ids [N, L], one block per
     forward): per attention module, its ``TeacherStats`` (per head [H]). The decoder runs without the LM head."""
@@ -179,7 +165,7 @@ def teacher_statistics(model: nn.Module, blocks: torch.Tensor) -> dict[nn.Module
     decoder = getattr(hf_model, "base_model", hf_model)
     device = next(model.parameters()).device
     observer = TeacherObserver()
-    with _observed(model, observer) as count, torch.no_grad():
+    with observing(model, observer) as count, torch.no_grad():
         if count == 0:
             raise AttnormError("calibration: the model has no hf_attnorm attention module (load it with an hf_attnorm "
                                "attn_implementation)")

@@ -482,7 +482,7 @@ class Converter:
             "wall_seconds": round(time.perf_counter() - self._started, 1), "load_average_start": self._load_start,
             "load_average_end": round(os.getloadavg()[0], 2), "command": self.command,
             # CPU seconds of every thread: wall seconds on a shared machine say little alone
-            "cpu_seconds": {**{k: round(v, 1) for k, v in h.cpu_seconds.items()}, "run": round(self._cpu_total(), 1)},
+            "cpu_seconds": {**{k: round(v, 3) for k, v in h.cpu_seconds.items()}, "run": round(self._cpu_total(), 3)},
             "load_average_steps": ({"mean": round(h.load_steps[1] / h.load_steps[0], 2),
                                     "max": round(h.load_steps[2], 2), "steps": int(h.load_steps[0])}
                                    if h.load_steps[0] else None),

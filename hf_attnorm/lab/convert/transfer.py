@@ -1,8 +1,8 @@
-"""Attention transfer (stage 1 of ``scripts/convert.py``; LoLCATs, Zhang et al., arXiv 2410.10254; Hedgehog,
-Zhang et al., arXiv 2402.04347): an observer put on every hf_attnorm attention module of a model that, in each
-attention call, computes the module's own softmax attention on the same q, k, v (its mask, scaling, softcap, sinks
-and position bias included) as the teacher, measures the new normalizer's output against it, and hands the
-teacher's output to the next layer, so every layer sees the original model's inputs.
+"""Attention transfer (stage 1 of ``scripts/convert.py``; LoLCATs, Zhang et al., arXiv 2410.10254; Hedgehog, Zhang et
+al., arXiv 2402.04347): an observer (``lab/observe.py``) put on every hf_attnorm attention module of a model that, in
+each attention call, computes the module's own softmax attention on the same q, k, v (its mask, scaling, softcap, sinks
+and position bias included) as the teacher, measures the new normalizer's output against it, and hands the teacher's
+output to the next layer, so every layer sees the original model's inputs.
 
 ``transfer_errors`` runs one pass and returns the per-layer relative errors (with the graph, for training); with
 LoRA on q/k the teacher outputs are first recorded with the adapters off (one model, no second copy).
@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...hf.families import attention_modules
 from ...hf.forward import softmax_attention
+from ..observe import observe_model
 
 
 class TransferError(ValueError):
@@ -32,7 +32,7 @@ def _teacher(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: t
 
 
 class Transfer:
-    """The observer put on every attention module (``module.attnorm.observer``) for attention transfer.
+    """The observer put on every attention module for attention transfer.
 
     ``mode``: ``"record"`` keeps the teacher outputs of one pass (and gives them to the next layer); ``"student"``
     computes the new normalizer's output, records its error against the recorded teacher output (or, with none
@@ -72,14 +72,9 @@ class Transfer:
 
 
 def install_observer(model: nn.Module, observer: Transfer | None) -> int:
-    """Put ``observer`` on (None: take it off) every hf_attnorm attention module of ``model``; returns how many."""
-    count = 0
-    for _, mod in attention_modules(model):
-        state = getattr(mod, "attnorm", None)
-        if state is not None and hasattr(state, "observer"):
-            state.observer = observer
-            count += 1
-    return count
+    """Put ``observer`` on (None: take it off) every hf_attnorm attention module of ``model`` (``lab/observe.py``);
+    returns how many."""
+    return observe_model(model, observer)
 
 
 @contextlib.contextmanager
