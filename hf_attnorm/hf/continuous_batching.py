@@ -56,7 +56,7 @@ def continuous_batching_support(settings: AttnormSettings) -> tuple[ContinuousBa
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def packed_error(module: nn.Module, what: str) -> AttnormError:
+def _packed_error(module: nn.Module, what: str) -> AttnormError:
     return AttnormError(f"{type(module).__name__}: continuous batching's packed call {what}")
 
 
@@ -71,23 +71,23 @@ def attend_packed(module: nn.Module, state: Any, query: torch.Tensor, key: torch
     accepted = compat.packed_keywords()
     refused = refused_keywords([k for k in kwargs if k not in accepted])
     if refused:
-        raise packed_error(module, f"passed {', '.join(refused)}, which hf_attnorm does not implement; it could "
+        raise _packed_error(module, f"passed {', '.join(refused)}, which hf_attnorm does not implement; it could "
                                     "change what attention computes, so it is not ignored")
     if any(name in kwargs for name in compat.CACHE_ARGUMENTS):
-        raise packed_error(module, "hands the paged cache to the attention function, so the keys were not gathered "
+        raise _packed_error(module, "hands the paged cache to the attention function, so the keys were not gathered "
                                     f"(the module did not call its update; transformers {transformers.__version__})")
     selections = [k for k in SELECTION_KEYWORDS if kwargs.get(k) is not None]
     if selections:  # (the families passing one keep their indexer keys in caches of their own, not the paged one)
-        raise packed_error(module, f"carries {', '.join(map(repr, selections))} (a sparse indexer's choice of "
+        raise _packed_error(module, f"carries {', '.join(map(repr, selections))} (a sparse indexer's choice of "
                                     "keys), which hf_attnorm does not apply on the packed route; use generate")
     if kwargs.get("block_table") is not None:
-        raise packed_error(module, "carries a block table (paged decoding, whose keys stay in the cache); "
+        raise _packed_error(module, "carries a block table (paged decoding, whose keys stay in the cache); "
                                     "hf_attnorm needs them gathered, as on the sdpa route")
     mode, note = continuous_batching_support(state.settings)
     if mode == "refused":
-        raise packed_error(module, f"cannot run {state.settings.implementation!r}: {note}")
+        raise _packed_error(module, f"cannot run {state.settings.implementation!r}: {note}")
     if query.shape[0] != 1 or not isinstance(attention_mask, torch.Tensor):
-        raise packed_error(module, f"has queries {list(query.shape)} and a mask of type "
+        raise _packed_error(module, f"has queries {list(query.shape)} and a mask of type "
                                     f"{type(attention_mask).__name__}; expected [1, H, Q_total, D] and the "
                                     "block-diagonal mask tensor [1, 1, Q_total, K_total] of the sdpa route")
     # the manager's mask is additive (0 / finfo.min): as a keep-mask it carries no score bias, which a scoreless
@@ -106,13 +106,13 @@ def _per_sequence(module: nn.Module, state: Any, query: torch.Tensor, key: torch
     of a cached ``generate`` step. query [1, H, Q_total, D] -> out [1, H, Q_total, Dv] (0 on padding rows)."""
     bounds = [kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")]
     if not all(isinstance(b, torch.Tensor) and b.dim() == 1 for b in bounds):
-        raise packed_error(module, "has no per-layer cu_seq_lens_q / cu_seq_lens_k tensors (the module must let "
+        raise _packed_error(module, "has no per-layer cu_seq_lens_q / cu_seq_lens_k tensors (the module must let "
                                     "PagedAttentionCache.update select its layer's), which the per-sequence split of "
                                     f"{state.settings.implementation!r} reads")
     cu_q, cu_k = (b.tolist() for b in bounds)  # (host values: the boundaries of the slices)
     lq, lk = query.shape[2], key.shape[2]
     if len(cu_q) != len(cu_k) or cu_q[-1] > lq or cu_k[-1] > lk:
-        raise packed_error(module, f"has sequence boundaries cu_seq_lens_q={cu_q}, cu_seq_lens_k={cu_k} that do "
+        raise _packed_error(module, f"has sequence boundaries cu_seq_lens_q={cu_q}, cu_seq_lens_k={cu_k} that do "
                                     f"not fit {lq} queries and {lk} keys")
     parts, done = [], 0
     for q0, q1, k0, k1 in zip(cu_q, cu_q[1:], cu_k, cu_k[1:]):
@@ -156,13 +156,12 @@ def refusal(model: nn.Module) -> str | None:
     """Why continuous batching cannot run ``model``'s hf_attnorm implementation exactly (None when it can): the
     installed transformers lacks a name the integration relies on, or a normalizer or scale declares it refused
     (``Normalizer.continuous_batching``)."""
-    return settings_refusal(mod.settings for mod in model.modules()
-                                                if isinstance(mod, AttnormState))
+    return settings_refusal(mod.settings for mod in model.modules() if isinstance(mod, AttnormState))
 
 
 def settings_refusal(settings: Iterable[AttnormSettings]) -> str | None:
-    """``refusal`` for the settings a model will run with (before it is built: ``hf_attnorm
-    serve`` decides from a checkpoint's config.json)."""
+    """``refusal`` for the settings a model will run with (before it is built: ``hf_attnorm serve`` decides from a
+    checkpoint's config.json)."""
     if CONTINUOUS_BATCHING_MISSING or compat.CONTINUOUS_BATCHING_SWITCH[1] not in HOOKED:
         missing = ", ".join(CONTINUOUS_BATCHING_MISSING) or "the manager's name checks"
         return (f"transformers {compat.transformers_version_string()} lacks {missing}, through which hf_attnorm "
@@ -206,8 +205,8 @@ def prepare(model: nn.Module) -> bool:
 def _entry_hook(orig):
     """``init_continuous_batching`` (the one entry of ``generate_batch`` and its context manager): refused, before
     the manager allocates anything, for a model running an hf_attnorm implementation that continuous batching
-    cannot run exactly (``refusal``: every implementation, on a transformers lacking a name the
-    integration relies on). The manager then prepares the others (``prepare``)."""
+    cannot run exactly (``refusal``: every implementation, on a transformers lacking a name the integration relies
+    on). The manager then prepares the others (``prepare``)."""
 
     def init_continuous_batching(self, *args, **kwargs):
         impl = canonical(getattr(getattr(self, "config", None), "_attn_implementation", None))

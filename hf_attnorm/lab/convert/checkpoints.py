@@ -108,8 +108,7 @@ def save_checkpoint(out: Path, history: History, params: dict[str, nn.Parameter]
         tmp = root / f"{TMP_PREFIX}{name}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        tensors = {n: p.detach().cpu().contiguous() for n, p in params.items()}
-        save_file(tensors, str(tmp / "trainable.safetensors"))
+        save_trainable(tmp, params)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         state = dataclasses.asdict(h)
         state["cpu_before"] = cpu_total

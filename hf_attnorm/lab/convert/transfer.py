@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ...hf.forward import softmax_attention
-from ..observe import observe_model
+from .. import observe
 
 
 class TransferError(ValueError):
@@ -74,17 +74,14 @@ class Transfer:
 def install_observer(model: nn.Module, observer: Transfer | None) -> int:
     """Put ``observer`` on (None: take it off) every hf_attnorm attention module of ``model`` (``lab/observe.py``);
     returns how many."""
-    return observe_model(model, observer)
+    return observe.observe_model(model, observer)
 
 
 @contextlib.contextmanager
 def observing(model: nn.Module, observer: Transfer | None) -> Iterator[Transfer | None]:
     """``observer`` on every attention module of ``model`` for the block, taken off after it (also on an error)."""
-    install_observer(model, observer)
-    try:
+    with observe.observing(model, observer):
         yield observer
-    finally:
-        install_observer(model, None)
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
