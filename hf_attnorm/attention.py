@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .kernels import attend
-from .kernels.base import AttnCall, alibi_bias, query_factor, repeat_kv
+from .kernels.base import Around, AttnCall, alibi_bias, query_factor, repeat_kv
 from .kernels.fused.maps import fused_takes
 from .kernels.memory import memory_specs, prepend_memory
 from .masks import MaskError, build_mask_info, select_keys, split_float_mask
@@ -146,9 +146,11 @@ def make_call(
     if scaling is None:
         scaling = D**-0.5
     base = float(scaling) if norm.uses_base_scaling else 1.0
+    around = (Around(gate, memory, drop, norm.differential)
+              if gate is not None or memory or drop or norm.differential else None)
     return AttnCall(q, k, v, mask, settings, heads, base, mult, dropout, need_weights, info, bias=bias,
                     softcap=None if softcap is None else float(softcap), sinks=sinks, alibi_slopes=alibi_slopes,
-                    memory=memory, drop_queries=drop, forget=forget, output_gate=gate)
+                    forget=forget, around=around)
 
 
 def _selection_heads(selection: torch.Tensor, B: int, H: int, Hkv: int) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch
 
 from hf_attnorm.kernels.base import AttnCall, normalize, repeat_kv
 from hf_attnorm.kernels.reference import reference_scores
+from hf_attnorm.kernels.variants import finish
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,7 +52,7 @@ def low_precision_reference(call: AttnCall) -> torch.Tensor:
         scores = reference_scores(call).to(dt).float()
         weights = normalize(call.normalizer, scores, keep, call.ctx(), call.sinks)
     out = weights.to(dt) @ repeat_kv(call.v, call.groups).to(dt)
-    return out[:, :, call.drop_queries:]  # (learned memory's query rows, as attend drops them)
+    return out if call.around is None else finish(call, out, None)[0]  # (memory rows, the gate: as attend)
 
 
 def assert_within_reference_error(label: str, got: torch.Tensor, ref: torch.Tensor | list[torch.Tensor],

@@ -198,12 +198,13 @@ def test_cosine_keeps_its_normalised_keys(monkeypatch):
     without a cache."""
     import torch.nn.functional as F
 
-    from hf_attnorm.hf import forward, key_cache
+    from hf_attnorm.hf import key_cache
+    from hf_attnorm.kernels import dispatch
     from hf_attnorm.normalizers.cosine import NORM_EPS
 
     model = tiny("llama", "causal_lm", implementation="cosine").double()
     kept = []
-    real = forward.run_path
+    real = dispatch.run_path
 
     def spy(call, name):
         if call.k_transformed is not None:
@@ -211,7 +212,7 @@ def test_cosine_keeps_its_normalised_keys(monkeypatch):
         kept.append((call.q.shape[2], None if call.k_transformed is None else call.k_transformed.shape[2], name))
         return real(call, name)
 
-    monkeypatch.setattr(forward, "run_path", spy)
+    monkeypatch.setattr(dispatch, "run_path", spy)
     transformed = []  # how many keys each call normalised
     real_transform = key_cache._transform_keys
 

@@ -13,7 +13,8 @@ from conftest import LAST_CALL
 from transformers import LlamaForCausalLM
 
 from hf_attnorm.attention import attention, constant_heads
-from hf_attnorm.kernels import _WARNED_DROPOUT, PATHS, paths_for
+from hf_attnorm.kernels import PATHS, paths_for
+from hf_attnorm.kernels.dispatch import _WARNED_DROPOUT
 from hf_attnorm.lab.model_zoo import make_config
 from hf_attnorm.registry import NORMALIZERS, PRESETS
 from hf_attnorm.settings import resolve_settings

@@ -29,6 +29,7 @@ from numerics import assert_all_within_reference_error, low_precision_reference
 
 from hf_attnorm.attention import constant_heads, make_call, param_specs
 from hf_attnorm.kernels import PATHS, attend, explain, paths_for
+from hf_attnorm.kernels.variants import is_differential
 from hf_attnorm.registry import NORMALIZERS, PRESETS
 from hf_attnorm.settings import resolve_settings
 
@@ -159,8 +160,6 @@ def _run(implementation, scen, dtype, head_dim, path):
                      module_info={"max_positions": 4096}, **kwargs)
     if path == "low-precision":
         out, ran = low_precision_reference(call), path
-        if call.output_gate is not None:  # (applied after every path, as attend does)
-            out = (out.to(call.output_gate.dtype) * call.output_gate).to(out.dtype)
     else:
         out, _, ran = attend(call, path)
     tensors = {**leaves, **{n: t for n, t in heads.items() if t.requires_grad}}
@@ -180,7 +179,7 @@ def _baselines(implementation, scen, dtype, head_dim) -> list[dict]:
     """The reference path in ``dtype``, and for fp16/bf16 the low-precision computation where it applies (a
     normalizer whose weights the materialised scores give: not differential, no query-coupled carry)."""
     ref, _, call = _run(implementation, scen, dtype, head_dim, "reference")
-    if dtype == torch.float32 or call.split or call.normalizer.kernel_family == "linear":
+    if dtype == torch.float32 or is_differential(call) or call.normalizer.kernel_family == "linear":
         return [ref]
     try:
         low, _, _ = _run(implementation, scen, dtype, head_dim, "low-precision")

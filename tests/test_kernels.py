@@ -424,7 +424,7 @@ def test_dispatch_runs_no_kernel(monkeypatch):
         call = _call(name)
         expected = attend(call)[2]
         patched = {p: dataclasses.replace(path, kernel=boom) for p, path in PATHS.items()}
-        monkeypatch.setattr("hf_attnorm.kernels.PATHS", patched)
+        monkeypatch.setattr("hf_attnorm.kernels.dispatch.PATHS", patched)
         assert choose(call) == expected
         assert explain(call)[-1] == (expected, "runs")
         monkeypatch.undo()

@@ -132,6 +132,21 @@ KERNEL_FILES = sorted(KERNELS.rglob("*.py"))
 
 
 @pytest.mark.parametrize("path", KERNEL_FILES, ids=lambda p: str(p.relative_to(KERNELS)))
+def test_a_call_walks_down_the_kernel_layer(path: Path) -> None:
+    """kernels/variants.py (what is around a call) uses kernels/dispatch.py (the paths and the rule), which uses
+    no path: the paths register themselves with it. Only variants.py reads what is around a call (``around``)."""
+    rel = path.relative_to(KERNELS).as_posix()
+    imported = {parts[0] for parts, _ in _kernel_imports(path) if parts}
+    if rel not in ("__init__.py", "variants.py"):
+        assert "variants" not in imported, f"kernels/{rel} imports kernels.variants: only the package entry does"
+    if rel == "dispatch.py":
+        assert imported <= {"base", "reference"}, f"kernels/dispatch.py imports {sorted(imported)}"
+    reads = [node.lineno for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Attribute) and node.attr == "around"]
+    assert rel == "variants.py" or not reads, f"kernels/{rel}:{reads[0] if reads else 0} reads a call's around"
+
+
+@pytest.mark.parametrize("path", KERNEL_FILES, ids=lambda p: str(p.relative_to(KERNELS)))
 def test_kernel_families_stay_apart(path: Path) -> None:
     """kernels/ holds the generic paths at its top and one folder per family of kernels: the generic modules import
     no family; a family imports the generic modules, its own folder and the shared one, never another family."""

@@ -13,8 +13,8 @@ import torch
 from conftest import LAST_CALL, tiny
 
 from hf_attnorm.attention import constant_heads, make_call
-from hf_attnorm.hf import forward, persistence
-from hf_attnorm.kernels import attend, run_path
+from hf_attnorm.hf import persistence
+from hf_attnorm.kernels import attend, dispatch, run_path
 from hf_attnorm.kernels.base import alibi_bias, repeat_kv
 from hf_attnorm.registry import AttnormError
 from hf_attnorm.settings import resolve_settings
@@ -126,7 +126,8 @@ def test_auto_rule_keeps_the_fast_paths():
     for name, path in (("memkv", "sdpa"), ("symax", "fused_cpu")):
         settings = resolve_settings(name, {"num_mem_kv": 2})
         call = make_call(q, kv, kv, settings, constant_heads(settings, 4, None, 8, kv_heads=2), None, True)
-        assert call.drop_queries == 2 and call.memory == 2 and call.k.shape == call.v.shape == (1, 2, 18, 8)
+        assert call.around.drop_queries == 2 and call.around.memory == 2
+        assert call.k.shape == call.v.shape == (1, 2, 18, 8)
         out, _, ran = attend(call)
         assert ran == path and out.shape == (1, 4, 16, 8)
 
@@ -165,16 +166,11 @@ def test_any_normalizer_in_a_model_trains_saves_and_reloads_exactly(tmp_path, mo
     assert all(p.shape == (cfg.num_key_value_heads, 2, head_dim) for p in params.values())
     seen = []  # the k heads every path of the model received: never repeated to the query heads
 
-    def recording(call, path=None):
-        seen.append(call.k.shape[1])
-        return attend(call, path)
-
-    def recording_planned(call, name):  # (calls with a plan run their routed path)
+    def recording(call, name):  # (every call a path runs passes here)
         seen.append(call.k.shape[1])
         return run_path(call, name)
 
-    monkeypatch.setattr(forward, "attend", recording)
-    monkeypatch.setattr(forward, "run_path", recording_planned)
+    monkeypatch.setattr(dispatch, "run_path", recording)
     x = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(0))
     model.train()
     model(x, labels=x).loss.backward()

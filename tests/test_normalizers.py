@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_attnorm.attention import attention, constant_heads, make_call
-from hf_attnorm.kernels.reference import reference_weights
+from hf_attnorm.kernels.variants import weights as reference_weights
 from hf_attnorm.lab.convert.recipes import normalizer_recipe
 from hf_attnorm.registry import NORMALIZERS
 from hf_attnorm.settings import resolve_settings

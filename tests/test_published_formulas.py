@@ -3,7 +3,7 @@
 The transcriptions below are plain float64 torch written from the papers (the sources each normalizer and scale
 file cites; the formulas of the design notes), one query row at a time over its visible keys, without any helper
 of hf_attnorm: they read only q, k, the keep-mask and option values. The library side is the reference path
-(``reference_weights``), the one every fast path is tested against, so a formula that is wrong in the reference and
+(``variants.weights``), the one every fast path is tested against, so a formula that is wrong in the reference and
 the kernels alike fails here. Each is checked with default options and with one non-default option set.
 
 A normalizer or scale registered without a transcription here fails ``test_every_registered_*_has_a_transcription``:
@@ -21,7 +21,7 @@ import torch
 
 from hf_attnorm.attention import constant_heads, make_call
 from hf_attnorm.kernels import attend
-from hf_attnorm.kernels.reference import reference_weights
+from hf_attnorm.kernels.variants import weights as reference_weights
 from hf_attnorm.normalizers.base import Normalizer
 from hf_attnorm.registry import NORMALIZERS, SCALES
 from hf_attnorm.settings import resolve_settings

@@ -109,7 +109,7 @@ def test_fast_paths_decline_sinks_with_the_reason():
     for path in ("fused_cpu", "triton"):
         with pytest.raises(ValueError, match="attention sinks"):
             attend(call, path)
-    assert dict(explain(call))["fused_cpu"] == "this path does not apply attention sinks (s_aux)"
+    assert "does not apply attention sinks (s_aux)" in dict(explain(call))["fused_cpu"]
     _, _, ran = attend(call)
     assert ran == "chunked"
 

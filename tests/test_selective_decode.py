@@ -20,9 +20,8 @@ from transformers.cache_utils import DynamicLayer
 
 from hf_attnorm.attention import constant_heads, make_call
 from hf_attnorm.hf import compat
-from hf_attnorm.hf import forward as hf_forward
 from hf_attnorm.hf.selective_cache import SelectiveLayer, drop_states, state_of_layer
-from hf_attnorm.kernels import PATHS, attend, explain
+from hf_attnorm.kernels import PATHS, attend, dispatch, explain
 from hf_attnorm.kernels.reference import reference_scores
 from hf_attnorm.kernels.selective import blocked as selective_mod
 from hf_attnorm.kernels.selective import cpu as selective_cpu
@@ -253,18 +252,13 @@ def test_stored_sums_equal_the_reference(model, monkeypatch):
     """After a prefill and after a decode step, each layer's C equals the reference column sums over every query so
     far (recomputed from the calls the layers received, the whole sequence at once)."""
     calls = []
-    real, real_planned = hf_forward.attend, hf_forward.run_path
+    real = dispatch.run_path
 
-    def spy(call, path=None):
+    def spy(call, name):  # (every call a path runs passes here)
         calls.append(call)
-        return real(call, path)
+        return real(call, name)
 
-    def spy_planned(call, name):  # (calls with a plan run their routed path)
-        calls.append(call)
-        return real_planned(call, name)
-
-    monkeypatch.setattr(hf_forward, "attend", spy)
-    monkeypatch.setattr(hf_forward, "run_path", spy_planned)
+    monkeypatch.setattr(dispatch, "run_path", spy)
     x, mask = _padded(seed=1)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():

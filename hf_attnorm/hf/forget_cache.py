@@ -88,7 +88,7 @@ class ForgetStep:
 
     def after(self, call: AttnCall, path: str) -> None:
         layer = self.layer
-        if call.forget is None or call.memory or torch.is_grad_enabled():
+        if call.forget is None or (call.around is not None and call.around.memory) or torch.is_grad_enabled():
             if hasattr(layer, STATE_ATTR):
                 delattr(layer, STATE_ATTR)
             return

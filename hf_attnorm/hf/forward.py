@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..attention import make_call
-from ..kernels import PATHS, Route, attend, choose_routed, plan_epoch, route, run_path
+from ..kernels import PATHS, Route, attend, plan_epoch, route, run_on, run_routed
 from ..kernels.base import one_query_ctx
 from ..kernels.reference import reference_scores
 from ..normalizers.base import Normalizer
@@ -313,7 +313,8 @@ def _call_facts(call: Any) -> tuple:
     """What a resolved call carries beyond its plan key that a path's ``accepts`` reads."""
     return (call.mask.kind, call.mask.selected, call.bias is not None, call.softcap is not None,
             call.sinks is not None, call.alibi_slopes is not None, call.forget is not None,
-            call.recurrent is not None, call.selective_carry is not None, call.memory, call.need_weights,
+            call.recurrent is not None, call.selective_carry is not None,
+            None if call.around is None else (call.around.memory, call.around.differential), call.need_weights,
             call.k.shape[1])
 
 
@@ -332,15 +333,13 @@ def _planned(module: nn.Module, state: Any, plan_key: tuple, plan: CallPlan | No
         if kept is None:  # (a call the rule decides in full)
             return attend(call)
         plan.uses += 1
-        if call.split:  # a differential call: both halves on the routed path (which needs no asking again)
-            return attend(call, kept.path)
-        return run_path(call, choose_routed(call, kept))
+        return run_routed(call, kept)
     kept = plan.routes[facts] = route(call)
-    if kept is None or call.split:
+    if kept is None:
         return attend(call)
     if len(plan.routes) == 1:  # (a plain call's facts follow from its key: one route)
         _direct_entry(plan, kept, state, call, attention_mask, kwargs)
-    return run_path(call, kept.path)
+    return run_on(call, kept.path)
 
 
 def _direct_entry(plan: CallPlan, kept: Route, state: Any, call: Any, attention_mask: object,
@@ -355,7 +354,9 @@ def _direct_entry(plan: CallPlan, kept: Route, state: Any, call: Any, attention_
     gated = type(norm).output_gate is not Normalizer.output_gate
     plain = (not plan.kinds and attention_mask is None and not kept.ask and not call.need_weights
              and not any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "s_aux"))
-             and call.memory == 0 and call.drop_queries == 0 and (call.q.shape[2] == 1 or not gated)
+             and (call.around is None or call.around.gate is not None and not call.around.memory
+                  and not call.around.drop_queries and not call.around.differential)
+             and (call.q.shape[2] == 1 or not gated)
              and call.forget is None and not call.mask.selected
              and type(norm).forget_gates is Normalizer.forget_gates)
     entry = PATHS[kept.path].direct

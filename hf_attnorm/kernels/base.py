@@ -12,6 +12,20 @@ from ..registry import NORMALIZERS, SCALES
 from ..settings import AttnormSettings
 
 
+@dataclasses.dataclass(frozen=True)
+class Around:
+    """What a call of the 2025 variants needs around the path that runs it (``AttnCall.around``, applied by
+    kernels/variants.py's ``attend``): ``gate``: gated attention's output gate [B, H, Lq, Dv] in fp32 or fp64 (rows
+    of the caller's queries), multiplied into the output; ``memory``/``drop_queries``: learned memory's leading keys
+    and zero query rows in the call (kernels/memory.py), dropped from what the path returns; ``differential``: the
+    call runs as its two halves, combined by the normalizer."""
+
+    gate: torch.Tensor | None = None
+    memory: int = 0
+    drop_queries: int = 0
+    differential: bool = False
+
+
 @dataclasses.dataclass
 class AttnCall:
     """One attention call.
@@ -28,8 +42,9 @@ class AttnCall:
     alibi_slopes: float [H], ALiBi's bias -slopes[h] |(Lk - Lq + i) - j| added with ``bias``, left unmaterialised
     for the kernels that compute it in place (fused_cpu, triton); the other paths add ``score_bias()``.
 
-    Learned memory key/values (``kernels/memory.py``) are already part of k/v/mask: ``memory`` leading keys are
-    memory and ``drop_queries`` leading query rows are zero queries; ``attend`` drops both from what it returns.
+    Learned memory key/values (``kernels/memory.py``) are already part of k/v/mask: the leading ``around.memory``
+    keys are memory and the leading ``around.drop_queries`` query rows are zero queries, which ``attend`` drops from
+    what the path returns (kernels/variants.py).
     """
 
     q: torch.Tensor
@@ -50,8 +65,6 @@ class AttnCall:
     #: a recurrent state of the cached keys (``linear.recurrent.LinearState``), set by the transformers integration
     #: on decode steps when a cache holds one; None for every other call
     recurrent: object | None = None
-    memory: int = 0
-    drop_queries: int = 0
     #: query-coupled normalizers (selective attention): float [B, Lk], per key the sum over the queries of EARLIER
     #: calls (a KV cache's) of what they accumulated (the selecting head's relu'd scores; 0 for this call's new keys),
     #: the initial carry of the penalty F = carry + the in-call exclusive cumsum. Set by the transformers integration
@@ -61,20 +74,17 @@ class AttnCall:
     #: forgetting attention (a normalizer's ``forget_gates``): float [B, H, Lk], the cumulative log forget gates
     #: c_j = sum_{l <= j} log f_l over the keys in order, in float64, autograd-connected to what the gates read.
     #: Adds F_ij = -|c_{p_i} - c_j| to the scores, p_i = Lk - Lq + i the query's own key (for a causal row the
-    #: paper's sum_{l=j+1..i} log f_l). Only the paths registered ``forget=True`` take a call carrying it
+    #: paper's sum_{l=j+1..i} log f_l). Only the paths supporting ``forget`` take a call carrying it
     #: (reference, chunked, decode, sdpa, triton_forget); ``score_bias()`` materialises it for those that add a bias
     #: tensor.
     forget: torch.Tensor | None = None
-    #: a gate multiplied into the output by ``attend`` after the path ran (a normalizer's ``output_gate``, gated
-    #: attention): [B, H, Lq, Dv] in fp32 or fp64 (rows of the caller's queries: no memory query rows); None: none
-    output_gate: torch.Tensor | None = None
-    #: differential attention: which half of every head's q/k dims this call attends (0 or 1, set by ``halves``);
-    #: None for a whole call
-    half: int | None = None
     #: the normalizer's (row-wise) key transform of ``k``, [B, Hkv, Lk, D] in ``compute_dtype(q.dtype)``, kept on
     #: the cache across decoding (hf/key_cache.py: cosine's normalised keys): a path that transforms q/k may take
     #: the keys from here and transform q only; every other path computes from ``k`` (the same values). None: not kept
     k_transformed: torch.Tensor | None = None
+    #: what ``attend`` does around the path that runs the call (learned memory, gated and differential attention:
+    #: kernels/variants.py); None: nothing. The dispatcher and the paths never read it
+    around: Around | None = None
 
     @property
     def modifies_scores(self) -> bool:
@@ -106,46 +116,6 @@ class AttnCall:
         return torch.is_grad_enabled() and any(
             t is not None and t.requires_grad
             for t in (self.q, self.k, self.v, self.bias, self.forget, *self.heads.values()))
-
-    @property
-    def split(self) -> bool:
-        """A whole call of a differential normalizer: ``attend`` runs its two halves instead."""
-        return self.half is None and self.normalizer.differential
-
-    def halves(self) -> tuple[AttnCall, AttnCall]:
-        """The two calls of a differential call, each with half of every head's q/k dims: with D a multiple of 4, half
-        0 holds the dims [0, D/4) and [D/2, 3D/4) and half 1 the rest (rotary pairs i, i + D/2 stay together);
-        otherwise the first floor(D/2) dims and the rest. Each half is scaled for its own dims d (base x
-        sqrt(D / d)); when v has D dims too its q keeps all D dims with the other half's zeroed and its k is the
-        call's whole k (the same scores, SDPA's fused kernels, no copy of k), else q and k are the half's dims; the
-        same v, mask and score modifiers; per-head values without the normalizer's own."""
-        d = self.q.shape[-1]
-        quarter, middle = d // 4, d // 2
-
-        def part(x: torch.Tensor, half: int) -> torch.Tensor:
-            if d % 4:
-                return x[..., :middle] if half == 0 else x[..., middle:]
-            if half == 0:
-                return torch.cat([x[..., :quarter], x[..., middle:middle + quarter]], dim=-1)
-            return torch.cat([x[..., quarter:middle], x[..., middle + quarter:]], dim=-1)
-
-        own = {spec.name for spec in self.normalizer.params}
-        heads = {name: t for name, t in self.heads.items() if name not in own}
-        calls = []
-        for i in (0, 1):
-            if self.v.shape[-1] == d:
-                # q as wide as v keeps SDPA on its fused kernels (CPU and CUDA fall back to the materialising math
-                # kernel when the key and value head dims differ: 8x slower): q with the other half's dims zeroed
-                # against the whole k gives the half's q . k (zero dims add nothing), one pass over q, k not copied
-                keep = part(torch.arange(d, device=self.q.device), i)
-                mask = torch.zeros(d, dtype=self.q.dtype, device=self.q.device).index_fill_(0, keep, 1)
-                q, k, width = self.q * mask, self.k, keep.numel()
-            else:
-                q, k = part(self.q, i), part(self.k, i)
-                width = q.shape[-1]
-            calls.append(dataclasses.replace(self, q=q, k=k, heads=heads, output_gate=None, half=i,
-                                             base=self.base * (d / width) ** 0.5, k_transformed=None))
-        return calls[0], calls[1]
 
     @property
     def groups(self) -> int:

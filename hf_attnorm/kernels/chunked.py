@@ -194,9 +194,10 @@ def _any(norm: Normalizer) -> str | None:
     return None
 
 
-from . import register_path  # noqa: E402  (registration at import, like the normalizers)
+from .dispatch import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 # its backward recomputes chunks with torch.autograd.grad, which torch.compile cannot trace: compiled training runs
 # the reference
-register_path("chunked", chunked_attention, takes=_any, accepts=accepts, priority=90, forget=True,
+register_path("chunked", chunked_attention, takes=_any, accepts=accepts, priority=90,
+              supports=("softcap", "bias", "alibi", "sinks", "forget", "dropout"),
               compiled_backward=False, plan_stable=True)

@@ -29,8 +29,6 @@ def takes(norm: Normalizer) -> str | None:
 
 
 def accepts(call: AttnCall) -> str | None:
-    if call.dropout > 0:
-        return "dropout > 0 (not implemented here; decode steps run without it)"
     if call.q.shape[2] != 1:
         return f"{call.q.shape[2]} queries (this path is for one: a decode step)"
     if call.q.numel() == 0 or call.k.shape[2] == 0:
@@ -55,8 +53,8 @@ def decode_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     return out.reshape(B, H, 1, call.v.shape[-1]).to(call.q.dtype), None
 
 
-from . import register_path  # noqa: E402  (registration at import, like the normalizers)
+from .dispatch import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 # on GPUs the Triton kernels take decode steps too (not measured against this: no GPU while writing it)
 register_path("decode", decode_attention, takes=takes, accepts=accepts, priority=25, auto_exclude=("cuda",),
-              forget=True, plan_stable=True)
+              supports=("softcap", "bias", "alibi", "sinks", "forget", "selective_carry"), plan_stable=True)

@@ -30,8 +30,8 @@ Semantics (what every path computes, since the step runs in ``make_call`` before
 How: k' = [mem_k, k], v' = [mem_v, v]; with an explicit keep-mask, M leading columns equal to "the row sees some
 key"; with the structured causal pattern (no mask, several queries), M zero queries are prepended too, so query
 i + M sees keys j' <= i + M (the memory and keys 0..i) in the upper-left causal convention every path implements,
-and their output rows are dropped by ``attend`` (``AttnCall.drop_queries``). Zero queries select nothing from a
-selective head and cost M extra rows (M << L).
+and their output rows are dropped by ``attend`` (``Around.drop_queries``, kernels/variants.py). Zero queries select
+nothing from a selective head and cost M extra rows (M << L).
 """
 
 from __future__ import annotations

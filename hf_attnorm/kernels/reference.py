@@ -18,11 +18,7 @@ def reference_scores(call: AttnCall) -> torch.Tensor:
 
 
 def reference_weights(call: AttnCall) -> torch.Tensor:
-    """Attention weights [B, H, Lq, Lk] (compute dtype), before dropout; of a differential call, its halves'
-    weights combined."""
-    if call.split:
-        first, second = call.halves()
-        return call.normalizer.halves_difference(reference_weights(first), reference_weights(second), call.ctx())
+    """Attention weights [B, H, Lq, Lk] (compute dtype), before dropout."""
     scores = reference_scores(call)
     keep = call.mask.dense(scores.device)
     return normalize(call.normalizer, scores, keep, call.ctx(), call.sinks)

@@ -96,14 +96,10 @@ def _bias_grad(call: AttnCall) -> bool:
 
 
 def _common(call: AttnCall) -> str | None:
-    """What both SDPA paths need: inputs, a float dtype, no soft-cap (a bias goes in SDPA's float mask, sinks in the
-    sink logit)."""
+    """What both SDPA paths need: inputs, a float dtype (a bias goes in SDPA's float mask, sinks in the sink logit;
+    SDPA cannot soft-cap the scores, and ALiBi arrives as a bias: make_call materialises it for the softmax family)."""
     if call.q.numel() == 0 or call.k.shape[2] == 0:
         return "empty inputs"  # SDPA's CPU kernel crashes (SIGFPE) on zero keys
-    if call.softcap is not None:
-        return "SDPA cannot soft-cap the scores (tanh) before its softmax"
-    if call.alibi_slopes is not None:  # make_call materialises them for the softmax family: not reached there
-        return "unmaterialised ALiBi slopes (SDPA takes a bias tensor)"
     if not call.q.dtype.is_floating_point:
         return f"dtype {call.q.dtype}"
     return None
@@ -586,8 +582,8 @@ def sdpa_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
 
 
 def _sinkcol_accepts(call: AttnCall) -> str | None:
-    """sdpa_sinkcol: what both SDPA paths need, and no score bias (its extra sink column has none)."""
-    return _common(call) or ("sdpa_sinkcol does not apply a score bias" if call.bias is not None else None)
+    """sdpa_sinkcol: what both SDPA paths need (no score bias: its extra sink column has none)."""
+    return _common(call)
 
 
 def sdpa_sinkcol_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
@@ -695,11 +691,12 @@ def _sink_direct(call: AttnCall) -> Any:
     return run
 
 
-from . import register_path  # noqa: E402  (registration at import, like the normalizers)
+from .dispatch import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 # (its accepts reads the call's length only for a forget gate: how large the decay bias would be)
-register_path("sdpa", sdpa_attention, takes=takes, accepts=accepts, priority=10, exportable=True, forget=True,
+register_path("sdpa", sdpa_attention, takes=takes, accepts=accepts, priority=10, exportable=True,
+              supports=("bias", "sinks", "forget", "dropout"),
               plan_stable=lambda call: call.forget is None, direct=direct)
 # exact on any device, but on CPU D+1 falls off SDPA's fast kernel: the automatic rule uses it elsewhere only
 register_path("sdpa_sinkcol", sdpa_sinkcol_attention, takes=takes_sink, accepts=_sinkcol_accepts, priority=20,
-              auto_exclude=("cpu",), exportable=True, plan_stable=True)
+              supports=("sinks", "dropout"), auto_exclude=("cpu",), exportable=True, plan_stable=True)

@@ -173,7 +173,7 @@ class Normalizer:
     #: why it is refused there, or what differs there (then said in a warning when continuous batching starts)
     continuous_batching_note: ClassVar[str] = ""
 
-    #: differential attention: each head's q/k dims are split into two halves (``AttnCall.halves``), each attended
+    #: differential attention: each head's q/k dims are split into two halves (``variants.halves``), each attended
     #: with this normalizer's own map (``reference`` and its kernel family) on whatever path takes the call, and
     #: ``attend`` forms ``normalize_output(halves_difference(first, second))``; the weights are
     #: ``halves_difference`` of the halves' weights (head dim at least 2)
@@ -241,7 +241,7 @@ class Normalizer:
         """Forgetting attention: log f_l <= 0, the log forget gate of every key, [B, H, Lk] (fp32 at least),
         computed from the call's values v [B, Hkv, Lk, Dv] (key l's value vector; learned memory values first), or
         None for no forget gate. ``make_call`` turns it into ``AttnCall.forget`` (its cumulative sum), which adds
-        -|c_{p_i} - c_j| to the scores; only the paths registered ``forget=True`` take such a call."""
+        -|c_{p_i} - c_j| to the scores; only the paths supporting ``forget`` take such a call."""
         return None
 
     def halves_difference(self, first: torch.Tensor, second: torch.Tensor, ctx: Ctx) -> torch.Tensor:

@@ -10,7 +10,7 @@ reports better long-context retrieval and fewer activation outliers.
 
 How it is realised on an attention function's q, k, v: each head's D query/key dims are split into two halves of
 D/2 (Q1/K1 and Q2/K2; d = D/2, so the scaling is sqrt(2) x the model's), each half attended with softmax on whatever
-path the call takes (SDPA included: ``AttnCall.halves``, ``attend``), the two results combined as above. The halves
+path the call takes (SDPA included: ``variants.halves``, ``attend``), the two results combined as above. The halves
 keep rotary pairs whole: in transformers' rotary layout (``rotate_half``) dim i pairs with i + D/2, so half 1 holds
 dims [0, D/4) and [D/2, 3D/4) and half 2 the rest, and each half is again a rotary layout of D/2 dims (the paper's
 code splits into contiguous halves with interleaved rotary, the same thing in its layout). A head dim that is not a

@@ -15,7 +15,7 @@ cumulative sum c on the cache (hf/forget_cache.py), so a step computes its new k
 (a bidirectional mask) the decay is -|c_i - c_j|, the gates between the two positions; the paper defines the causal
 case only.
 
-Kernels: every path that declares ``forget=True`` (``hf_attnorm.kernels``): triton_forget (on a GPU: the fused
+Kernels: every path that supports ``forget`` (``hf_attnorm.kernels``): triton_forget (on a GPU: the fused
 Triton kernels' softmax with the decay formed per block from the cumulative gates, O(n) memory, forward and backward
 with the gates' gradient), sdpa (on a CPU, causal and padded calls through SDPA's flash kernel with the exact decay in
 blocks of its mask, training included; elsewhere the materialised bias for small calls), chunked (the bias formed per

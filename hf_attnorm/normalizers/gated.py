@@ -9,7 +9,7 @@ and massive activations and steadies training. The paper's gate reads the layer 
 sees q, k and v only, so here it reads the query vector q_i (a linear function of x_i, after rotary embeddings in
 rotary models, as ``asentmax``'s temperature does): gate_h(q_i) = sigmoid(q_i W_h + b_h) with W_h [D, Dv]
 (``gated_w``) and b_h [Dv] (``gated_b``) learnable per head. On the output rows only: the weights are softmax's, and
-every path runs it (the gate is applied after the path, ``AttnCall.output_gate``).
+every path runs it (the gate is applied after the path: ``kernels/variants.py``).
 
 Initial values: W = 0 and b = ``gated_bias_init`` (default 0: every gate 1/2, which the output projection absorbs;
 the paper initialises W_theta randomly, so its gates start near 1/2 too). A large bias makes it nearly plain softmax

@@ -180,13 +180,9 @@ def takes(norm: Normalizer) -> str | None:
 
 def accepts(call: AttnCall) -> str | None:
     """None when this path can run the call, else the reason it cannot (builds nothing: ``NATIVE.reason()``)."""
-    if call.sinks is not None:  # the chunked path applies them
-        return "this path does not apply attention sinks (s_aux)"
     reason = cpu_call_reason(call)
     if reason is not None:
         return reason
-    if call.dropout > 0:
-        return "dropout > 0 (the weights are never formed)"
     if call.q.numel() == 0 or call.k.numel() == 0:
         return "empty inputs"
     return NATIVE.reason()
@@ -253,7 +249,8 @@ def direct(call: AttnCall) -> Any:
 
 _define_ops()
 
-from .. import register_path  # noqa: E402  (registration at import, like the normalizers)
+from ..dispatch import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 register_path("fused_cpu", fused_cpu_attention, takes=takes, accepts=accepts, priority=40, auto_exclude=("cuda",),
+              supports=("softcap", "bias", "alibi"),
               prepare=NATIVE.build, plan_stable=True, direct=direct)

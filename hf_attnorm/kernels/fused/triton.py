@@ -602,10 +602,8 @@ def accepts(call: AttnCall) -> str | None:
     tensors without Triton's interpreter, triton missing (one-time warning on CUDA) or imported before
     ``TRITON_INTERPRET`` changed (one-time warning)."""
     q, k, v = call.q, call.k, call.v
-    if call.sinks is not None:  # the chunked path applies them
-        return "the Triton kernels do not apply attention sinks (s_aux)"
-    if call.need_weights or call.dropout > 0:
-        return "the Triton kernels never form the weights (no output_attentions, no dropout on weights)"
+    if call.need_weights:
+        return "the Triton kernels never form the weights (no output_attentions)"
     if not (q.is_cuda or (q.device.type == "cpu" and interpreter_requested())):
         return (f"Triton kernels run on CUDA tensors, or on CPU tensors under Triton's interpreter "
                 f"(TRITON_INTERPRET=1, set before triton is imported); got device {q.device}")
@@ -691,12 +689,13 @@ def triton_forget_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     return _attention(call, "softmax")
 
 
-from .. import register_path  # noqa: E402  (registration at import, like the normalizers)
+from ..dispatch import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 # auto mode never tries this path on CPU tensors (the CPU paths own them); forced, it runs there under the
 # interpreter
-register_path("triton", triton_attention, takes=takes, accepts=accepts, priority=30, auto_exclude=("cpu",))
+register_path("triton", triton_attention, takes=takes, accepts=accepts, priority=30, auto_exclude=("cpu",),
+              supports=("softcap", "bias", "alibi"))
 # before sdpa (10): SDPA's kernels take the decay only as a materialised bias; on a CPU its flash route is exact and
 # O(n) already
 register_path("triton_forget", triton_forget_attention, takes=takes_forget, accepts=accepts_forget, priority=8,
-              auto_exclude=("cpu",), forget=True)
+              auto_exclude=("cpu",), supports=("softcap", "bias", "alibi", "forget"))

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from ...normalizers.base import Normalizer, masked_fill_zero, safe_divide
 from ...normalizers.linear import linear_attention
-from ..base import AttnCall, compute_dtype, repeat_kv, score_mod_reason
+from ..base import AttnCall, compute_dtype, repeat_kv
 
 
 def takes(norm: Normalizer) -> str | None:
@@ -18,11 +18,6 @@ def takes(norm: Normalizer) -> str | None:
 
 def accepts(call: AttnCall) -> str | None:
     """No dropout; the visibility must be key padding x causal with a constant offset (``MaskInfo.padding``)."""
-    reason = score_mod_reason(call)
-    if reason is not None:
-        return f"{reason} (linear attention forms no scores)"
-    if call.dropout > 0:
-        return "dropout > 0 acts on the weights, which this path never forms"
     if call.mask.padding() is None:
         return ("the mask is not key padding x causal with a constant offset (no O(n) form), or it cannot be "
                 "analysed while tracing (torch.compile with a 4-D mask and several queries)")
@@ -109,7 +104,7 @@ def causal_linear_attention_batched(fq: torch.Tensor, fk: torch.Tensor, v: torch
     return out
 
 
-from .. import register_path  # noqa: E402  (registration at import, like normalizers)
+from ..dispatch import register_path  # noqa: E402  (registration at import, like normalizers)
 
 # (a mask tensor over several queries is analysed per mask: MaskInfo.padding reads its values)
 register_path("linear_chunked", linear_chunked_attention, takes=takes, accepts=accepts, priority=50,

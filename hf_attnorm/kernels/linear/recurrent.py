@@ -65,8 +65,6 @@ def takes(norm: Normalizer) -> str | None:
 
 
 def accepts(call: AttnCall) -> str | None:
-    if call.dropout > 0:
-        return "dropout > 0 acts on the weights, which this path never forms"
     st = call.recurrent
     if st is None:
         return ("no recurrent state for this call (one is kept per transformers DynamicCache layer and passed only "
@@ -84,9 +82,6 @@ def accepts(call: AttnCall) -> str | None:
                 f"[{B}, {Hkv}, F, {Dv + 1}] {dt} on {call.q.device}")
     if st.settings != call.settings:
         return "the state was built with other settings"
-    reason = score_mod_reason(call)
-    if reason is not None:
-        return f"{reason} (linear attention forms no scores)"
     if call.mask.selected:
         return ("the call selects keys per query (a sparse indexer's indices): the state sums every cached key, the "
                 "selection leaves some out")
@@ -166,6 +161,6 @@ def recurrent_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     return _as(out.reshape(B, H, 1, -1), call.q.dtype), None
 
 
-from .. import register_path  # noqa: E402  (registration at import, like the normalizers)
+from ..dispatch import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 register_path("linear_recurrent", recurrent_attention, takes=takes, accepts=accepts, priority=45)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ...masks import MaskInfo
 from ...normalizers.base import Normalizer
 from ...normalizers.selective import check_carry, document_starts
-from ..base import AttnCall, compute_dtype, score_mod_reason
+from ..base import AttnCall, compute_dtype
 
 #: scores per block (B x H x block x Lk); as the chunked path
 BLOCK_ELEMENTS = 1 << 22
@@ -185,11 +185,6 @@ def takes(norm: Normalizer) -> str | None:
 
 
 def accepts(call: AttnCall) -> str | None:
-    why = score_mod_reason(call)
-    if why:
-        return why
-    if call.dropout > 0:
-        return "dropout > 0 (not implemented here)"
     if call.q.numel() == 0 or call.k.shape[2] == 0:
         return "empty inputs"
     return None
@@ -208,8 +203,8 @@ def selective_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     return out.to(call.q.dtype), None
 
 
-from .. import register_path  # noqa: E402  (registration at import, like the normalizers)
+from ..dispatch import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 # the blocked backward is not traced (the reference's is): compiled training runs the reference
-register_path("selective", selective_attention, takes=takes, accepts=accepts, priority=85, compiled_backward=False,
-              plan_stable=True)
+register_path("selective", selective_attention, takes=takes, accepts=accepts, priority=85,
+              supports=("selective_carry",), compiled_backward=False, plan_stable=True)

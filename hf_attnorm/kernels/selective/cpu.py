@@ -150,7 +150,7 @@ def selective_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     return out.to(call.q.dtype), None
 
 
-from .. import register_path  # noqa: E402  (registration at import, like the normalizers)
+from ..dispatch import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 register_path("selective_cpu", selective_cpu_attention, takes=takes, accepts=accepts, priority=44,
-              auto_exclude=("cuda",), prepare=NATIVE.build)
+              supports=("selective_carry",), auto_exclude=("cuda",), prepare=NATIVE.build)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ...normalizers.base import Normalizer
 from ...normalizers.selective import check_carry
-from ..base import AttnCall, compute_dtype, score_mod_reason
+from ..base import AttnCall, compute_dtype
 from .blocked import takes as selective_takes
 
 
@@ -31,13 +31,8 @@ def takes(norm: Normalizer) -> str | None:
 
 
 def accepts(call: AttnCall) -> str | None:
-    if call.dropout > 0:
-        return "dropout > 0 (not implemented here; decode steps run without it)"
     if call.q.shape[2] != 1:
         return f"{call.q.shape[2]} queries (this path is for one: a decode step)"
-    why = score_mod_reason(call)
-    if why:
-        return why
     if call.q.numel() == 0 or call.k.shape[2] == 0:
         return "empty inputs"
     c = call.selective_carry
@@ -66,7 +61,8 @@ def step_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     return out.to(call.q.dtype), None
 
 
-from .. import register_path  # noqa: E402  (registration at import, like the normalizers)
+from ..dispatch import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 # before ``decode`` (25), which takes the same calls through the normalizer's reference
-register_path("selective_step", step_attention, takes=takes, accepts=accepts, priority=24, plan_stable=True)
+register_path("selective_step", step_attention, takes=takes, accepts=accepts, priority=24,
+              supports=("selective_carry",), plan_stable=True)

@@ -43,7 +43,7 @@ import torch
 
 from ...normalizers.base import Normalizer
 from ...normalizers.selective import document_starts
-from ..base import AttnCall, score_mod_reason
+from ..base import AttnCall
 from ..fused import triton as ta
 from .blocked import takes as selective_takes
 
@@ -361,11 +361,6 @@ def accepts(call: AttnCall) -> str | None:
     """None, or why not: score modifiers, dropout, empty inputs, CPU tensors without the interpreter, fp64,
     a ``selective_carry`` not a float [B | 1, Lk], triton missing or imported before
     ``TRITON_INTERPRET`` changed."""
-    why = score_mod_reason(call)
-    if why:
-        return why
-    if call.dropout > 0:
-        return "dropout > 0 (the weights are never formed)"
     q, k, v = call.q, call.k, call.v
     if q.numel() == 0 or k.shape[2] == 0 or v.numel() == 0:
         return "empty inputs"
@@ -403,8 +398,8 @@ def triton_selective_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     return out.to(call.q.dtype), None
 
 
-from .. import register_path  # noqa: E402  (registration at import, like the normalizers)
+from ..dispatch import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 register_path("selective_triton", triton_selective_attention, takes=takes, accepts=accepts, priority=35,
-              auto_exclude=("cpu",),
+              supports=("selective_carry",), auto_exclude=("cpu",),
               traceable=False)  # (the host-side plan and the launches in an autograd.Function)

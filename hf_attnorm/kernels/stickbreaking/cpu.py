@@ -85,7 +85,7 @@ def stickbreaking_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     return out.to(call.q.dtype), None
 
 
-from .. import register_path  # noqa: E402  (registration at import, like the normalizers)
+from ..dispatch import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 register_path("stickbreaking_cpu", stickbreaking_cpu_attention, takes=takes, accepts=accepts, priority=43,
               auto_exclude=("cuda",), prepare=NATIVE.build)

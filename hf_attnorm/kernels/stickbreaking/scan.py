@@ -241,6 +241,6 @@ def scan_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     return out.to(call.q.dtype), None
 
 
-from .. import register_path  # noqa: E402  (registration at import, like the normalizers)
+from ..dispatch import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 register_path("stickbreaking_scan", scan_attention, takes=takes, accepts=scan_accepts, priority=87)

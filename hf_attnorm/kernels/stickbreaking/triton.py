@@ -279,7 +279,7 @@ def triton_stickbreaking_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
     return out.to(call.q.dtype), None
 
 
-from .. import register_path  # noqa: E402  (registration at import, like the normalizers)
+from ..dispatch import register_path  # noqa: E402  (registration at import, like the normalizers)
 
 register_path("stickbreaking_triton", triton_stickbreaking_attention, takes=takes, accepts=accepts, priority=33,
               auto_exclude=("cpu",),
