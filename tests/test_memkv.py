@@ -249,3 +249,50 @@ def test_alibi_skips_the_memory_keys():
         rest = {n: t for n, t in heads.items() if n not in ("mem_k", "mem_v")}
         want, _, _ = attend(make_call(q, kk, vv, plain, rest, keep[None, None], False, bias=bias), "reference")
         torch.testing.assert_close(ours, want, atol=1e-10, rtol=0, msg=f"{name} on {ran}")
+
+
+@pytest.mark.parametrize("name,options", [("memkv", {}), ("symax", {"num_mem_kv": 2}),
+                                          ("symax", {"num_mem_kv": 2, "mem_kv_heads": "query"})],
+                         ids=["memkv", "symax", "per-query-head"])
+def test_cached_decoding_keeps_the_memory_in_front_of_the_cache(name, options, monkeypatch):
+    """Each cached step writes its new key and value after the kept memory and keys (hf/memory_cache.py) instead of
+    copying the whole cache behind the memory: the steps' calls receive the kept k' and v' (viewing one buffer that
+    grows), the generated tokens and scores are the copying run's, and a cache edited in place (or memory edited)
+    makes the next step copy again."""
+    from transformers import DynamicCache
+
+    from hf_attnorm.hf import cache_state, compat, memory_cache
+    from hf_attnorm.kernels import memory
+
+    model = tiny("llama", "causal_lm", implementation=name, attnorm=options).eval()
+    kept = []
+    real = memory.prepend_memory
+
+    def spy(q, k, v, mask, bias, mem_k, mem_v, kept_kv=None):
+        kept.append(kept_kv is not None and memory._fits(kept_kv, k, v, mem_k.shape[0], mem_k.shape[1]))
+        return real(q, k, v, mask, bias, mem_k, mem_v, kept_kv)
+
+    x = torch.randint(1, 97, (1, 7), generator=torch.Generator().manual_seed(2))
+    gen = dict(max_new_tokens=5, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    assert memory_cache.KIND in cache_state.kinds_serving(model.model.layers[0].self_attn.attnorm.settings)
+    with torch.no_grad():
+        want = model.generate(x, use_cache=False, **gen)  # (every step attends to the memory and every key anew)
+        monkeypatch.setattr("hf_attnorm.attention.prepend_memory", spy)
+        got = model.generate(x, use_cache=True, **gen)
+    assert len(kept) == 5 * model.config.num_hidden_layers and all(kept), kept  # (the prefill builds and uses it)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.scores, want.scores):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    # one state per layer, advanced in place step by step; a cache edited in place makes the next step rebuild it
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(x, **compat.cache_kwargs(model, cache), use_cache=True)
+        state = getattr(cache.layers[0], memory_cache.STATE_ATTR)
+        assert state.length == 7 and state.k.shape[2] >= state.memory + 8
+        model(x[:, :1], **compat.cache_kwargs(model, cache), use_cache=True)
+        assert getattr(cache.layers[0], memory_cache.STATE_ATTR) is state and state.length == 8
+        cache.layers[0].keys.mul_(1.0)  # (bumps the version: the values could have changed)
+        model(x[:, :1], **compat.cache_kwargs(model, cache), use_cache=True)
+    rebuilt = getattr(cache.layers[0], memory_cache.STATE_ATTR)
+    assert rebuilt is not state and rebuilt.length == 9
+    assert getattr(cache.layers[1], memory_cache.STATE_ATTR).length == 9
