@@ -67,7 +67,6 @@ def make_call(
     selection: torch.Tensor | None = None,
     heads_checked: bool = False,
     forget_prefix: torch.Tensor | None = None,
-    memory_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> AttnCall:
     """Resolve one call: mask -> keep/n, scale -> multiplier, per-head factors, score modifiers. Shapes as
     ``attention``. A float mask is split into visibility (entries <= finfo.min / 2 or -inf are masked) and a
@@ -75,9 +74,7 @@ def make_call(
     the normalizer's check against the head count already ran (a model's modules, when the implementation was set),
     so it is not repeated per call. ``forget_prefix``: for a normalizer with forget gates, the cumulative log gates
     [B, H, P] of the first P keys, kept from earlier calls (hf/forget_cache.py): only the gates of the other keys
-    are computed, their sum continued from its last entry. ``memory_kv``: with learned memory, (k', v') holding the
-    memory and then k and v, kept across calls (hf/memory_cache.py), used instead of copying k and v behind the
-    memory (not with a mask that hides keys from every query: those keys are zeroed first)."""
+    are computed, their sum continued from its last entry."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be 4-D [B, H, L, D]; got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
     B, H, Lq, D = q.shape
@@ -128,8 +125,7 @@ def make_call(
     gate = norm.output_gate(q, Ctx(settings, heads, D, mask.n, info, Lk))
     drop = memory = 0
     if memory_specs(settings):  # learned memory key/values, prepended here for every path (kernels/memory.py)
-        q, k, v, mask, bias, drop = prepend_memory(q, k, v, mask, bias, heads["mem_k"], heads["mem_v"],
-                                                   memory_kv if mask.dead is None else None)
+        q, k, v, mask, bias, drop = prepend_memory(q, k, v, mask, bias, heads["mem_k"], heads["mem_v"])
         memory, Lk = heads["mem_k"].shape[1], k.shape[2]
     ctx = Ctx(settings, heads, D, mask.n, info, Lk)
     prefix = 0 if forget_prefix is None or memory else forget_prefix.shape[-1]

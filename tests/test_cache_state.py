@@ -263,7 +263,7 @@ def test_generation_under_inference_mode_equals_no_grad(implementation):
         assert torch.equal(a, b)
     settings = model.model.layers[0].self_attn.attnorm.settings
     attrs = {kind.name: getattr(importlib.import_module(type(kind).__module__), "STATE_ATTR", None)
-             for kind in cache_state.kinds_serving(settings)}
+             for kind in cache_state.kinds_serving(settings.normalizer)}
     for name, attr in attrs.items():
         kept = [getattr(layer, attr, None) for layer in got.past_key_values.layers]
         assert attr is not None and all(s is not None for s in kept), (name, kept)

@@ -1,8 +1,7 @@
 """Per-sequence state kept on a transformers cache across cached decoding: one protocol for every normalizer that
 needs one (linear attention's recurrent state, ``recurrent.py``; selective attention's column sums,
 ``selective_cache.py``; forgetting attention's cumulative gates, ``forget_cache.py``; cosine's normalised keys,
-``key_cache.py``; learned memory's keys and values in front of the cached ones, ``memory_cache.py``; the next
-stateful variant registers another kind here).
+``key_cache.py``; the next stateful variant registers another kind here).
 
 A state lives on a cache layer (an attribute of the ``DynamicLayer``), so it lives and dies with the cache. The
 attention function never sees the cache, so each attention module that serves a stateful normalizer gets one forward
@@ -110,10 +109,6 @@ class CacheStateKind:
         """Whether calls of ``normalizer`` keep this state."""
         raise NotImplementedError
 
-    def serves_settings(self, settings: AttnormSettings) -> bool:
-        """Whether calls of ``settings`` keep this state: by their normalizer (``serves``) unless a kind says more."""
-        return self.serves(NORMALIZERS.get(settings.normalizer))
-
     def arm(self, layer: Any, module: nn.Module) -> tuple[Any, str]:
         """In the pre-hook: (the layer's state if it is valid for this module's next call, else None; why not).
         May drop a stale state from the layer."""
@@ -141,26 +136,14 @@ def register(kind: CacheStateKind) -> CacheStateKind:
     return kind
 
 
-def kinds_serving(settings: AttnormSettings | str) -> list[CacheStateKind]:
-    """The kinds that keep a state for calls of ``settings`` (a normalizer's name: for its calls by the normalizer
-    alone)."""
-    if isinstance(settings, str):
-        norm = NORMALIZERS.get(settings)
-        return [kind for kind in KINDS.values() if kind.serves(norm)]
-    return [kind for kind in KINDS.values() if kind.serves_settings(settings)]
-
-
-def parameter_marks(module: nn.Module) -> tuple:
-    """(name, identity, version) of each learnable per-head value of the module's state (a state made from them is
-    stale once one is replaced or changed in place)."""
-    state = getattr(module, "attnorm", None)
-    params = dict(state.named_parameters(recurse=False)) if isinstance(state, nn.Module) else {}
-    return tuple((name, id(p), *versions(p)) for name, p in sorted(params.items()))
+def kinds_serving(normalizer: str) -> list[CacheStateKind]:
+    norm = NORMALIZERS.get(normalizer)
+    return [kind for kind in KINDS.values() if kind.serves(norm)]
 
 
 def _module_kinds(module: nn.Module) -> list[CacheStateKind]:
     settings = getattr(module._modules.get("attnorm"), "settings", None)
-    return [] if settings is None else kinds_serving(settings)
+    return [] if settings is None else kinds_serving(settings.normalizer)
 
 
 def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -240,7 +223,7 @@ def steps_for(module: nn.Module, note: CallNote | None, query: torch.Tensor, key
               settings: AttnormSettings, causal: bool) -> list[CacheStep]:
     """The steps of this attention call, one per kind serving its normalizer that keeps state for it (usually
     none or one), from the pre-hook's ``note`` for the call (``take_note``)."""
-    kinds = kinds_serving(settings)
+    kinds = kinds_serving(settings.normalizer)
     if not kinds:
         return []
     notes = None if note is None else note.pending

@@ -36,6 +36,13 @@ from .cache_state import _none  # (what a pickled state becomes: None)
 STATE_ATTR = "_hf_attnorm_forget"
 
 
+def _parameter_marks(module: nn.Module) -> tuple:
+    """(identity, version) of each learnable per-head value of the module's state: the gates read them."""
+    state = getattr(module, "attnorm", None)
+    params = dict(state.named_parameters(recurse=False)) if isinstance(state, nn.Module) else {}
+    return tuple((name, id(p), *cache_state.versions(p)) for name, p in sorted(params.items()))
+
+
 @dataclasses.dataclass(eq=False)
 class ForgetState:
     """c [B, H, L] (float64, or float32 on MPS): the cumulative log forget gates of the layer's L cached keys, with
@@ -56,7 +63,7 @@ class ForgetState:
     def matches(self, layer: DynamicLayer, module: nn.Module) -> bool:
         k, v = compat.layer_tensors(layer)
         return (k is not None and self.keys() is k and self.values() is v and self.module() is module
-                and cache_state.versions(k, v) == self.versions and cache_state.parameter_marks(module) == self.marks)
+                and cache_state.versions(k, v) == self.versions and _parameter_marks(module) == self.marks)
 
 
 @dataclasses.dataclass(eq=False)
@@ -88,7 +95,7 @@ class ForgetStep:
         k, v = compat.layer_tensors(layer)
         setattr(layer, STATE_ATTR, ForgetState(call.forget, weakref.ref(k), weakref.ref(v), cache_state.versions(k, v),
                                                weakref.ref(self.module), self.settings,
-                                               cache_state.parameter_marks(self.module)))
+                                               _parameter_marks(self.module)))
 
 
 class ForgetKind(cache_state.CacheStateKind):

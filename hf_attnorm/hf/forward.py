@@ -326,7 +326,7 @@ def _planned(module: nn.Module, state: Any, plan_key: tuple, plan: CallPlan | No
         if plans is None or len(plans) >= MAX_PLANS or any(p.state is not state for p in plans.values()):
             plans = module.__dict__[PLANS_ATTR] = _Plans()
         plan = plans[plan_key] = CallPlan(state, state.settings, plan_epoch(),
-                                          bool(kinds_serving(state.settings)))
+                                          bool(kinds_serving(state.settings.normalizer)))
     facts = _call_facts(call)
     if facts in plan.routes:
         kept = plan.routes[facts]

@@ -17,7 +17,7 @@ from torch import nn
 from ..attention import param_specs
 from ..registry import NORMALIZERS, SCALES, AttnormError, first_line
 from ..settings import READ_ONLY_MESSAGE, AttnormSettings, ConfigSettings, resolve_settings
-from . import cache_state, forget_cache, key_cache, memory_cache, recurrent, selective_cache  # noqa: F401  (kinds register on import)
+from . import cache_state, forget_cache, key_cache, recurrent, selective_cache  # noqa: F401  (kinds register on import)
 from .families import interface_keywords, module_info, num_heads_of, unread_selections, unsupported_keywords
 
 logger = logging.getLogger("hf_attnorm")

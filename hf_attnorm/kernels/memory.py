@@ -83,24 +83,14 @@ def _no_memo() -> bool:
     return torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
 
 
-def _fits(kept: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor, heads: int, m: int) -> bool:
-    """Whether kept (k', v') have the shapes, dtypes and device of the memory's copies in front of k and v."""
-    kk, vv = kept
-    b, _, lk, d = k.shape
-    return (tuple(kk.shape) == (b, heads, m + lk, d) and tuple(vv.shape) == (b, heads, m + lk, v.shape[-1])
-            and kk.dtype == k.dtype and vv.dtype == v.dtype and kk.device == k.device)
-
-
 def prepend_memory(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskInfo, bias: torch.Tensor | None,
-    mem_k: torch.Tensor, mem_v: torch.Tensor, kept: tuple[torch.Tensor, torch.Tensor] | None = None,
+    mem_k: torch.Tensor, mem_v: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, MaskInfo, torch.Tensor | None, int]:
     """q [B, H, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv], mem_k / mem_v [Hkv, M, D] (per key/value head) or
     [H, M, D] (per query head) -> (q', k' [B, Hkv or H, M + Lk, D], v' [B, Hkv or H, M + Lk, Dv], mask', bias',
     drop): the call with the memory keys first (see the module docstring); ``drop`` leading query rows (zero
-    queries) are to be dropped from the output. Per key/value head, k/v keep their Hkv heads (no GQA copies).
-    ``kept``: (k', v') already holding the memory and then k and v, kept from earlier calls (hf/memory_cache.py), used
-    instead of the copies when their shapes and dtypes are those the copies would have."""
+    queries) are to be dropped from the output. Per key/value head, k/v keep their Hkv heads (no GQA copies)."""
     B, H, Lq, D = q.shape
     Hkv = k.shape[1]
     Hm, M = mem_k.shape[:2] if mem_k.dim() == 3 else (-1, -1)
@@ -112,13 +102,10 @@ def prepend_memory(
                          f"{v.shape[-1]}: num_mem_kv needs [{Hm}, M={M}, Dv={v.shape[-1]}] like mem_k (memory values "
                          "are made with head_dim, so modules whose value head dim differs from q/k's are not "
                          "supported)")
-    if kept is not None and _fits(kept, k, v, Hm, M):
-        k, v = kept
-    else:
-        if Hm != Hkv:  # per query head with GQA: the group's query heads see different memory, so k/v are repeated
-            k, v = repeat_kv(k, H // Hkv), repeat_kv(v, H // Hkv)
-        k = torch.cat([mem_k.to(k.dtype)[None].expand(B, Hm, M, D), k], dim=2)
-        v = torch.cat([mem_v.to(v.dtype)[None].expand(B, Hm, M, v.shape[-1]), v], dim=2)
+    if Hm != Hkv:  # per query head with GQA: the group's query heads see different memory, so k/v are repeated
+        k, v = repeat_kv(k, H // Hkv), repeat_kv(v, H // Hkv)
+    k = torch.cat([mem_k.to(k.dtype)[None].expand(B, Hm, M, D), k], dim=2)
+    v = torch.cat([mem_v.to(v.dtype)[None].expand(B, Hm, M, v.shape[-1]), v], dim=2)
     Lk = k.shape[2]
     drop = 0
     key = ("memory", M, B, H)
