@@ -354,8 +354,8 @@ def _direct_entry(plan: CallPlan, kept: Route, state: Any, call: Any, attention_
     gated = type(norm).output_gate is not Normalizer.output_gate
     plain = (not plan.kinds and attention_mask is None and not kept.ask and not call.need_weights
              and not any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "s_aux"))
-             and (call.around is None or call.around.gate is not None and not call.around.memory
-                  and not call.around.drop_queries and not call.around.differential)
+             and (call.around is None  # (else only a gate around it)
+                  or not (call.around.memory or call.around.drop_queries or call.around.differential))
              and (call.q.shape[2] == 1 or not gated)
              and call.forget is None and not call.mask.selected
              and type(norm).forget_gates is Normalizer.forget_gates)

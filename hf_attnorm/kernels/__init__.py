@@ -108,7 +108,6 @@ from .dispatch import (
     Path,
     Route,
     available_paths,
-    carried_features,
     choose_routed,
     declared_normalizers,
     forced_path,
@@ -122,7 +121,7 @@ from .dispatch import (
 from .variants import attend, candidate_paths, choose, explain, route, run_on, run_routed
 
 __all__ = ["AttnCall", "ENV_VAR", "FEATURES", "PATHS", "Direct", "Path", "Route", "attend", "available_paths",
-           "candidate_paths", "carried_features", "choose", "choose_routed", "declared_normalizers", "explain",
+           "candidate_paths", "choose", "choose_routed", "declared_normalizers", "explain",
            "forced_path", "paths_for", "plan_epoch", "prepare_path", "register_path", "route", "run_on", "run_path",
            "run_routed", "set_forced_path"]
 

@@ -204,23 +204,10 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def score_mod_reason(call: AttnCall) -> str | None:
-    """Why a path that applies no score modifier (soft-cap, bias, sinks) cannot take ``call``, or None."""
-    present = [name for name, v in (("softcap", call.softcap), ("a score bias", call.bias),
-                                    ("ALiBi slopes", call.alibi_slopes), ("attention sinks (s_aux)", call.sinks),
-                                    ("a forget gate", call.forget))
-               if v is not None]
-    return f"this path does not apply {', '.join(present)}" if present else None
-
-
 def unfused_call_reason(call: AttnCall) -> str | None:
-    """Why a kernel that never forms the weights and computes s = c (q . k) itself cannot take ``call``: score
-    modifiers, dropout, empty inputs, or a normalizer that transforms q/k. None when none of these holds."""
-    reason = score_mod_reason(call)
-    if reason is not None:
-        return reason
-    if call.dropout > 0:
-        return "dropout > 0 (the weights are never formed)"
+    """Why a kernel that computes s = c (q . k) itself cannot take ``call``: empty inputs, or a normalizer that
+    transforms q/k. None when neither holds (score modifiers and dropout are call features: a path declining them
+    declares none, ``dispatch.FEATURES``)."""
     if call.q.numel() == 0 or call.k.shape[2] == 0:
         return "empty inputs"
     if type(call.normalizer).transform_qk is not Normalizer.transform_qk or \

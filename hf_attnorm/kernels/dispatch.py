@@ -133,11 +133,6 @@ FEATURES: dict[str, tuple[str, Callable[[AttnCall], bool]]] = {
 }
 
 
-def carried_features(call: AttnCall) -> list[str]:
-    """The names of the ``FEATURES`` that ``call`` carries."""
-    return [name for name, (_, carried) in FEATURES.items() if carried(call)]
-
-
 def _declining_features(name: str, supports: frozenset[str], accepts: Check) -> Check:
     """``accepts`` of a path: a call carrying a feature the path does not declare is declined first."""
     def check(call: AttnCall) -> str | None:

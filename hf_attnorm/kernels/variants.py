@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -131,12 +132,9 @@ def attend(call: AttnCall, path: str | None = None) -> Result:
 
 
 def run_routed(call: AttnCall, kept: Route) -> Result:
-    """Run ``call`` on the path of a kept ``Route`` (``dispatch.choose_routed``), with what it needs around it."""
-    if call.around is None:
-        return dispatch.run_path(call, dispatch.choose_routed(call, kept))
-    if call.around.differential:  # both halves on the routed path (a differential route needs no asking again)
-        return attend(call, kept.path)
-    return _finish(call, *dispatch.run_path(call, dispatch.choose_routed(call, kept)))
+    """Run ``call`` on the path of a kept ``Route`` (``dispatch.choose_routed``), with what it needs around it (a
+    differential route needs no asking again: both halves run on its path)."""
+    return run_on(call, kept.path if is_differential(call) else dispatch.choose_routed(call, kept))
 
 
 def run_on(call: AttnCall, name: str) -> Result:
@@ -168,13 +166,13 @@ def _finish(call: AttnCall, out: torch.Tensor, weights: torch.Tensor | None, nam
     return out.to(dtype), weights, name
 
 
-def _differential(call: AttnCall, run: object) -> Result:
+def _differential(call: AttnCall, run: Callable[[AttnCall], Result]) -> Result:
     """Both halves run by ``run`` (a half -> its result), combined and normalised by the normalizer (in fp32 at
     least; the output before its cast to the input dtype)."""
     norm, ctx = call.normalizer, call.ctx()
     first, second = halves(call)
-    out_first, w_first, name = run(first)  # type: ignore[operator]
-    out_second, w_second, _ = run(second)  # type: ignore[operator]
+    out_first, w_first, name = run(first)
+    out_second, w_second, _ = run(second)
     form = norm.difference_form(ctx) if triton_rows.usable(out_first) else None
     if form is not None and tuple(form[1].shape) == (out_first.shape[1], out_first.shape[-1]):
         # on a GPU in half precision: the combination and its RMSNorm in one fused pass (fp32 inside)

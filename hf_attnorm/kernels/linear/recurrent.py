@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ...normalizers.base import Ctx, Normalizer
 from ...settings import AttnormSettings
-from ..base import AttnCall, compute_dtype, score_mod_reason
+from ..base import AttnCall, compute_dtype
 
 
 @dataclasses.dataclass(eq=False)
@@ -119,7 +119,7 @@ def build_state(call: AttnCall) -> LinearState | None:
     """The state over every key of ``call`` (k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv]): O(Lk D Dv). None when the
     call's mask is not key padding x causal (``MaskInfo.padding``; queries of a later step see every earlier key
     that the mask keeps for some query), selects keys per query (``MaskInfo.selected``) or the inputs need grad."""
-    if takes(call.normalizer) is not None or call.dropout > 0 or score_mod_reason(call) is not None:
+    if takes(call.normalizer) is not None or call.dropout > 0 or call.modifies_scores:
         return None
     if torch.is_grad_enabled() and (call.k.requires_grad or call.v.requires_grad):
         return None

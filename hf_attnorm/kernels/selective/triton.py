@@ -358,8 +358,8 @@ def takes(norm: Normalizer) -> str | None:
 
 
 def accepts(call: AttnCall) -> str | None:
-    """None, or why not: score modifiers, dropout, empty inputs, CPU tensors without the interpreter, fp64,
-    a ``selective_carry`` not a float [B | 1, Lk], triton missing or imported before
+    """None, or why not (score modifiers and dropout: declared features, not supported): empty inputs, CPU tensors
+    without the interpreter, fp64, a ``selective_carry`` not a float [B | 1, Lk], triton missing or imported before
     ``TRITON_INTERPRET`` changed."""
     q, k, v = call.q, call.k, call.v
     if q.numel() == 0 or k.shape[2] == 0 or v.numel() == 0:

@@ -239,8 +239,9 @@ class _SBTriton(torch.autograd.Function):
 
 
 def accepts(call: AttnCall) -> str | None:
-    """None, or why not: the shared reasons (score modifiers, dropout, empty), CPU tensors without the interpreter,
-    fp64, triton missing or imported before ``TRITON_INTERPRET`` changed."""
+    """None, or why not (score modifiers and dropout: declared features, none supported): the shared reasons (empty
+    inputs, a q/k transform), CPU tensors without the interpreter, fp64, triton missing or imported before
+    ``TRITON_INTERPRET`` changed."""
     reason = common_reason(call)
     if reason is not None:
         return reason
