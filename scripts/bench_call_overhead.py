@@ -59,7 +59,7 @@ def measure(implementation: str, keys: int, calls: int, repeats: int) -> dict[st
     q = torch.randn(1, heads, 1, dim, generator=g)
     k, v = (torch.randn(1, kv_heads, keys, dim, generator=g) for _ in range(2))
     scaling = dim ** -0.5
-    call = make_call(q, k, v, state.settings, state(q.device), None, True, scaling)
+    call = make_call(q, k, v, state.settings, state(q.device), None, True, scaling, module_info=state.module_info)
     kr, vr = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
     with torch.no_grad(), warnings.catch_warnings():  # the call's plan (made by its first call)
         warnings.simplefilter("ignore")
@@ -81,7 +81,8 @@ def measure(implementation: str, keys: int, calls: int, repeats: int) -> dict[st
             "attention_function_us":
                 lambda: hf_attention_forward(module, q, k, v, None, scaling, implementation=implementation),
             **({"planned_route_us": routed} if direct is not None else {}),
-            "make_call_us": lambda: make_call(q, k, v, state.settings, state(q.device), None, True, scaling),
+            "make_call_us": lambda: make_call(q, k, v, state.settings, state(q.device), None, True, scaling,
+                                              module_info=state.module_info),
             "attend_us": lambda: attend(call),
             "transformers_sdpa_function_us": lambda: sdpa_attention_forward(module, q, k, v, None, scaling=scaling),
             "sdpa_us": lambda: F.scaled_dot_product_attention(q, kr, vr, scale=scaling),

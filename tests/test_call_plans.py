@@ -12,6 +12,7 @@ from hf_attnorm.attention import make_call
 from hf_attnorm.hf import forward
 from hf_attnorm.hf.forward import hf_attention_forward, plans_of, record_paths, unplanned
 from hf_attnorm.kernels import explain, set_forced_path
+from hf_attnorm.kernels.base import ONE_QUERY_KEYS_EXTRA
 from hf_attnorm.registry import NORMALIZERS, PRESETS
 
 GEN = dict(max_new_tokens=3, do_sample=False, output_scores=True, return_dict_in_generate=True)
@@ -141,11 +142,14 @@ DIRECT = {"softmax": "sdpa", "ssmax": "sdpa", "log_n": "sdpa", "yarn": "sdpa", "
                                             "relu_len", "power", "lssa", "sparsemax", "entmax15", "entmax_alpha")}}
 
 
+@pytest.mark.parametrize("lengths", [(12, 15), (ONE_QUERY_KEYS_EXTRA + 1, ONE_QUERY_KEYS_EXTRA + 4)],
+                         ids=["short", "one_query_form"])
 @pytest.mark.parametrize("implementation", list(PRESETS))
-def test_a_planned_plain_decode_step_runs_its_direct_entry_exactly(implementation, monkeypatch):
+def test_a_planned_plain_decode_step_runs_its_direct_entry_exactly(implementation, lengths, monkeypatch):
     """A planned plain decode step with a direct entry runs it, with no AttnCall built, and gives exactly what the
-    full rule's call gives, at two key counts (the row value and the per-query factor follow n); the implementations
-    of ``DIRECT`` have one."""
+    full rule's call gives, at two key counts (the row value and the per-query factor follow n), short and long
+    enough for the one-query softmax of the sdpa path (kernels/base.py); the implementations of ``DIRECT`` have
+    one."""
     if DIRECT.get(implementation) == "fused_cpu":
         from hf_attnorm.kernels.fused import cpu
 
@@ -157,8 +161,8 @@ def test_a_planned_plain_decode_step_runs_its_direct_entry_exactly(implementatio
     with torch.no_grad():  # per-head values away from their (often equal) initial values, so head indexing counts
         for p in model.parameters():
             p.add_(torch.rand_like(p) * 0.1)
-    module, q, k, v, _ = _call_args(model)
-    later = _call_args(model, lk=15)[1:]
+    module, q, k, v, _ = _call_args(model, lk=lengths[0])
+    later = _call_args(model, lk=lengths[1])[1:]
     with torch.no_grad():
         with unplanned():
             want, _ = _run(module, q, k, v, None, implementation)

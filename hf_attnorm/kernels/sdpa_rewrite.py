@@ -32,6 +32,12 @@
   larger causal call without gradients runs SDPA on blocks of query rows with the decay as a per-key bias
   (``_forget_blocks``); the rest go to ``chunked``, which forms the bias per chunk (O(n) memory).
 
+* a decode step on a CPU (one query, no autograd) with enough keys (``one_query_runs``) runs
+  ``one_query_softmax`` (two matrix products with a kv head's query heads as one matrix) instead of the CPU flash
+  kernel, which is slower for one row per head; the sink's rescale takes its log-sum-exp alike. Plain softmax
+  (normalizer ``softmax``, standard scale) keeps SDPA's own kernel even there: it is the baseline, the very call
+  transformers' sdpa makes.
+
 Fully masked rows give 0 with finite gradients; fp16/bf16 on CPU are computed in fp32.
 """
 
@@ -47,7 +53,18 @@ import torch.nn.functional as F
 from ..normalizers.base import Normalizer
 from ..torch_compat import FLASH_CPU_GQA, FLASH_CPU_GQA_FEATURE, is_exporting, warn_fallback
 from . import triton_rows
-from .base import AttnCall, compute_dtype, factored_query, has_query_factor, one_query_ctx, query_factor, repeat_kv
+from .base import (
+    AttnCall,
+    compute_dtype,
+    factored_query,
+    has_query_factor,
+    one_query_ctx,
+    one_query_runs,
+    one_query_softmax,
+    query_factor,
+    repeat_kv,
+)
+from .memory import memory_specs
 
 
 def takes(norm: Normalizer) -> str | None:
@@ -103,6 +120,21 @@ def _common(call: AttnCall) -> str | None:
     if not call.q.dtype.is_floating_point:
         return f"dtype {call.q.dtype}"
     return None
+
+
+def _one_query(call: AttnCall, causal: bool, extra: bool) -> bool:
+    """A CPU call ``one_query_softmax`` runs (module docstring): one query per head and enough keys
+    (``one_query_runs``; ``extra``: with a float mask or the log-sum-exp), no autograd, not traced or exported, not
+    plain softmax (the baseline keeps SDPA's own kernel)."""
+    return (call.q.shape[2] == 1 and one_query_runs(call.k.shape[2], extra) and not causal
+            and not torch.is_grad_enabled() and call.q.device.type == "cpu" and not torch.compiler.is_compiling()
+            and not is_exporting() and not _plain_softmax(call.settings))
+
+
+def _plain_softmax(settings: Any) -> bool:
+    """Calls of these settings are transformers' own SDPA call (normalizer softmax, no per-query factor, no learned
+    memory)."""
+    return settings.normalizer == "softmax" and not has_query_factor(settings) and not memory_specs(settings)
 
 
 def _uses_flash_cpu(call: AttnCall) -> bool:
@@ -559,13 +591,17 @@ def sdpa_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
         dt = compute_dtype(call.q.dtype)
         lam = sink_logit(call, dt) if _has_sink(call) else None
         q, k, v, scale = _prepare(call, dt)
+        mask = _float_mask(call, keep, dt)  # (None without a bias or keep-mask)
+        if _one_query(call, causal, mask is not None or lam is not None):
+            out, lse = one_query_softmax(q, k, v, scale, mask, lam is not None)
+            return (out if lam is None else _with_sink(out, lse, lam, mask)[0]).to(call.q.dtype), None
         if lam is None and keep is None and call.bias is None:  # plain SDPA picks this flash kernel, less work
             out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
                                                  enable_gqa=q.shape[1] != k.shape[1])
             return out.to(call.q.dtype), None
         if not FLASH_CPU_GQA and k.shape[1] != q.shape[1]:  # (_FlashCPU repeats the key/value heads)
             warn_fallback(FLASH_CPU_GQA_FEATURE)
-        out = _FlashCPU.apply(q, k, v, lam, _float_mask(call, keep, dt), causal, scale)
+        out = _FlashCPU.apply(q, k, v, lam, mask, causal, scale)
         return out.to(call.q.dtype), None
     if _has_sink(call) and sink_backend(call) is not None and not is_exporting():
         return _sink_cuda(call, sink_backend(call)).to(call.q.dtype), None
@@ -648,7 +684,15 @@ def direct(call: AttnCall) -> Any:
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: dict) -> torch.Tensor:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
 
-        return run
+        if _plain_softmax(call.settings) or q.shape[2] != 1 or q.device.type != "cpu":
+            return run
+
+        def run_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: dict) -> torch.Tensor:
+            if one_query_runs(k.shape[2], False) and not causal:  # (as sdpa_attention: ``_one_query``)
+                return one_query_softmax(q, k, v, scale)[0]
+            return run(q, k, v, heads)
+
+        return run_one
     if q.shape[2] != 1 or q.device.type != "cpu":  # (on a GPU the factor goes through triton_rows)
         return None
     settings, info = call.settings, call.module_info
@@ -656,6 +700,8 @@ def direct(call: AttnCall) -> Any:
     def run_factored(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: dict) -> torch.Tensor:
         mult = query_factor(settings, q, one_query_ctx(settings, heads, q, k.shape[2], info))
         q, factor_scale = factored_query(q, mult, scale)
+        if one_query_runs(k.shape[2], False) and not causal:  # (as sdpa_attention: ``_one_query``)
+            return one_query_softmax(q, k, v, factor_scale)[0]
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=factor_scale, enable_gqa=gqa)
 
     return run_factored
@@ -680,6 +726,9 @@ def _sink_direct(call: AttnCall) -> Any:
         ctx = one_query_ctx(settings, heads, q, k.shape[2], info)
         lam = norm.sink_logit(ctx, q.dtype)
         q, scale = factored_query(q, query_factor(settings, q, ctx) if factored else None, base)
+        if one_query_runs(k.shape[2], lam is not None) and not causal:  # (as sdpa_attention: ``_one_query``)
+            out, lse = one_query_softmax(q, k, v, scale, None, lam is not None)
+            return out if lam is None else _with_sink(out, lse, lam.to(q.device))[0]
         if repeat:
             k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])
         if lam is None:  # (a normalizer whose sink logit is absent for these values: plain SDPA, as the path)
