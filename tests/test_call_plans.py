@@ -12,7 +12,7 @@ from hf_attnorm.attention import make_call
 from hf_attnorm.hf import forward
 from hf_attnorm.hf.forward import hf_attention_forward, plans_of, record_paths, unplanned
 from hf_attnorm.kernels import explain, set_forced_path
-from hf_attnorm.kernels.base import ONE_QUERY_KEYS_EXTRA
+from hf_attnorm.kernels.base import ONE_QUERY_KEYS
 from hf_attnorm.registry import NORMALIZERS, PRESETS
 
 GEN = dict(max_new_tokens=3, do_sample=False, output_scores=True, return_dict_in_generate=True)
@@ -142,7 +142,7 @@ DIRECT = {"softmax": "sdpa", "ssmax": "sdpa", "log_n": "sdpa", "yarn": "sdpa", "
                                             "relu_len", "power", "lssa", "sparsemax", "entmax15", "entmax_alpha")}}
 
 
-@pytest.mark.parametrize("lengths", [(12, 15), (ONE_QUERY_KEYS_EXTRA + 1, ONE_QUERY_KEYS_EXTRA + 4)],
+@pytest.mark.parametrize("lengths", [(12, 15), (ONE_QUERY_KEYS + 1, ONE_QUERY_KEYS + 4)],
                          ids=["short", "one_query_form"])
 @pytest.mark.parametrize("implementation", list(PRESETS))
 def test_a_planned_plain_decode_step_runs_its_direct_entry_exactly(implementation, lengths, monkeypatch):

@@ -107,7 +107,7 @@ def test_long_decode_steps_on_the_sdpa_path_take_the_one_query_form(implementati
     cfg = model.config
     h, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     d = cfg.hidden_size // h
-    lk = base.ONE_QUERY_KEYS_EXTRA + 3
+    lk = base.ONE_QUERY_KEYS + 3
     g = torch.Generator().manual_seed(1)
     q = torch.randn(2, h, 1, d, generator=g)
     k, v = (torch.randn(2, hkv, lk, d, generator=g) for _ in range(2))
@@ -158,7 +158,7 @@ def test_short_decode_steps_keep_the_flash_kernel(monkeypatch):
     runs = []
     real = sdpa_rewrite.one_query_softmax
     monkeypatch.setattr(sdpa_rewrite, "one_query_softmax", lambda *a, **kw: runs.append(1) or real(*a, **kw))
-    for lk, expected in ((base.ONE_QUERY_KEYS_EXTRA - 1, 0), (base.ONE_QUERY_KEYS_EXTRA, 1)):
+    for lk, expected in ((base.ONE_QUERY_KEYS - 1, 0), (base.ONE_QUERY_KEYS, 1)):
         runs.clear()
         q = torch.randn(1, h, 1, d)
         k, v = torch.randn(1, hkv, lk, d), torch.randn(1, hkv, lk, d)

@@ -201,18 +201,15 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 #: from this many keys a one-query CPU call runs ``one_query_softmax`` rather than SDPA's CPU flash kernel, which
 #: walks the keys in blocks per (batch, head) row: with one query row per head, two matrix products over all keys
-#: and one softmax do the same work in fewer, larger steps. Below it the fixed cost of the few extra ops wins.
-#: bench/one_query (2 threads): plain 1.1-1.2x faster at 1,024 and 2,048 keys, 1.6x at 4,096, 2x at 8,192; with a
-#: float mask or the log-sum-exp 0.9x at 1,024 and 2,048, 1.2x at 4,096, 1.6x at 8,192.
-ONE_QUERY_KEYS = 2048
-#: the same with a float mask or the log-sum-exp (a sink's rescale)
-ONE_QUERY_KEYS_EXTRA = 4096
+#: and one softmax do the same work in fewer, larger steps. Alone the form is faster from about 2,048 keys (1.1-1.3x
+#: there, 1.5-1.8x at 8,192 on 2 threads), but in whole decode steps of a tiny Llama, where each layer's keys come
+#: from memory, only from 8,192 keys (steps 0.94-1.00x there, 1.00-1.04x at 2,048 and 4,096): bench/one_query.
+ONE_QUERY_KEYS = 8192
 
 
-def one_query_runs(lk: int, extra: bool) -> bool:
-    """Whether a one-query CPU call of ``lk`` keys (``extra``: with a float mask or the log-sum-exp) is faster as
-    ``one_query_softmax`` than through the flash kernel."""
-    return lk >= (ONE_QUERY_KEYS_EXTRA if extra else ONE_QUERY_KEYS)
+def one_query_runs(lk: int) -> bool:
+    """Whether a one-query CPU call of ``lk`` keys runs ``one_query_softmax`` (``ONE_QUERY_KEYS``, read per call)."""
+    return lk >= ONE_QUERY_KEYS
 
 
 def one_query_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

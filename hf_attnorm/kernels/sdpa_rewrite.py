@@ -31,12 +31,11 @@
   whose bias is small (decode steps, short sequences; with a gradient, SDPA's own autograd gives the bias's); a
   larger causal call without gradients runs SDPA on blocks of query rows with the decay as a per-key bias
   (``_forget_blocks``); the rest go to ``chunked``, which forms the bias per chunk (O(n) memory).
-
 * a decode step on a CPU (one query, no autograd) with enough keys (``one_query_runs``) runs
   ``one_query_softmax`` (two matrix products with a kv head's query heads as one matrix) instead of the CPU flash
-  kernel, which is slower for one row per head; the sink's rescale takes its log-sum-exp alike. Plain softmax
-  (normalizer ``softmax``, standard scale) keeps SDPA's own kernel even there: it is the baseline, the very call
-  transformers' sdpa makes.
+  kernel, which is slower for one long row per head; the sink's rescale takes its log-sum-exp alike. Plain softmax
+  (normalizer ``softmax``, standard scale, no learned memory) keeps SDPA's own kernel even there: it is the
+  baseline, the very call transformers' sdpa makes.
 
 Fully masked rows give 0 with finite gradients; fp16/bf16 on CPU are computed in fp32.
 """
@@ -122,11 +121,11 @@ def _common(call: AttnCall) -> str | None:
     return None
 
 
-def _one_query(call: AttnCall, causal: bool, extra: bool) -> bool:
+def _one_query(call: AttnCall, causal: bool) -> bool:
     """A CPU call ``one_query_softmax`` runs (module docstring): one query per head and enough keys
-    (``one_query_runs``; ``extra``: with a float mask or the log-sum-exp), no autograd, not traced or exported, not
-    plain softmax (the baseline keeps SDPA's own kernel)."""
-    return (call.q.shape[2] == 1 and one_query_runs(call.k.shape[2], extra) and not causal
+    (``one_query_runs``), no autograd, not traced or exported, not plain softmax (the baseline keeps SDPA's own
+    kernel)."""
+    return (call.q.shape[2] == 1 and one_query_runs(call.k.shape[2]) and not causal
             and not torch.is_grad_enabled() and call.q.device.type == "cpu" and not torch.compiler.is_compiling()
             and not is_exporting() and not _plain_softmax(call.settings))
 
@@ -592,7 +591,7 @@ def sdpa_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
         lam = sink_logit(call, dt) if _has_sink(call) else None
         q, k, v, scale = _prepare(call, dt)
         mask = _float_mask(call, keep, dt)  # (None without a bias or keep-mask)
-        if _one_query(call, causal, mask is not None or lam is not None):
+        if _one_query(call, causal):
             out, lse = one_query_softmax(q, k, v, scale, mask, lam is not None)
             return (out if lam is None else _with_sink(out, lse, lam, mask)[0]).to(call.q.dtype), None
         if lam is None and keep is None and call.bias is None:  # plain SDPA picks this flash kernel, less work
@@ -688,7 +687,7 @@ def direct(call: AttnCall) -> Any:
             return run
 
         def run_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: dict) -> torch.Tensor:
-            if one_query_runs(k.shape[2], False) and not causal:  # (as sdpa_attention: ``_one_query``)
+            if one_query_runs(k.shape[2]) and not causal:  # (as sdpa_attention: ``_one_query``)
                 return one_query_softmax(q, k, v, scale)[0]
             return run(q, k, v, heads)
 
@@ -700,7 +699,7 @@ def direct(call: AttnCall) -> Any:
     def run_factored(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: dict) -> torch.Tensor:
         mult = query_factor(settings, q, one_query_ctx(settings, heads, q, k.shape[2], info))
         q, factor_scale = factored_query(q, mult, scale)
-        if one_query_runs(k.shape[2], False) and not causal:  # (as sdpa_attention: ``_one_query``)
+        if one_query_runs(k.shape[2]) and not causal:  # (as sdpa_attention: ``_one_query``)
             return one_query_softmax(q, k, v, factor_scale)[0]
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=factor_scale, enable_gqa=gqa)
 
@@ -726,7 +725,7 @@ def _sink_direct(call: AttnCall) -> Any:
         ctx = one_query_ctx(settings, heads, q, k.shape[2], info)
         lam = norm.sink_logit(ctx, q.dtype)
         q, scale = factored_query(q, query_factor(settings, q, ctx) if factored else None, base)
-        if one_query_runs(k.shape[2], lam is not None) and not causal:  # (as sdpa_attention: ``_one_query``)
+        if one_query_runs(k.shape[2]) and not causal:  # (as sdpa_attention: ``_one_query``)
             out, lse = one_query_softmax(q, k, v, scale, None, lam is not None)
             return out if lam is None else _with_sink(out, lse, lam.to(q.device))[0]
         if repeat:

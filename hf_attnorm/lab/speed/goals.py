@@ -86,9 +86,10 @@ DECODE_REASONS: dict[str, str] = {
                 "candidate), and its per-query factor from the raw query;",
     "sparsemax": "the threshold search per query over every cached key;",
     "entmax15": "the threshold search per query over every cached key;",
-    "diff": "two SDPA calls and the combination per step;",
-    "fox": "the decay -|c_i - c_j| of the kept cumulative gates (hf/forget_cache.py) materialised per step as SDPA's "
-           "float mask, on the planned route (make_call: a cache state is involved, so no direct entry);",
+    "diff": "two attention calls (SDPA's, from 8,192 keys the one-query softmax) and the combination per step;",
+    "fox": "the decay -|c_i - c_j| of the kept cumulative gates (hf/forget_cache.py) materialised per step as the "
+           "float mask of SDPA's flash kernel (from 8,192 keys of the one-query softmax), on the planned route "
+           "(make_call: a cache state is involved, so no direct entry);",
     "selective": "the carried column sums of earlier queries are updated per step;",
     "linear": "the recurrent state's update (the feature map of the new key, two outer products) runs as separate "
               "PyTorch ops, a fixed cost that only falls below softmax's growing step beyond 8k keys;",
@@ -97,8 +98,9 @@ DECODE_REASONS: dict[str, str] = {
     "cosine": "q l2-normalised and the kept normalised keys extended per step (hf/key_cache.py), the max_gradient "
               "scale's alpha*(n) per step, on the planned route (make_call: a cache state is involved, so no direct "
               "entry);",
-    **{name: "the extra denominator term through the CPU flash op's log-sum-exp, then a rescale of the output (four "
-             "small elementwise ops per layer, on the direct entry);" for name in ("sink", "softmax_n", "softmax1")},
+    **{name: "the extra denominator term through the log-sum-exp (the CPU flash op's; from 8,192 keys the one-query "
+             "softmax's), then a rescale of the output (four small elementwise ops per layer, on the direct entry);"
+       for name in ("sink", "softmax_n", "softmax1")},
     "memkv": "every step prepends the memory keys and values to the cached ones (copies of O(Lk d)), on the planned "
              "route (no direct entry);",
     "gated": "the gate sigmoid(q W + b) of the new query (a [B, H, 1, D] x [H, D, Dv] product, a sigmoid and a "
