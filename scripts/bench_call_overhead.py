@@ -15,8 +15,6 @@ import argparse
 import json
 import os
 import runpy
-import statistics
-import time
 import warnings
 from pathlib import Path
 
@@ -31,21 +29,7 @@ from hf_attnorm.attention import make_call  # noqa: E402
 from hf_attnorm.hf.forward import hf_attention_forward, plans_of  # noqa: E402
 from hf_attnorm.kernels import attend  # noqa: E402
 from hf_attnorm.lab.model_zoo import build_model  # noqa: E402
-
-
-def per_call_us(fns: dict, calls: int, repeats: int) -> dict[str, float]:
-    """Median over ``repeats`` of the mean microseconds of ``calls`` calls of each function, the samples of the
-    functions taken in turn (interleaved)."""
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            samples[name].append((time.perf_counter() - t0) / calls * 1e6)
-    return {name: statistics.median(values) for name, values in samples.items()}
+from hf_attnorm.lab.speed.timing import per_call_us  # noqa: E402
 
 
 def measure(implementation: str, keys: int, calls: int, repeats: int) -> dict[str, float]:

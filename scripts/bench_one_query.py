@@ -33,22 +33,9 @@ import hf_attnorm  # noqa: E402
 from hf_attnorm.hf import compat  # noqa: E402
 from hf_attnorm.kernels import base  # noqa: E402
 from hf_attnorm.kernels.base import ONE_QUERY_KEYS, one_query_softmax  # noqa: E402
+from hf_attnorm.lab.speed.timing import per_call_us  # noqa: E402
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-
-
-def per_call_us(fns: dict, calls: int, repeats: int) -> dict[str, float]:
-    """Median over ``repeats`` of the mean microseconds of ``calls`` calls of each function, interleaved."""
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            samples[name].append((time.perf_counter() - t0) / calls * 1e6)
-    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def measure(keys: int, heads: int, kv_heads: int, dim: int, calls: int, repeats: int) -> dict[str, float]:

@@ -687,7 +687,7 @@ def direct(call: AttnCall) -> Any:
             return run
 
         def run_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: dict) -> torch.Tensor:
-            if one_query_runs(k.shape[2]) and not causal:  # (as sdpa_attention: ``_one_query``)
+            if one_query_runs(k.shape[2]):  # (as sdpa_attention: ``_one_query``; one query is never causal)
                 return one_query_softmax(q, k, v, scale)[0]
             return run(q, k, v, heads)
 
@@ -699,7 +699,7 @@ def direct(call: AttnCall) -> Any:
     def run_factored(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: dict) -> torch.Tensor:
         mult = query_factor(settings, q, one_query_ctx(settings, heads, q, k.shape[2], info))
         q, factor_scale = factored_query(q, mult, scale)
-        if one_query_runs(k.shape[2]) and not causal:  # (as sdpa_attention: ``_one_query``)
+        if one_query_runs(k.shape[2]):  # (as sdpa_attention: ``_one_query``; one query is never causal)
             return one_query_softmax(q, k, v, factor_scale)[0]
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=factor_scale, enable_gqa=gqa)
 
@@ -725,7 +725,7 @@ def _sink_direct(call: AttnCall) -> Any:
         ctx = one_query_ctx(settings, heads, q, k.shape[2], info)
         lam = norm.sink_logit(ctx, q.dtype)
         q, scale = factored_query(q, query_factor(settings, q, ctx) if factored else None, base)
-        if one_query_runs(k.shape[2]) and not causal:  # (as sdpa_attention: ``_one_query``)
+        if one_query_runs(k.shape[2]):  # (as sdpa_attention: ``_one_query``; one query is never causal)
             out, lse = one_query_softmax(q, k, v, scale, None, lam is not None)
             return out if lam is None else _with_sink(out, lse, lam.to(q.device))[0]
         if repeat:

@@ -5,5 +5,6 @@
 * ``gpu_check``: the GPU check (``scripts/gpu_check.sh``): the ``gpu`` tests, the benchmark against SDPA's flash
   backend with the anchors beside it, results under ``bench/gpu/``;
 * ``gpu_anchors``: the field's own GPU kernels timed beside ours;
-* ``triton_ptx``: ahead-of-time tensor-core checks of the Triton kernels, without a GPU.
+* ``triton_ptx``: ahead-of-time tensor-core checks of the Triton kernels, without a GPU;
+* ``timing``: interleaved per-call timing for the CPU micro-benchmarks.
 """
