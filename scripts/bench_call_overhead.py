@@ -43,18 +43,20 @@ def measure(implementation: str, keys: int, calls: int, repeats: int) -> dict[st
     q = torch.randn(1, heads, 1, dim, generator=g)
     k, v = (torch.randn(1, kv_heads, keys, dim, generator=g) for _ in range(2))
     scaling = dim ** -0.5
+    # the keywords transformers' Llama passes its attention function at a cached decode step (both functions get them)
+    kw = {"position_ids": torch.tensor([[keys]]), "use_cache": True}
     call = make_call(q, k, v, state.settings, state(q.device), None, True, scaling, module_info=state.module_info)
     kr, vr = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
     with torch.no_grad(), warnings.catch_warnings():  # the call's plan (made by its first call)
         warnings.simplefilter("ignore")
-        hf_attention_forward(module, q, k, v, None, scaling, implementation=implementation)
+        hf_attention_forward(module, q, k, v, None, scaling, implementation=implementation, **kw)
     plans = list(plans_of(module).values())
     direct = plans[0].direct if len(plans) == 1 else None
 
     def routed():  # the same call with the plan's direct entry set aside: its route, make_call and the path
         plans[0].direct = None
         try:
-            return hf_attention_forward(module, q, k, v, None, scaling, implementation=implementation)
+            return hf_attention_forward(module, q, k, v, None, scaling, implementation=implementation, **kw)
         finally:
             plans[0].direct = direct
 
@@ -63,12 +65,13 @@ def measure(implementation: str, keys: int, calls: int, repeats: int) -> dict[st
         warnings.simplefilter("ignore")
         row = per_call_us({
             "attention_function_us":
-                lambda: hf_attention_forward(module, q, k, v, None, scaling, implementation=implementation),
+                lambda: hf_attention_forward(module, q, k, v, None, scaling, implementation=implementation, **kw),
             **({"planned_route_us": routed} if direct is not None else {}),
             "make_call_us": lambda: make_call(q, k, v, state.settings, state(q.device), None, True, scaling,
                                               module_info=state.module_info),
             "attend_us": lambda: attend(call),
-            "transformers_sdpa_function_us": lambda: sdpa_attention_forward(module, q, k, v, None, scaling=scaling),
+            "transformers_sdpa_function_us":
+                lambda: sdpa_attention_forward(module, q, k, v, None, scaling=scaling, **kw),
             "sdpa_us": lambda: F.scaled_dot_product_attention(q, kr, vr, scale=scaling),
         }, calls, repeats)
     row["above_transformers_sdpa_us"] = row["attention_function_us"] - row["transformers_sdpa_function_us"]

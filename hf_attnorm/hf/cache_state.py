@@ -171,9 +171,14 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
 def take_note(module: nn.Module) -> CallNote | None:
     """The pre-hook's note for the call in progress, cleared (each note serves one call). Under torch.compile only a
     packed call's note is read (the hook writes no other there) and nothing is cleared but it."""
-    note = getattr(module, NOTE_ATTR, None)  # (getattr, not __dict__.pop: Dynamo of torch 2.11 cannot trace a pop)
-    if note is None or (torch.compiler.is_compiling() and not note.packed):
-        return None
+    if torch.compiler.is_compiling():
+        note = getattr(module, NOTE_ATTR, None)  # (getattr, not __dict__: what Dynamo of torch 2.11 traces)
+        if note is None or not note.packed:
+            return None
+    else:
+        note = module.__dict__.get(NOTE_ATTR)  # (an eager call: a dict lookup, not nn.Module's __getattr__)
+        if note is None:
+            return None
     module.__dict__[NOTE_ATTR] = None
     return note
 

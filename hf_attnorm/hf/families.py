@@ -127,10 +127,22 @@ def keyword_role(name: str) -> compat.KeywordRole:
     return role if role is not None else compat.unknown_keyword(name)
 
 
+#: the keywords found accepted so far (a role depends on the name alone): a call passing only these is checked by
+#: one set comparison
+_ACCEPTED: set[str] = set()
+
+
 def refused_keywords(names: object) -> list[str]:
     """The keywords among ``names`` that hf_attnorm must refuse, each with why (sorted; checked per attention call,
-    so the accepted ones cost one lookup each)."""
-    refused = [k for k in names if not keyword_role(k).accepted]  # type: ignore[attr-defined]
+    so a call passing only keywords accepted before costs one set comparison)."""
+    if _ACCEPTED.issuperset(names):  # type: ignore[arg-type]
+        return []
+    refused = []
+    for k in names:  # type: ignore[attr-defined]
+        if keyword_role(k).accepted:
+            _ACCEPTED.add(k)
+        else:
+            refused.append(k)
     return [f"{k!r} ({keyword_role(k).why})" for k in sorted(refused)]
 
 

@@ -32,7 +32,7 @@ from ..torch_compat import is_exporting
 from . import continuous_batching
 from .cache_state import kinds_serving, steps_for, take_note
 from .families import key_selection, refused_keywords
-from .state import state_of
+from .state import AttnormState, state_of
 
 try:  # transformers' collector of requested outputs (private; looked up once, not per call)
     from transformers.utils.output_capturing import _active_collector
@@ -178,7 +178,8 @@ def _attend(module: nn.Module, state: Any, query: torch.Tensor, key: torch.Tenso
     plan = None if plan_key is None else _kept_plan(module, state, plan_key)
     if plan is not None and plan.direct is not None:  # a plain call: the path's entry on the raw tensors
         plan.uses += 1
-        out = plan.direct(query, key, value, state(query.device) if plan.heads else {})
+        heads = (state(query.device) if plan.constants is None else plan.constants) if plan.heads else {}
+        out = plan.direct(query, key, value, heads)
         _record(plan.path, plan.mask)
         return _to_model_layout(out), None
     # state kept on the cache across decoding (hf/cache_state.py): linear attention's recurrent state, selective
@@ -271,6 +272,9 @@ class CallPlan:
     direct: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, dict], torch.Tensor] | None = None
     #: whether the direct entry reads per-head values (the module's state is then called for each call)
     heads: bool = False
+    #: the per-head values of a state that has only constants (no parameter, no hook on it when the plan was made):
+    #: given to the direct entry without calling the state (``_direct_entry``)
+    constants: dict[str, torch.Tensor] | None = None
     path: str = ""
     mask: str = ""
     uses: int = 0
@@ -288,18 +292,20 @@ def _plan_key(module: nn.Module, state: Any, query: torch.Tensor, key: torch.Ten
     empty inputs, dropout, or a mask tensor over several queries (whose form is read per mask)."""
     if not _PLANNING[0] or torch.is_grad_enabled() or torch.compiler.is_compiling() or is_exporting():
         return None
-    lq = query.shape[2]
+    qs, ks = query.shape, key.shape  # (each tensor attribute read costs: read once)
+    lq = qs[2]
     if attention_mask is None:
         mask = None
     elif isinstance(attention_mask, torch.Tensor) and lq == 1:
         mask = (attention_mask.dtype, attention_mask.shape[:-1])
     else:
         return None
-    if query.numel() == 0 or key.shape[2] == 0 or (module.training and dropout > 0):
+    training = module.training
+    if 0 in qs or ks[2] == 0 or (training and dropout > 0):
         return None
-    return (state, query.dtype, key.dtype, value.dtype, query.device, query.shape[:2], lq == 1, key.shape[1],
-            query.shape[3], value.shape[3], mask, causal, scaling, weights, module.training,
-            kwargs.get("position_bias") is not None, kwargs.get("softcap"), kwargs.get("s_aux") is not None)
+    return (state, query.dtype, key.dtype, value.dtype, query.device, qs[:2], lq == 1, ks[1], qs[3],
+            value.shape[3], mask, causal, scaling, weights, training, kwargs.get("position_bias") is not None,
+            kwargs.get("softcap"), kwargs.get("s_aux") is not None)
 
 
 def _kept_plan(module: nn.Module, state: Any, plan_key: tuple) -> CallPlan | None:
@@ -365,6 +371,12 @@ def _direct_entry(plan: CallPlan, kept: Route, state: Any, call: Any, attention_
         direct = _gated_entry(direct, norm, call.settings, call.module_info)
     if direct is not None:
         plan.direct, plan.heads, plan.path, plan.mask = direct, bool(call.heads), kept.path, call.mask.kind
+        # a plain AttnormState without parameters returns constants of its settings (a plan's settings: kept until
+        # they change); one wrapped (PEFT), hooked or with parameters is called per call, so that what wraps or
+        # hooks it sees each call
+        if (plan.heads and type(state) is AttnormState and not state._parameters and not state._forward_hooks
+                and not state._forward_pre_hooks):
+            plan.constants = state(call.q.device)
 
 
 def _gated_entry(direct: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, dict], torch.Tensor], norm: Normalizer,

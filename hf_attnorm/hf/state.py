@@ -87,6 +87,8 @@ class AttnormState(nn.Module):
             # tensors made under inference_mode cannot be saved for backward later: cache only ordinary ones
             if not torch.is_inference_mode_enabled():
                 self._constants[device] = const
+        if not self._parameters:  # (constants only: a fresh dict of them, in the specs' order)
+            return dict(const)
         out: dict[str, torch.Tensor] = {}
         for spec in self._specs:
             p = self._parameters.get(spec.name)
@@ -202,7 +204,15 @@ def check_config_unchanged(config: Any, settings: AttnormSettings) -> None:
 
     ``config.attnorm`` is a read-only ``ConfigSettings``, so an in-place edit already raised; this catches a whole
     new dict assigned to it (``config.attnorm = {...}``), which the model would otherwise ignore and save."""
-    raw = getattr(config, "attnorm", None) if config is not None else None
+    if config is None:
+        return
+    # (an assignment stores it in the instance's __dict__: read there it costs a tenth of PretrainedConfig's
+    # attribute access, whose __getattribute__ is Python, and this runs once per attention call)
+    try:
+        own = object.__getattribute__(config, "__dict__")
+    except AttributeError:  # (a config object without an instance dict)
+        own = {}
+    raw = own["attnorm"] if "attnorm" in own else getattr(config, "attnorm", None)
     if raw is None or isinstance(raw, ConfigSettings):
         return
     problem = ""

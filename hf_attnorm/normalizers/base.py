@@ -112,6 +112,62 @@ class ParamSpec:
         return (torch.randn(shape, generator=gen, dtype=torch.float32) * value).to(device)
 
 
+#: how a row form maps its per-head value (``RowForm.head_map``), with the number the C++ decode op takes for each
+HEAD_MAP_IDS: dict[str, int] = {"value": 0, "abs": 1, "at_least": 2}
+#: the term of n (the keys a row sees) a row form adds (``RowForm.n_term``), with its number for the C++ decode op
+N_TERM_IDS: dict[str, int] = {"none": 0, "n": 1, "minus_log_n": 2, "inverse_n": 3}
+HeadMap = Literal["value", "abs", "at_least"]
+NTerm = Literal["none", "n", "minus_log_n", "inverse_n"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RowForm:
+    """A fused map's per-row value r (``Normalizer.row_value``) as a function of one per-head value h [H] and the
+    keys n a row sees: r = head_map(h) + n_term(n) (only the one that is declared when the other is absent),
+    negated on rows with one visible key when ``negate_single_key``, all in the row value's dtype (h cast first).
+
+    head_map: "value" h, "abs" |h|, "at_least" max(h, floor) written h + relu(floor - h) (gradient 1 at the floor
+    on every torch); n_term: "none", "n", "minus_log_n" -ln n, "inverse_n" 1 / n. Declared once per normalizer
+    (``Normalizer.row_form``): ``Normalizer.row_value`` evaluates it with PyTorch ops (``evaluate``,
+    autograd-connected to h), and the C++ decode op of a cached step evaluates the same form per head from the
+    raw h (``kernels/fused/fused_cpu.cpp``, ``decode_row_values``), with the same operations in the same order."""
+
+    head: str | None = None
+    head_map: HeadMap = "value"
+    floor: float = 0.0
+    n_term: NTerm = "none"
+    negate_single_key: bool = False
+
+    def __post_init__(self) -> None:
+        if self.head_map not in HEAD_MAP_IDS or self.n_term not in N_TERM_IDS:
+            raise ValueError(f"RowForm: head_map must be one of {list(HEAD_MAP_IDS)} (got {self.head_map!r}) and "
+                             f"n_term one of {list(N_TERM_IDS)} (got {self.n_term!r})")
+        if self.head is None and self.n_term == "none":
+            raise ValueError("RowForm: a row form needs a per-head value (head) or a term of n (n_term)")
+
+    def evaluate(self, ctx: Ctx, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """r in ``dtype``, broadcastable to [B, H, Lq]: [1, H, 1] from the head alone, else ctx.n's shape."""
+        r = None
+        if self.head is not None:
+            h = ctx.heads[self.head].to(device=ctx.n.device, dtype=dtype).view(1, -1, 1)
+            if self.head_map == "abs":
+                h = h.abs()
+            elif self.head_map == "at_least":
+                h = h + torch.relu(self.floor - h)
+            r = h
+        if self.n_term == "minus_log_n":
+            n = ctx.n.to(dtype)
+            r = -torch.log(n) if r is None else r - torch.log(n)
+        elif self.n_term != "none":
+            n = ctx.n.to(dtype)
+            term = n if self.n_term == "n" else 1.0 / n
+            r = term if r is None else r + term
+        assert r is not None  # (__post_init__)
+        if self.negate_single_key:
+            r = r * torch.where(ctx.n > 1, 1.0, -1.0).to(dtype)
+        return r
+
+
 @dataclasses.dataclass
 class Ctx:
     """What a normalizer or scale may read during one attention call.
@@ -197,10 +253,17 @@ class Normalizer:
             if "fused_map" not in cls.__dict__:
                 cls.fused_map = cls.__dict__["fused_kind"]
 
+    def row_form(self, settings: AttnormSettings) -> RowForm | None:
+        """How the fused map's per-row value r follows from a per-head value and n (``RowForm``), or None when the
+        map reads none (the kernels then get n). The one declaration of r: ``row_value`` evaluates it."""
+        return None
+
     def row_value(self, ctx: Ctx, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
         """The per-row constant r of a fused map, in ``dtype`` broadcastable to [B, H, Lq] (autograd-connected to the
-        per-head values it comes from), or None when the map reads none (the kernels then get n)."""
-        return None
+        per-head values it comes from), or None when the map reads none (the kernels then get n): ``row_form``
+        evaluated. A subclass may override this instead (its cached decode steps then resolve r in Python)."""
+        form = self.row_form(ctx.settings)
+        return None if form is None else form.evaluate(ctx, dtype)
 
     def sink_logit(self, ctx: Ctx, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
         """softmax family: the always-visible extra logit lambda (value 0), 0-d or [H] in ``dtype``; None if none."""

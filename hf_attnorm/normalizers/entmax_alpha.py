@@ -22,11 +22,13 @@ import math
 import torch
 
 from ..registry import register_normalizer
-from ..settings import declare_option
-from .base import Ctx, Normalizer, ParamSpec, masked_fill_zero, safe_divide
+from ..settings import AttnormSettings, declare_option
+from .base import Ctx, Normalizer, ParamSpec, RowForm, masked_fill_zero, safe_divide
 
 #: smallest alpha in use: below it 1 / (alpha - 1) > 1000 and the powers underflow in fp32 (use softmax for 1)
 ALPHA_MIN = 1.001
+#: the row value: alpha held at >= ALPHA_MIN
+_ROW = RowForm(head="entmax_alpha", head_map="at_least", floor=ALPHA_MIN)
 
 
 def _check_alpha(v: float) -> str | None:
@@ -119,12 +121,12 @@ class EntmaxAlpha(Normalizer):
                         "per-head alpha of alpha-entmax (used clamped to >= 1.001)"),)
 
     def alpha(self, ctx: Ctx, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """alpha_h [H] in ``dtype``, clamped to >= ALPHA_MIN (a learned value may drift below 1)."""
-        return ctx.heads["entmax_alpha"].to(dtype).clamp_min(ALPHA_MIN)
+        """alpha_h [H] in ``dtype``, held at >= ALPHA_MIN (a learned value may drift below 1): the row value."""
+        return _ROW.evaluate(ctx, dtype).view(-1)
 
-    def row_value(self, ctx: Ctx, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """alpha_h [1, H, 1] (clamped), the fused kernels' per-row constant; its gradient is d alpha."""
-        return self.alpha(ctx, dtype).to(ctx.n.device).view(1, -1, 1)
+    def row_form(self, settings: AttnormSettings) -> RowForm:
+        """r = max(alpha_h, ALPHA_MIN) [1, H, 1], the fused kernels' per-row constant; its gradient is d alpha."""
+        return _ROW
 
     def reference(self, scores: torch.Tensor, keep: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         alpha = self.alpha(ctx, scores.dtype).to(scores.device).view(1, -1, 1, 1)

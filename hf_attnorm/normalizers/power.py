@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 
 from ..registry import register_normalizer
-from ..settings import declare_option
-from .base import Ctx, Normalizer, ParamSpec, masked_fill_zero, safe_divide
+from ..settings import AttnormSettings, declare_option
+from .base import Ctx, Normalizer, ParamSpec, RowForm, masked_fill_zero, safe_divide
 
 POWER_P = declare_option(
     "power_p", float, 2.0, "power: exponent p >= 1 of |s|^p (initial value when learned)",
@@ -30,6 +30,9 @@ POWER_P = declare_option(
     if not v >= 1.0 else None,
 )
 POWER_LEARNABLE = declare_option("power_learnable", bool, True, "power: learn p per head (initialised at power_p)")
+
+#: the kernels' row value: p used as max(p, 1) (power_exponent), its sign marking single-key rows
+_ROW = RowForm(head="power_p", head_map="at_least", floor=1.0, negate_single_key=True)
 
 
 def power_exponent(ctx: Ctx) -> torch.Tensor:
@@ -51,11 +54,9 @@ class Power(Normalizer):
     fused_map = "power"
     params = (ParamSpec("power_p", POWER_P, POWER_LEARNABLE, "per-head exponent p (used as max(p, 1))"),)
 
-    def row_value(self, ctx: Ctx, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """+p_h on rows with more than one visible key, -p_h on rows with one: [B or 1, H, Lq]."""
-        p = power_exponent(ctx).to(device=ctx.n.device, dtype=dtype).view(1, -1, 1)
-        sign = torch.where(ctx.n > 1, 1.0, -1.0).to(dtype)
-        return p * sign
+    def row_form(self, settings: AttnormSettings) -> RowForm:
+        """r = +max(p_h, 1) on rows with more than one visible key, -max(p_h, 1) on rows with one: [B or 1, H, Lq]."""
+        return _ROW
 
     def reference(self, scores: torch.Tensor, keep: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         """scores: [B, H, Lq, Lk] -> weights [B, H, Lq, Lk]."""

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from ..registry import register_normalizer
-from .base import Ctx, Normalizer, masked_fill_zero
+from ..settings import AttnormSettings
+from .base import Ctx, Normalizer, RowForm, masked_fill_zero
 
 
 @register_normalizer
@@ -18,9 +19,9 @@ class ReluLen(Normalizer):
     kernel_family = "fused"
     fused_map = "relu_len"
 
-    def row_value(self, ctx: Ctx, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """1 / n [B or 1, 1 or H, Lq], the factor on relu(s)."""
-        return 1.0 / ctx.n.to(dtype)
+    def row_form(self, settings: AttnormSettings) -> RowForm:
+        """r = 1 / n [B or 1, 1 or H, Lq], the factor on relu(s)."""
+        return RowForm(n_term="inverse_n")
 
     def reference(self, scores: torch.Tensor, keep: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         return masked_fill_zero(torch.relu(scores) / ctx.n.to(scores.dtype).unsqueeze(-1), keep)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from ..registry import register_normalizer
-from ..settings import declare_option
-from .base import Ctx, Normalizer, ParamSpec, masked_fill_zero
+from ..settings import AttnormSettings, declare_option
+from .base import Ctx, Normalizer, ParamSpec, RowForm, masked_fill_zero
 
 SIGMOID_BIAS = declare_option(
     "sigmoid_bias", float, None,
@@ -32,12 +32,9 @@ class Sigmoid(Normalizer):
     kernel_family = "fused"
     fused_map = "sigmoid"
     params = (ParamSpec("sigmoid_bias", SIGMOID_BIAS, SIGMOID_BIAS_LEARNABLE, "per-head bias offset"),)
-    def row_value(self, ctx: Ctx, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The bias b [1 or B, H, 1 or Lq]: the per-head value, minus ln n when derived (sigmoid_bias null)."""
-        bias = ctx.heads["sigmoid_bias"].to(device=ctx.n.device, dtype=dtype).view(1, -1, 1)
-        if ctx.settings.sigmoid_bias is None:
-            bias = bias - torch.log(ctx.n.to(dtype))
-        return bias
+    def row_form(self, settings: AttnormSettings) -> RowForm:
+        """r = the bias b [1 or B, H, 1 or Lq]: the per-head value, minus ln n when derived (sigmoid_bias null)."""
+        return RowForm(head="sigmoid_bias", n_term="minus_log_n" if settings.sigmoid_bias is None else "none")
 
     def reference(self, scores: torch.Tensor, keep: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         bias = self.row_value(ctx, scores.dtype).unsqueeze(-1)

@@ -8,10 +8,11 @@ from __future__ import annotations
 import torch
 
 from ..registry import register_normalizer
-from ..settings import declare_option, nonnegative
-from .base import Ctx, Normalizer, ParamSpec, masked_fill_zero, safe_divide
+from ..settings import AttnormSettings, declare_option, nonnegative
+from .base import Ctx, Normalizer, ParamSpec, RowForm, masked_fill_zero, safe_divide
 
 ETA = declare_option("eta", float, 1.0, "symax: the constant eta >= 0 in |s_i|/(eta + sum|s_j|)", check=nonnegative)
+_ROW = RowForm(head="symax_eta", head_map="abs")
 ETA_LEARNABLE = declare_option("eta_learnable", bool, False, "symax: learn eta per head (initialised at eta)")
 
 
@@ -26,9 +27,9 @@ class Symax(Normalizer):
     fused_map = "symax"
     params = (ParamSpec("symax_eta", ETA, ETA_LEARNABLE, "per-head eta (used as |eta|)"),)
 
-    def row_value(self, ctx: Ctx, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """|eta_h| [1, H, 1], added to the denominator."""
-        return ctx.heads["symax_eta"].to(device=ctx.n.device, dtype=dtype).abs().view(1, -1, 1)
+    def row_form(self, settings: AttnormSettings) -> RowForm:
+        """r = |eta_h| [1, H, 1], added to the denominator."""
+        return _ROW
 
     def reference(self, scores: torch.Tensor, keep: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         eta = ctx.head("symax_eta").to(scores.dtype).abs()

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ...normalizers.base import Normalizer
+from ...normalizers.base import HEAD_MAP_IDS, N_TERM_IDS, Normalizer, RowForm
 from ..base import (
     AttnCall,
     compact_bias,
@@ -222,9 +222,11 @@ def fused_cpu_attention(call: AttnCall) -> tuple[torch.Tensor, None]:
 def direct(call: AttnCall) -> Any:
     """The direct entry of a plain one-query call (a cached decode step without a mask tensor, score modifier,
     sink or dropout; q, k and v of one dtype computed as is), for the plan to reuse: the fused kernel's one-output
-    ``decode`` op on the raw (q, k, v), without autograd, its row value and per-query factor resolved from the
-    call's per-head values and n = Lk (every row sees every key) as ``make_call`` resolves them. Exactly what
-    ``fused_cpu_attention`` computes for such a call. None for every other call."""
+    ``decode`` op on the raw (q, k, v), without autograd. Its row value comes from the normalizer's declared
+    ``row_form``, evaluated in the op from the raw per-head value with n = Lk (every row sees every key); a
+    normalizer that overrides ``row_value`` itself has it resolved here, from the call's per-head values, as
+    ``make_call`` resolves it; so does the per-query factor. Exactly what ``fused_cpu_attention`` computes for such
+    a call. None for every other call."""
     q = call.q
     if (q.shape[2] != 1 or call.modifies_scores or call.mask.keep is not None or call.mask.causal
             or call.dropout > 0 or compute_dtype(q.dtype) != q.dtype or call.k.dtype != q.dtype
@@ -235,14 +237,23 @@ def direct(call: AttnCall) -> Any:
     dt, base, kernel = q.dtype, float(call.base), map_id(norm.fused_map)
     blocks, factored = _blocks(norm.fused_map, 1), has_query_factor(settings)
     native = NATIVE.ops  # (the compiled op itself: plans are made only in eager calls, never traced)
+    declared = type(norm).row_value is Normalizer.row_value
+    form = (norm.row_form(settings) or RowForm(n_term="n")) if declared else None
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: dict) -> torch.Tensor:
-        ctx = one_query_ctx(settings, heads, q, k.shape[2], info)
-        r = norm.row_value(ctx, dt)
-        rv = (ctx.n.to(device=q.device, dtype=dt) if r is None else r.to(q.device)).expand(B, H, 1).contiguous()
+        k, v = last_dim_contiguous(k), last_dim_contiguous(v)
+        ctx = one_query_ctx(settings, heads, q, k.shape[2], info) if factored or form is None else None
         # (as fused_cpu_attention: q times base x multiplier, then the kernel)
         q, scale = factored_query(q, query_factor(settings, q, ctx) if factored else None, base)
-        return native.decode(kernel, q, last_dim_contiguous(k), last_dim_contiguous(v), rv, scale, *blocks)
+        if form is not None:
+            return native.decode(kernel, q, k, v, None if form.head is None else heads[form.head],
+                                 HEAD_MAP_IDS[form.head_map], form.floor, N_TERM_IDS[form.n_term],
+                                 form.negate_single_key, scale, *blocks)
+        r = norm.row_value(ctx, dt)
+        rv = (ctx.n.to(device=q.device, dtype=dt) if r is None else r.to(q.device)).expand(B, H, 1).contiguous()
+        # (the decode op's steps: q times the scale, then the forward kernel without its backward's extra output)
+        return native.forward(kernel, (q * scale).contiguous(), k, v, None, False, rv, None, None, 0.0, *blocks,
+                              False)[0]
 
     return run
 

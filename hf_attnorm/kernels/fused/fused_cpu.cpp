@@ -1608,13 +1608,66 @@ std::vector<at::Tensor> fused_forward(int64_t map_id, const at::Tensor& q, const
   return {out, den_or_tau, shift_or_gsum, hv_sum};
 }
 
+// The row values of a decode step, [B, H, 1] in q's dtype: every row sees all n = Lk keys, so r is one number per
+// head, from the normalizer's declared row form (normalizers/base.py RowForm): r = head_map(T(h)) + n_term(n),
+// negated on a single-key row when negate_single -- the operations of RowForm.evaluate, in the same order and
+// precision, so the value is the one the forward op is given for the same call. head: the per-head value, fp32 [H].
+at::Tensor decode_row_values(const at::Tensor& q, const std::optional<at::Tensor>& head, int64_t head_map,
+                             double floor, int64_t n_term, bool negate_single, int64_t n) {
+  const int64_t B = q.size(0), H = q.size(1);
+  TORCH_CHECK(head_map >= ROW_HEAD_MAP_VALUE && head_map <= ROW_HEAD_MAP_AT_LEAST && n_term >= ROW_N_TERM_NONE &&
+                  n_term <= ROW_N_TERM_INVERSE_N,
+              "fused_cpu decode: unknown row form (head_map ", head_map, ", n_term ", n_term,
+              "; normalizers/base.py HEAD_MAP_IDS / N_TERM_IDS)");
+  TORCH_CHECK(head.has_value() || n_term != ROW_N_TERM_NONE, "fused_cpu decode: a row form needs a head or an n term");
+  const float* h = nullptr;
+  if (head.has_value()) {
+    TORCH_CHECK(head->device().is_cpu() && head->scalar_type() == at::kFloat && head->is_contiguous() &&
+                    head->numel() == H,
+                "fused_cpu decode: the row form's per-head value must be a contiguous fp32 CPU tensor of H = ", H,
+                " values (got ", head->sizes(), " ", head->scalar_type(), ")");
+    h = head->data_ptr<float>();
+  }
+  auto rv = at::empty({B, H, 1}, q.options());
+  // ln n by torch's own log kernel (what RowForm.evaluate calls; not std::log, which rounds differently on a few
+  // values of n), once per call
+  const at::Tensor log_n =
+      n_term == ROW_N_TERM_MINUS_LOG_N ? at::log(at::full({1}, static_cast<double>(n), q.options())) : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "hf_attnorm_decode_row_values", [&] {
+    using T = scalar_t;
+    T* r = rv.data_ptr<T>();
+    const T nt = static_cast<T>(n);
+    const T ln = log_n.defined() ? log_n.data_ptr<T>()[0] : T(0);
+    for (int64_t i = 0; i < H; ++i) {
+      T x = T(0);
+      if (h != nullptr) {
+        x = static_cast<T>(h[i]);
+        if (head_map == ROW_HEAD_MAP_ABS) x = std::abs(x);
+        if (head_map == ROW_HEAD_MAP_AT_LEAST) x = x + std::max(static_cast<T>(floor) - x, T(0));
+      }
+      if (n_term == ROW_N_TERM_MINUS_LOG_N) {
+        x = h != nullptr ? x - ln : -ln;
+      } else if (n_term != ROW_N_TERM_NONE) {
+        const T term = n_term == ROW_N_TERM_N ? nt : T(1) / nt;
+        x = h != nullptr ? x + term : term;
+      }
+      if (negate_single && n == 1) x = -x;
+      for (int64_t b = 0; b < B; ++b) r[b * H + i] = x;
+    }
+  });
+  return rv;
+}
+
 // decode -> out: a call without autograd, mask, causality or score modifier (a cached decode step), with q's score
-// scale ``scale`` applied here (q is multiplied into a copy, as the callers of forward do before it): one op call
-// and one output, for the direct entry of a plain decode step (cpu.py's ``direct``). Same kernels as forward.
+// scale ``scale`` applied here (q is multiplied into a copy, as the callers of forward do before it) and the row
+// values from the normalizer's row form (decode_row_values): one op call and one output, for the direct entry of a
+// plain decode step (cpu.py's ``direct``). Same kernels as forward.
 at::Tensor fused_decode(int64_t map_id, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        const at::Tensor& row_value, double scale, int64_t block_q, int64_t block_k) {
+                        const std::optional<at::Tensor>& head, int64_t head_map, double floor, int64_t n_term,
+                        bool negate_single, double scale, int64_t block_q, int64_t block_k) {
   const at::Tensor qs = (q * scale).contiguous();
-  return fused_forward(map_id, qs, k, v, std::nullopt, false, row_value, std::nullopt, std::nullopt, 0.0, block_q,
+  const at::Tensor rv = decode_row_values(q, head, head_map, floor, n_term, negate_single, k.size(2));
+  return fused_forward(map_id, qs, k, v, std::nullopt, false, rv, std::nullopt, std::nullopt, 0.0, block_q,
                        block_k, false)[0];
 }
 
@@ -1668,8 +1721,10 @@ HF_TORCH_LIBRARY(HF_ATTNORM_NATIVE_NS, m) {
   m.def(
       "forward(int map_id, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor row_value, Tensor? bias, "
       "Tensor? slopes, float cap, int block_q, int block_k, bool need_u=True) -> Tensor[]");
-  m.def("decode(int map_id, Tensor q, Tensor k, Tensor v, Tensor row_value, float scale, int block_q, "
-        "int block_k) -> Tensor");
+  m.def("decode(int map_id, Tensor q, Tensor k, Tensor v, Tensor? head, int head_map, float floor, int n_term, "
+        "bool negate_single, float scale, int block_q, int block_k) -> Tensor");
+  m.def("decode_row_values(Tensor q, Tensor? head, int head_map, float floor, int n_term, bool negate_single, "
+        "int n) -> Tensor");
   m.def(
       "backward(int map_id, Tensor q, Tensor k, Tensor v, Tensor? keep, bool causal, Tensor row_value, Tensor? bias, "
       "Tensor? slopes, float cap, bool bias_grad, Tensor out, Tensor den_or_tau, Tensor shift_or_gsum, "
@@ -1680,5 +1735,6 @@ HF_TORCH_LIBRARY(HF_ATTNORM_NATIVE_NS, m) {
 HF_TORCH_LIBRARY_IMPL(HF_ATTNORM_NATIVE_NS, CPU, m) {
   m.impl("forward", &fused_forward);
   m.impl("decode", &fused_decode);
+  m.impl("decode_row_values", &decode_row_values);
   m.impl("backward", &fused_backward);
 }

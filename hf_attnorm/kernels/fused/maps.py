@@ -42,7 +42,7 @@ from typing import Literal
 
 import torch
 
-from ...normalizers.base import Normalizer
+from ...normalizers.base import HEAD_MAP_IDS, N_TERM_IDS, Normalizer
 
 Tensor = torch.Tensor
 #: elementwise function of the score s [..., Lk] and the row value r (broadcast to s)
@@ -393,6 +393,9 @@ def cpp_facts_header(table: tuple[FusedMap, ...] = MAPS) -> str:
     for fact, ids in _FACT_IDS.items():
         if all(isinstance(v, str) for v in ids):
             out += [f"constexpr int64_t {fact}_{_cpp_name(v)} = {i};" for v, i in ids.items()]
+    out += ["", "// the row forms of the decode op (normalizers/base.py RowForm: HEAD_MAP_IDS, N_TERM_IDS)",
+            *[f"constexpr int64_t ROW_HEAD_MAP_{_cpp_name(v)} = {i};" for v, i in HEAD_MAP_IDS.items()],
+            *[f"constexpr int64_t ROW_N_TERM_{_cpp_name(v)} = {i};" for v, i in N_TERM_IDS.items()]]
     out += ["", "constexpr bool map_declared(int64_t id) {", "  switch (id) {",
             *[f"    case {m.kernel_id}:  // {m.name}" for m in table], "      return true;", "    default:",
             "      return false;", "  }", "}"]
