@@ -528,7 +528,22 @@ T softpick_row(T* __restrict s, int64_t nb, const bool* __restrict keep, T m, T 
   return acc;
 }
 
-// power: the largest visible |s_j| (0 if none)
+// cog: s[j] <- sign(s_j) e^{|s_j| - m}; returns sum_j e^{|s_j| - m} (m: the running max of |s|, from 0)
+template <typename T, bool MASKED>
+T cog_row(T* __restrict s, int64_t nb, const bool* __restrict keep, T m) {
+  T acc = 0;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t j = 0; j < nb; ++j) {
+    const T x = s[j];
+    T e = vexp(std::abs(x) - m);
+    if constexpr (MASKED) e = keep[j] ? e : T(0);
+    acc += e;
+    s[j] = sgn(x) * e;
+  }
+  return acc;
+}
+
+// power and cog: the largest visible |s_j| (0 if none)
 template <typename T, bool MASKED>
 T abs_max_row(const T* __restrict s, int64_t nb, const bool* __restrict keep) {
   T mx = 0;
@@ -608,6 +623,16 @@ inline void fwd_tile_row(const bool* kr, int64_t lim, T* s, int64_t nb, T row_va
     }
     const T em = vexp(-mrow);
     den += kr ? softpick_row<T, true>(s, lim, kr, mrow, em) : softpick_row<T, false>(s, lim, nullptr, mrow, em);
+  } else if constexpr (map_running_shift(MAP) == RUNNING_SHIFT_MAX_ABS_EXP) {
+    // cog: sign(s) e^{|s|} over sum e^{|s|}, relative to the running max of |s| (from 0), rescaled like softpick
+    const T mx = kr ? abs_max_row<T, true>(s, lim, kr) : abs_max_row<T, false>(s, lim, nullptr);
+    if (mx > mrow) {
+      const T sc = vexp(mrow - mx);
+      for (int64_t d = 0; d < Dv; ++d) orow[d] *= sc;
+      den *= sc;
+      mrow = mx;
+    }
+    den += kr ? cog_row<T, true>(s, lim, kr, mrow) : cog_row<T, false>(s, lim, nullptr, mrow);
   } else if constexpr (map_running_shift(MAP) == RUNNING_SHIFT_LOG_ABS_MAX) {
     // |s|^p relative to the row's running largest |s| = M (shift m = p ln M, rescaled like softpick when it grows),
     // so large |s| or p cannot overflow: (|s| / M)^p, by multiplications for integer p; row_value = +-p (the sign only marks
@@ -1207,6 +1232,12 @@ inline void dmap(T x, T g, const RowConstants<T>& rc, T& pp, T& ds, T& dr) {
     const T pos = u > T(0) ? T(1) : T(0), neg = u < T(0) ? T(1) : T(0);
     pp = u * pos * invd;
     ds = (g * pos - delta * (pos - neg)) * e * invd;
+  } else if constexpr (map_running_shift(MAP) == RUNNING_SHIFT_MAX_ABS_EXP) {
+    // cog: P = sign(s) e^{|s|-M} / D, d/ds of the numerator [s != 0] e^{|s|-M}, of the denominator term
+    // sign(s) e^{|s|-M}: dS = (g [s != 0] - delta sign(s)) e^{|s|-M} / D
+    const T e = vexp(std::abs(x) - rc.m), sg = sgn(x);
+    pp = sg * e * invd;
+    ds = (g * sg * sg - delta * sg) * e * invd;
   } else if constexpr (map_threshold_exponent(MAP) == 2) {
     // entmax-1.5: p = r^2 with r = [s/2 - tau]_+: dS = r (g - delta)
     const T r = std::max(x * T(0.5) - rc.tau, T(0));

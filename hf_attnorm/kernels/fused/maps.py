@@ -54,7 +54,7 @@ RowValueUse = Literal["n", "score_offset", "weight_factor", "den_offset", "expon
 #: how the kernels find single-key rows (``FusedMap.single_key``)
 SingleKey = Literal["none", "n == 1", "negative"]
 #: the per-row running shift of the shifted form (``FusedMap.running_shift``)
-Shift = Literal["none", "max_score", "max_score_below_zero", "log_abs_max", "max_exp"]
+Shift = Literal["none", "max_score", "max_score_below_zero", "log_abs_max", "max_exp", "max_abs_exp"]
 
 #: the vocabulary the three languages share: each fact's name (the Triton constexpr; ``map_<fact lowered>(id)`` in
 #: the C++ header; the ``FusedMap`` field of that name lowered) and the number each value of it is passed as (C++
@@ -64,7 +64,8 @@ FORM_IDS: dict[str, int] = {"pointwise": 0, "shifted": 1, "threshold": 2}
 ROW_VALUE_USE_IDS: dict[str, int] = {"n": 0, "score_offset": 1, "weight_factor": 2, "den_offset": 3, "exponent": 4,
                                      "alpha": 5}
 SINGLE_KEY_IDS: dict[str, int] = {"none": 0, "n == 1": 1, "negative": 2}
-SHIFT_IDS: dict[str, int] = {"none": 0, "max_score": 1, "max_score_below_zero": 2, "log_abs_max": 3, "max_exp": 4}
+SHIFT_IDS: dict[str, int] = {"none": 0, "max_score": 1, "max_score_below_zero": 2, "log_abs_max": 3, "max_exp": 4,
+                             "max_abs_exp": 5}
 THRESHOLD_EXPONENT_IDS: dict[int, int] = {0: 0, 1: 1, 2: 2, -1: -1}
 _FACT_IDS: dict[str, dict] = {"FORM": FORM_IDS, "NORMALISED": {False: 0, True: 1}, "RUNNING_SHIFT": SHIFT_IDS,
                               "THRESHOLD_EXPONENT": THRESHOLD_EXPONENT_IDS, "ROW_VALUE_USE": ROW_VALUE_USE_IDS,
@@ -132,7 +133,8 @@ class FusedMap:
     #: when it rises; m cancels in the normalised ratio): "max_score": m = max(0, visible scores) (softpick's e^s -
     #: 1); "max_score_below_zero": m = min(0, max visible score), from -inf (softplus); "log_abs_max": m = |r| ln
     #: max_j |s_j|, from -inf (power's |s|^|r|); "max_exp": m = the max visible score, from -inf (softmax's e^s:
-    #: the Triton kernels only). Each shift computes one weight (``_SHIFT_FORMS``)
+    #: the Triton kernels only); "max_abs_exp": m = the max visible |s|, from 0 (cog's sign(s) e^|s| over e^|s|).
+    #: Each shift computes one weight (``_SHIFT_FORMS``)
     running_shift: Shift = "none"
     #: form "threshold": weight(x) = [x / e]_+^e with e = 1 (sparsemax) or 2 (entmax-1.5), or -1: alpha-entmax's
     #: [(alpha - 1) x]_+^(1 / (alpha - 1)) with alpha the row value (``row_value_use`` "alpha")
@@ -188,9 +190,9 @@ class FusedMap:
         if self.row_value_use in ("score_offset", "weight_factor") and (self.normalised or self.form != "pointwise"):
             refuse(f"row_value_use {self.row_value_use!r} is implemented for pointwise maps that are not normalised "
                    "(a factor would cancel; an offset is the map's own business there)")
-        if self.den_term is not None and self.running_shift != "max_score":
+        if self.den_term is not None and self.running_shift not in ("max_score", "max_abs_exp"):
             refuse("the kernels sum a map's own weight in its denominator: only running_shift 'max_score' "
-                   "(softpick) sums another term")
+                   "(softpick: |e^s - 1|) and 'max_abs_exp' (cog: e^|s|) sum another term")
         if self.running_shift == "max_exp" and self.cpu:
             refuse("the C++ kernels have no 'max_exp' shift (cpu=False)")
         if self.delta_from_output and not self.normalised:
@@ -241,6 +243,8 @@ _SHIFT_FORMS: dict[str, tuple[EntryFn, EntryFn, str]] = {
                              lambda s, r: torch.nn.functional.softplus(s), "softplus(s)"),
     "log_abs_max": (lambda s, r: s.abs() ** r.abs(), lambda s, r: s.abs() ** r.abs(), "|s|^|r|"),
     "max_exp": (lambda s, r: s.exp(), lambda s, r: s.exp(), "e^s"),
+    "max_abs_exp": (lambda s, r: torch.sign(s) * s.abs().exp(), lambda s, r: s.abs().exp(),
+                    "sign(s) e^|s| over e^|s|"),
 }
 
 
@@ -313,6 +317,11 @@ MAPS: tuple[FusedMap, ...] = (
     FusedMap("softplus", 10, lambda s, r: torch.nn.functional.softplus(s), lambda s, r: torch.sigmoid(s), "shifted",
              normalised=True, running_shift="max_score_below_zero", single_key="n == 1", row_value=_ROW_IS_N,
              row_value_for=_n, row_value_has_gradient=False, delta_from_output=True),
+    # cog's signed weights: the numerator's slope is e^|s| away from 0 (sign(s)^2), the denominator's sign(s) e^|s|
+    FusedMap("cog", 12, lambda s, r: torch.sign(s) * s.abs().exp(), lambda s, r: (s != 0).to(s.dtype) * s.abs().exp(),
+             "shifted", den_term=lambda s, r: s.abs().exp(), den_slope=lambda s, r: torch.sign(s) * s.abs().exp(),
+             normalised=True, running_shift="max_abs_exp", single_key="n == 1", row_value=_ROW_IS_N,
+             row_value_for=_n, row_value_has_gradient=False),
     # softmax itself, for the Triton kernels' score modifiers SDPA has no kernel for (forgetting attention's decay:
     # path triton_forget); the CPU and the plain calls run SDPA. delta from its own pass, not dO . O: with the decay
     # the weights sit on a few near keys, where the rounding of O reaches dS whole (measured, fp16 decode step: dq

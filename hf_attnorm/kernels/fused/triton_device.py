@@ -93,6 +93,12 @@ def _entry(s, r, keep, shift, MAP: tl.constexpr, RUNNING_SHIFT: tl.constexpr, TH
         else:
             a = tl.exp(s - shift)
         b = a
+    elif RUNNING_SHIFT == 5:  # (shift 'max_abs_exp') cog: sign(s) e^(|s| - M) over e^(|s| - M), M the max |s|
+        if MASKED:
+            b = tl.exp(tl.where(keep, tl.abs(s) - shift, -float("inf")))
+        else:
+            b = tl.exp(tl.abs(s) - shift)
+        a = tl.where(s > 0, b, tl.where(s < 0, -b, 0.0))
     elif THRESHOLD_EXPONENT == 1:  # sparsemax [s - tau]_+
         a = _sel(keep, tl.maximum(s - shift, 0.0), MASKED)
         b = a
@@ -151,6 +157,14 @@ def _slopes(s, r, keep, shift, MAP: tl.constexpr, RUNNING_SHIFT: tl.constexpr, T
         else:
             a = tl.exp(s - shift)
         da = a
+        db = a
+    elif RUNNING_SHIFT == 5:  # (shift 'max_abs_exp') cog: a' = [s != 0] e^(|s| - M), b' = sign(s) e^(|s| - M)
+        if MASKED:
+            e = tl.exp(tl.where(keep, tl.abs(s) - shift, -float("inf")))
+        else:
+            e = tl.exp(tl.abs(s) - shift)
+        a = tl.where(s > 0, e, tl.where(s < 0, -e, 0.0))
+        da = tl.where(s != 0, e, 0.0)
         db = a
     elif THRESHOLD_EXPONENT == 1:  # sparsemax
         a = _sel(keep, tl.maximum(s - shift, 0.0), MASKED)
@@ -335,6 +349,9 @@ def _fwd_blocks(acc, den, shift, q, r, score_scale, mrow, lo, hi, k_base, v_base
                     nz = nz & keep
                 lmax = tl.max(tl.where(nz, tl.abs(r)[:, None] * tl.log(tl.where(nz, mag, 1.0)), POW_NEG), 1)
                 acc, den, shift = _rescale(acc, den, shift, tl.maximum(shift, lmax))
+            if RUNNING_SHIFT == 5:  # 'max_abs_exp': m = max(0, visible |s|) (cog)
+                acc, den, shift = _rescale(acc, den, shift,
+                                           tl.maximum(shift, tl.max(_sel(keep, tl.abs(s), MASKED), 1)))
             if RUNNING_SHIFT == 4:  # 'max_exp': m = the max of the visible scores (softmax)
                 if MASKED:
                     smax = tl.max(tl.where(keep, s, POW_NEG), 1)
@@ -405,7 +422,8 @@ def _fwd_kernel(
         # running max of visible s
         shift = tl.full([BLOCK_M], POW_NEG, tl.float32)
     else:
-        shift = tl.zeros([BLOCK_M], tl.float32)  # shift 1 (softpick): running max of (0, visible scores)
+        # shift 1 (softpick): running max of (0, visible scores); 5 (cog): of (0, visible |s|)
+        shift = tl.zeros([BLOCK_M], tl.float32)
     mrow = shift
     if THRESHOLD_EXPONENT == -1:
         mrow = tl.load(ROWMAX + row, mask=m_valid, other=0.0)
