@@ -40,15 +40,23 @@ LINEAR_FROM = 2048
 #: a softmax of modified scores): the softmax family's goal
 EXP_NORMALISED = {"selective", "cog"}
 
-_RECHECK = "bench/kernels/recheck (9 pairs instead of 3"
+_THRESHOLD_ROW = ("the forward makes two passes per query block: the scores against every visible key into a row "
+                  "buffer and the threshold search on it, then P V (SDPA's flash kernel makes one); the backward is "
+                  "one blocked pass, so forward+backward is below SDPA's")
 _SCALE_ROW = "SDPA's own call with q multiplied by the scale (one elementwise pass over q and its gradient)"
 _LSE_ROW = ("the extra denominator term through the CPU flash kernel's log-sum-exp rewrite (the flash op, then one "
             "rescale of the output)")
 
 #: implementation -> what costs the prefill time where forward or forward+backward misses the goal
 PREFILL_REASONS: dict[str, str] = {
-    "cog": "no fused kernel: its signed map needs a running max of |s|, a shift form the fused kernels do not have; "
-           "it runs on chunked (PyTorch, blocks of queries, the backward recomputes each block)",
+    "softmax": "the very SDPA call of the baseline, so its ratio is the machine's noise between two paired runs of "
+               "one call (here up to 6% on the recheck's 9 pairs)",
+    "cog": "sign(s) e^|s| per score over the sum of e^|s|, relative to a running max of |s| per row (one more pass "
+           "over each score tile for the max, and a rescale when it rises), in the fused kernel's blocked form",
+    "entmax15": _THRESHOLD_ROW,
+    "entmax_alpha": _THRESHOLD_ROW + ", with an exp and a log per candidate in each Newton step of the search",
+    "power": "|s|^p per score relative to a running max of |s| per row (a rescale when it rises), computed in "
+             "float64 for an integer p (one rounding; p = 2 in this run) and by an exp and a log otherwise",
     "cosine": "q and k are l2-normalised before SDPA (two more passes over q and k, and their backward)",
     "diff": "two SDPA calls on half-width heads (each half's q at the value width with the other half zeroed, for "
             "SDPA's fused kernel), then "
@@ -57,7 +65,7 @@ PREFILL_REASONS: dict[str, str] = {
            "B x H x n^2 scores, again in the backward), the flash kernel computes each block's whole key range, and "
            "k and v are repeated per query head with two extra features for the gate's gradient",
     "gated": "the output gate sigmoid(q W + b) is one more [B, H, n, Dv] product and its backward, a larger share "
-             f"of the time at n = 1024 than at 4096 ({_RECHECK}): 1.11x forward at 1024, 1.03x at 4096)",
+             "of the time at n = 1024 than at 4096",
     "selective": "one more pass over the selecting head's scores for the column sums (an extra Q K^T per block, "
                  "about 7% more matmul work), which the forward pays in full",
     "softpick": "an exp per score plus the |e^s - 1| denominator term, with a running max shift (SDPA's exp is "
@@ -65,8 +73,8 @@ PREFILL_REASONS: dict[str, str] = {
     "softplus": "softplus per score is an exp and a log1p (softmax: one exp)",
     "lssa": "softplus per score is an exp and a log1p (softmax: one exp)",
     "stickbreaking": "a log-sigmoid per score and a reverse cumulative sum along each row",
-    "memkv": "the memory keys and values are prepended to k and v before SDPA (three O(n d) copies and M more keys; "
-             f"{_RECHECK}): 1.06x forward at 1024, 1.01x at 4096)",
+    "memkv": "the memory keys and values are prepended to k and v before SDPA (three O(n d) copies and M more "
+             "keys), a larger share of the time at n = 1024 than at 4096",
     "sigmoid": "a sigmoid per score (an exp and a division) where SDPA's softmax has one exp",
     "softmax_n": _LSE_ROW,
     "softmax1": _LSE_ROW,
@@ -74,10 +82,10 @@ PREFILL_REASONS: dict[str, str] = {
     **{name: _SCALE_ROW for name in ("max_gradient", "empirical_max_gradient", "llama4", "qwen_logn", "llama4_pos",
                                      "log_n", "log_train_n", "sparse_target", "ssmax", "yarn")},
 }
-#: what a fused map's decode step adds on its direct entry (the fused kernel's one-output op, the row value resolved
-#: per step)
-_FUSED_STEP = ("the map's pass over the cached scores in the fused kernel's grouped one-query form, and per step "
-               "the row value (and any per-query factor) resolved in Python before the kernel's op;")
+#: what a fused map's decode step adds on its direct entry (the fused kernel's one-output op, which resolves the row
+#: value from the normalizer's row form itself)
+_FUSED_STEP = ("the map's pass over the cached scores in the fused kernel's grouped one-query form (one op call a "
+               "step, the row value resolved inside it; a per-query factor, if any, in Python before it);")
 #: implementation -> what costs a decode step beyond the shared per-step overhead (``DECODE_SHARED``)
 DECODE_REASONS: dict[str, str] = {
     "entmax_alpha": "the threshold search per query over every cached key (Newton steps with an exp and a log per "
@@ -106,9 +114,7 @@ DECODE_REASONS: dict[str, str] = {
     "gated": "the gate sigmoid(q W + b) of the new query (a [B, H, 1, D] x [H, D, Dv] product, a sigmoid and a "
              "multiply after SDPA, on the direct entry);",
     "stickbreaking": "a log-sigmoid and a reverse cumulative sum over every cached key per step;",
-    "cog": "the map runs as a few PyTorch ops over the cached keys (scores, map, sum, weighted values) where "
-           "SDPA is one kernel (no fused kernel);",
-    **{name: _FUSED_STEP for name in ("power", "relu_len", "sigmoid", "softpick", "softplus", "lssa", "squared",
+    **{name: _FUSED_STEP for name in ("cog", "power", "relu_len", "sigmoid", "softpick", "softplus", "lssa", "squared",
                                       "stablemax", "symax")},
     **{name: "the scale's factor of n computed per step on the direct entry and multiplied into q (one more pass "
              "over q before SDPA);" for name in ("max_gradient", "empirical_max_gradient", "llama4", "qwen_logn",
@@ -118,8 +124,10 @@ DECODE_REASONS: dict[str, str] = {
 #: how a row's reason refers to ``DECODE_SHARED`` (printed once under the table)
 DECODE_SHARED_SHORT = "decode: the per-step overhead shared by every row (under the table)"
 #: why every decode row, the softmax row included, can miss the decode goal
-DECODE_SHARED = ("a planned call costs 4-28 us above transformers' sdpa attention function per layer call on its "
-                 "direct entry (bench/call_overhead, 1 thread, 32 keys), and 16-52 us more on the planned route "
+DECODE_SHARED = ("a planned call costs 1-9 us above transformers' sdpa attention function per layer call on its "
+                 "direct entry for softmax and the fused maps (alpha-entmax 12-14 us, its kernel's search; the "
+                 "length-aware scales 20-37 us, their factor of n in PyTorch ops) (bench/call_overhead, 1 thread, 32 "
+                 "keys), and 27-89 us more on the planned route "
                  "(make_call and the routed path: the rows without a direct entry); a step of this 4-layer tiny "
                  "model is 2-5 ms, so a larger model's step spends a larger share in its matmuls. Each row's steps "
                  "alternate with an sdpa twin's (sdpa against its own twin: 0.98-1.01x); between two runs of the "
