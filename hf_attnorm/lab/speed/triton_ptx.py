@@ -33,8 +33,9 @@ from ...kernels.fused import triton as ta
 
 #: one map per kernel form: non-normalised (sigmoid, its fast tanh), normalised with delta from its own pass (symax),
 #: normalised with delta from dO . O and a running shift (softplus), a threshold search (entmax15), alpha-entmax,
-#: softmax with forgetting attention's decay (the only use of the softmax map: path triton_forget)
-FORM_MAPS = ("sigmoid", "symax", "softplus", "entmax15", "entmax_alpha", "softmax")
+#: softmax with forgetting attention's decay (the only use of the softmax map: path triton_forget), signed weights
+#: over a denominator term of their own with the running max of |s| (cog)
+FORM_MAPS = ("sigmoid", "symax", "softplus", "entmax15", "entmax_alpha", "softmax", "cog")
 #: maps compiled with a forget gate (HAS_FORGET): the softmax map runs only for forgetting attention
 FORGET_MAPS = frozenset({"softmax"})
 #: pointer arguments in the input dtype (the rest are fp32, the masks uint8)
