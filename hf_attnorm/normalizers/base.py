@@ -155,13 +155,13 @@ class RowForm:
             elif self.head_map == "at_least":
                 h = h + torch.relu(self.floor - h)
             r = h
-        if self.n_term == "minus_log_n":
+        if self.n_term != "none":
             n = ctx.n.to(dtype)
-            r = -torch.log(n) if r is None else r - torch.log(n)
-        elif self.n_term != "none":
-            n = ctx.n.to(dtype)
-            term = n if self.n_term == "n" else 1.0 / n
-            r = term if r is None else r + term
+            if self.n_term == "minus_log_n":  # (h - ln n: the subtraction the C++ form makes)
+                r = -torch.log(n) if r is None else r - torch.log(n)
+            else:
+                term = n if self.n_term == "n" else 1.0 / n
+                r = term if r is None else r + term
         assert r is not None  # (__post_init__)
         if self.negate_single_key:
             r = r * torch.where(ctx.n > 1, 1.0, -1.0).to(dtype)
